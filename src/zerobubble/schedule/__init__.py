@@ -1,0 +1,16 @@
+"""The schedule layer: IR, costs, simulation, validation, builders, pictures and export.
+
+Pure Python — it never imports torch — so it runs in planners, CI jobs and notebooks.
+"""
+
+from .builders import REGISTRY, BuilderSpec, build_schedule, get_spec
+from .costs import CostModel, StageCosts, parse_memory_limit, transformer_costs
+from .ir import BW, B, F, Kind, Op, Placement, Schedule, ScheduleError, W, dependencies
+from .simulate import DeadlockError, Timeline, simulate
+from .validate import ValidationError, validate_schedule
+
+__all__ = [
+    "B", "BW", "BuilderSpec", "CostModel", "DeadlockError", "F", "Kind", "Op", "Placement", "REGISTRY",
+    "Schedule", "ScheduleError", "StageCosts", "Timeline", "ValidationError", "W", "build_schedule",
+    "dependencies", "get_spec", "parse_memory_limit", "simulate", "transformer_costs", "validate_schedule",
+]

@@ -1,0 +1,121 @@
+"""The registry of schedule builders: one module per family, looked up by name.
+
+Every builder is a function ``build(stages, microbatches, costs, chunks, **options) -> Schedule``
+where ``costs`` is a :class:`~zerobubble.schedule.costs.CostModel` whose ``memory_limit`` is already
+final.  :func:`build_schedule` is the one entry point: it checks the request, applies the schedule's
+memory-limit rule, imports the family's module on first use and validates the result.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from ..costs import CostModel, parse_memory_limit
+from ..ir import Schedule, ScheduleError, check_positive
+
+
+@dataclass(frozen=True)
+class BuilderSpec:
+    """How to build one named schedule.
+
+    ``chunks`` is the fixed number of virtual stages per rank, or ``None`` when the user chooses it
+    (then ``default_chunks`` applies).  ``memory_limit`` is the limit the schedule plans for when the
+    user gives none (``"1p"`` = p·M_B); with ``fixed_memory_limit`` the user cannot change it.
+    """
+
+    name: str
+    summary: str
+    module: str
+    function: str = "build"
+    chunks: int | None = 1
+    default_chunks: int = 1
+    memory_limit: str | None = None
+    fixed_memory_limit: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def resolve_chunks(self, chunks: int | None) -> int:
+        """The number of chunks per rank this request gets, or a clear error."""
+        if chunks is None:
+            return self.chunks if self.chunks is not None else self.default_chunks
+        check_positive(chunks=chunks)
+        if self.chunks is not None and chunks != self.chunks:
+            raise ScheduleError(
+                f"schedule {self.name!r} runs {self.chunks} chunk(s) per rank; it cannot take chunks={chunks}"
+            )
+        return chunks
+
+    def resolve_costs(self, costs: CostModel, stages: int) -> CostModel:
+        """Apply this schedule's memory-limit rule to the user's costs."""
+        if self.memory_limit is None:
+            return costs
+        default = parse_memory_limit(self.memory_limit, stages, costs.mem_b)
+        if self.fixed_memory_limit or costs.memory_limit is None:
+            return costs.with_memory_limit(default)
+        return costs
+
+    def load(self) -> Callable[..., Schedule]:
+        """Import the family's module and return the builder function."""
+        module = importlib.import_module(f"{__name__}.{self.module}")
+        return getattr(module, self.function)
+
+
+_SPECS = (
+    BuilderSpec("gpipe", "GPipe: all forwards, then all fused backwards", "gpipe"),
+    BuilderSpec("1f1b", "1F1B: warm-up forwards, then one forward one fused backward", "one_f_one_b"),
+    BuilderSpec(
+        "interleaved-1f1b",
+        "Megatron interleaved 1F1B over v chunks per rank (loop placement)",
+        "interleaved",
+        chunks=None,
+        default_chunks=2,
+    ),
+    BuilderSpec("zb-h1", "ZB-H1: 1F1B memory, W fills the cool-down bubbles", "zb_handcrafted", "build_h1"),
+    BuilderSpec("zb-h2", "ZB-H2: more warm-up forwards, W fills the rest; (2p-1)·M_B", "zb_handcrafted", "build_h2"),
+    BuilderSpec("zb-auto", "automatic zero-bubble scheduler under --memory-limit (paper §3.1)", "zb_auto"),
+    BuilderSpec("zb-1p", "zb-auto with memory limit p·M_B", "zb_auto", memory_limit="1p", fixed_memory_limit=True),
+    BuilderSpec("zb-2p", "zb-auto with memory limit 2p·M_B", "zb_auto", memory_limit="2p", fixed_memory_limit=True),
+    BuilderSpec("zb-v", "ZB-V: V-shape, 2 chunks per rank, searched under p·M_B", "zb_v", chunks=2, memory_limit="1p"),
+    BuilderSpec("v-half", "V-Half: V-shape with about half of 1F1B's activation memory", "v_memory", "build_half", chunks=2),
+    BuilderSpec("v-min", "V-Min: V-shape with about a third of 1F1B's activation memory", "v_memory", "build_min", chunks=2),
+)
+
+REGISTRY: Mapping[str, BuilderSpec] = MappingProxyType({spec.name: spec for spec in _SPECS})
+
+
+def get_spec(name: str) -> BuilderSpec:
+    """The spec registered under ``name``, or an error listing the known names."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(REGISTRY)}") from None
+
+
+def build_schedule(
+    name: str,
+    stages: int,
+    microbatches: int,
+    costs: CostModel | None = None,
+    chunks: int | None = None,
+    validate: bool = True,
+    **options: Any,
+) -> Schedule:
+    """Build the schedule ``name`` for ``stages`` ranks and ``microbatches`` microbatches.
+
+    ``costs`` defaults to unit costs; its ``memory_limit`` (absolute, per rank) bounds schedules that
+    plan for memory.  The result is validated unless ``validate=False``.
+    """
+    spec = get_spec(name)
+    check_positive(stages=stages, microbatches=microbatches)
+    v = spec.resolve_chunks(chunks)
+    resolved = spec.resolve_costs(costs if costs is not None else CostModel(), stages)
+    schedule = spec.load()(stages, microbatches, resolved, v, **{**spec.options, **options})
+    if schedule.name != name:
+        schedule = Schedule(name, schedule.placement, schedule.microbatches, schedule.programs, schedule.meta)
+    if validate:
+        from ..validate import validate_schedule
+
+        validate_schedule(schedule, resolved)
+    return schedule

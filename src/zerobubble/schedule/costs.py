@@ -1,0 +1,249 @@
+"""Cost model: how long each op takes and how much activation memory it holds.
+
+Costs are given **per rank-stage** (everything one rank holds in a non-chunked split, DESIGN.md §4):
+``f, b, w`` are the times of F, B and W, ``comm`` the transfer time between neighbouring stages,
+``mem_b`` the activation memory a forward allocates and ``mem_w`` the part of it that B keeps alive
+until W.  A chunked schedule gives each of its ``v`` chunks ``1/v`` of the times and memory; the
+transfer time is per hop and is not divided.
+
+Every number may be a scalar or a per-stage list: a list of length ``p`` is per rank-stage (divided
+among that rank's chunks), a list of length ``S = p*v`` is per virtual stage and used as it is.
+:meth:`CostModel.resolve` turns a model into per-virtual-stage tuples for a given placement.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Sequence, Union
+
+from .ir import Kind, Op, Placement, ScheduleError
+
+PerStage = Union[float, Sequence[float]]
+
+
+def _as_values(name: str, value: PerStage) -> tuple[float, ...] | float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        values: tuple[float, ...] | float = float(value)
+        items = (float(value),)
+    else:
+        try:
+            items = tuple(float(v) for v in value)  # type: ignore[union-attr]
+        except (TypeError, ValueError):
+            raise ScheduleError(f"cost {name!r} must be a number or a list of numbers, got {value!r}") from None
+        if not items:
+            raise ScheduleError(f"cost {name!r} is an empty list")
+        values = items
+    for item in items:
+        if not math.isfinite(item) or item < 0:
+            raise ScheduleError(f"cost {name!r} must be finite and non-negative, got {item}")
+    return values
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per rank-stage times and memory of a pipeline, plus an optional per-rank memory limit.
+
+    The defaults (``f = b = w = 1``, no transfer time, ``mem_b = 1``, ``mem_w = 0``) are the unit
+    costs the paper's closed forms use.  ``memory_limit`` is an absolute amount per rank (scalar or
+    one value per rank), in the unit of ``mem_b``; ``None`` means unlimited.
+    """
+
+    f: PerStage = 1.0
+    b: PerStage = 1.0
+    w: PerStage = 1.0
+    comm: PerStage = 0.0
+    mem_b: PerStage = 1.0
+    mem_w: PerStage = 0.0
+    memory_limit: PerStage | None = None
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if value is None:
+                continue
+            object.__setattr__(self, item.name, _as_values(item.name, value))
+        if self.memory_limit is not None:
+            limits = self.memory_limit if isinstance(self.memory_limit, tuple) else (self.memory_limit,)
+            if any(limit <= 0 for limit in limits):  # type: ignore[operator]
+                raise ScheduleError(f"memory limit must be positive, got {self.memory_limit}")
+
+    def replace(self, **changes: Any) -> "CostModel":
+        """A copy with some fields changed."""
+        data = {item.name: getattr(self, item.name) for item in fields(self)}
+        data.update(changes)
+        return CostModel(**data)
+
+    def with_memory_limit(self, limit: PerStage | None) -> "CostModel":
+        """A copy with another memory limit."""
+        return self.replace(memory_limit=limit)
+
+    def resolve(self, placement: Placement) -> "StageCosts":
+        """Per-virtual-stage costs for ``placement`` (see the module docstring for list lengths)."""
+        p, S, v = placement.num_ranks, placement.num_stages, placement.chunks
+
+        def per_stage(name: str, divide: bool) -> tuple[float, ...]:
+            value = getattr(self, name)
+            scale = 1.0 / v if divide else 1.0
+            if isinstance(value, float):
+                return (value * scale,) * S
+            if len(value) == S:
+                return tuple(value)
+            if len(value) == p:
+                return tuple(value[placement.rank_of(s)] * scale for s in range(S))
+            raise ScheduleError(
+                f"cost {name!r} has {len(value)} values; give one number, {p} (one per rank) "
+                f"or {S} (one per virtual stage)"
+            )
+
+        limit = self.memory_limit
+        if limit is None:
+            limits = (math.inf,) * p
+        elif isinstance(limit, float):
+            limits = (limit,) * p
+        elif len(limit) == p:
+            limits = tuple(limit)
+        else:
+            raise ScheduleError(f"memory limit has {len(limit)} values; give one number or {p} (one per rank)")
+        return StageCosts(
+            placement=placement,
+            f=per_stage("f", True),
+            b=per_stage("b", True),
+            w=per_stage("w", True),
+            comm=per_stage("comm", False),
+            mem_b=per_stage("mem_b", True),
+            mem_w=per_stage("mem_w", True),
+            memory_limit=limits,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            item.name: (list(value) if isinstance(value, tuple) else value)
+            for item in fields(self)
+            for value in [getattr(self, item.name)]
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CostModel":
+        """Inverse of :meth:`to_dict`."""
+        known = {item.name for item in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ScheduleError(f"unknown cost fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """A :class:`CostModel` resolved to per-virtual-stage tuples for one placement."""
+
+    placement: Placement
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    comm: tuple[float, ...]
+    mem_b: tuple[float, ...]
+    mem_w: tuple[float, ...]
+    memory_limit: tuple[float, ...]
+    _durations: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        durations = {
+            Kind.F: self.f,
+            Kind.B: self.b,
+            Kind.W: self.w,
+            Kind.BW: tuple(b + w for b, w in zip(self.b, self.w)),
+        }
+        object.__setattr__(self, "_durations", durations)
+
+    def duration(self, op: Op) -> float:
+        """How long ``op`` computes."""
+        return self._durations[op.kind][op.stage]
+
+    def memory_delta(self, op: Op) -> float:
+        """Change of a rank's activation memory when ``op`` runs (F allocates, B/W/BW release)."""
+        s = op.stage
+        if op.kind is Kind.F:
+            return self.mem_b[s]
+        if op.kind is Kind.B:
+            return -(self.mem_b[s] - self.mem_w[s])
+        if op.kind is Kind.W:
+            return -self.mem_w[s]
+        return -self.mem_b[s]
+
+    def rank_work(self, rank: int, microbatches: int) -> float:
+        """Compute time one rank needs for ``microbatches`` microbatches (no idling)."""
+        stages = self.placement.stages_of(rank)
+        return microbatches * sum(self.f[s] + self.b[s] + self.w[s] for s in stages)
+
+    @property
+    def memory_unit(self) -> float:
+        """``M_B`` of one rank-stage (the mean over ranks), the unit peak memory is reported in."""
+        p = self.placement.num_ranks
+        total = sum(self.mem_b)
+        return total / p if total > 0 else 1.0
+
+
+_LIMIT_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*p\s*$")
+
+
+def parse_memory_limit(text: str | float | None, num_ranks: int, mem_b: PerStage = 1.0) -> float | None:
+    """Read a memory limit: an absolute amount, or ``"Np"`` meaning ``N * p * M_B``.
+
+    ``mem_b`` is the per rank-stage activation memory (its mean when it is a list), so ``"1p"`` is
+    the memory 1F1B needs and ``"2p"`` twice that.
+    """
+    if text is None:
+        return None
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        match = _LIMIT_PATTERN.match(text)
+        if match:
+            unit = mem_b if isinstance(mem_b, (int, float)) else sum(mem_b) / len(mem_b)
+            value = float(match.group(1)) * num_ranks * float(unit)
+        else:
+            try:
+                value = float(text)
+            except ValueError:
+                raise ScheduleError(
+                    f"cannot read memory limit {text!r}: give an amount (e.g. 12) or a multiple of "
+                    "p*M_B (e.g. 1p, 2p, 1.5p)"
+                ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise ScheduleError(f"memory limit must be positive, got {text!r}")
+    return value
+
+
+def transformer_costs(
+    hidden: int,
+    heads: int,
+    seq_len: int,
+    micro_batch: int = 1,
+    layers_per_stage: float = 1.0,
+    flops_per_time_unit: float = 1.0,
+    comm: float = 0.0,
+) -> CostModel:
+    """Costs of a stage of ``layers_per_stage`` transformer layers, from the paper's Table 1.
+
+    Per layer, with microbatch ``b``, sequence ``s``, hidden ``h`` and ``a`` heads: F = sbh(24h+4s),
+    B = sbh(24h+8s), W = sbh·24h FLOPs; activation memory M_B = sb(34h+5as) and M_W = 32sbh (bytes
+    in 16-bit precision).  Times are FLOPs divided by ``flops_per_time_unit``.
+    """
+    for name, value in (("hidden", hidden), ("heads", heads), ("seq_len", seq_len), ("micro_batch", micro_batch)):
+        if value < 1:
+            raise ScheduleError(f"{name} must be ≥ 1, got {value}")
+    if layers_per_stage <= 0 or flops_per_time_unit <= 0:
+        raise ScheduleError("layers_per_stage and flops_per_time_unit must be positive")
+    s, b, h, a = seq_len, micro_batch, hidden, heads
+    scale = layers_per_stage / flops_per_time_unit
+    return CostModel(
+        f=s * b * h * (24 * h + 4 * s) * scale,
+        b=s * b * h * (24 * h + 8 * s) * scale,
+        w=s * b * h * 24 * h * scale,
+        comm=comm,
+        mem_b=s * b * (34 * h + 5 * a * s) * layers_per_stage,
+        mem_w=32 * s * b * h * layers_per_stage,
+    )

@@ -1,0 +1,273 @@
+"""Event-driven simulation of a :class:`Schedule` under a :class:`CostModel`.
+
+Each rank runs its program in order; an op starts as soon as its rank is free and its inputs have
+arrived (a dependency between ops on different ranks costs that hop's transfer time).  The numbers a
+:class:`Timeline` reports are defined in DESIGN.md §4:
+
+* ``makespan`` — first op's start to last op's end (an iteration ending in a synchronous step);
+* ``iteration_time`` — max over ranks of (its last end − its first start): the period of a pipeline
+  whose optimizer step is not globally synchronised (optimizer post-validation);
+* ``ideal`` — the compute time of the busiest rank, ``m·(T_F+T_B+T_W)`` for uniform costs;
+* ``bubble_rate = 1 − ideal / iteration_time`` and ``bubble_rate_makespan = 1 − ideal / makespan``;
+* ``peak_memory`` per rank, absolute, and ``peak_memory_mb`` in the unit of one rank-stage's M_B.
+
+The simulation is one pass over all ops (each op is looked at a bounded number of times), so
+p = 32, m = 256 takes a few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .costs import CostModel, StageCosts
+from .ir import Kind, Op, Schedule, ScheduleError, dependencies
+
+_ROLE = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
+_PRODUCES = {Kind.F: (0,), Kind.B: (1,), Kind.W: (2,), Kind.BW: (1, 2)}
+
+
+class DeadlockError(ScheduleError):
+    """The ranks' programs wait on each other in a cycle (or on an op that no program contains).
+
+    ``waits`` maps each stuck rank to ``(its next op, the op it waits for)``.
+    """
+
+    def __init__(self, message: str, waits: dict[int, tuple[Op, Op]]):
+        super().__init__(message)
+        self.waits = waits
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Start and end of every op of a schedule, and the figures derived from them.
+
+    ``start[r][i]`` and ``end[r][i]`` belong to ``schedule.programs[r][i]``; ``memory[r][i]`` is
+    rank ``r``'s activation memory right after that op.
+    """
+
+    schedule: Schedule
+    costs: StageCosts
+    start: tuple[tuple[float, ...], ...]
+    end: tuple[tuple[float, ...], ...]
+    memory: tuple[tuple[float, ...], ...]
+    peak_memory: tuple[float, ...]
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of ranks."""
+        return self.schedule.num_ranks
+
+    def events(self) -> Iterator[tuple[int, Op, float, float]]:
+        """Every ``(rank, op, start, end)``, rank by rank in program order."""
+        for rank, program in enumerate(self.schedule.programs):
+            for op, start, end in zip(program, self.start[rank], self.end[rank]):
+                yield rank, op, start, end
+
+    @property
+    def rank_spans(self) -> tuple[float, ...]:
+        """For each rank, end of its last op minus start of its first (0 for an empty program)."""
+        return tuple(ends[-1] - starts[0] if ends else 0.0 for starts, ends in zip(self.start, self.end))
+
+    @property
+    def busy(self) -> tuple[float, ...]:
+        """Compute time of each rank."""
+        return tuple(sum(e - s for s, e in zip(starts, ends)) for starts, ends in zip(self.start, self.end))
+
+    @property
+    def idle(self) -> tuple[float, ...]:
+        """Idle time of each rank within the makespan."""
+        makespan = self.makespan
+        return tuple(makespan - busy for busy in self.busy)
+
+    @property
+    def makespan(self) -> float:
+        """First op's start to last op's end."""
+        starts = [s[0] for s in self.start if s]
+        ends = [e[-1] for e in self.end if e]
+        return max(ends) - min(starts) if ends else 0.0
+
+    @property
+    def iteration_time(self) -> float:
+        """Max over ranks of its own span: the period with optimizer post-validation."""
+        return max(self.rank_spans)
+
+    @property
+    def ideal(self) -> float:
+        """Compute time of the busiest rank: no schedule's iteration is shorter."""
+        return max(self.costs.rank_work(r, self.schedule.microbatches) for r in range(self.num_ranks))
+
+    @property
+    def bubble_rate(self) -> float:
+        """``1 − ideal / iteration_time``."""
+        return _bubble(self.ideal, self.iteration_time)
+
+    @property
+    def bubble_rate_makespan(self) -> float:
+        """``1 − ideal / makespan``."""
+        return _bubble(self.ideal, self.makespan)
+
+    @property
+    def peak_memory_mb(self) -> tuple[float, ...]:
+        """Peak activation memory of each rank in units of one rank-stage's M_B."""
+        unit = self.costs.memory_unit
+        return tuple(peak / unit for peak in self.peak_memory)
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers as a JSON-ready dict."""
+        schedule = self.schedule
+        return {
+            "schedule": schedule.name,
+            "stages": schedule.num_ranks,
+            "microbatches": schedule.microbatches,
+            "chunks": schedule.chunks,
+            "makespan": self.makespan,
+            "iteration_time": self.iteration_time,
+            "ideal": self.ideal,
+            "bubble_rate": self.bubble_rate,
+            "bubble_rate_makespan": self.bubble_rate_makespan,
+            "peak_memory": list(self.peak_memory_mb),
+            "peak_memory_abs": list(self.peak_memory),
+        }
+
+
+def _bubble(ideal: float, period: float) -> float:
+    return 1.0 - ideal / period if period > 0 else 0.0
+
+
+def simulate(schedule: Schedule, costs: CostModel | StageCosts | None = None) -> Timeline:
+    """Run ``schedule`` under ``costs`` (unit costs by default) and return its :class:`Timeline`.
+
+    Raises :class:`DeadlockError` when the programs cannot all finish and :class:`ScheduleError`
+    for ops outside the schedule's stages or microbatches.  Use :func:`validate` for the full check.
+    """
+    stage_costs = _resolve(schedule, costs)
+    starts, ends = _run(schedule, stage_costs)
+    memory, peaks = _memory(schedule, stage_costs)
+    return Timeline(schedule, stage_costs, starts, ends, memory, peaks)
+
+
+def _resolve(schedule: Schedule, costs: CostModel | StageCosts | None) -> StageCosts:
+    if costs is None:
+        costs = CostModel()
+    if isinstance(costs, CostModel):
+        return costs.resolve(schedule.placement)
+    if costs.placement != schedule.placement:
+        raise ScheduleError("the resolved costs belong to another placement; pass the CostModel instead")
+    return costs
+
+
+def _key(role: int, stage: int, microbatch: int, num_stages: int, microbatches: int) -> int:
+    return (role * num_stages + stage) * microbatches + microbatch
+
+
+def _compile(schedule: Schedule, costs: StageCosts) -> list[list[tuple[float, tuple, tuple]]]:
+    """Per rank, per op: (duration, ((dep key, transfer delay), ...), produced keys)."""
+    S, m = schedule.num_stages, schedule.microbatches
+    rank_of = schedule.placement.stage_ranks
+    compiled = []
+    for rank, program in enumerate(schedule.programs):
+        ops = []
+        for op in program:
+            s, j = op.stage, op.microbatch
+            if not (0 <= s < S and 0 <= j < m):
+                raise ScheduleError(
+                    f"rank {rank}: op {op} is outside the schedule's {S} stages and {m} microbatches"
+                )
+            deps = []
+            for role, dep_stage, dep_mb in dependencies(op, S):
+                crosses = rank_of[dep_stage] != rank_of[s]
+                delay = costs.comm[min(s, dep_stage)] if crosses else 0.0
+                deps.append((_key(_ROLE[role], dep_stage, dep_mb, S, m), delay))
+            produced = tuple(_key(role, s, j, S, m) for role in _PRODUCES[op.kind])
+            ops.append((costs.duration(op), tuple(deps), produced))
+        compiled.append(ops)
+    return compiled
+
+
+def _run(schedule: Schedule, costs: StageCosts) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+    compiled = _compile(schedule, costs)
+    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
+    done = [-1.0] * (3 * S * m)
+    waiting: dict[int, list[int]] = {}
+    position = [0] * p
+    clock = [0.0] * p
+    starts: list[list[float]] = [[] for _ in range(p)]
+    ends: list[list[float]] = [[] for _ in range(p)]
+    runnable = list(range(p))
+    while runnable:
+        rank = runnable.pop()
+        program, i, now = compiled[rank], position[rank], clock[rank]
+        rank_starts, rank_ends = starts[rank], ends[rank]
+        while i < len(program):
+            duration, deps, produced = program[i]
+            ready = now
+            blocked = False
+            for key, delay in deps:
+                finished = done[key]
+                if finished < 0:
+                    waiting.setdefault(key, []).append(rank)
+                    blocked = True
+                    break
+                if finished + delay > ready:
+                    ready = finished + delay
+            if blocked:
+                break
+            now = ready + duration
+            rank_starts.append(ready)
+            rank_ends.append(now)
+            for key in produced:
+                done[key] = now
+                woken = waiting.pop(key, None)
+                if woken:
+                    runnable.extend(woken)
+            i += 1
+        position[rank], clock[rank] = i, now
+    if any(position[r] < len(compiled[r]) for r in range(p)):
+        raise _deadlock(schedule, position)
+    return tuple(map(tuple, starts)), tuple(map(tuple, ends))
+
+
+def _deadlock(schedule: Schedule, position: list[int]) -> DeadlockError:
+    """Describe why the stuck ranks cannot proceed, following the chain of waits to a cycle."""
+    where = {op: rank for rank, op in schedule.ops()}
+    executed = {op for rank, program in enumerate(schedule.programs) for op in program[: position[rank]]}
+    waits: dict[int, tuple[Op, Op]] = {}
+    for rank, program in enumerate(schedule.programs):
+        if position[rank] >= len(program):
+            continue
+        head = program[position[rank]]
+        for role, stage, mb in dependencies(head, schedule.num_stages):
+            candidates = [Op(role, stage, mb)] + ([Op(Kind.BW, stage, mb)] if role is Kind.B else [])
+            if not any(c in executed for c in candidates):
+                waits[rank] = (head, next((c for c in candidates if c in where), candidates[0]))
+                break
+    for rank, (head, dep) in waits.items():
+        if dep not in where:
+            return DeadlockError(f"rank {rank}: {head} waits for {dep}, which no rank's program contains", waits)
+    cycle = _find_cycle(waits, where)
+    text = " -> ".join(f"rank {r} at {waits[r][0]} waits for {waits[r][1]} (rank {where[waits[r][1]]})" for r in cycle)
+    return DeadlockError(f"deadlock: {text}", waits)
+
+
+def _find_cycle(waits: dict[int, tuple[Op, Op]], where: dict[Op, int]) -> list[int]:
+    rank = next(iter(waits))
+    seen: list[int] = []
+    while rank not in seen and rank in waits:
+        seen.append(rank)
+        rank = where[waits[rank][1]]
+    return seen[seen.index(rank):] if rank in seen else seen
+
+
+def _memory(schedule: Schedule, costs: StageCosts) -> tuple[tuple[tuple[float, ...], ...], tuple[float, ...]]:
+    memory, peaks = [], []
+    for program in schedule.programs:
+        level, peak, trace = 0.0, 0.0, []
+        for op in program:
+            level += costs.memory_delta(op)
+            trace.append(level)
+            peak = max(peak, level)
+        memory.append(tuple(trace))
+        peaks.append(peak)
+    return tuple(memory), tuple(peaks)
