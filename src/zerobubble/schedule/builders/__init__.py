@@ -80,6 +80,13 @@ _SPECS = (
     BuilderSpec("zb-v", "ZB-V: V-shape, 2 chunks per rank, searched under p·M_B", "zb_v", chunks=2, memory_limit="1p"),
     BuilderSpec("v-half", "V-Half: V-shape with about half of 1F1B's activation memory", "v_memory", "build_half", chunks=2),
     BuilderSpec("v-min", "V-Min: V-shape with about a third of 1F1B's activation memory", "v_memory", "build_min", chunks=2),
+    BuilderSpec(
+        "zb-ilp",
+        "optimal schedule from the paper's integer program (HiGHS), warm-started by zb-auto",
+        "zb_ilp",
+        memory_limit="2p",
+        options=MappingProxyType({"time_limit": 60.0}),
+    ),
 )
 
 REGISTRY: Mapping[str, BuilderSpec] = MappingProxyType({spec.name: spec for spec in _SPECS})

@@ -1,0 +1,251 @@
+"""The ``zerobubble`` command line: parses arguments, calls the library, prints the answer.
+
+Every user error ends in one line on stderr (``zerobubble: error: …``) and exit status 2, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from .schedule import REGISTRY, CostModel, Schedule, ScheduleError, build_schedule, parse_memory_limit, simulate
+from .schedule.compare import OPTIMIZER_MODES, compare_schedules, iteration_period
+from .schedule.paper import paper_models, paper_setup
+
+
+class UsageError(Exception):
+    """A command-line mistake that argparse itself cannot see."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and exit 2."""
+
+    def error(self, message: str) -> None:  # noqa: D102 - argparse hook
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _number_list(text: str, name: str, low: int, high: int) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{name} must be comma-separated numbers, got {text!r}") from None
+    if not low <= len(values) <= high:
+        raise UsageError(f"{name} takes {low}..{high} comma-separated numbers, got {len(values)}")
+    return values
+
+
+def _costs_from_args(args: argparse.Namespace, stages: int) -> CostModel:
+    """The CostModel described by --cost/--memory/--memory-limit/--costs-file."""
+    if getattr(args, "costs_file", None):
+        try:
+            with open(args.costs_file, encoding="utf-8") as handle:
+                costs = CostModel.from_dict(json.load(handle))
+        except (OSError, json.JSONDecodeError) as error:
+            raise UsageError(f"cannot read costs file {args.costs_file!r}: {error}") from None
+    else:
+        f, b, w, *comm = _number_list(args.cost, "--cost", 3, 4)
+        mem_b, mem_w = _number_list(args.memory, "--memory", 2, 2)
+        costs = CostModel(f=f, b=b, w=w, comm=comm[0] if comm else 0.0, mem_b=mem_b, mem_w=mem_w)
+    if args.memory_limit is not None:
+        costs = costs.with_memory_limit(parse_memory_limit(args.memory_limit, stages, costs.mem_b))
+    return costs
+
+
+def _add_setup_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
+    if schedule:
+        parser.add_argument("--schedule", default="zb-h1", help="schedule name (see 'zerobubble schedules')")
+        parser.add_argument("--schedule-file", help="read a schedule JSON (from 'export --format json') instead")
+        parser.add_argument("--chunks", type=int, help="virtual stages per rank, for schedules that take it")
+    parser.add_argument("--stages", "-p", type=int, default=4, help="pipeline ranks P (default 4)")
+    parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches M (default 8)")
+    parser.add_argument("--cost", default="1,1,1,0", help="T_F,T_B,T_W[,T_comm] per rank-stage (default 1,1,1,0)")
+    parser.add_argument("--memory", default="1,0", help="M_B,M_W per rank-stage (default 1,0)")
+    parser.add_argument("--memory-limit", help="per-rank limit: an amount in --memory's unit, or Np = N·p·M_B")
+    parser.add_argument("--costs-file", help="JSON CostModel (per-stage lists allowed) instead of --cost/--memory")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _schedule_from_args(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
+    if args.schedule_file:
+        try:
+            with open(args.schedule_file, encoding="utf-8") as handle:
+                schedule = Schedule.from_json(handle.read())
+        except OSError as error:
+            raise UsageError(f"cannot read schedule file: {error}") from None
+        return schedule, _costs_from_args(args, schedule.num_ranks)
+    costs = _costs_from_args(args, args.stages)
+    options = {"time_limit": args.time_limit} if getattr(args, "time_limit", None) is not None else {}
+    schedule = build_schedule(args.schedule, args.stages, args.microbatches, costs, chunks=args.chunks, **options)
+    return schedule, REGISTRY[args.schedule].resolve_costs(costs, args.stages)
+
+
+def _cmd_schedules(args: argparse.Namespace) -> int:
+    width = max(len(name) for name in REGISTRY)
+    for name, spec in REGISTRY.items():
+        chunks = "v≥1" if spec.chunks is None else f"v={spec.chunks}"
+        print(f"{name:<{width}}  {chunks:<4}  {spec.summary}")
+    return 0
+
+
+def _simulation_report(args: argparse.Namespace) -> tuple[Schedule, Any, dict[str, Any]]:
+    from .schedule import validate_schedule
+
+    schedule, costs = _schedule_from_args(args)
+    timeline = validate_schedule(schedule, costs)
+    report = timeline.summary()
+    report["period"] = iteration_period(timeline, args.optimizer, args.step_time)
+    report["optimizer"] = args.optimizer
+    for key in ("lower_bound", "optimal"):
+        if key in schedule.meta:
+            report[key] = schedule.meta[key]
+    return schedule, timeline, report
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    _, _, report = _simulation_report(args)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for key, value in report.items():
+        if isinstance(value, float):
+            value = f"{value:.6g}"
+        elif isinstance(value, list):
+            value = " ".join(f"{v:.4g}" for v in value)
+        print(f"{key:>22}: {value}")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from .schedule.render import render_image, render_text
+
+    _, timeline, report = _simulation_report(args)
+    if args.output:
+        render_image(timeline, args.output)
+        print(f"wrote {args.output}: {report['schedule']}, iteration time {report['iteration_time']:.6g}, "
+              f"bubble rate {report['bubble_rate']:.4f}")
+    else:
+        print(render_text(timeline, width=args.width))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .schedule.export import export
+
+    schedule, timeline, _ = _simulation_report(args)
+    text = export(timeline if args.format == "chrome-trace" else schedule, args.format)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    chunks = args.chunks
+    if args.paper_model:
+        setup = paper_setup(args.paper_model, args.microbatches)
+        stages, costs = setup.stages, setup.costs
+        chunks = chunks or setup.interleaved_chunks
+        if args.memory_limit is not None:
+            costs = costs.with_memory_limit(parse_memory_limit(args.memory_limit, stages, costs.mem_b))
+    else:
+        stages, costs = args.stages, _costs_from_args(args, args.stages)
+    names = args.schedules.split(",") if args.schedules else None
+    if args.ilp:
+        names = (names or [n for n in REGISTRY if n != "zb-ilp"]) + ["zb-ilp"]
+    options = {"zb-ilp": {"time_limit": args.time_limit}} if args.time_limit is not None else None
+    rows = compare_schedules(stages, args.microbatches, costs, names, chunks, args.optimizer, args.step_time, options)
+    if args.json:
+        print(json.dumps({"stages": stages, "microbatches": args.microbatches, "optimizer": args.optimizer,
+                          "rows": [row.to_dict() for row in rows]}))
+        return 0
+    print(_format_comparison(rows, stages, args.microbatches, args.optimizer))
+    return 0
+
+
+def _format_comparison(rows, stages: int, microbatches: int, optimizer: str) -> str:
+    header = f"{'schedule':<17}{'period':>12}{'iter time':>12}{'makespan':>12}{'bubble':>8}{'peak mem':>9}{'vs 1f1b':>8}{'gap to LB':>10}"
+    lines = [f"p={stages} m={microbatches}, optimizer={optimizer} (period = {'makespan' if optimizer == 'sync' else 'iteration time'} + step)", header]
+    for row in rows:
+        if row.error:
+            lines.append(f"{row.schedule:<17}n/a: {row.error}")
+            continue
+        gap = f"{row.gap_to_bound * 100:.2f}%" if row.gap_to_bound is not None else "-"
+        if row.optimal:
+            gap += "*"
+        memory = f"{row.peak_memory:.2f}" + ("" if row.fits_memory else "!")
+        lines.append(
+            f"{row.schedule:<17}{row.period:>12.6g}{row.iteration_time:>12.6g}{row.makespan:>12.6g}"
+            f"{row.bubble_rate:>8.4f}{memory:>9}{row.speedup_vs_1f1b or 0:>7.3f}x{gap:>10}"
+        )
+    lines.append("peak mem in M_B per rank (max over ranks; ! = above --memory-limit); gap = iteration time over the "
+                 "best lower bound known (* = proven optimal)")
+    return "\n".join(lines)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import TrainConfig, run_training
+
+    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None})
+    run_training(config)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``zerobubble`` command."""
+    parser = _Parser(prog="zerobubble", description="Zero-bubble pipeline-parallel schedules and training.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    commands.add_parser("schedules", help="list the schedules").set_defaults(run=_cmd_schedules)
+
+    for name, run, helptext in (
+        ("simulate", _cmd_simulate, "simulate a schedule and print its numbers"),
+        ("show", _cmd_show, "draw a schedule's timeline (text, or --output FILE.svg|.png)"),
+        ("export", _cmd_export, "write a schedule as JSON, torch-csv or a Chrome trace"),
+    ):
+        command = commands.add_parser(name, help=helptext)
+        _add_setup_arguments(command)
+        command.add_argument("--optimizer", choices=OPTIMIZER_MODES, default="post-validation",
+                             help="sync: period = makespan + step; post-validation: iteration time + step")
+        command.add_argument("--step-time", type=float, default=0.0, help="optimizer step time (default 0)")
+        command.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
+        command.set_defaults(run=run)
+        if name == "show":
+            command.add_argument("--output", "-o", help="write a picture (.svg or .png) instead of text")
+            command.add_argument("--width", type=int, help="text width in columns")
+        if name == "export":
+            command.add_argument("--format", choices=("json", "torch-csv", "chrome-trace"), default="json")
+            command.add_argument("--output", "-o", help="file to write (default: stdout)")
+
+    compare = commands.add_parser("compare", help="compare every schedule for one setup")
+    _add_setup_arguments(compare, schedule=False)
+    compare.add_argument("--chunks", type=int, help="chunks for interleaved-1f1b (default 2, or the paper's)")
+    compare.add_argument("--schedules", help="comma-separated names (default: all but zb-ilp)")
+    compare.add_argument("--paper-model", choices=paper_models(), help="use the paper's profiled setup")
+    compare.add_argument("--optimizer", choices=OPTIMIZER_MODES, default="post-validation")
+    compare.add_argument("--step-time", type=float, default=0.0, help="optimizer step time (default 0)")
+    compare.add_argument("--ilp", action="store_true", help="also solve the integer program (zb-ilp)")
+    compare.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
+    compare.set_defaults(run=_cmd_compare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``zerobubble`` command; returns the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except (UsageError, ScheduleError) as error:
+        print(f"zerobubble: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("zerobubble: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Side-by-side comparison of every registered schedule for one pipeline setup.
+
+:func:`compare_schedules` builds, validates and simulates each schedule under the same costs and
+returns one :class:`ComparisonRow` each, best first.  A schedule that cannot be built for the setup
+(interleaving with a microbatch count it cannot take, a memory limit it cannot meet) gets a row with
+``error`` set instead of numbers, so a comparison never fails as a whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+from .builders import REGISTRY, build_schedule
+from .costs import CostModel
+from .ir import ScheduleError
+from .simulate import Timeline
+from .validate import validate_schedule
+
+OPTIMIZER_MODES = ("sync", "post-validation")
+
+#: Schedules left out of a comparison unless asked for by name (they take seconds to minutes).
+SLOW_SCHEDULES = frozenset({"zb-ilp"})
+
+
+@dataclass(frozen=True)
+class ComparisonRow:
+    """One schedule's numbers in a comparison (``error`` set and numbers ``None`` when it failed)."""
+
+    schedule: str
+    chunks: int | None = None
+    iteration_time: float | None = None
+    makespan: float | None = None
+    period: float | None = None
+    bubble_rate: float | None = None
+    bubble_rate_makespan: float | None = None
+    peak_memory: float | None = None
+    speedup_vs_1f1b: float | None = None
+    lower_bound: float | None = None
+    gap_to_bound: float | None = None
+    fits_memory: bool | None = None
+    optimal: bool | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+def iteration_period(timeline: Timeline, optimizer: str = "post-validation", step_time: float = 0.0) -> float:
+    """Time between the starts of consecutive training iterations.
+
+    With a synchronous optimizer step every rank waits for the whole pipeline to drain, then steps:
+    the period is the makespan plus the step.  With optimizer post-validation the step needs no global
+    synchronisation, so iterations overlap and the period is each rank's own span plus its step.
+    """
+    if optimizer == "sync":
+        return timeline.makespan + step_time
+    if optimizer == "post-validation":
+        return timeline.iteration_time + step_time
+    raise ScheduleError(f"unknown optimizer mode {optimizer!r}; choose one of {', '.join(OPTIMIZER_MODES)}")
+
+
+def compare_schedules(
+    stages: int,
+    microbatches: int,
+    costs: CostModel,
+    names: Iterable[str] | None = None,
+    chunks: int | None = None,
+    optimizer: str = "post-validation",
+    step_time: float = 0.0,
+    options: dict[str, dict[str, Any]] | None = None,
+) -> list[ComparisonRow]:
+    """Build and simulate each schedule in ``names`` (default: all fast ones), best period first.
+
+    ``chunks`` applies to schedules whose chunk count is free (interleaved-1f1b); ``options`` maps a
+    schedule name to extra builder options (e.g. ``{"zb-ilp": {"time_limit": 10}}``).
+    """
+    if optimizer not in OPTIMIZER_MODES:
+        raise ScheduleError(f"unknown optimizer mode {optimizer!r}; choose one of {', '.join(OPTIMIZER_MODES)}")
+    selected = list(names) if names is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
+    rows = [_row(name, stages, microbatches, costs, chunks, optimizer, step_time, (options or {}).get(name, {})) for name in selected]
+    reference = next((row.period for row in rows if row.schedule == "1f1b" and row.period), None)
+    if reference is None and rows:
+        reference = _reference_period(stages, microbatches, costs, optimizer, step_time)
+    rows = [_with_speedup(row, reference) for row in rows]
+    return sorted(rows, key=lambda row: (row.error is not None, row.period or 0.0, row.peak_memory or 0.0))
+
+
+def _row(name, stages, microbatches, costs, chunks, optimizer, step_time, options) -> ComparisonRow:
+    spec = REGISTRY.get(name)
+    take_chunks = chunks if spec is not None and spec.chunks is None else None
+    try:
+        schedule = build_schedule(name, stages, microbatches, costs, chunks=take_chunks, validate=False, **options)
+        planned = spec.resolve_costs(costs, stages) if spec else costs
+        timeline = validate_schedule(schedule, planned.with_memory_limit(None))
+    except (ScheduleError, ImportError) as error:
+        return ComparisonRow(schedule=name, error=str(error))
+    limits = planned.resolve(schedule.placement).memory_limit
+    bound = _lower_bound(schedule, stages, microbatches, costs)
+    return ComparisonRow(
+        schedule=name,
+        chunks=schedule.chunks,
+        iteration_time=timeline.iteration_time,
+        makespan=timeline.makespan,
+        period=iteration_period(timeline, optimizer, step_time),
+        bubble_rate=timeline.bubble_rate,
+        bubble_rate_makespan=timeline.bubble_rate_makespan,
+        peak_memory=max(timeline.peak_memory_mb),
+        fits_memory=all(peak <= limit * (1 + 1e-9) for peak, limit in zip(timeline.peak_memory, limits)),
+        lower_bound=bound,
+        gap_to_bound=(timeline.iteration_time / bound - 1.0) if bound else None,
+        optimal=schedule.meta.get("optimal"),
+    )
+
+
+def _lower_bound(schedule, stages: int, microbatches: int, costs: CostModel) -> float | None:
+    proven = schedule.meta.get("lower_bound")
+    try:
+        from .bounds import lower_bound
+    except ImportError:
+        return proven
+    analytic = lower_bound(stages, microbatches, costs, chunks=schedule.chunks, placement=schedule.placement)
+    return max(analytic, proven) if proven is not None else analytic
+
+
+def _reference_period(stages, microbatches, costs, optimizer, step_time) -> float | None:
+    from .simulate import simulate
+
+    try:
+        return iteration_period(simulate(build_schedule("1f1b", stages, microbatches, costs), costs), optimizer, step_time)
+    except ScheduleError:
+        return None
+
+
+def _with_speedup(row: ComparisonRow, reference: float | None) -> ComparisonRow:
+    if row.period is None or not reference:
+        return row
+    return ComparisonRow(**{**asdict(row), "speedup_vs_1f1b": reference / row.period})

@@ -1,0 +1,70 @@
+"""The paper's profiled setups (arXiv 2401.10241, Tables 3, 5 and 9), shipped with the package.
+
+:func:`paper_setup` turns a model name and microbatch count into the stage count, costs, memory and
+interleaving the paper used, so ``compare --paper-model 1.5B`` reproduces its comparisons.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from .costs import CostModel
+from .ir import ScheduleError
+
+
+@dataclass(frozen=True)
+class PaperSetup:
+    """One row of the paper's tables: a model on ``stages`` ranks with ``microbatches`` microbatches."""
+
+    model: str
+    stages: int
+    microbatches: int
+    costs: CostModel
+    interleaved_chunks: int
+    bubble_rates: dict[str, float]
+    exact_row: bool
+
+
+@lru_cache(maxsize=1)
+def _rows() -> tuple[dict[str, Any], ...]:
+    text = resources.files("zerobubble").joinpath("data/paper_table5.json").read_text()
+    return tuple(json.loads(text)["rows"])
+
+
+def paper_models() -> tuple[str, ...]:
+    """Names of the paper's models, e.g. ``"1.5B"``."""
+    return tuple(dict.fromkeys(row["model"] for row in _rows()))
+
+
+def paper_rows() -> tuple[PaperSetup, ...]:
+    """Every setup of Table 5, in the table's order."""
+    return tuple(_setup(row, exact=True) for row in _rows())
+
+
+def paper_setup(model: str, microbatches: int | None = None) -> PaperSetup:
+    """The setup of ``model`` with ``microbatches`` microbatches.
+
+    When the table has no row for that count, the costs of the model's first row are used (the
+    profiled costs barely change with the count) and ``exact_row`` is False.
+    """
+    rows = [row for row in _rows() if row["model"].lower() == model.lower()]
+    if not rows:
+        raise ScheduleError(f"unknown paper model {model!r}; known: {', '.join(paper_models())}")
+    chosen = next((row for row in rows if row["microbatches"] == microbatches), None)
+    if chosen is not None or microbatches is None:
+        return _setup(chosen or rows[0], exact=True)
+    setup = _setup(rows[0], exact=False)
+    return PaperSetup(setup.model, setup.stages, microbatches, setup.costs, setup.interleaved_chunks, {}, False)
+
+
+def _setup(row: dict[str, Any], exact: bool) -> PaperSetup:
+    costs = CostModel(
+        f=row["cost_f"], b=row["cost_b"], w=row["cost_w"], comm=row["cost_comm"], mem_b=row["mem_b"], mem_w=row["mem_w"]
+    )
+    return PaperSetup(
+        row["model"], row["stages"], row["microbatches"], costs, row["interleaved_chunks"], dict(row["bubble_rate"]), exact
+    )

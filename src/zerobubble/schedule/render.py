@@ -1,0 +1,411 @@
+"""Pictures of a :class:`~zerobubble.schedule.simulate.Timeline`: text for a terminal, SVG/PNG figures.
+
+Both draw one row per rank (rank 0 on top) with time running left to right, as in the paper's
+figures.  They read only a small *timeline interface*, so a timeline the runtime recorded can be
+drawn like a simulated one:
+
+* required: ``schedule`` (a :class:`~zerobubble.schedule.ir.Schedule`), ``start`` and ``end``
+  (``start[r][i]`` / ``end[r][i]`` belong to ``schedule.programs[r][i]``);
+* optional: ``iteration_time``, ``makespan``, ``bubble_rate``, ``bubble_rate_makespan`` and
+  ``peak_memory_mb``.  Missing numbers are derived from ``start``/``end`` (the bubble rates then
+  take the busiest rank's compute time as the ideal) or, for peak memory, left out of the caption.
+
+matplotlib is imported only inside the image functions, so importing the schedule layer stays fast,
+and figures are drawn on a private Agg canvas without touching pyplot's global state.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+from .ir import Kind, Schedule, ScheduleError
+
+#: Text letters per kind; chunks after a rank's first are written in lower case.
+_LETTERS = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
+_KIND_NAMES = {Kind.F: "forward", Kind.B: "input grad", Kind.W: "weight grad", Kind.BW: "fused B+W"}
+_COLOURS = {Kind.F: "#2f6fb5", Kind.B: "#1f9e89", Kind.W: "#e39b2d", Kind.BW: "#7b5ea7"}
+_IDLE_COLOUR = "#e9e9ec"
+_IMAGE_SUFFIXES = {".svg": "svg", ".png": "png"}
+_MAX_LABELS = 4000
+_FIGURE_WIDTH_IN = 13.0
+_DPI = 150
+
+
+class Figures(NamedTuple):
+    """The headline numbers a picture's caption shows (``peak_memory_mb`` may be ``None``)."""
+
+    iteration_time: float
+    makespan: float
+    bubble_rate: float
+    bubble_rate_makespan: float
+    peak_memory_mb: float | None
+
+
+def timeline_figures(timeline: Any) -> Figures:
+    """Caption numbers of ``timeline``: its own attributes where it has them, else derived from
+    ``start``/``end`` (see the module docstring)."""
+    starts = [s[0] for s in timeline.start if s]
+    ends = [e[-1] for e in timeline.end if e]
+    makespan = _attribute(timeline, "makespan", lambda: max(ends) - min(starts) if ends else 0.0)
+    spans = [e[-1] - s[0] for s, e in zip(timeline.start, timeline.end) if e]
+    iteration = _attribute(timeline, "iteration_time", lambda: max(spans, default=0.0))
+    busiest = max((sum(b - a for a, b in zip(s, e)) for s, e in zip(timeline.start, timeline.end)), default=0.0)
+    bubble = _attribute(timeline, "bubble_rate", lambda: _bubble(busiest, iteration))
+    bubble_makespan = _attribute(timeline, "bubble_rate_makespan", lambda: _bubble(busiest, makespan))
+    peaks = getattr(timeline, "peak_memory_mb", None)
+    peak = max(peaks) if peaks else None
+    return Figures(iteration, makespan, bubble, bubble_makespan, peak)
+
+
+def _attribute(timeline: Any, name: str, fallback) -> float:
+    value = getattr(timeline, name, None)
+    return float(value) if value is not None else float(fallback())
+
+
+def _bubble(ideal: float, period: float) -> float:
+    return 1.0 - ideal / period if period > 0 else 0.0
+
+
+def caption(timeline: Any) -> str:
+    """One line with the schedule's shape and its headline numbers."""
+    schedule: Schedule = timeline.schedule
+    numbers = timeline_figures(timeline)
+    shape = f"p={schedule.num_ranks} m={schedule.microbatches}"
+    if schedule.chunks > 1:
+        shape += f" v={schedule.chunks}"
+    parts = [
+        f"{schedule.name} ({shape})",
+        f"iteration time {numbers.iteration_time:.4g}",
+        f"bubble rate {numbers.bubble_rate:.2%}",
+        f"bubble rate (makespan) {numbers.bubble_rate_makespan:.2%}",
+    ]
+    if numbers.peak_memory_mb is not None:
+        parts.append(f"peak memory {numbers.peak_memory_mb:.3g} M_B")
+    return " | ".join(parts)
+
+
+def _time_origin(timeline: Any) -> tuple[float, float]:
+    starts = [s[0] for s in timeline.start if s]
+    ends = [e[-1] for e in timeline.end if e]
+    if not ends:
+        return 0.0, 0.0
+    return min(starts), max(ends)
+
+
+# --------------------------------------------------------------------------------------------- text
+
+
+def render_text(timeline: Any, width: int | None = None) -> str:
+    """A text picture of ``timeline``: one row per rank, ``width`` columns of time (default 100).
+
+    Each op is drawn with its kind's letter (``F``, ``B``, ``W``, ``X`` for a fused BW), lower case
+    for a rank's later chunks; idle time is ``.``.  When every op is wide enough its microbatch
+    number follows the letter.  Ops narrower than a column drop out, so any size stays ``width``
+    wide.  The last lines are a legend and a caption with the headline numbers.
+    """
+    columns = 100 if width is None else width
+    if isinstance(columns, bool) or not isinstance(columns, int) or columns < 10:
+        raise ScheduleError(f"text width must be an integer of at least 10 columns, got {width!r}")
+    schedule: Schedule = timeline.schedule
+    t0, t1 = _time_origin(timeline)
+    scale = columns / (t1 - t0) if t1 > t0 else 0.0
+    spans = [_column_spans(starts, ends, t0, scale) for starts, ends in zip(timeline.start, timeline.end)]
+    numbered = _numbers_fit(schedule, spans)
+    label_width = len(str(schedule.num_ranks - 1))
+    lines = []
+    for rank, program in enumerate(schedule.programs):
+        row = _text_row(schedule, program, spans[rank], columns, numbered)
+        lines.append(f"rank {rank:>{label_width}} |{row}|")
+    indent = " " * (len("rank ") + label_width + 2)
+    end_label = f"{t1 - t0:.4g}"
+    lines.append(indent + "0" + end_label.rjust(columns - 1))
+    lines.append(_text_legend(schedule))
+    lines.append(caption(timeline))
+    return "\n".join(lines)
+
+
+def _column_spans(starts: Sequence[float], ends: Sequence[float], t0: float, scale: float) -> list[tuple[int, int]]:
+    return [(round((s - t0) * scale), round((e - t0) * scale)) for s, e in zip(starts, ends)]
+
+
+def _numbers_fit(schedule: Schedule, spans: list[list[tuple[int, int]]]) -> bool:
+    """True when every op has room for its letter, its microbatch number and a gap."""
+    digits = len(str(schedule.microbatches - 1))
+    return all(c1 - c0 >= digits + 2 for rank_spans in spans for c0, c1 in rank_spans)
+
+
+def _text_row(schedule: Schedule, program, spans, columns: int, numbered: bool) -> str:
+    cells = ["."] * columns
+    placement = schedule.placement
+    for op, (c0, c1) in zip(program, spans):
+        if c1 <= c0:
+            continue
+        letter = _LETTERS[op.kind]
+        if placement.chunk_index(op.stage) > 0:
+            letter = letter.lower()
+        text = f"{letter}{op.microbatch}".ljust(c1 - c0) if numbered else letter * (c1 - c0)
+        cells[c0:c1] = text[: columns - c0]
+    return "".join(cells[:columns])
+
+
+def _text_legend(schedule: Schedule) -> str:
+    kinds = _kinds_present(schedule)
+    parts = [f"{_LETTERS[kind]} {_KIND_NAMES[kind]}" for kind in kinds]
+    if schedule.chunks > 1:
+        parts.append("lower case: a rank's later chunks")
+    parts.append(". idle")
+    return "legend: " + ", ".join(parts)
+
+
+def _kinds_present(schedule: Schedule) -> list[Kind]:
+    present = {op.kind for _, op in schedule.ops()}
+    return [kind for kind in (Kind.F, Kind.B, Kind.W, Kind.BW) if kind in present]
+
+
+# -------------------------------------------------------------------------------------------- image
+
+
+def render_image(timeline: Any, path: str | Path, title: str | None = None) -> None:
+    """Draw ``timeline`` like the paper's figures and save it as SVG or PNG (by the suffix of ``path``).
+
+    One row per rank (rank 0 on top) on a grey idle background, F/B/W/BW in distinct colours, later
+    chunks of a rank in lighter shades, microbatch numbers inside the cells that are wide enough,
+    and a caption with iteration time, bubble rates and peak memory.  All cells of a figure are one
+    polygon collection, so p = 32, m = 256 (about 25k ops) takes a few seconds.
+    """
+    fmt = _image_format(path)
+    ranks = timeline.schedule.num_ranks
+    figure = _new_figure(ranks, panels=1)
+    axes = figure.add_axes(_axes_box(figure, ranks, 0))
+    t0, t1 = _time_origin(timeline)
+    _draw_timeline(axes, timeline, t0, t1 - t0)
+    axes.set_xlabel("time")
+    _add_legend(figure, timeline.schedule)
+    figure.suptitle(title or _default_title(timeline.schedule), x=0.02, ha="left", fontsize=11, y=_title_y(figure))
+    figure.text(0.02, _caption_y(figure), caption(timeline), fontsize=8.5, ha="left", va="bottom")
+    _save(figure, path, fmt)
+
+
+def render_comparison(measured: Any, predicted: Any, path: str | Path, title: str | None = None) -> None:
+    """Draw a measured timeline above the simulator's prediction of the same schedule.
+
+    Both share one time axis, each measured from its own first op; so give both in the same unit
+    (e.g. seconds, with the simulator fed profiled costs).  Each panel gets its own caption.
+    """
+    fmt = _image_format(path)
+    ranks = measured.schedule.num_ranks
+    if predicted.schedule.num_ranks != ranks:
+        raise ScheduleError(
+            f"cannot compare a {ranks}-rank timeline with a {predicted.schedule.num_ranks}-rank one; "
+            "pass two timelines of the same schedule"
+        )
+    figure = _new_figure(ranks, panels=2)
+    panels = (("measured", measured), ("predicted (simulator)", predicted))
+    extent = max(_time_origin(t)[1] - _time_origin(t)[0] for _, t in panels)
+    top = None
+    for index, (label, timeline) in enumerate(panels):
+        axes = figure.add_axes(_axes_box(figure, ranks, index), sharex=top)
+        top = top or axes
+        _draw_timeline(axes, timeline, _time_origin(timeline)[0], extent)
+        axes.set_title(f"{label}: {caption(timeline)}", fontsize=8.5, loc="left")
+    axes.set_xlabel("time")
+    _add_legend(figure, measured.schedule)
+    name = title or f"{_default_title(measured.schedule)}: measured vs predicted"
+    figure.suptitle(name, x=0.02, ha="left", fontsize=11, y=_title_y(figure))
+    _save(figure, path, fmt)
+
+
+def _image_format(path: str | Path) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in _IMAGE_SUFFIXES:
+        raise ScheduleError(
+            f"cannot draw to {str(path)!r}: the file name must end in .svg or .png "
+            f"(got {suffix or 'no suffix'})"
+        )
+    return _IMAGE_SUFFIXES[suffix]
+
+
+def _default_title(schedule: Schedule) -> str:
+    shape = f"p = {schedule.num_ranks}, m = {schedule.microbatches}"
+    if schedule.chunks > 1:
+        shape += f", v = {schedule.chunks}"
+    return f"{schedule.name} ({shape})"
+
+
+# Layout, in inches: fixed margins around one or two panels whose height grows with the rank count.
+_ROW_IN = 0.26
+_TOP_IN = 0.6
+_BOTTOM_IN = 0.75
+_GAP_IN = 0.75
+_LEFT_IN = 0.85
+_RIGHT_IN = 0.25
+
+
+def _panel_height(ranks: int) -> float:
+    return max(1.2, _ROW_IN * ranks + 0.2)
+
+
+def _new_figure(ranks: int, panels: int):
+    """A figure on its own Agg canvas (no pyplot, no global figure registry)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    height = _TOP_IN + _BOTTOM_IN + panels * _panel_height(ranks) + (panels - 1) * _GAP_IN
+    figure = Figure(figsize=(_FIGURE_WIDTH_IN, height), dpi=_DPI)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _axes_box(figure, ranks: int, index: int) -> list[float]:
+    """[left, bottom, width, height] in figure fractions of panel ``index`` (0 = top)."""
+    width_in, height_in = figure.get_size_inches()
+    panel = _panel_height(ranks)
+    top_in = height_in - _TOP_IN - index * (panel + _GAP_IN)
+    return [
+        _LEFT_IN / width_in,
+        (top_in - panel) / height_in,
+        1 - (_LEFT_IN + _RIGHT_IN) / width_in,
+        panel / height_in,
+    ]
+
+
+def _title_y(figure) -> float:
+    return 1 - 0.12 / figure.get_size_inches()[1]
+
+
+def _caption_y(figure) -> float:
+    return 0.08 / figure.get_size_inches()[1]
+
+
+def _save(figure, path: str | Path, fmt: str) -> None:
+    from matplotlib import rc_context
+
+    # Text stays text in SVG (small, searchable files) instead of one path per glyph.
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": "zerobubble"}):
+        figure.savefig(path, format=fmt, dpi=_DPI, metadata=_metadata(fmt))
+    figure.clear()
+
+
+def _metadata(fmt: str) -> dict[str, Any]:
+    # No creation date, so re-rendering the same timeline gives the same file.
+    return {"Date": None} if fmt == "svg" else {"Software": "zerobubble"}
+
+
+def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:
+    """``colour`` for a rank's first chunk, mixed towards white for its later ones."""
+    from matplotlib.colors import to_rgb
+
+    red, green, blue = to_rgb(colour)
+    mix = 0.0 if chunks <= 1 else 0.55 * chunk / (chunks - 1)
+    return (red + (1 - red) * mix, green + (1 - green) * mix, blue + (1 - blue) * mix)
+
+
+def _text_colour(fill: tuple[float, float, float]) -> str:
+    luminance = 0.299 * fill[0] + 0.587 * fill[1] + 0.114 * fill[2]
+    return "black" if luminance > 0.6 else "white"
+
+
+_ROW_FILL = 0.8  # fraction of a row's pitch that its cells cover
+
+
+def _draw_timeline(axes, timeline: Any, t0: float, extent: float) -> None:
+    """Draw one timeline's rows on ``axes``, times shifted by ``-t0``, x axis ``[0, extent]``."""
+    import numpy as np
+    from matplotlib.collections import PolyCollection
+
+    schedule: Schedule = timeline.schedule
+    ranks, chunks = schedule.num_ranks, schedule.chunks
+    extent = extent if extent > 0 else 1.0
+    boxes, fills, cells = [], [], []
+    palette = {(kind, c): _shade(colour, c, chunks) for kind, colour in _COLOURS.items() for c in range(chunks)}
+    chunk_of = [schedule.placement.chunk_index(s) for s in range(schedule.num_stages)]
+    for rank, program in enumerate(schedule.programs):
+        for op, start, end in zip(program, timeline.start[rank], timeline.end[rank]):
+            fill = palette[(op.kind, chunk_of[op.stage])]
+            boxes.append((start - t0, end - t0, rank))
+            fills.append(fill)
+            cells.append((op.microbatch, fill))
+    half = _ROW_FILL / 2
+    own_end = _time_origin(timeline)[1] - t0
+    background = [[(0, r - half), (own_end, r - half), (own_end, r + half), (0, r + half)] for r in range(ranks)]
+    axes.add_collection(PolyCollection(background, facecolors=_IDLE_COLOUR, edgecolors="none", zorder=1))
+    if boxes:
+        spans = np.asarray(boxes, dtype=float)
+        x0, x1, y = spans[:, 0], spans[:, 1], spans[:, 2]
+        verts = np.stack(
+            [np.column_stack(corner) for corner in ((x0, y - half), (x1, y - half), (x1, y + half), (x0, y + half))],
+            axis=1,
+        )
+        pixels_per_unit = _axes_width_px(axes) / extent
+        median_px = float(np.median(x1 - x0)) * pixels_per_unit
+        edge_width = 0.6 if median_px >= 6 else 0.0
+        axes.add_collection(
+            PolyCollection(verts, facecolors=fills, edgecolors="white", linewidths=edge_width, zorder=2)
+        )
+        _draw_labels(axes, spans, cells, pixels_per_unit, ranks)
+    axes.set_xlim(0, extent)
+    axes.set_ylim(ranks - 0.5, -0.5)
+    _style_axes(axes, ranks)
+
+
+def _axes_width_px(axes) -> float:
+    return axes.get_position().width * axes.figure.get_size_inches()[0] * _DPI
+
+
+def _draw_labels(axes, spans, cells, pixels_per_unit: float, ranks: int) -> None:
+    """Microbatch numbers inside cells wide enough for them; none when there would be too many."""
+    row_px = axes.get_position().height * axes.figure.get_size_inches()[1] * _DPI / ranks
+    font_pt = min(7.5, row_px * _ROW_FILL * 72 / _DPI * 0.75)
+    if font_pt < 4:
+        return
+    char_px = font_pt * _DPI / 72 * 0.62
+    widths = (spans[:, 1] - spans[:, 0]) * pixels_per_unit
+    fits = [
+        index
+        for index, (microbatch, _) in enumerate(cells)
+        if widths[index] >= char_px * len(str(microbatch)) + 3
+    ]
+    if not fits or len(fits) > _MAX_LABELS:
+        return
+    for index in fits:
+        microbatch, fill = cells[index]
+        x0, x1, y = spans[index]
+        axes.text(
+            (x0 + x1) / 2, y, str(microbatch), ha="center", va="center_baseline",
+            fontsize=font_pt, color=_text_colour(fill), zorder=3, clip_on=True,
+        )
+
+
+def _style_axes(axes, ranks: int) -> None:
+    from matplotlib.ticker import FixedLocator, MaxNLocator
+
+    step = max(1, math.ceil(ranks / 32))
+    ticks = list(range(0, ranks, step))
+    axes.yaxis.set_major_locator(FixedLocator(ticks))
+    axes.set_yticklabels([f"rank {r}" for r in ticks], fontsize=8 if ranks <= 16 else 6.5)
+    axes.xaxis.set_major_locator(MaxNLocator(nbins=12))
+    axes.tick_params(axis="x", labelsize=8)
+    axes.tick_params(axis="y", length=0)
+    for side in ("top", "right", "left"):
+        axes.spines[side].set_visible(False)
+    axes.set_facecolor("white")
+
+
+def _add_legend(figure, schedule: Schedule) -> None:
+    from matplotlib.patches import Patch
+
+    chunks = schedule.chunks
+    handles = []
+    for kind in _kinds_present(schedule):
+        for chunk in range(chunks if chunks <= 4 else 1):
+            label = _KIND_NAMES[kind] + (f" (chunk {chunk})" if chunks > 1 and chunks <= 4 else "")
+            label = f"{kind.value}: {label}"
+            handles.append(Patch(facecolor=_shade(_COLOURS[kind], chunk, chunks), edgecolor="none", label=label))
+    handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="none", label="idle"))
+    height = figure.get_size_inches()[1]
+    figure.legend(
+        handles=handles, loc="upper right", bbox_to_anchor=(1 - 0.1 / figure.get_size_inches()[0], 1 - 0.08 / height),
+        ncol=min(len(handles), 5), fontsize=7.5, frameon=False, handlelength=1.2, columnspacing=1.2,
+    )

@@ -1,0 +1,93 @@
+"""The command line: outputs, JSON fields and one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from zerobubble.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_schedules_lists_the_registry(capsys):
+    code, out, _ = run(capsys, "schedules")
+    assert code == 0
+    names = [line.split()[0] for line in out.splitlines()]
+    assert {"gpipe", "1f1b", "interleaved-1f1b"} <= set(names)
+
+
+def test_simulate_json_fields(capsys):
+    code, out, _ = run(capsys, "simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
+                       "--cost", "1,2,1", "--memory", "2,1", "--json")
+    assert code == 0
+    report = json.loads(out)
+    for key in ("schedule", "stages", "microbatches", "chunks", "makespan", "iteration_time", "ideal",
+                "bubble_rate", "bubble_rate_makespan", "peak_memory"):
+        assert key in report
+    assert report["ideal"] == pytest.approx(8 * 4)
+    assert report["makespan"] == pytest.approx(32 + 3 * 4)
+    assert report["peak_memory"] == pytest.approx([4, 3, 2, 1])
+
+
+def test_memory_limit_in_units_of_p(capsys):
+    code, _, err = run(capsys, "simulate", "--schedule", "gpipe", "-p", "2", "-m", "6", "--memory-limit", "1p")
+    assert code == 2
+    assert err.count("\n") == 1 and "above the limit 2" in err
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["simulate", "--schedule", "nope"], "unknown schedule"),
+        (["simulate", "--stages", "0"], "stages must be a positive integer"),
+        (["simulate", "--microbatches", "0"], "microbatches must be a positive integer"),
+        (["simulate", "--cost", "1,-1,1"], "non-negative"),
+        (["simulate", "--schedule", "1f1b", "--chunks", "2"], "cannot take chunks=2"),
+        (["simulate", "--memory-limit", "lots"], "cannot read memory limit"),
+        (["simulate", "--cost", "1,1"], "--cost takes 3..4"),
+        (["export", "--format", "pdf"], "invalid choice"),
+    ],
+)
+def test_errors_are_one_line(capsys, argv, fragment):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert err.startswith("zerobubble: error:") and err.count("\n") == 1
+    assert fragment in err
+
+
+def test_module_entry_point_runs():
+    result = subprocess.run([sys.executable, "-m", "zerobubble", "schedules"], capture_output=True, text=True)
+    assert result.returncode == 0 and "1f1b" in result.stdout
+
+
+def test_compare_reports_every_schedule(capsys):
+    code, out, _ = run(capsys, "compare", "-p", "4", "-m", "8", "--json")
+    assert code == 0
+    rows = json.loads(out)["rows"]
+    by_name = {row["schedule"]: row for row in rows}
+    assert by_name["1f1b"]["speedup_vs_1f1b"] == pytest.approx(1.0)
+    periods = [row["period"] for row in rows if row["error"] is None]
+    assert periods == sorted(periods)
+
+
+def test_compare_paper_model(capsys):
+    code, out, _ = run(capsys, "compare", "--paper-model", "1.5B", "--microbatches", "24",
+                       "--schedules", "1f1b,interleaved-1f1b", "--optimizer", "sync", "--json")
+    assert code == 0
+    rows = {row["schedule"]: row for row in json.loads(out)["rows"]}
+    assert rows["1f1b"]["bubble_rate_makespan"] == pytest.approx(0.2431, abs=0.0015)
+    assert rows["interleaved-1f1b"]["chunks"] == 3
+
+
+def test_schedule_file_round_trip(capsys, tmp_path):
+    code, out, _ = run(capsys, "export", "--schedule", "1f1b", "-p", "3", "-m", "4", "--format", "json")
+    path = tmp_path / "s.json"
+    path.write_text(out)
+    code, out, _ = run(capsys, "simulate", "--schedule-file", str(path), "--json")
+    assert code == 0 and json.loads(out)["makespan"] == pytest.approx(18)
