@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from types import MappingProxyType
 from typing import Any
 
 from .costs import CostModel, StageCosts
@@ -21,7 +22,7 @@ from .simulate import simulate
 FORMATS = ("json", "torch-csv", "chrome-trace")
 
 #: Our kinds as torch's computation types: its I is our B, its B is our fused BW.
-_TORCH_ACTION = {Kind.F: "F", Kind.B: "I", Kind.W: "W", Kind.BW: "B"}
+_TORCH_ACTION = MappingProxyType({Kind.F: "F", Kind.B: "I", Kind.W: "W", Kind.BW: "B"})
 
 
 def to_json(schedule: Schedule) -> str:
@@ -106,9 +107,6 @@ def _memory_counters(timeline: Any, stamp) -> list[dict[str, Any]]:
     for rank, levels in enumerate(timeline.memory):
         name = f"memory rank {rank}"
         starts, ends = timeline.start[rank], timeline.end[rank]
-        if not levels:
-            continue
-        events.append({"name": name, "ph": "C", "pid": 0, "ts": stamp(starts[0]), "args": {key: 0.0}})
         previous = 0.0
         for level, start, end in zip(levels, starts, ends):
             when = start if level > previous else end

@@ -18,19 +18,29 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, NamedTuple, Sequence
 
 from .ir import Kind, Schedule, ScheduleError
 
 #: Text letters per kind; chunks after a rank's first are written in lower case.
-_LETTERS = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
-_KIND_NAMES = {Kind.F: "forward", Kind.B: "input grad", Kind.W: "weight grad", Kind.BW: "fused B+W"}
-_COLOURS = {Kind.F: "#2f6fb5", Kind.B: "#1f9e89", Kind.W: "#e39b2d", Kind.BW: "#7b5ea7"}
+_LETTERS = MappingProxyType({Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"})
+_KIND_NAMES = MappingProxyType({Kind.F: "forward", Kind.B: "input grad", Kind.W: "weight grad", Kind.BW: "fused B+W"})
+_COLOURS = MappingProxyType({Kind.F: "#2f6fb5", Kind.B: "#1f9e89", Kind.W: "#e39b2d", Kind.BW: "#7b5ea7"})
 _IDLE_COLOUR = "#e9e9ec"
-_IMAGE_SUFFIXES = {".svg": "svg", ".png": "png"}
+_IMAGE_SUFFIXES = MappingProxyType({".svg": "svg", ".png": "png"})
 _MAX_LABELS = 4000
+_LABELLED_SHARE = 0.9
 _FIGURE_WIDTH_IN = 13.0
 _DPI = 150
+_ROW_FILL = 0.8  # fraction of a row's pitch that its cells cover
+# Layout, in inches: fixed margins around one or two panels whose height grows with the rank count.
+_ROW_IN = 0.26
+_TOP_IN = 0.6
+_BOTTOM_IN = 0.75
+_GAP_IN = 0.75
+_LEFT_IN = 0.85
+_RIGHT_IN = 0.25
 
 
 class Figures(NamedTuple):
@@ -59,7 +69,7 @@ def timeline_figures(timeline: Any) -> Figures:
     return Figures(iteration, makespan, bubble, bubble_makespan, peak)
 
 
-def _attribute(timeline: Any, name: str, fallback) -> float:
+def _attribute(timeline: Any, name: str, fallback: Callable[[], float]) -> float:
     value = getattr(timeline, name, None)
     return float(value) if value is not None else float(fallback())
 
@@ -112,7 +122,7 @@ def render_text(timeline: Any, width: int | None = None) -> str:
     t0, t1 = _time_origin(timeline)
     scale = columns / (t1 - t0) if t1 > t0 else 0.0
     spans = [_column_spans(starts, ends, t0, scale) for starts, ends in zip(timeline.start, timeline.end)]
-    numbered = _numbers_fit(schedule, spans)
+    numbered = _numbers_fit(schedule, timeline, spans)
     label_width = len(str(schedule.num_ranks - 1))
     lines = []
     for rank, program in enumerate(schedule.programs):
@@ -130,10 +140,15 @@ def _column_spans(starts: Sequence[float], ends: Sequence[float], t0: float, sca
     return [(round((s - t0) * scale), round((e - t0) * scale)) for s, e in zip(starts, ends)]
 
 
-def _numbers_fit(schedule: Schedule, spans: list[list[tuple[int, int]]]) -> bool:
-    """True when every op has room for its letter, its microbatch number and a gap."""
+def _numbers_fit(schedule: Schedule, timeline: Any, spans: list[list[tuple[int, int]]]) -> bool:
+    """True when every op that takes time has room for its letter, microbatch number and a gap."""
     digits = len(str(schedule.microbatches - 1))
-    return all(c1 - c0 >= digits + 2 for rank_spans in spans for c0, c1 in rank_spans)
+    return all(
+        c1 - c0 >= digits + 2
+        for rank, rank_spans in enumerate(spans)
+        for (c0, c1), start, end in zip(rank_spans, timeline.start[rank], timeline.end[rank])
+        if end > start
+    )
 
 
 def _text_row(schedule: Schedule, program, spans, columns: int, numbered: bool) -> str:
@@ -183,7 +198,8 @@ def render_image(timeline: Any, path: str | Path, title: str | None = None) -> N
     _draw_timeline(axes, timeline, t0, t1 - t0)
     axes.set_xlabel("time")
     _add_legend(figure, timeline.schedule)
-    figure.suptitle(title or _default_title(timeline.schedule), x=0.02, ha="left", fontsize=11, y=_title_y(figure))
+    name = title or _default_title(timeline.schedule)
+    figure.suptitle(name, x=0.02, ha="left", fontsize=11, y=_title_y(figure))
     figure.text(0.02, _caption_y(figure), caption(timeline), fontsize=8.5, ha="left", va="bottom")
     _save(figure, path, fmt)
 
@@ -232,15 +248,6 @@ def _default_title(schedule: Schedule) -> str:
     if schedule.chunks > 1:
         shape += f", v = {schedule.chunks}"
     return f"{schedule.name} ({shape})"
-
-
-# Layout, in inches: fixed margins around one or two panels whose height grows with the rank count.
-_ROW_IN = 0.26
-_TOP_IN = 0.6
-_BOTTOM_IN = 0.75
-_GAP_IN = 0.75
-_LEFT_IN = 0.85
-_RIGHT_IN = 0.25
 
 
 def _panel_height(ranks: int) -> float:
@@ -307,9 +314,6 @@ def _text_colour(fill: tuple[float, float, float]) -> str:
     return "black" if luminance > 0.6 else "white"
 
 
-_ROW_FILL = 0.8  # fraction of a row's pitch that its cells cover
-
-
 def _draw_timeline(axes, timeline: Any, t0: float, extent: float) -> None:
     """Draw one timeline's rows on ``axes``, times shifted by ``-t0``, x axis ``[0, extent]``."""
     import numpy as np
@@ -355,7 +359,11 @@ def _axes_width_px(axes) -> float:
 
 
 def _draw_labels(axes, spans, cells, pixels_per_unit: float, ranks: int) -> None:
-    """Microbatch numbers inside cells wide enough for them; none when there would be too many."""
+    """Microbatch numbers inside the cells wide enough for them.
+
+    All or nothing, roughly: when most cells are too narrow a few scattered numbers only add noise,
+    and beyond ``_MAX_LABELS`` texts the figure gets slow and unreadable, so none are drawn.
+    """
     row_px = axes.get_position().height * axes.figure.get_size_inches()[1] * _DPI / ranks
     font_pt = min(7.5, row_px * _ROW_FILL * 72 / _DPI * 0.75)
     if font_pt < 4:
@@ -367,7 +375,8 @@ def _draw_labels(axes, spans, cells, pixels_per_unit: float, ranks: int) -> None
         for index, (microbatch, _) in enumerate(cells)
         if widths[index] >= char_px * len(str(microbatch)) + 3
     ]
-    if not fits or len(fits) > _MAX_LABELS:
+    visible = int((widths > 0).sum())
+    if not fits or len(fits) < _LABELLED_SHARE * visible or len(fits) > _MAX_LABELS:
         return
     for index in fits:
         microbatch, fill = cells[index]
