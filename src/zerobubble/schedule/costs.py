@@ -192,7 +192,8 @@ _LIMIT_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*p\s*$")
 def parse_memory_limit(text: str | float | None, num_ranks: int, mem_b: PerStage = 1.0) -> float | None:
     """Read a memory limit: an absolute amount, or ``"Np"`` meaning ``N * p * M_B``.
 
-    ``mem_b`` is the per rank-stage activation memory (its mean when it is a list), so ``"1p"`` is
+    ``mem_b`` is the per rank-stage activation memory (a per-rank or per-virtual-stage list gives its
+    per-rank mean), so ``"1p"`` is
     the memory 1F1B needs and ``"2p"`` twice that.
     """
     if text is None:
@@ -202,7 +203,9 @@ def parse_memory_limit(text: str | float | None, num_ranks: int, mem_b: PerStage
     else:
         match = _LIMIT_PATTERN.match(text)
         if match:
-            unit = mem_b if isinstance(mem_b, (int, float)) else sum(mem_b) / len(mem_b)
+            # a list is per rank (length p) or per virtual stage (length p·v): either way one
+            # rank-stage holds sum / p on average
+            unit = mem_b if isinstance(mem_b, (int, float)) else sum(mem_b) / num_ranks
             value = float(match.group(1)) * num_ranks * float(unit)
         else:
             try:

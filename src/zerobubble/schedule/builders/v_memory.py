@@ -1,0 +1,117 @@
+"""V-Half and V-Min: V-shape schedules with controllable activation memory (Qi et al., arXiv 2405.15362).
+
+The paper builds a schedule by repeating one *building block* and shows that the block's lifespan
+fixes the peak activation memory.  Its V-shape blocks give, for equal F, B and W times:
+
+============  =====================================  ==========================
+schedule      peak activation memory (units of M_B)  bubble rate
+============  =====================================  ==========================
+1F1B          p                                      ≈ p/m
+V-Half        ⌊(p+2)/2⌋                              ≈ p/(2m)  (half of 1F1B's)
+V-Min         ⌊(p+4)/3⌋                              ≈ 2p/(3m) (two thirds)
+============  =====================================  ==========================
+
+Here the same V greedy as ZB-V (:func:`.zb_v.search_v_schedule`) is run with those memory
+figures as the limit on every rank, and with policies that cap each rank's chunk-0 lifespan at the
+count a full-throughput V block needs (``lifespan_slack``), which spreads the scarce activations
+evenly instead of letting the warm-up take them all, and with policies that inject microbatches at
+the blocks' steady rhythm (``pace``).  A user's own ``costs.memory_limit`` still
+applies where it is smaller.  ``Schedule.meta`` records the limit used.
+"""
+
+from __future__ import annotations
+
+from ..costs import CostModel
+from ..ir import Placement, Schedule, ScheduleError
+from .zb_v import VPolicy, search_v_schedule
+
+_ORDERS = (("B1", "B0", "F1", "F0"), ("B1", "F1", "B0", "F0"), ("F1", "B1", "B0", "F0"))
+
+_LEADING = (
+    VPolicy(_ORDERS[0], pace=0.5),
+    VPolicy(_ORDERS[1], lifespan_slack=1, pace=0.8),
+    VPolicy(_ORDERS[0], lifespan_slack=2),
+    VPolicy(_ORDERS[0], lifespan_slack=1),
+    VPolicy(_ORDERS[0], lifespan_slack=3),
+    VPolicy(_ORDERS[0], alternate=True, lifespan_slack=0),
+)
+
+# Candidates, most often best first (large problems try only a prefix): paced and lifespan-capped
+# policies lead (they win under tight limits), then the rest of the grid and the plain ones.
+MEMORY_POLICIES: tuple[VPolicy, ...] = _LEADING + tuple(
+    policy
+    for policy in (
+        *(
+            VPolicy(order, alternate=alternate, lifespan_slack=slack)
+            for slack in (0, 1, 2, 3)
+            for order in _ORDERS[:2]
+            for alternate in (False, True)
+        ),
+        VPolicy(_ORDERS[0]),
+        VPolicy(_ORDERS[2]),
+        VPolicy(_ORDERS[0], alternate=True, guard=True),
+    )
+    if policy not in _LEADING
+)
+
+
+def half_memory_microbatches(stages: int) -> int:
+    """V-Half's peak activation memory in microbatches (units of one rank-stage's M_B)."""
+    return (stages + 2) // 2
+
+
+def min_memory_microbatches(stages: int) -> int:
+    """V-Min's peak activation memory in microbatches (units of one rank-stage's M_B)."""
+    return (stages + 4) // 3
+
+
+def build_with_memory(
+    name: str, stages: int, microbatches: int, costs: CostModel, microbatches_in_memory: float
+) -> Schedule:
+    """A V schedule whose every rank holds at most ``microbatches_in_memory`` of its own M_B.
+
+    Rank ``r``'s limit is that many times the activation memory of one microbatch on its two chunks
+    (so per-stage memory lists give per-rank limits), or the user's limit where that is smaller.
+    """
+    if microbatches_in_memory < 1:
+        raise ScheduleError(
+            f"{name} needs room for at least one microbatch per rank, got {microbatches_in_memory}"
+        )
+    placement = Placement.vshape(stages)
+    resolved = costs.resolve(placement)
+    limits = []
+    for rank in range(stages):
+        own = microbatches_in_memory * sum(resolved.mem_b[s] for s in placement.stages_of(rank))
+        if own <= 0:  # this rank allocates nothing, so any positive limit holds
+            own = resolved.memory_limit[rank] if resolved.memory_limit[rank] < float("inf") else 1.0
+        limits.append(min(own, resolved.memory_limit[rank]))
+    planned = costs.with_memory_limit(limits)
+    meta = {"memory_microbatches": microbatches_in_memory}
+    return search_v_schedule(name, stages, microbatches, planned, MEMORY_POLICIES, meta)
+
+
+def _check_chunks(name: str, chunks: int) -> None:
+    if chunks != 2:
+        raise ScheduleError(f"{name} runs exactly 2 chunks per rank (the V); got chunks={chunks}")
+
+
+def build_half(stages: int, microbatches: int, costs: CostModel, chunks: int = 2) -> Schedule:
+    """V-Half: about half of 1F1B's activation memory and half of its bubble."""
+    _check_chunks("v-half", chunks)
+    return build_with_memory("v-half", stages, microbatches, costs, half_memory_microbatches(stages))
+
+
+def build_min(stages: int, microbatches: int, costs: CostModel, chunks: int = 2) -> Schedule:
+    """V-Min: about a third of 1F1B's activation memory, about two thirds of its bubble."""
+    _check_chunks("v-min", chunks)
+    return build_with_memory("v-min", stages, microbatches, costs, min_memory_microbatches(stages))
+
+
+__all__ = [
+    "MEMORY_POLICIES",
+    "build_half",
+    "build_min",
+    "build_with_memory",
+    "half_memory_microbatches",
+    "min_memory_microbatches",
+]
