@@ -1,0 +1,315 @@
+"""Point-to-point transfers between pipeline ranks.
+
+Every ordered pair of ranks that exchanges tensors gets its own process group used in one direction
+only, so a channel is a FIFO: the sender posts its messages in its program order and the receiver
+posts receives in that same order (it knows the sender's program).  Matching is therefore
+unambiguous without tags — which NCCL ignores anyway — and a receive posted early never blocks a
+transfer going the other way.
+
+A message is the tuple of tensors crossing one stage boundary for one microbatch: activations
+forward (``direction 0``), input gradients backward (``direction 1``).  On the first step (always,
+with ``static_shapes=False``) each message is preceded by a small int64 header with the dtypes and
+shapes; afterwards the shapes are cached and the receiver posts its buffers ahead of time
+(``lookahead`` messages per channel), so transfers overlap compute.
+
+Every wait has a timeout: a dead or failed peer makes the survivors raise :class:`PipelineError`
+instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..schedule.ir import Kind, Schedule
+from . import PipelineError
+
+MessageKey = tuple[int, int, int]
+"""``(direction, boundary, microbatch)``: direction 0 = activations of stage ``boundary`` going to
+``boundary + 1``, 1 = the input gradient of stage ``boundary + 1`` going back to ``boundary``."""
+
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+HEADER_LENGTH = 64
+_SETUP_TIMEOUT = 120.0  # connecting a channel may wait for a peer still finishing other work
+
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+
+
+def encode_header(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The header of a message: ``[count, (dtype code, ndim, *shape) per tensor]``, zero-padded."""
+    header = [len(tensors)]
+    for tensor in tensors:
+        if tensor.dtype not in _DTYPE_CODE:
+            raise PipelineError(f"cannot send a tensor of dtype {tensor.dtype} between stages")
+        header += [_DTYPE_CODE[tensor.dtype], tensor.dim(), *tensor.shape]
+    if len(header) > HEADER_LENGTH:
+        raise PipelineError(
+            f"a stage passes {len(tensors)} tensors with {len(header)} header entries in all; "
+            f"at most {HEADER_LENGTH} fit — pass fewer or lower-dimensional tensors"
+        )
+    return header + [0] * (HEADER_LENGTH - len(header))
+
+
+def decode_header(header: Sequence[int]) -> list[TensorSpec]:
+    """Inverse of :func:`encode_header`."""
+    specs, position = [], 1
+    for _ in range(header[0]):
+        dtype, ndim = _DTYPES[header[position]], header[position + 1]
+        specs.append((tuple(header[position + 2 : position + 2 + ndim]), dtype))
+        position += 2 + ndim
+    return specs
+
+
+def channel_messages(schedule: Schedule, src: int, dst: int) -> list[MessageKey]:
+    """The messages rank ``src`` sends to rank ``dst`` in one step, in the order it sends them."""
+    placement, last = schedule.placement, schedule.num_stages - 1
+    messages = []
+    for op in schedule.programs[src]:
+        s, j = op.stage, op.microbatch
+        if op.kind is Kind.F and s < last and placement.rank_of(s + 1) == dst:
+            messages.append((0, s, j))
+        elif op.computes_input_grad and s > 0 and placement.rank_of(s - 1) == dst:
+            messages.append((1, s - 1, j))
+    return messages
+
+
+def directed_pairs(schedule: Schedule) -> list[tuple[int, int]]:
+    """Every ``(src, dst)`` pair of ranks that exchange tensors, in a fixed order."""
+    pairs = set()
+    for s in range(schedule.num_stages - 1):
+        a, b = schedule.placement.rank_of(s), schedule.placement.rank_of(s + 1)
+        if a != b:
+            pairs.update({(a, b), (b, a)})
+    return sorted(pairs)
+
+
+class _Pending:
+    """One message whose receive is posted: its works and the buffers they fill."""
+
+    __slots__ = ("works", "tensors")
+
+    def __init__(self, works: list, tensors: list[torch.Tensor]):
+        self.works = works
+        self.tensors = tensors
+
+
+class Comm:
+    """The point-to-point channels of one rank for one schedule.
+
+    ``group`` is the pipeline's process group (its rank ``i`` runs ``schedule.programs[i]``).
+    Creating a Comm is collective: every rank of the world (``new_group`` needs all of them) must
+    create one for the same schedule, in the same order as other Comms.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        timeout: float,
+        static_shapes: bool = True,
+        lookahead: int = 2,
+    ):
+        self.rank = dist.get_rank(group)
+        self.device = device
+        self.timeout = timeout
+        self.static_shapes = static_shapes
+        self.lookahead = lookahead
+        self.recorder = None
+        self._wait_timeout = timedelta(seconds=timeout)
+        self._groups = self._connect(directed_pairs(schedule), group)
+        self._handshake(sorted(self._groups))
+        self._incoming = {
+            src: channel_messages(schedule, src, self.rank) for src, dst in self._groups if dst == self.rank
+        }
+        self._source = {key: src for src, keys in self._incoming.items() for key in keys}
+        self._shapes: dict[tuple[int, int], list[TensorSpec]] = {}
+        self._queues: dict[int, deque[MessageKey]] = {}
+        self._posted: dict[MessageKey, _Pending] = {}
+        self._sends: deque[tuple[list, tuple[torch.Tensor, ...]]] = deque()
+        self._headers = True
+
+    def _connect(self, pairs: list[tuple[int, int]], group) -> dict[tuple[int, int], tuple[dist.ProcessGroup, int]]:
+        """One process group per directed pair; this rank keeps its own as ``(src, dst) -> (group, peer)``.
+
+        ``new_group`` is collective over the whole world, so every rank creates every pair's group in
+        the same order.  NCCL enforces the pipeline timeout through its watchdog; gloo gets a longer
+        one for connecting (a peer may still be busy) and each wait carries the pipeline timeout.
+        """
+        nccl = dist.get_backend(group) == "nccl"
+        setup = timedelta(seconds=self.timeout if nccl else max(self.timeout, _SETUP_TIMEOUT))
+        to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        groups = {}
+        for src, dst in pairs:
+            subgroup = dist.new_group(sorted((to_global(src), to_global(dst))), timeout=setup)
+            if self.rank in (src, dst):
+                groups[(src, dst)] = (subgroup, to_global(dst if self.rank == src else src))
+        return groups
+
+    def _handshake(self, pairs: list[tuple[int, int]]) -> None:
+        """Exchange one tiny message per channel, pair by pair in one global order.
+
+        This connects every channel up front (NCCL creates point-to-point communicators lazily and
+        blockingly, which could otherwise interlock two ranks' first sends) and proves each peer is
+        alive before the first step.  A fixed global order of pairwise exchanges cannot deadlock.
+        """
+        token = torch.zeros(1, device=self.device)
+        for src, dst in pairs:
+            if self.rank not in (src, dst):
+                continue
+            group, peer = self._groups[(src, dst)]
+            operation = dist.isend if self.rank == src else dist.irecv
+            try:
+                work = operation(token, peer, group=group)
+            except RuntimeError as error:
+                raise self._failure(f"connecting to rank {peer}", error) from error
+            self._wait(work, f"rank {peer} to connect")
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def start_step(self, first: bool) -> None:
+        """Prepare the channels for a step; post the first receives when shapes are known."""
+        self._headers = first or not self.static_shapes
+        self._queues = {src: deque(keys) for src, keys in self._incoming.items()}
+        self._posted.clear()
+        if not self._headers:
+            for src in self._queues:
+                self._post(src, self.lookahead)
+
+    def finish_step(self) -> None:
+        """Wait until every send of the step has left; check every message was received."""
+        for works, _ in self._sends:
+            for work in works:
+                self._wait(work, "a send to finish")
+        self._sends.clear()
+        unread = [key for queue in self._queues.values() for key in queue] + list(self._posted)
+        if unread:
+            raise PipelineError(f"rank {self.rank}: messages {unread[:4]} were never consumed this step")
+
+    def abort_step(self) -> None:
+        """Forget the step's state after a failure (the pipeline is unusable afterwards)."""
+        self._sends.clear()
+        self._posted.clear()
+        self._queues.clear()
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def send(self, key: MessageKey, dst: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Post the transfer of ``tensors`` (message ``key``) to rank ``dst``; returns at once."""
+        group, peer = self._groups[(self.rank, dst)]
+        tensors = tuple(t.contiguous() for t in tensors)
+        if self._headers:
+            self._shapes[key[:2]] = [(tuple(t.shape), t.dtype) for t in tensors]
+            header = torch.tensor(encode_header(tensors), dtype=torch.int64, device=self.device)
+            tensors = (header, *tensors)
+        else:
+            self._check_shapes(key, tensors)
+        try:
+            works = [dist.isend(t, peer, group=group) for t in tensors]
+        except RuntimeError as error:
+            raise self._failure(f"sending message {key} to rank {dst}", error) from error
+        self._release_sent()
+        self._sends.append((works, tensors))
+
+    def _release_sent(self) -> None:
+        sends = self._sends
+        while sends and all(work.is_completed() for work in sends[0][0]):
+            sends.popleft()
+
+    def _check_shapes(self, key: MessageKey, tensors: tuple[torch.Tensor, ...]) -> None:
+        expected = self._shapes.get(key[:2])
+        actual = [(tuple(t.shape), t.dtype) for t in tensors]
+        if expected != actual:
+            direction, s, j = key
+            what = "activations" if direction == 0 else "input gradients"
+            raise PipelineError(
+                f"the {what} passed between stages {s} and {s + 1} (microbatch {j}) changed from "
+                f"{_describe(expected)} on the first step to {_describe(actual)}; the pipeline caches "
+                "shapes after the first step — keep batch shapes fixed or pass static_shapes=False"
+            )
+
+    # -- receiving -------------------------------------------------------------------------------
+
+    def recv(self, key: MessageKey) -> tuple[torch.Tensor, ...]:
+        """The tensors of message ``key``, waiting for them if needed (up to the timeout)."""
+        src = self._source[key]
+        while key not in self._posted:
+            if not self._queues[src]:
+                raise PipelineError(f"rank {self.rank}: message {key} from rank {src} was already consumed")
+            self._post(src, 1)
+        pending = self._posted.pop(key)
+        recorder = self.recorder
+        started = time.perf_counter() if recorder is not None else 0.0
+        for work in pending.works:
+            self._wait(work, lambda: _describe_key(key, src))
+        if recorder is not None:
+            recorder.wait(key, started, time.perf_counter())
+        if not self._headers:
+            self._post(src, self.lookahead - self._posted_ahead(src))
+        return tuple(pending.tensors)
+
+    def _posted_ahead(self, src: int) -> int:
+        return sum(1 for key in self._posted if self._source[key] == src)
+
+    def _post(self, src: int, count: int) -> None:
+        queue = self._queues[src]
+        group, peer = self._groups[(src, self.rank)]
+        for _ in range(min(count, len(queue))):
+            key = queue.popleft()
+            if self._headers:
+                specs = self._receive_header(key, src, group, peer)
+            else:
+                specs = self._shapes[key[:2]]
+            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
+            try:
+                works = [dist.irecv(b, peer, group=group) for b in buffers]
+            except RuntimeError as error:
+                raise self._failure(f"posting the receive of {_describe_key(key, src)}", error) from error
+            self._posted[key] = _Pending(works, buffers)
+
+    def _receive_header(self, key: MessageKey, src: int, group, peer: int) -> list[TensorSpec]:
+        header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)
+        what = _describe_key(key, src) + " (its shape header)"
+        try:
+            work = dist.irecv(header, peer, group=group)
+        except RuntimeError as error:
+            raise self._failure(f"posting the receive of {what}", error) from error
+        self._wait(work, what)
+        specs = decode_header(header.tolist())
+        self._shapes[key[:2]] = specs
+        return specs
+
+    def _wait(self, work, what: str | Callable[[], str]) -> None:
+        """Wait for ``work`` up to the timeout; ``what`` (or what it returns) names it in the error."""
+        try:
+            work.wait(self._wait_timeout)
+        except RuntimeError as error:
+            raise self._failure(f"waiting for {what if isinstance(what, str) else what()}", error) from error
+
+    def _failure(self, what: str, error: Exception) -> PipelineError:
+        return PipelineError(
+            f"rank {self.rank}: {what} failed (timeout {self.timeout:g} s) — "
+            f"a peer rank probably died or stopped with an error ({type(error).__name__}: {error})"
+        )
+
+
+def _describe(specs: list[TensorSpec] | None) -> str:
+    if specs is None:
+        return "nothing"
+    return ", ".join(f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in specs)
+
+
+def _describe_key(key: MessageKey, src: int) -> str:
+    direction, s, j = key
+    if direction == 0:
+        return f"the activations of stage {s} for stage {s + 1} (microbatch {j}) from rank {src}"
+    return f"the input gradient of stage {s + 1} for stage {s} (microbatch {j}) from rank {src}"

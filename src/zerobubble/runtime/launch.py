@@ -1,0 +1,146 @@
+"""Starting the ranks of a pipeline on this machine.
+
+Under ``torchrun`` every process already knows its rank from the environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and :func:`init_distributed` just
+joins the process group.  Otherwise :func:`launch` spawns one process per rank on a free loopback
+port, runs a function in each and returns the per-rank results to the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import PipelineError
+
+
+class RankFailure(PipelineError):
+    """A spawned rank raised or died; ``results`` holds what the other ranks returned (rank → result)."""
+
+    def __init__(self, message: str, results: dict[int, Any]):
+        super().__init__(message)
+        self.results = results
+
+
+def under_launcher() -> bool:
+    """True when the environment names this process's rank (torchrun or :func:`launch`)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA devices are available, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def local_device(backend: str) -> torch.device:
+    """The device this rank computes on: ``cuda:LOCAL_RANK`` for NCCL, else the CPU."""
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None = None, timeout: float = 300.0) -> str:
+    """Join the default process group from the environment unless already joined; returns the backend."""
+    if dist.is_initialized():
+        return dist.get_backend()
+    if not under_launcher():
+        raise PipelineError(
+            "torch.distributed is not initialised and RANK/WORLD_SIZE are not set: run the script under "
+            "torchrun, or start the ranks with zerobubble.runtime.launch.launch"
+        )
+    backend = backend or default_backend()
+    local_device(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    return backend
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    threads: int | None = 1,
+    timeout: float | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` in ``nprocs`` spawned ranks and return their results in rank order.
+
+    Each rank gets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and a free loopback ``MASTER_PORT`` in
+    its environment (so :func:`init_distributed` works inside ``fn``), and ``threads`` intra-op
+    threads.  ``fn`` must be importable (a module-level function).  A rank that raises or dies makes
+    this raise :class:`RankFailure` with its traceback once every rank has stopped; ``timeout``
+    (seconds) bounds the whole run.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_rank_entry, args=(rank, nprocs, port, threads, fn, tuple(args), results), daemon=True)
+        for rank in range(nprocs)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = _collect(processes, results, timeout)
+    failures = [f"rank {rank}:\n{text}" for rank, (ok, text) in sorted(outcomes.items()) if not ok]
+    if failures:
+        succeeded = {rank: result for rank, (ok, result) in outcomes.items() if ok}
+        raise RankFailure("a spawned rank failed\n" + "\n".join(failures), succeeded)
+    return [outcomes[rank][1] for rank in range(nprocs)]
+
+
+def _collect(processes, results, timeout: float | None) -> dict[int, tuple[bool, Any]]:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    while len(outcomes) < len(processes):
+        try:
+            rank, ok, payload = results.get(timeout=0.1)
+            outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
+            continue
+        except queue_module.Empty:
+            pass
+        if all(not p.is_alive() for p in processes) and results.empty():
+            for rank, process in enumerate(processes):
+                outcomes.setdefault(rank, (False, f"exited with code {process.exitcode} without a result"))
+        if deadline is not None and time.monotonic() > deadline:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+            for rank in range(len(processes)):
+                outcomes.setdefault(rank, (False, f"still running after the {timeout} s limit; killed"))
+    for process in processes:
+        process.join(timeout=5)
+    return outcomes
+
+
+def _rank_entry(rank: int, world: int, port: int, threads: int | None, fn, args, results) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        payload = pickle.dumps(fn(*args))
+        results.put((rank, True, payload))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,261 @@
+"""Helpers for the multi-process runtime tests: test models, a reference backward, rank workers.
+
+Workers are module-level functions so spawned ranks can import them; each runs many cases in one
+spawn (the machine has two cores) and returns plain Python numbers to the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerobubble.runtime import PipelineError
+from zerobubble.runtime.launch import init_distributed, launch
+from zerobubble.schedule import REGISTRY, ScheduleError, build_schedule
+
+VOCAB, WIDTH, SEQ = 11, 8, 3
+
+
+def available_schedules() -> list[str]:
+    """Registry names whose builder module exists already (others are being written)."""
+    names = []
+    for name, spec in REGISTRY.items():
+        if name == "zb-ilp":
+            continue
+        try:
+            spec.load()
+        except ImportError:
+            continue
+        names.append(name)
+    return names
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 170.0) -> list:
+    """``fn(*args)`` on ``world_size`` spawned gloo ranks (one thread each); per-rank results."""
+    return launch(fn, world_size, args, threads=1, timeout=timeout)
+
+
+# -- test models ------------------------------------------------------------------------------------
+
+
+class TokenEmbed(nn.Module):
+    """int tokens -> (hidden, skip, tokens): a tuple with a float skip path and an int tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+
+    def forward(self, tokens):
+        hidden = self.embed(tokens)
+        return hidden, hidden * 0.5, tokens
+
+
+class LinearNorm(nn.Module):
+    """Linear + LayerNorm on the hidden path; the skip path picks up a scaled copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, hidden, skip, tokens):
+        hidden = self.norm(torch.tanh(self.fc(hidden))) + skip
+        return hidden, skip + 0.1 * hidden, tokens
+
+
+class AddmmProjection(nn.Module):
+    """A projection whose weight is used through torch.addmm (not nn.Linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.bias = nn.Parameter(torch.randn(WIDTH) * 0.1)
+
+    def forward(self, hidden, skip, tokens):
+        flat = torch.addmm(self.bias, hidden.reshape(-1, WIDTH), self.weight)
+        return flat.view_as(hidden) + skip, skip, tokens
+
+
+class OutputHead(nn.Module):
+    """Merges the tuple and projects to logits (a Linear without bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, hidden, skip, tokens):
+        return self.head(self.norm(hidden + skip)) + 0.01 * tokens.unsqueeze(-1).float()
+
+
+def rich_layers(seed: int) -> list[nn.Module]:
+    """Eight layers passing tuples, with Embedding, LayerNorm, Linear and addmm parameters."""
+    torch.manual_seed(seed)
+    middle = [LinearNorm() if i % 3 != 1 else AddmmProjection() for i in range(6)]
+    return [TokenEmbed(), *middle, OutputHead()]
+
+
+def token_loss(logits, targets):
+    """Mean cross-entropy over all positions."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def rich_batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens and targets for :func:`rich_layers`."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randint(VOCAB, (batch, SEQ), generator=generator),
+            torch.randint(VOCAB, (batch, SEQ), generator=generator))
+
+
+def reference(layers: list[nn.Module], inputs, targets) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of the whole model on the whole batch, plain autograd."""
+    values = inputs
+    for layer in layers:
+        values = layer(*values) if isinstance(values, tuple) else layer(values)
+    loss = token_loss(values, targets)
+    loss.backward()
+    model = nn.Sequential(*layers)
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``‖actual − expected‖ / ‖expected‖`` (absolute when the expectation is zero)."""
+    scale = expected.norm().item()
+    return (actual - expected).norm().item() / (scale if scale > 0 else 1.0)
+
+
+# -- rank workers ----------------------------------------------------------------------------------
+
+
+def gradient_cases(cases: list[tuple]) -> dict:
+    """For each ``(schedule, microbatches, chunks, partition[, static_shapes])``: errors of loss and gradients.
+
+    Returns ``{case index: {"loss": rel error or None, "grads": {name: rel error}}}`` or
+    ``{"skipped": reason}`` when the builder rejects the size.
+    """
+    init_distributed(backend="gloo", timeout=60)
+    from zerobubble import Pipeline
+
+    results = {}
+    for index, (name, microbatches, chunks, partition, *static) in enumerate(cases):
+        inputs, targets = rich_batch(2 * microbatches, seed=index)
+        expected_loss, expected_grads = reference(rich_layers(seed=index), inputs, targets)
+        schedule = name
+        if name.startswith("object:"):  # a Schedule object instead of a registry name
+            schedule = build_schedule(name.split(":", 1)[1], int(os.environ["WORLD_SIZE"]), microbatches)
+        try:
+            pipe = Pipeline(rich_layers(seed=index), schedule=schedule, microbatches=microbatches, loss_fn=token_loss,
+                            chunks=chunks, partition=partition, timeout=60, static_shapes=static[0] if static else True)
+        except PipelineError as error:
+            if isinstance(error.__cause__, ScheduleError):
+                results[index] = {"skipped": str(error)}
+                continue
+            raise
+        loss = pipe.step(inputs, targets)
+        grads = {n: relative_error(p.grad, expected_grads[n]) for n, p in pipe.named_parameters()}
+        results[index] = {
+            "loss": None if loss is None else abs(loss.item() - expected_loss) / abs(expected_loss),
+            "grads": grads,
+            "second_step": _second_step_error(pipe, inputs, targets, expected_grads),
+            "recorded": pipe.recorder.counts,
+            "leftover": sum(len(state.saved) + len(state.store.pending_keys())
+                            for state in pipe._executor.stages.values()),
+            "program_length": len(pipe.schedule.programs[pipe.rank]),
+            "state_keys": list(pipe.state_dict()),
+            "loaded": _load_error(pipe, index),
+            "expected_state_keys": [k for k in nn.Sequential(*rich_layers(index)).state_dict()
+                                    if k.split(".")[0] in {n.split(".")[0] for n, _ in pipe.named_parameters()}],
+        }
+    return results
+
+
+def _load_error(pipe, seed: int) -> float:
+    """Loading a whole-model checkpoint sets exactly this rank's parameters (largest difference)."""
+    other = nn.Sequential(*rich_layers(seed + 1000))
+    pipe.load_state_dict(other.state_dict())
+    wanted = dict(other.named_parameters())
+    return max((float((p - wanted[n]).abs().max()) for n, p in pipe.named_parameters()), default=0.0)
+
+
+class CountingRecorder:
+    """Counts the ops and transfer waits the executor reports."""
+
+    def __init__(self):
+        self.counts = {"ops": 0, "waits": 0, "negative": 0}
+
+    def op(self, op, start: float, end: float) -> None:
+        self.counts["ops"] += 1
+        self.counts["negative"] += end < start
+
+    def wait(self, key, start: float, end: float) -> None:
+        self.counts["waits"] += 1
+        self.counts["negative"] += end < start
+
+
+def _second_step_error(pipe, inputs, targets, expected_grads) -> float:
+    """A second step (cached shapes, prefetched receives, a recorder) on zeroed grads gives the same gradients."""
+    pipe.zero_grad()
+    pipe.recorder = CountingRecorder()
+    pipe.step(inputs, targets)
+    return max((relative_error(p.grad, expected_grads[n]) for n, p in pipe.named_parameters()), default=0.0)
+
+
+def error_cases(cases: list[str]) -> dict[str, str]:
+    """Provoke each user error in turn; return each case's PipelineError message (or 'no error').
+
+    Cases where only one rank fails leave the others waiting: they give up after the short
+    pipeline timeout and go on with the next case on fresh channels.
+    """
+    init_distributed(backend="gloo", timeout=30)
+    return {case: _error_case(case) for case in cases}
+
+
+def _error_case(case: str) -> str:
+    from zerobubble import Pipeline
+
+    rank = int(os.environ["RANK"])
+    inputs, targets = rich_batch(8, seed=0)
+    options = {"loss_fn": token_loss, "timeout": 2}
+    try:
+        if case == "world_size":
+            Pipeline(rich_layers(0), schedule=build_schedule("1f1b", 4, 4), **options)
+        elif case == "batch_split":
+            Pipeline(rich_layers(0), schedule="1f1b", microbatches=3, **options).step(inputs, targets)
+        elif case == "invalid_schedule":
+            good = build_schedule("1f1b", 2, 4)
+            bad = type(good)(good.name, good.placement, good.microbatches, (good.programs[0], good.programs[1][1:]))
+            Pipeline(rich_layers(0), schedule=bad, **options)
+        elif case == "loss_not_scalar":
+            options["loss_fn"] = lambda out, tgt: F.cross_entropy(out.flatten(0, 1), tgt.flatten(), reduction="none")
+            Pipeline(rich_layers(0), schedule="1f1b", microbatches=4, **options).step(inputs, targets)
+        elif case == "shape_mismatch":
+            layers = [nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(2 * WIDTH, VOCAB)]
+            Pipeline(layers, schedule="1f1b", microbatches=4, partition=[2], **options).step(inputs, targets)
+        elif case == "dtype_mismatch":
+            layers = [nn.Embedding(VOCAB, WIDTH).double(), nn.Linear(WIDTH, VOCAB)]
+            Pipeline(layers, schedule="zb-h1", microbatches=4, **options).step(inputs, targets)
+        elif case == "shape_changed":
+            pipe = Pipeline(rich_layers(0), schedule="1f1b", microbatches=4, **options)
+            pipe.step(inputs, targets)
+            pipe.step(*rich_batch(16, seed=1))
+        elif case in ("stalled_rank", "killed_rank"):
+            pipe = Pipeline(rich_layers(0), schedule="1f1b", microbatches=4, **options)
+            pipe.step(inputs, targets)
+            if rank == 1:
+                time.sleep(5)
+                if case == "killed_rank":
+                    os._exit(3)
+            started = time.monotonic()
+            try:
+                pipe.step(inputs, targets)
+            except PipelineError as error:
+                return f"after {time.monotonic() - started:.1f}s: {error}"
+        else:
+            raise ValueError(f"unknown error case {case!r}")
+    except PipelineError as error:
+        return str(error)
+    return "no error"

@@ -1,0 +1,71 @@
+"""User errors and failures give a clear PipelineError before or at the first step — never a hang."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+
+from _dist import error_cases, run_ranks
+from zerobubble.runtime.launch import RankFailure
+
+pytestmark = pytest.mark.multiprocess
+
+SEQUENTIAL = ["world_size", "batch_split", "invalid_schedule", "loss_not_scalar", "shape_mismatch",
+              "dtype_mismatch", "shape_changed", "stalled_rank"]
+
+
+@functools.lru_cache(maxsize=None)
+def _messages() -> list[dict[str, str]]:
+    return run_ranks(error_cases, 2, SEQUENTIAL, timeout=150)
+
+
+def test_world_size_that_the_schedule_does_not_fit():
+    for messages in _messages():
+        assert "needs 4 ranks but the process group has 2" in messages["world_size"]
+
+
+def test_batch_that_does_not_split_into_microbatches():
+    for messages in _messages():
+        assert "does not split into 3 equal microbatches" in messages["batch_split"]
+
+
+def test_schedule_that_fails_validation():
+    for messages in _messages():
+        assert "cannot run" in messages["invalid_schedule"] and "F1.0 is missing" in messages["invalid_schedule"]
+
+
+def test_loss_that_is_not_a_scalar():
+    last_rank = _messages()[1]["loss_not_scalar"]
+    assert "loss_fn must return a scalar tensor" in last_rank and "[6]" in last_rank
+    assert "failed (timeout 2 s)" in _messages()[0]["loss_not_scalar"]
+
+
+@pytest.mark.parametrize("case, detail", [("shape_mismatch", "shapes cannot be multiplied"),
+                                          ("dtype_mismatch", "Double and Float")])
+def test_mismatch_between_stages_names_both_stages(case, detail):
+    message = _messages()[1][case]
+    assert "forward of stage 1" in message and "from stage 0 (rank 0)" in message and detail in message
+    assert "[2, 3, 8]" in message
+
+
+def test_shapes_that_change_after_the_first_step():
+    message = _messages()[0]["shape_changed"]
+    assert "between stages 0 and 1" in message and "changed from [2, 3, 8] float32" in message
+    assert "static_shapes=False" in message
+
+
+def test_stalled_rank_times_out_instead_of_hanging():
+    message = _messages()[0]["stalled_rank"]
+    waited = float(re.match(r"after ([0-9.]+)s", message).group(1))
+    assert 1.5 <= waited <= 4.5 and "failed (timeout 2 s)" in message
+
+
+def test_killed_rank_makes_the_survivor_stop():
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(error_cases, 2, ["killed_rank"], timeout=60)
+    assert "exited with code 3" in str(failure.value)
+    message = failure.value.results[0]["killed_rank"]
+    waited = float(re.match(r"after ([0-9.]+)s", message).group(1))
+    assert waited <= 4.5 and "a peer rank probably died" in message

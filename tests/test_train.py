@@ -1,0 +1,47 @@
+"""The built-in GPT trains end to end on the synthetic corpus with a pipeline schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from _dist import available_schedules
+from zerobubble.models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
+from zerobubble.train import TrainConfig, run_training
+
+
+def test_corpus_is_seeded_and_shifted():
+    first, second = MarkovCorpus(16, 8, seed=3), MarkovCorpus(16, 8, seed=3)
+    inputs, targets = first.batch(4)
+    again, _ = second.batch(4)
+    assert torch.equal(inputs, again)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    successors = {(int(a), int(b)) for a, b in zip(inputs.flatten(), targets.flatten())}
+    assert all(b in first.successors[a].tolist() for a, b in successors)
+
+
+def test_gpt_layers_start_at_chance_level():
+    config = GPTConfig(vocab=32, seq_len=8, dim=16, heads=2, n_layers=2)
+    layers = gpt_layers(config)
+    assert len(layers) == config.n_layers + 2
+    tokens = torch.randint(32, (4, 8))
+    values = tokens
+    for layer in layers:
+        values = layer(values)
+    assert values.shape == (4, 8, 32)
+    assert abs(lm_loss(values, tokens).item() - math.log(32)) < 1.0
+
+
+@pytest.mark.multiprocess
+def test_run_training_spawns_ranks_and_the_loss_drops():
+    schedule = "zb-v" if "zb-v" in available_schedules() else "1f1b"
+    config = TrainConfig(schedule=schedule, ranks=2, steps=25, microbatches=4, batch_size=16, seq_len=16, vocab=32,
+                         dim=32, heads=2, layers=2, lr=1e-2, progress=False, timeout=60)
+    summary = run_training(config)
+    assert summary.schedule == schedule and summary.ranks == 2 and len(summary.losses) == 25
+    assert summary.first_loss == pytest.approx(summary.losses[0])
+    assert summary.first_loss > math.log(32) - 0.5
+    assert summary.last_loss < summary.first_loss - 1.0, summary.losses
+    assert 0.0 <= summary.predicted_bubble < 1.0 and summary.step_time > 0
