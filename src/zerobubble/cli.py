@@ -187,12 +187,44 @@ def _format_comparison(rows, stages: int, microbatches: int, optimizer: str) -> 
     return "\n".join(lines)
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    from .train import TrainConfig, run_training
+_TRAIN_OPTIONS = (
+    ("--schedule", str, "schedule name (default zb-v)"),
+    ("--ranks", int, "local ranks to start when not under torchrun (default 2)"),
+    ("--steps", int, "training steps (default 50)"),
+    ("--microbatches", int, "microbatches per step (default 4)"),
+    ("--batch-size", int, "sequences per step (default 16)"),
+    ("--seq-len", int, "tokens per sequence (default 32)"),
+    ("--vocab", int, "vocabulary size (default 64)"),
+    ("--dim", int, "model width (default 64)"),
+    ("--heads", int, "attention heads (default 4)"),
+    ("--layers", int, "transformer blocks (default 4)"),
+    ("--chunks", int, "chunks per rank for interleaved-1f1b"),
+    ("--seed", int, "random seed (default 0)"),
+    ("--lr", float, "AdamW learning rate (default 3e-3)"),
+    ("--backend", str, "gloo or nccl (default: nccl with CUDA, else gloo)"),
+    ("--timeout", float, "seconds before a stuck rank is an error (default 120)"),
+)
 
-    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None})
-    run_training(config)
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, kind, helptext in _TRAIN_OPTIONS:
+        parser.add_argument(flag, type=kind, help=helptext)
+    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import TrainConfig, print_summary, run_training
+
+    given = {key: value for key, value in vars(args).items() if value is not None}
+    config = TrainConfig(**{key: given[key] for key in TrainConfig.__dataclass_fields__ if key in given})
+    print_summary(run_training(config))
     return 0
+
+
+def _is_user_error(error: Exception) -> bool:
+    """Bad values, and the runtime's PipelineError family (only importable once torch is loaded)."""
+    runtime = sys.modules.get("zerobubble.runtime")
+    return isinstance(error, ValueError) or (runtime is not None and isinstance(error, runtime.PipelineError))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--ilp", action="store_true", help="also solve the integer program (zb-ilp)")
     compare.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
     compare.set_defaults(run=_cmd_compare)
+
+    train = commands.add_parser("train", help="train the built-in GPT on local ranks (or under torchrun)")
+    _add_train_arguments(train)
+    train.set_defaults(run=_cmd_train)
     return parser
 
 
@@ -240,6 +276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return args.run(args)
     except (UsageError, ScheduleError) as error:
+        print(f"zerobubble: error: {error}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError) as error:
+        if not _is_user_error(error):
+            raise
         print(f"zerobubble: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,7 +12,6 @@ available, one device per local rank).
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from dataclasses import dataclass, field, fields
@@ -173,27 +172,11 @@ class _progress:
             self._bar.stop()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m zerobubble.train``: parse :class:`TrainConfig` fields from flags and train."""
-    parser = argparse.ArgumentParser(description="Train the built-in GPT with a pipeline schedule.")
-    defaults = TrainConfig()
-    for item in fields(TrainConfig):
-        default = getattr(defaults, item.name)
-        flag = "--" + item.name.replace("_", "-")
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            kind = {"chunks": int, "backend": str}.get(item.name, type(default))
-            parser.add_argument(flag, type=kind, default=default)
-    config = TrainConfig(**vars(parser.parse_args(argv)))
-    summary = run_training(config)
+def print_summary(summary: TrainSummary) -> None:
+    """Print the summary once: on rank 0, or in the launching process."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         from rich.console import Console
 
         Console().print("\n".join(summary.lines()))
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

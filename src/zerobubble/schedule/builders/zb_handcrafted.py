@@ -11,6 +11,11 @@ gradient, which nobody waits for) and use W to fill the idle time 1F1B leaves.
   and holds back the first ``2r`` W ops for the cool-down.  Peak memory is ``(2p−1)·M_B``; with
   ``T_comm = 0`` the iteration-time bubble is ``(p−1)(T_F+T_B−2T_W)`` while that is ≥ 0.
 
+Those closed forms hold with ``T_comm = 0`` when ``T_W ≤ min(T_F, T_B)`` (the paper's setting) and
+``m ≥ p`` (ZB-H1) or ``m ≥ 2p−1`` (ZB-H2).  With transfer time ZB-H2's bubble becomes
+``(p−1)(T_F+T_B+2T_comm−2T_W)`` (the figure the paper's Table 5 uses); ZB-H1's grows by at least
+``2(p−1)T_comm`` because its cool-down waits on the transfers.
+
 Small microbatch counts: the warm-up is capped at ``m``.  With ``m ≤ p−1−r`` (ZB-H1) or
 ``m ≤ 2(p−1−r)`` (ZB-H2) a rank runs all its forwards first, then all its B ops, and holds back only
 the W ops its threshold asks for (the rest follow their B directly), i.e. the schedule becomes
