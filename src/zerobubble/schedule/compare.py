@@ -25,13 +25,19 @@ SLOW_SCHEDULES = frozenset({"zb-ilp"})
 
 @dataclass(frozen=True)
 class ComparisonRow:
-    """One schedule's numbers in a comparison (``error`` set and numbers ``None`` when it failed)."""
+    """One schedule's numbers in a comparison (``error`` set and numbers ``None`` when it failed).
+
+    ``period`` is the iteration period under the comparison's optimizer mode; ``period_sync`` and
+    ``period_post_validation`` give both modes (see :func:`iteration_period`).
+    """
 
     schedule: str
     chunks: int | None = None
     iteration_time: float | None = None
     makespan: float | None = None
     period: float | None = None
+    period_sync: float | None = None
+    period_post_validation: float | None = None
     bubble_rate: float | None = None
     bubble_rate_makespan: float | None = None
     peak_memory: float | None = None
@@ -104,6 +110,8 @@ def _row(name, stages, microbatches, costs, chunks, optimizer, step_time, option
         iteration_time=timeline.iteration_time,
         makespan=timeline.makespan,
         period=iteration_period(timeline, optimizer, step_time),
+        period_sync=iteration_period(timeline, "sync", step_time),
+        period_post_validation=iteration_period(timeline, "post-validation", step_time),
         bubble_rate=timeline.bubble_rate,
         bubble_rate_makespan=timeline.bubble_rate_makespan,
         peak_memory=max(timeline.peak_memory_mb),
