@@ -217,3 +217,16 @@ def test_zb_v_is_fast_at_scale():
     began = time.perf_counter()
     build_schedule("zb-v", 32, 256, costs, validate=False)
     assert time.perf_counter() - began < 4.0
+
+
+@pytest.mark.parametrize("model, microbatches", [("6.2B", 24), ("14.6B", 64), ("28.3B", 96)])
+def test_zb_v_beats_interleaved_and_zb_1p_on_paper_rows(model, microbatches):
+    """Paper (V-schedule): ZB-V beats interleaved 1F1B and ZB-1p at no more than p·M_B."""
+    row = paper_row(model, microbatches)
+    p, m, costs = row["stages"], row["microbatches"], paper_costs(row)
+    zbv = simulate(build_schedule("zb-v", p, m, costs), costs)
+    interleaved = simulate(build_schedule("interleaved-1f1b", p, m, costs, chunks=row["interleaved_chunks"]), costs)
+    zb_1p = simulate(build_schedule("zb-1p", p, m, costs), costs)
+    assert max(zbv.peak_memory_mb) <= p + EPS
+    assert zbv.bubble_rate < interleaved.bubble_rate - 0.005
+    assert zbv.bubble_rate < zb_1p.bubble_rate - 0.005

@@ -21,6 +21,12 @@ programs with the shortest iteration time (the greedy's clock is the simulator's
   reservation makes the greedy deadlock-free for every limit that holds one microbatch on both
   chunks: the oldest unfinished microbatch can always make its next step.
 
+A second planner, :class:`_RoundPlanner` (variants :data:`ZB_V_ROUND_VARIANTS`), builds the
+schedule in rounds of one backward and one forward per rank after a memory-capped chunk-0 warm-up;
+its steady 1F1B-like rhythm on both chunks hides transfer time and wins with realistic costs on
+deep pipelines (the paper's 28.3B rows at p = 32: bubble 0.117 / 0.091 / 0.051 instead of
+0.141 / 0.128 / 0.098).  ZB-V runs both planners and keeps the best.
+
 A variant is dropped as soon as one rank's span so far plus its remaining work exceeds the best
 iteration time found, and large problems try only the first few policies (an op budget), so
 p = 32, m = 256 builds in about a second or two.  :mod:`.v_memory` reuses :func:`search_v_schedule`
@@ -377,6 +383,222 @@ class _VGreedy:
         return max(self.clock[r] - self.first_start[r] for r in range(self.p))
 
 
+@dataclass(frozen=True)
+class RoundVariant:
+    """One variant of the round-based V planner (:class:`_RoundPlanner`).
+
+    * ``warmup_share`` — warm-up forwards of chunk 0 stop once a rank's memory would pass this share
+      of its limit, leaving the rest for chunk-1 activations and for W ops kept for the cool-down.
+    * ``b0_first`` — when both backwards are ready in a round, run chunk 0's (else chunk 1's).
+    * ``reserve`` — chunk-1 activations a new chunk-0 forward leaves room for.
+    """
+
+    warmup_share: float = 0.5
+    b0_first: bool = False
+    reserve: int = 1
+
+
+# Round-planner candidates for ZB-V, most often best first.
+ZB_V_ROUND_VARIANTS: tuple[RoundVariant, ...] = (
+    RoundVariant(0.5, False, 1),
+    RoundVariant(0.5, True, 2),
+    RoundVariant(0.6, True, 1),
+)
+
+
+class _Stuck(Exception):
+    """A round-planner variant cannot continue within the memory limit."""
+
+
+class _RoundPlanner:
+    """Round-based V planner: every round each rank takes one backward, then one forward.
+
+    A 1F1B-like rhythm on both chunks keeps independent work on every rank, which hides transfer
+    time.  Choices in a phase see only ops placed in earlier phases, so an input chain advances one
+    hop per round instead of making ranks wait for a whole chain.  The warm-up runs chunk-0 forwards
+    on ranks ``0..r`` until rank ``r``'s chunk-1 input arrives (within ``warmup_share`` of memory).
+    W ops fill every gap they fit, shorter gaps only when waiting would make the rank the idlest
+    (always before a chunk-1 backward and on rank 0), and run whenever memory requires.  Every op is
+    timed as the simulator times it, so the iteration time is exact.
+    """
+
+    def __init__(self, costs: StageCosts, microbatches: int, variant: RoundVariant):
+        self.costs, self.m, self.variant = costs, microbatches, variant
+        self.p = p = costs.placement.num_ranks
+        self.S = S = costs.placement.num_stages
+        self.f_end = [[-1.0] * microbatches for _ in range(S)]
+        self.b_end = [[-1.0] * microbatches for _ in range(S)]
+        self.count = [[0, 0, 0, 0] for _ in range(p)]  # ops placed per class F0, F1, B0, B1
+        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.pending_head = [0] * p
+        self.releasable = [0.0] * p  # memory the pending W ops of each rank would free
+        self.clock = [0.0] * p
+        self.first_start: list[float | None] = [None] * p
+        self.idle = [0.0] * p
+        self.max_idle = 0.0
+        self.memory = [0.0] * p
+        self.peak = [0.0] * p
+        self.limit = costs.memory_limit
+        self.programs: list[list[Op]] = [[] for _ in range(p)]
+        rank_of = costs.placement.stage_ranks
+        self.hop = [costs.comm[s] if s + 1 < S and rank_of[s] != rank_of[s + 1] else 0.0 for s in range(S)]
+
+    def _stage(self, rank: int, k: int) -> int:
+        return rank if _CHUNK[k] == 0 else self.S - 1 - rank
+
+    def _ready(self, rank: int, k: int) -> float | None:
+        """Arrival of class ``k``'s next input, or None when nothing is due or it is not placed yet."""
+        done = self.count[rank]
+        j, s = done[k], self._stage(rank, k)
+        if _IS_FORWARD[k]:
+            if j >= self.m or (k == 1 and j >= done[0]):
+                return None
+            if s == 0:
+                return 0.0
+            end = self.f_end[s - 1][j]
+            return end + self.hop[s - 1] if end >= 0 else None
+        if j >= done[k - 2]:
+            return None
+        if s == self.S - 1:
+            return self.f_end[s][j]
+        end = self.b_end[s + 1][j]
+        return end + self.hop[s] if end >= 0 else None
+
+    def _place(self, rank: int, op: Op, ready: float) -> float:
+        start = max(self.clock[rank], ready)
+        if self.first_start[rank] is None:
+            self.first_start[rank] = start
+        else:
+            self.idle[rank] += start - self.clock[rank]
+            self.max_idle = max(self.max_idle, self.idle[rank])
+        end = start + self.costs.duration(op)
+        self.clock[rank] = end
+        self.memory[rank] += self.costs.memory_delta(op)
+        self.peak[rank] = max(self.peak[rank], self.memory[rank])
+        if not _fits(self.memory[rank], self.limit[rank]):
+            raise _Stuck
+        self.programs[rank].append(op)
+        return end
+
+    def _has_w(self, rank: int) -> bool:
+        return self.pending_head[rank] < len(self.pending_w[rank])
+
+    def _put_w(self, rank: int) -> None:
+        stage, j = self.pending_w[rank][self.pending_head[rank]]
+        self.pending_head[rank] += 1
+        self.releasable[rank] -= self.costs.mem_w[stage]
+        self._place(rank, W(stage, j), 0.0)
+
+    def _put(self, rank: int, k: int) -> None:
+        j, stage = self.count[rank][k], self._stage(rank, k)
+        ready = self._ready(rank, k)
+        if _IS_FORWARD[k]:
+            self.f_end[stage][j] = self._place(rank, F(stage, j), ready)
+        else:
+            self.b_end[stage][j] = self._place(rank, B(stage, j), ready)
+            self.pending_w[rank].append((stage, j))
+            self.releasable[rank] += self.costs.mem_w[stage]
+        self.count[rank][k] = j + 1
+
+    def _make_room(self, rank: int, need: float) -> None:
+        while not _fits(self.memory[rank] + need, self.limit[rank]):
+            if not self._has_w(rank):
+                raise _Stuck
+            self._put_w(rank)
+
+    def _can_make_room(self, rank: int, need: float) -> bool:
+        return _fits(self.memory[rank] + need - self.releasable[rank], self.limit[rank])
+
+    def _fill_gap(self, rank: int, ready: float, fill_short: bool) -> None:
+        w = self.costs.w
+        while self._has_w(rank):
+            stage = self.pending_w[rank][self.pending_head[rank]][0]
+            if ready < self.clock[rank] + w[stage] * (1 - _TOLERANCE):
+                break
+            self._put_w(rank)
+        gap = ready - self.clock[rank]
+        if fill_short and self._has_w(rank) and gap > _TOLERANCE and gap > self.max_idle - self.idle[rank]:
+            self._put_w(rank)
+
+    def _warm_up(self) -> None:
+        p, mem_b, f = self.p, self.costs.mem_b, self.costs.f
+        share = self.variant.warmup_share
+        for rank in range(p):
+            self._put(rank, 0)
+        for rank in range(p - 1, -1, -1):
+            arrival = self._ready(rank, 1) if rank < p - 1 else None
+            while arrival is not None and self.clock[rank] + f[rank] <= arrival * (1 + _TOLERANCE):
+                upstream = range(rank + 1)
+                if any(self.count[q][0] >= self.m for q in upstream):
+                    break
+                room = (self.memory[q] + mem_b[q] + mem_b[self._stage(q, 1)] for q in upstream)
+                if not all(_fits(level, share * self.limit[q]) for level, q in zip(room, upstream)):
+                    break
+                for q in upstream:
+                    self._put(q, 0)
+            self._make_room(rank, mem_b[self._stage(rank, 1)])
+            self._put(rank, 1)
+
+    def _backward_round(self) -> int:
+        order = (2, 3) if self.variant.b0_first else (3, 2)
+        choices = []
+        for rank in range(self.p):
+            for k in order:
+                ready = self._ready(rank, k)
+                if ready is not None:
+                    choices.append((rank, k, ready))
+                    break
+        for rank, k, ready in choices:
+            stage = self._stage(rank, k)
+            growth = self.costs.mem_w[stage] - self.costs.mem_b[stage]
+            if growth > 0:
+                self._make_room(rank, growth)
+            self._fill_gap(rank, ready, fill_short=True)
+            self._put(rank, k)
+        return len(choices)
+
+    def _forward_round(self) -> int:
+        mem_b = self.costs.mem_b
+        choices = []
+        for rank in range(self.p):
+            k = 1 if self._ready(rank, 1) is not None else 0
+            ready = self._ready(rank, k)
+            if ready is None:
+                continue
+            need = mem_b[self._stage(rank, k)]
+            if k == 0:
+                done = self.count[rank]
+                need += min(self.variant.reserve, done[0] + 1 - done[1]) * mem_b[self._stage(rank, 1)]
+            if self._can_make_room(rank, need):
+                choices.append((rank, k, need, ready))
+        for rank, k, need, ready in choices:
+            self._make_room(rank, need)
+            self._fill_gap(rank, ready, fill_short=False)
+            self._put(rank, k)
+        return len(choices)
+
+    def run(self) -> list[list[Op]] | None:
+        """The programs, or None when this variant gets stuck within the memory limit."""
+        try:
+            self._warm_up()
+            remaining = 4 * self.m * self.p - sum(map(sum, self.count))
+            while remaining:
+                placed = self._backward_round() + self._forward_round()
+                if not placed:
+                    raise _Stuck
+                remaining -= placed
+            for rank in range(self.p):
+                while self._has_w(rank):
+                    self._put_w(rank)
+        except _Stuck:
+            return None
+        return self.programs
+
+    def iteration_time(self) -> float:
+        """Max over ranks of (end of its last op − start of its first op)."""
+        return max(self.clock[r] - (self.first_start[r] or 0.0) for r in range(self.p))
+
+
 def check_memory_feasible(costs: StageCosts) -> None:
     """Raise :class:`ScheduleError` unless every rank can hold one microbatch on both its chunks."""
     placement = costs.placement
@@ -389,6 +611,11 @@ def check_memory_feasible(costs: StageCosts) -> None:
             )
 
 
+def _better(key: tuple[float, float], best: tuple[float, float]) -> bool:
+    """Shorter iteration time wins; on a tie, lower peak memory."""
+    return key[0] < best[0] * (1 - _TOLERANCE) or (key[0] <= best[0] * (1 + _TOLERANCE) and key[1] < best[1] * (1 - _TOLERANCE))
+
+
 def search_v_schedule(
     name: str,
     stages: int,
@@ -396,6 +623,7 @@ def search_v_schedule(
     costs: CostModel,
     policies: Sequence[VPolicy] = ZB_V_POLICIES,
     meta: Mapping[str, Any] | None = None,
+    round_variants: Sequence[RoundVariant] = (),
 ) -> Schedule:
     """Run the V greedy once per policy and keep the shortest iteration time (ties: lower peak memory).
 
@@ -411,27 +639,38 @@ def search_v_schedule(
     check_memory_feasible(resolved)
     ops_per_run = 3 * placement.num_stages * microbatches
     best: tuple | None = None
+    spent = 0
+    for variant in round_variants:
+        if best is not None and spent >= _OP_BUDGET:
+            break
+        spent += ops_per_run
+        planner = _RoundPlanner(resolved, microbatches, variant)
+        programs = planner.run()
+        if programs is not None:
+            key = (planner.iteration_time(), max(planner.peak))
+            if best is None or _better(key, best[0]):
+                best = (key, programs, {"planner": "rounds", **asdict(variant)})
     tried = 0
     for policy in policies:
-        if best is not None and tried * ops_per_run >= _OP_BUDGET:
+        if tried and spent >= _OP_BUDGET:
             break
         tried += 1
+        spent += ops_per_run
         greedy = _VGreedy(resolved, microbatches, policy)
         programs = greedy.run(bound=best[0][0] if best is not None else math.inf)
         if programs is None:
             continue
         key = (greedy.iteration_time(), max(greedy.peak))
-        if best is None or key[0] < best[0][0] * (1 - _TOLERANCE) or (
-            key[0] <= best[0][0] * (1 + _TOLERANCE) and key[1] < best[0][1] * (1 - _TOLERANCE)
-        ):
-            best = (key, programs, policy)
-    assert best is not None  # internal invariant: the first policy runs unbounded, so it always finishes
-    (iteration, _), programs, policy = best
+        if best is None or _better(key, best[0]):
+            best = (key, programs, {"planner": "greedy", **asdict(policy), "order": list(policy.order)})
+    if best is None:
+        raise ScheduleError("the V search found no schedule; no candidate fits the memory limit")
+    (iteration, _), programs, chosen = best
     limit = max(resolved.memory_limit)
     info: dict[str, Any] = {
         "memory_limit": limit if math.isfinite(limit) else None,
         "memory_limit_mb": limit / resolved.memory_unit if math.isfinite(limit) else None,
-        "policy": {**asdict(policy), "order": list(policy.order)},
+        "policy": chosen,
         "iteration_time": iteration,
         "policies_tried": tried,
     }
@@ -443,4 +682,4 @@ def build(stages: int, microbatches: int, costs: CostModel, chunks: int = 2) -> 
     """ZB-V for ``stages`` ranks (two chunks each) under ``costs.memory_limit`` (p·M_B by default)."""
     if chunks != 2:
         raise ScheduleError(f"zb-v runs exactly 2 chunks per rank (the V); got chunks={chunks}")
-    return search_v_schedule("zb-v", stages, microbatches, costs)
+    return search_v_schedule("zb-v", stages, microbatches, costs, round_variants=ZB_V_ROUND_VARIANTS)
