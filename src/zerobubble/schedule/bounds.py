@@ -1,0 +1,212 @@
+"""Analytic lower bounds on the iteration time and the makespan of any schedule.
+
+The bounds hold for every schedule of a placement under a cost model and its memory limit, whatever
+its builder: fused or split backward, any order.  They are cheap (O(S²) arithmetic) so a planner
+can rank candidates by their distance to the bound, and the integer program of
+:mod:`~zerobubble.schedule.builders.zb_ilp` uses them as a cut and as its proven bound's floor.
+
+Iteration time (max over ranks of its last end minus its first start, DESIGN.md §4).  Let rank
+``r`` start at ``t0`` and hold ``work_r`` of compute.  These facts bound its span:
+
+* **Warm-up.**  The first backward op on ``r`` (of some stage ``s``) cannot start before the
+  dependency chain of one microbatch has gone from ``F(s)`` up to the last stage and its input
+  gradient back to ``s``: ``t0 + D_s``.  Until then only forwards can run, and activation memory only
+  grows, so at most ``capF`` of forward work fits (a knapsack of forwards under the memory limit).
+  The rank idles at least ``max(0, min_s D_s − capF)``.
+* **Cool-down.**  After the rank's last forward (of stage ``s``) ends, that microbatch's backward
+  waits ``C_s = D_s − T_F(s)`` for the round trip.  Meanwhile the rank can only run backward and
+  weight-gradient work of microbatches already in flight, whose activations are all in memory, so
+  at most ``capBW_s`` (a knapsack under the memory limit).  The rank idles at least
+  ``max(0, min_s C_s − capBW_s)``, and it still owes that microbatch's B and W.
+* The two idle periods are disjoint unless every forward of the rank fits in memory before its
+  first backward, which the bound checks; otherwise only the larger of them counts.
+* **Turnaround.**  For a stage ``e`` of the rank and any later stage ``t``: every forward of ``t``
+  waits for the forward of ``e`` (so for the rank's first start); stage ``t`` runs its ``m``
+  forwards and ``m`` backwards before its last backward, whose input gradient then travels back to
+  ``e``, where a B and a W still follow.  With ``e = 0`` this is the pipeline's full round trip, which
+  the rank holding stage 0 must span because it also runs the pipeline's first op.
+
+So ``span_r`` is at least the largest of ``work_r + idle`` and the turnaround chains; the iteration
+time is at least the maximum over ranks.  On the paper's Table 5 settings the bound's bubble rate
+equals the published zb-1p one (to its four digits) in every row, and the zb-2p one for 1.5B at
+m = 24 and 28.3B at m = 256: those schedules cannot be improved.
+
+Makespan adds, per rank, the earliest time its first op can start after the pipeline's first op
+(the forward chain from stage 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .costs import CostModel, StageCosts
+from .ir import Placement, ScheduleError, check_positive
+
+_MEMORY_TOLERANCE = 1e-9
+
+
+@dataclass(frozen=True)
+class _Chains:
+    """Per virtual stage: the dependency chains of one microbatch through a placement."""
+
+    forward_prefix: tuple[float, ...]
+    round_trip: tuple[float, ...]
+    backward_suffix: tuple[float, ...]
+
+
+def lower_bound(
+    stages: int,
+    microbatches: int,
+    costs: CostModel | None = None,
+    chunks: int = 1,
+    placement: Placement | None = None,
+) -> float:
+    """A lower bound on the iteration time of every schedule for this pipeline.
+
+    ``stages`` is the number of ranks ``p``; ``placement`` defaults to the loop placement with
+    ``chunks`` virtual stages per rank.  ``costs.memory_limit`` (absolute, per rank) bounds how many
+    forwards a rank can run ahead; ``None`` means unlimited.
+    """
+    resolved, m = _resolve(stages, microbatches, costs, chunks, placement)
+    chains = _chains(resolved)
+    return max(_rank_span_bound(resolved, m, chains, rank) for rank in range(resolved.placement.num_ranks))
+
+
+def lower_bound_makespan(
+    stages: int,
+    microbatches: int,
+    costs: CostModel | None = None,
+    chunks: int = 1,
+    placement: Placement | None = None,
+) -> float:
+    """A lower bound on the makespan (first op's start to last op's end) of every schedule."""
+    resolved, m = _resolve(stages, microbatches, costs, chunks, placement)
+    chains = _chains(resolved)
+    best = 0.0
+    for rank in range(resolved.placement.num_ranks):
+        offset = min(chains.forward_prefix[s] for s in resolved.placement.stages_of(rank))
+        best = max(best, offset + _rank_span_bound(resolved, m, chains, rank))
+    return best
+
+
+def _resolve(
+    stages: int, microbatches: int, costs: CostModel | None, chunks: int, placement: Placement | None
+) -> tuple[StageCosts, int]:
+    check_positive(stages=stages, microbatches=microbatches, chunks=chunks)
+    if placement is None:
+        placement = Placement.loop(stages, chunks)
+    elif placement.num_ranks != stages:
+        raise ScheduleError(
+            f"the placement has {placement.num_ranks} ranks but stages={stages}; pass matching values"
+        )
+    return (costs if costs is not None else CostModel()).resolve(placement), microbatches
+
+
+def _delay(costs: StageCosts, lower: int) -> float:
+    """Transfer time between stages ``lower`` and ``lower + 1`` (0 when one rank holds both)."""
+    rank_of = costs.placement.rank_of
+    return costs.comm[lower] if rank_of(lower) != rank_of(lower + 1) else 0.0
+
+
+def _chains(costs: StageCosts) -> _Chains:
+    """Forward prefix (start of F(s) after F(0) starts), round trip D_s, backward suffix to stage 0."""
+    S = costs.placement.num_stages
+    prefix = [0.0] * S
+    for s in range(1, S):
+        prefix[s] = prefix[s - 1] + costs.f[s - 1] + _delay(costs, s - 1)
+    round_trip = [0.0] * S
+    round_trip[S - 1] = costs.f[S - 1]
+    for s in range(S - 2, -1, -1):
+        round_trip[s] = round_trip[s + 1] + costs.f[s] + costs.b[s + 1] + 2 * _delay(costs, s)
+    suffix = [0.0] * S
+    for s in range(1, S):
+        suffix[s] = suffix[s - 1] + costs.b[s - 1] + _delay(costs, s - 1)
+    return _Chains(tuple(prefix), tuple(round_trip), tuple(suffix))
+
+
+def _rank_span_bound(costs: StageCosts, m: int, chains: _Chains, rank: int) -> float:
+    """``work + idle`` for one rank (see the module docstring)."""
+    stages = costs.placement.stages_of(rank)
+    limit = costs.memory_limit[rank] * (1 + _MEMORY_TOLERANCE) + _MEMORY_TOLERANCE
+    work = costs.rank_work(rank, m)
+    forward_work = m * sum(costs.f[s] for s in stages)
+    warm_idle = max(0.0, min(chains.round_trip[s] for s in stages) - _forward_capacity(costs, m, stages, limit))
+    cool_idle = max(
+        0.0,
+        min(chains.round_trip[s] - costs.f[s] - _backward_capacity(costs, m, stages, s, limit) for s in stages),
+    )
+    all_forwards_fit = m * sum(costs.mem_b[s] for s in stages) <= limit
+    idle = max(warm_idle, cool_idle) if all_forwards_fit else warm_idle + cool_idle
+    last_microbatch = min(forward_work + chains.round_trip[s] - costs.f[s] + costs.b[s] + costs.w[s] for s in stages)
+    return max(work + idle, last_microbatch, _turnaround_bound(costs, m, chains, stages))
+
+
+def _turnaround_bound(costs: StageCosts, m: int, chains: _Chains, stages: tuple[int, ...]) -> float:
+    """Span bound from a later stage's last backward travelling back to one of the rank's stages.
+
+    For a stage ``e`` of the rank and any ``t ≥ e``: every forward of ``t`` waits for the forward
+    of ``e`` (on this rank, so after its first start) and the chain between them; stage ``t`` runs
+    all its ``m`` forwards and backwards before its last backward, which cannot start before the
+    round trip; its input gradient then travels back to ``e``, whose B and W come last.
+    """
+    best = 0.0
+    S = costs.placement.num_stages
+    for e in stages:
+        for t in range(e, S):
+            last_backward_end = max(
+                m * (costs.f[t] + costs.b[t]),
+                chains.round_trip[t] + m * costs.b[t],
+                m * costs.f[t] + chains.round_trip[t] - costs.f[t] + costs.b[t],
+            )
+            there = chains.forward_prefix[t] - chains.forward_prefix[e]
+            back = chains.backward_suffix[t] - chains.backward_suffix[e]
+            best = max(best, there + last_backward_end + back + costs.w[e])
+    return best
+
+
+def _forward_capacity(costs: StageCosts, m: int, stages: tuple[int, ...], limit: float) -> float:
+    """Most forward work a rank can run before its first backward, within its memory limit."""
+    if len(stages) == 1:
+        s = stages[0]
+        count = m if costs.mem_b[s] <= 0 or math.isinf(limit) else min(m, math.floor(limit / costs.mem_b[s]))
+        return count * costs.f[s]
+    return _knapsack([(costs.f[s], costs.mem_b[s], m) for s in stages], limit)
+
+
+def _backward_capacity(costs: StageCosts, m: int, stages: tuple[int, ...], last: int, limit: float) -> float:
+    """Most backward and weight-gradient work available while the last forward's microbatch is away.
+
+    Every microbatch still in flight holds its activations and offers its B and W; every pending W
+    holds its share and offers W.  The waiting microbatch itself (of stage ``last``) holds M_B too.
+    """
+    items = []
+    for s in stages:
+        others = m - 1 if s == last else m
+        items.append((costs.b[s] + costs.w[s], costs.mem_b[s], others))
+        items.append((costs.w[s], costs.mem_w[s], others))
+    total = sum(m * (costs.b[s] + costs.w[s]) for s in stages) - costs.b[last] - costs.w[last]
+    return min(total, _knapsack(items, limit - costs.mem_b[last]))
+
+
+def _knapsack(items: list[tuple[float, float, int]], capacity: float) -> float:
+    """Fractional knapsack: the most value from ``(value, weight, count)`` items within ``capacity``.
+
+    An upper bound on any integral choice, computed greedily by value per weight.
+    """
+    total = 0.0
+    room = max(0.0, capacity)
+    weightless = [(value, count) for value, weight, count in items if weight <= 0]
+    total += sum(value * count for value, count in weightless)
+    weighted = sorted(
+        ((value, weight, count) for value, weight, count in items if weight > 0),
+        key=lambda item: item[0] / item[1],
+        reverse=True,
+    )
+    for value, weight, count in weighted:
+        if room <= 0:
+            break
+        taken = min(count, room / weight)
+        total += taken * value
+        room -= taken * weight
+    return total
