@@ -402,7 +402,10 @@ class _ListScheduler:
         release = self.release_w[rank]
         if release <= 0:
             return None
-        needed = max(1, math.ceil((level - limit) / release - 1e-12))
+        shortfall = (level - limit) / release
+        if shortfall > pending:  # also catches an overflow to inf for a vanishing release
+            return None
+        needed = max(1, math.ceil(shortfall - 1e-12))
         while needed <= pending and not _fits(level - needed * release, limit):
             needed += 1
         return needed if needed <= pending else None
