@@ -175,7 +175,8 @@ def _format_comparison(rows, stages: int, microbatches: int, optimizer: str) -> 
         if row.error:
             lines.append(f"{row.schedule:<17}n/a: {row.error}")
             continue
-        gap = f"{row.gap_to_bound * 100:.2f}%" if row.gap_to_bound is not None else "-"
+        # the analytic bound may sit a float rounding above an optimal schedule: show that as 0
+        gap = f"{max(row.gap_to_bound, 0.0) * 100:.2f}%" if row.gap_to_bound is not None else "-"
         if row.optimal:
             gap += "*"
         bubble = row.bubble_rate if optimizer == "post-validation" else row.bubble_rate_makespan
