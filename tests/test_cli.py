@@ -109,3 +109,15 @@ def test_compare_shows_both_optimizer_modes(capsys):
     code, out, _ = run(capsys, "compare", "-p", "4", "-m", "8", "--schedules", "1f1b,zb-h2")
     assert code == 0
     assert "sync period" in out and "post-val period" in out
+
+
+def test_compare_gap_to_lower_bound(capsys):
+    code, out, _ = run(capsys, "compare", "--paper-model", "1.5B", "--microbatches", "24",
+                       "--schedules", "1f1b,zb-1p,zb-2p", "--json")
+    rows = {row["schedule"]: row for row in json.loads(out)["rows"]}
+    # zb-1p and zb-2p meet the analytic bound for their memory on this setup; 1f1b does not
+    assert rows["zb-1p"]["gap_to_bound"] == pytest.approx(0.0, abs=1e-6)
+    assert rows["zb-2p"]["gap_to_bound"] == pytest.approx(0.0, abs=1e-6)
+    assert rows["1f1b"]["gap_to_bound"] > 0.05
+    for row in rows.values():
+        assert row["lower_bound"] <= row["iteration_time"] * (1 + 1e-9)

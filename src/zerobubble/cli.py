@@ -186,8 +186,8 @@ def _format_comparison(rows, stages: int, microbatches: int, optimizer: str) -> 
             f"{memory:>9}{row.speedup_vs_1f1b or 0:>8.3f}x{gap:>10}"
         )
     lines.append("sync period = makespan + step; post-val period = iteration time + step (optimizer post-validation);")
-    lines.append("peak mem in M_B (max over ranks; ! = above --memory-limit); gap = iteration time over the best "
-                 "lower bound known (* = proven optimal)")
+    lines.append("peak mem in M_B (max over ranks; ! = above --memory-limit); gap to LB = iteration time over the "
+                 "best lower bound known for its placement and its memory (* = proven optimal)")
     return "\n".join(lines)
 
 

@@ -103,7 +103,7 @@ def _row(name, stages, microbatches, costs, chunks, optimizer, step_time, option
     except (ScheduleError, ImportError) as error:
         return ComparisonRow(schedule=name, error=str(error))
     limits = planned.resolve(schedule.placement).memory_limit
-    bound = _lower_bound(schedule, stages, microbatches, costs)
+    bound = _lower_bound(schedule, timeline, stages, microbatches, costs)
     return ComparisonRow(
         schedule=name,
         chunks=schedule.chunks,
@@ -122,13 +122,19 @@ def _row(name, stages, microbatches, costs, chunks, optimizer, step_time, option
     )
 
 
-def _lower_bound(schedule, stages: int, microbatches: int, costs: CostModel) -> float | None:
+def _lower_bound(schedule, timeline: Timeline, stages: int, microbatches: int, costs: CostModel) -> float | None:
+    """The best bound known on the iteration time of any schedule using no more memory per rank.
+
+    Bounding at the schedule's own peak memory makes the gap say how far it is from the best
+    schedule of equal memory, not from one that may use unlimited memory.
+    """
     proven = schedule.meta.get("lower_bound")
     try:
         from .bounds import lower_bound
     except ImportError:
         return proven
-    analytic = lower_bound(stages, microbatches, costs, chunks=schedule.chunks, placement=schedule.placement)
+    own_memory = costs.with_memory_limit([max(peak, 1e-12) for peak in timeline.peak_memory])
+    analytic = lower_bound(stages, microbatches, own_memory, chunks=schedule.chunks, placement=schedule.placement)
     return max(analytic, proven) if proven is not None else analytic
 
 
