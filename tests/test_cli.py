@@ -121,3 +121,17 @@ def test_compare_gap_to_lower_bound(capsys):
     assert rows["1f1b"]["gap_to_bound"] > 0.05
     for row in rows.values():
         assert row["lower_bound"] <= row["iteration_time"] * (1 + 1e-9)
+
+
+def test_train_rejects_a_batch_that_does_not_split(capsys):
+    code, _, err = run(capsys, "train", "--batch-size", "7", "--microbatches", "4")
+    assert code == 2
+    assert err.count("\n") == 1 and "does not split into 4 microbatches" in err
+
+
+def test_show_writes_a_picture_and_prints_text(capsys, tmp_path):
+    path = tmp_path / "zbh1.svg"
+    code, out, _ = run(capsys, "show", "--schedule", "zb-h1", "-p", "4", "-m", "8", "--output", str(path))
+    assert code == 0 and path.read_text().lstrip().startswith("<?xml")
+    code, out, _ = run(capsys, "show", "--schedule", "zb-h1", "-p", "4", "-m", "8")
+    assert code == 0 and out.count("rank ") >= 4 and "bubble rate" in out
