@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _dist import available_schedules
+from zerobubble.runtime import PipelineError
 from zerobubble.models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
 from zerobubble.train import TrainConfig, run_training
 
@@ -45,3 +46,25 @@ def test_run_training_spawns_ranks_and_the_loss_drops():
     assert summary.first_loss > math.log(32) - 0.5
     assert summary.last_loss < summary.first_loss - 1.0, summary.losses
     assert 0.0 <= summary.predicted_bubble < 1.0 and summary.step_time > 0
+    assert summary.steps_skipped == 0 and 0 <= summary.steps_rolled_back <= summary.steps
+    assert any("rolled back" in line for line in summary.lines())
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_training_clips_and_reports_the_optimizer_outcomes():
+    config = TrainConfig(schedule="zb-v", ranks=2, data_parallel=2, steps=12, microbatches=2, batch_size=8,
+                         seq_len=8, vocab=16, dim=16, heads=2, layers=2, lr=1e-2, max_norm=0.05, progress=False,
+                         timeout=60)
+    summary = run_training(config)
+    assert summary.ranks == 2 and summary.data_parallel == 2 and len(summary.losses) == 12
+    assert summary.steps_clipped == 12, "a tiny max_norm clips every step"
+    assert summary.steps_skipped == 0
+    assert "2 data-parallel replicas" in summary.lines()[0]
+    assert "clipped 12" in summary.lines()[-1]
+
+
+def test_train_config_rejects_a_data_parallel_size_that_does_not_divide_the_ranks():
+    with pytest.raises(PipelineError, match="does not divide ranks=3"):
+        run_training(TrainConfig(ranks=3, data_parallel=2, progress=False))
+    with pytest.raises(PipelineError, match="2 replicas"):
+        run_training(TrainConfig(ranks=2, data_parallel=2, batch_size=12, microbatches=4, progress=False))

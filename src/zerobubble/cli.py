@@ -207,6 +207,8 @@ _TRAIN_OPTIONS = (
     ("--lr", float, "AdamW learning rate (default 3e-3)"),
     ("--backend", str, "gloo or nccl (default: nccl with CUDA, else gloo)"),
     ("--timeout", float, "seconds before a stuck rank is an error (default 120)"),
+    ("--max-norm", float, "gradient clipping norm (default 1.0)"),
+    ("--data-parallel", int, "pipeline replicas D; --ranks counts all p·D processes (default 1)"),
 )
 
 
@@ -214,6 +216,8 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, helptext in _TRAIN_OPTIONS:
         parser.add_argument(flag, type=kind, help=helptext)
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    parser.add_argument("--no-post-validation", dest="post_validation", action="store_false", default=None,
+                        help="synchronous optimizer step (all-reduce before it) instead of post-validation")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -2,10 +2,15 @@
 
 :func:`run_training` is what ``zerobubble train`` calls.  Under ``torchrun`` (``RANK`` and
 ``WORLD_SIZE`` set) it runs this process's rank; otherwise it spawns ``config.ranks`` local ranks
-itself.  Rank 0 shows a progress bar with the loss and tokens/s; the result is a
-:class:`TrainSummary` (first and last loss, time per step, the simulator's predicted bubble).
+itself.  ``config.ranks = p · data_parallel``: ``data_parallel`` replicas of a ``p``-rank pipeline,
+each training on its equal shard of the global batch of ``batch_size`` sequences.  The optimizer
+step clips the gradient norm to ``max_norm`` and skips steps with Inf/NaN gradients, with optimizer
+post-validation (no global synchronisation per step) unless ``post_validation=False``.  The rank
+computing the loss (of the first replica) shows a progress bar with the loss and tokens/s; the
+result is a :class:`TrainSummary` (first and last loss, time per step, the simulator's predicted
+bubble, how many optimizer steps were clipped, skipped or rolled back).
 
-``python -m zerobubble.train --schedule zb-v --ranks 2`` runs it from a shell;
+``zerobubble train --schedule zb-v --ranks 2`` runs it from a shell;
 ``torchrun --nproc-per-node 2 -m zerobubble.train ...`` runs it under torchrun (CUDA + NCCL when
 available, one device per local rank).
 """
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,7 +30,12 @@ from .schedule import transformer_costs
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """What to train and how: schedule, ranks, steps, batch split, model size, optimiser, runtime."""
+    """What to train and how: schedule, ranks, steps, batch split, model size, optimiser, runtime.
+
+    ``ranks`` counts every process: ``data_parallel`` pipelines of ``ranks / data_parallel`` ranks.
+    ``batch_size`` is the global batch, split equally over the replicas and then into
+    ``microbatches``.  ``max_norm`` clips the global gradient norm (None: no clipping).
+    """
 
     schedule: str = "zb-v"
     ranks: int = 2
@@ -40,9 +50,17 @@ class TrainConfig:
     chunks: int | None = None
     seed: int = 0
     lr: float = 3e-3
+    max_norm: float | None = 1.0
+    post_validation: bool = True
+    data_parallel: int = 1
     backend: str | None = None
     timeout: float = 120.0
     progress: bool = True
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Ranks of one pipeline replica (``p``)."""
+        return self.ranks // self.data_parallel
 
     @property
     def model(self) -> GPTConfig:
@@ -56,7 +74,9 @@ class TrainSummary:
 
     ``step_time`` is the mean wall time of a step after the first (which includes warm-up);
     ``predicted_bubble`` is the simulator's bubble rate for this schedule under the paper's
-    transformer cost formulas for this model size.
+    transformer cost formulas for this model size.  ``steps_clipped`` / ``steps_skipped`` count
+    optimizer steps whose gradients were clipped / not finite; ``steps_rolled_back`` is the largest
+    number of optimistic steps any one rank had to roll back (post-validation).
     """
 
     schedule: str
@@ -70,14 +90,22 @@ class TrainSummary:
     predicted_bubble: float
     entropy_floor: float
     losses: list[float] = field(default_factory=list)
+    data_parallel: int = 1
+    steps_clipped: int = 0
+    steps_skipped: int = 0
+    steps_rolled_back: int = 0
 
     def lines(self) -> list[str]:
         """A short human-readable report."""
+        layout = f" ({self.data_parallel} data-parallel replicas)" if self.data_parallel > 1 else ""
         return [
-            f"schedule {self.schedule} on {self.ranks} ranks, {self.microbatches} microbatches, {self.steps} steps",
+            f"schedule {self.schedule} on {self.ranks} ranks{layout}, {self.microbatches} microbatches, "
+            f"{self.steps} steps",
             f"loss {self.first_loss:.3f} -> {self.last_loss:.3f} (floor {self.entropy_floor:.3f})",
             f"{self.step_time * 1e3:.1f} ms/step, {self.tokens_per_second:,.0f} tokens/s",
             f"predicted bubble rate {self.predicted_bubble:.1%}",
+            f"optimizer steps clipped {self.steps_clipped}, skipped (Inf/NaN) {self.steps_skipped}, "
+            f"rolled back {self.steps_rolled_back}",
         ]
 
 
@@ -86,10 +114,16 @@ def run_training(config: TrainConfig) -> TrainSummary:
     from .runtime import PipelineError
     from .runtime.launch import launch, under_launcher
 
-    if config.batch_size % config.microbatches:
+    if config.data_parallel < 1 or config.ranks % config.data_parallel:
         raise PipelineError(
-            f"batch size {config.batch_size} does not split into {config.microbatches} microbatches; "
-            "use a multiple of the microbatch count"
+            f"data_parallel={config.data_parallel} does not divide ranks={config.ranks}; ranks counts every "
+            "process (pipeline ranks × data_parallel)"
+        )
+    split = config.microbatches * config.data_parallel
+    if config.batch_size % split:
+        raise PipelineError(
+            f"batch size {config.batch_size} does not split into {config.data_parallel} replicas × "
+            f"{config.microbatches} microbatches; use a multiple of {split}"
         )
     _ = config.model  # validates the model size before any rank starts
     if under_launcher():
@@ -104,43 +138,70 @@ def _train_rank(config: TrainConfig) -> TrainSummary:
 
     init_distributed(config.backend, config.timeout)
     torch.manual_seed(config.seed)
-    ranks = dist.get_world_size()
     pipe = Pipeline(
         gpt_layers(config.model), schedule=config.schedule, microbatches=config.microbatches, loss_fn=lm_loss,
-        chunks=config.chunks, costs=_costs(config, ranks), timeout=config.timeout,
+        chunks=config.chunks, costs=_costs(config), timeout=config.timeout,
+        data_parallel=config.data_parallel, post_validation=config.post_validation,
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
+    shard_size = config.batch_size // config.data_parallel
+    shard = slice(pipe.layout.dp_index * shard_size, (pipe.layout.dp_index + 1) * shard_size)
+    reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0
     losses, times = [], []
-    with _progress(config.progress and dist.get_rank() == 0, config.steps) as advance:
+    with _progress(config.progress and reports_loss, config.steps) as advance:
         for _ in range(config.steps):
-            inputs, targets = corpus.batch(config.batch_size)
+            inputs, targets = corpus.batch(config.batch_size)  # the same global batch on every rank
             started = time.perf_counter()
-            loss = pipe.step(inputs, targets)
-            optimizer.step()
+            loss = pipe.step(inputs[shard], targets[shard])
+            pipe.optimizer_step(optimizer, config.max_norm)
             optimizer.zero_grad(set_to_none=True)
-            losses.append(_share_loss(loss, pipe.device))
             times.append(time.perf_counter() - started)
-            advance(losses[-1], config.batch_size * config.seq_len / times[-1])
+            if reports_loss:
+                losses.append(float(loss))
+                advance(losses[-1], config.batch_size * config.seq_len / times[-1])
+    pipe.synchronize()
+    losses = _share_losses(losses if reports_loss else None, config.steps, pipe.device)
+    clipped, skipped, rolled_back = _most_over_ranks(pipe, pipe.device)
     step_time = sum(times[1:]) / max(1, len(times) - 1) if len(times) > 1 else times[0]
     return TrainSummary(
-        schedule=pipe.schedule.name, ranks=ranks, microbatches=config.microbatches, steps=config.steps,
-        first_loss=losses[0], last_loss=losses[-1], step_time=step_time,
+        schedule=pipe.schedule.name, ranks=dist.get_world_size(), microbatches=config.microbatches,
+        steps=config.steps, first_loss=losses[0], last_loss=losses[-1], step_time=step_time,
         tokens_per_second=config.batch_size * config.seq_len / step_time,
         predicted_bubble=pipe.timeline.bubble_rate, entropy_floor=corpus.entropy, losses=losses,
+        data_parallel=config.data_parallel, steps_clipped=clipped, steps_skipped=skipped,
+        steps_rolled_back=rolled_back,
     )
 
 
-def _costs(config: TrainConfig, ranks: int):
-    micro_batch = max(1, config.batch_size // config.microbatches)
-    return transformer_costs(config.dim, config.heads, config.seq_len, micro_batch, max(config.layers, 1) / ranks)
+def _costs(config: TrainConfig):
+    micro_batch = max(1, config.batch_size // (config.microbatches * config.data_parallel))
+    pipeline_ranks = max(1, config.pipeline_ranks)
+    return transformer_costs(
+        config.dim, config.heads, config.seq_len, micro_batch, max(config.layers, 1) / pipeline_ranks
+    )
 
 
-def _share_loss(loss: torch.Tensor | None, device: torch.device) -> float:
-    """Every rank learns the loss from the rank holding the last stage (one small all-reduce)."""
-    value = torch.zeros((), device=device) if loss is None else loss.detach().to(device)
-    dist.all_reduce(value)
-    return float(value)
+def _share_losses(losses: list[float] | None, steps: int, device: torch.device) -> list[float]:
+    """Every rank learns the per-step losses from the rank that reported them (one collective, at the end).
+
+    Sharing once at the end instead of after every step keeps the training loop free of global
+    synchronisation, which optimizer post-validation relies on for overlapping consecutive steps.
+    """
+    values = torch.zeros(steps, dtype=torch.float64, device=device)
+    if losses is not None:
+        values += torch.tensor(losses, dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    return values.tolist()
+
+
+def _most_over_ranks(pipe, device: torch.device) -> tuple[int, int, int]:
+    """Clipped, skipped and rolled-back optimizer steps, the largest count of any rank."""
+    stats = pipe.optimizer_stats
+    counts = torch.tensor([stats.clipped, stats.skipped, stats.rolled_back], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    clipped, skipped, rolled_back = (int(c) for c in counts.tolist())
+    return clipped, skipped, rolled_back
 
 
 class _progress:

@@ -83,6 +83,11 @@ stepped synchronously: every rank but the last defers its step until the full st
 
 Using it in a pipeline
 ----------------------
+:meth:`zerobubble.Pipeline.optimizer_step` does all of this (through :class:`PipelineOptimizer`):
+it orders the chain by the simulated end of each rank's program (:func:`validation_chain`) and
+settles the pending step just before the next step's first forward op, after that step's first
+receives are posted.  The rest of this section is for using :class:`PostValidator` directly.
+
 Call :meth:`PostValidator.step` where ``optimizer.step()`` would be, and
 :meth:`PostValidator.finish` before the parameters are read again (before the first forward of
 the next iteration on that rank).  Order the chain so it follows the end of the backward pass: the
@@ -100,7 +105,7 @@ import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -114,6 +119,10 @@ __all__ = [
     "PostValidator",
     "rollback_support",
     "clip_coefficient",
+    "check_max_norm",
+    "validation_chain",
+    "OptimizerStats",
+    "PipelineOptimizer",
 ]
 
 #: gloo tag of the validator's point-to-point messages, apart from the pipeline's own transfers.
@@ -420,6 +429,15 @@ class ReversibleStep:
 # The global state: norm and non-finite flag
 
 
+def check_max_norm(max_norm: Optional[float]) -> Optional[float]:
+    """``max_norm`` as a float (None: no clipping); raise when it is not positive."""
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not float(max_norm) > 0.0:
+        raise OptimizerValidationError(f"max_norm must be a positive number or None, got {max_norm!r}")
+    return float(max_norm)
+
+
 def clip_coefficient(total_norm: float, max_norm: Optional[float], dtype: torch.dtype) -> float:
     """torch's clip factor ``clamp(max_norm / (total_norm + 1e-6), max=1)``, in ``dtype``.
 
@@ -582,8 +600,7 @@ class PostValidator:
 
     @staticmethod
     def _check_settings(max_norm, norm_type, prev_rank, next_rank) -> None:
-        if max_norm is not None and not float(max_norm) > 0.0:
-            raise OptimizerValidationError(f"max_norm must be positive or None, got {max_norm!r}")
+        check_max_norm(max_norm)
         if not (float(norm_type) > 0.0):
             raise OptimizerValidationError(f"norm_type must be positive (or inf), got {norm_type!r}")
         if prev_rank is not None and prev_rank == next_rank:
@@ -604,6 +621,7 @@ class PostValidator:
     def _reduce_op(self) -> dist.ReduceOp:
         return dist.ReduceOp.MAX if math.isinf(self.norm_type) else dist.ReduceOp.SUM
 
+    @torch.no_grad()
     def _local_state(self) -> torch.Tensor:
         """``[sum of |g|_p^p (max for p = inf), non-finite flag]`` of this rank, float64."""
         grads = self._step.grads()
@@ -676,3 +694,106 @@ class PostValidator:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# The Pipeline's optimizer step
+
+
+def validation_chain(finish_times: Sequence[float]) -> list[int]:
+    """Pipeline ranks in chain order: the rank whose program ends first is the head.
+
+    ``finish_times[r]`` is when rank ``r``'s program ends (the simulator's prediction).  Ordering
+    the chain by it means a rank waits for its predecessor's partial state only briefly (that rank
+    finished earlier), and the tail — the last to finish, the first to start the next warm-up in
+    1F1B-like and V-shape schedules — holds the full state at once.  Ties put the higher rank first.
+    """
+    return sorted(range(len(finish_times)), key=lambda rank: (finish_times[rank], -rank))
+
+
+@dataclass(frozen=True)
+class OptimizerStats:
+    """Counters of the optimizer steps settled so far on this rank.
+
+    ``steps`` counts settled steps (a step still waiting for validation is ``pending`` and not
+    counted yet); ``clipped`` and ``skipped`` (non-finite gradients) are the same on every rank,
+    ``rolled_back`` (optimistic steps undone and redone or dropped) and ``deferred`` (steps taken
+    only once the full state arrived) depend on the rank's place in the chain.
+    """
+
+    steps: int = 0
+    clipped: int = 0
+    skipped: int = 0
+    rolled_back: int = 0
+    deferred: int = 0
+    pending: bool = False
+
+    def plus(self, other: "OptimizerStats") -> "OptimizerStats":
+        """Counters summed (``pending`` from ``other``)."""
+        return OptimizerStats(
+            self.steps + other.steps, self.clipped + other.clipped, self.skipped + other.skipped,
+            self.rolled_back + other.rolled_back, self.deferred + other.deferred, other.pending,
+        )
+
+
+class PipelineOptimizer:
+    """The optimizer step of one pipeline rank: a :class:`PostValidator` per optimizer, one chain.
+
+    ``chain`` lists the global ranks of this rank's pipeline in chain order (see
+    :func:`validation_chain`), ``rank`` is this rank's global rank and ``group`` a group of exactly
+    the chain's ranks used only for the validator's messages.  Passing another optimizer to
+    :meth:`step` finishes the previous one's pending step first (every rank does so at the same
+    call) and keeps counting.
+    """
+
+    def __init__(self, chain: Sequence[int], rank: int, group: Any, post_validation: bool, device: torch.device):
+        position = list(chain).index(rank)
+        self.prev_rank = chain[position - 1] if position > 0 else None
+        self.next_rank = chain[position + 1] if position + 1 < len(chain) else None
+        self.group = group
+        self.post_validation = post_validation
+        self.device = device
+        self.validator: Optional[PostValidator] = None
+        self._retired = OptimizerStats()
+
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> None:
+        """Clip to ``max_norm`` (None: no clipping) and step, or skip on non-finite gradients."""
+        max_norm = check_max_norm(max_norm)
+        validator = self.validator
+        if validator is None or validator.optimizer is not optimizer:
+            self._retire()
+            validator = self.validator = PostValidator(
+                optimizer, max_norm, prev_rank=self.prev_rank, next_rank=self.next_rank, group=self.group,
+                post_validation=self.post_validation, device=self.device,
+            )
+        else:
+            validator.finish()  # the previous step settles under its own max_norm
+            validator.max_norm = max_norm
+        validator.step()
+
+    def finish(self) -> None:
+        """Settle the pending step, if any (the chain's later ranks must finish theirs too)."""
+        if self.validator is not None:
+            self.validator.finish()
+
+    def close(self) -> None:
+        """Settle the pending step and wait for every message this rank sent."""
+        if self.validator is not None:
+            self.validator.close()
+
+    @property
+    def stats(self) -> OptimizerStats:
+        """Counters of every settled step so far."""
+        validator = self.validator
+        if validator is None:
+            return self._retired
+        return self._retired.plus(OptimizerStats(
+            validator.steps, validator.steps_clipped, validator.steps_skipped, validator.steps_rolled_back,
+            validator.steps_deferred, validator.pending,
+        ))
+
+    def _retire(self) -> None:
+        if self.validator is not None:
+            self.validator.close()
+            self._retired = self.stats
+            self.validator = None

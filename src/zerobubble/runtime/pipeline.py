@@ -14,6 +14,7 @@ schedule's placement, and only this rank's chunks are kept.  Parameter names sta
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -22,9 +23,13 @@ from torch import nn
 
 from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, validate_schedule
 from . import PipelineError
-from .comm import Comm
+from .comm import Comm, directed_pairs
+from .data_parallel import (
+    GradientAverager, chunk_parameters, create_layout, first_forward, hook_program, last_gradient_ops,
+)
 from .executor import Executor, StageState
 from .launch import init_distributed, local_device
+from .optim import OptimizerStats, PipelineOptimizer, validation_chain
 from .wgrad import WeightGradStore, install_deferral
 
 class StageModule:
@@ -52,6 +57,13 @@ class Pipeline:
     Pipeline.  With ``static_shapes`` the tensors crossing stage boundaries keep the shapes of the
     first step, which lets receives be posted ahead of time.
 
+    ``data_parallel = D`` runs ``D`` replicas of a ``p``-rank pipeline over the ``p·D`` ranks of
+    ``group`` (group rank ``dp_index · p + pipeline rank``, see :mod:`.data_parallel`); each replica
+    steps on its shard of the batch and the gradients are averaged over the replicas, chunk by
+    chunk as soon as a chunk's last weight-gradient op has run.  :meth:`optimizer_step` clips and
+    steps with optimizer post-validation (:mod:`.optim`); ``post_validation=False`` makes it a
+    plain synchronous step.
+
     Only this rank's layers are referenced after construction (moved to its device); the others
     are freed once the caller drops ``layers``.  Linear layers of a schedule with W ops compute
     their weight gradients in W (:mod:`.wgrad`); their type and parameter names do not change.
@@ -69,21 +81,36 @@ class Pipeline:
         costs: CostModel | None = None,
         timeout: float = 300.0,
         static_shapes: bool = True,
+        trace: bool = False,
+        emulate: CostModel | None = None,
+        data_parallel: int = 1,
+        post_validation: bool = True,
     ):
         if loss_fn is None:
             raise PipelineError("Pipeline needs a loss_fn(output, target) returning a scalar tensor")
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.layout = create_layout(group, data_parallel, timeout)  # collective: new_group
+        group = self.group = self.layout.pipeline_group
+        self.rank = self.layout.pipeline_rank
+        self.world_size = self.layout.pipeline_size
         self.device = local_device(backend)
         self.schedule, self.timeline = _resolve_schedule(schedule, self.world_size, microbatches, chunks, costs)
         self.module = nn.Module()
         stages = self._place(_named_layers(layers), partition)
         self.stages = tuple(sorted(stages))
-        comm = Comm(self.schedule, group, self.device, timeout, static_shapes)
+        with self.layout.replicated(directed_pairs(self.schedule)):
+            comm = Comm(self.schedule, group, self.device, timeout, static_shapes)
         self._executor = Executor(self.schedule, self.rank, stages, comm, loss_fn)
+        if emulate is not None:  # each op lasts its modelled duration (ms), see .emulate
+            from .emulate import install_emulation
+
+            install_emulation(self._executor, emulate)
+        if trace:  # record every op and wait of the last steps, see .trace
+            from .trace import TraceRecorder
+
+            self.recorder = TraceRecorder(self.device)
         self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
+        self._init_optimization(post_validation)
 
     def _place(self, named: list[tuple[str, nn.Module]], partition: Sequence[int] | None) -> dict[int, StageState]:
         """Cut the layers into chunks and keep this rank's, registered under their original names."""
@@ -127,6 +154,12 @@ class Pipeline:
         where the last one lives; both are split along dimension 0.  Gradients are accumulated into
         ``.grad`` as ``loss_fn(model(inputs), targets).backward()`` would.  Returns the mean of the
         microbatch losses on the rank of the last stage, ``None`` elsewhere.
+
+        With ``data_parallel = D`` each replica passes its own shard of the global batch (equal
+        shards); the gradients are then averaged over the replicas (those of the mean loss over the
+        global batch) and the returned loss is the global batch's mean.  A pending optimizer step
+        (:meth:`optimizer_step`) is settled just before this rank's first forward reads the
+        parameters.
         """
         m = self.schedule.microbatches
         split_inputs = _split(inputs, m, "inputs", self.device)
@@ -136,8 +169,8 @@ class Pipeline:
         if self._last and split_targets is None:
             raise PipelineError(f"rank {self.rank} holds the last stage: pass the targets to step()")
         targets_mb = [t[0] if len(t) == 1 else t for t in split_targets] if split_targets else ()
-        losses = self._executor.run_step(split_inputs or (), targets_mb)
-        return torch.stack(losses).mean() if self._last else None
+        losses = self._run_program(split_inputs or (), targets_mb)
+        return self._mean_loss(losses) if self._last else None
 
     # -- parameters ----------------------------------------------------------------------------------
 
@@ -164,6 +197,106 @@ class Pipeline:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of this rank's parameters."""
         self.module.zero_grad(set_to_none=set_to_none)
+
+    # -- recorded timelines (trace=True) ------------------------------------------------------------
+
+    def measured_timelines(self) -> list[Any] | None:
+        """The recorded steps as :class:`~.trace.MeasuredTimeline` objects on rank 0, None elsewhere.
+
+        Collective (every rank calls it); needs ``trace=True`` or another recorder with ``seconds()``.
+        """
+        from .trace import gather_timelines
+
+        if not hasattr(self.recorder, "seconds"):
+            raise PipelineError("no timeline was recorded: build the Pipeline with trace=True")
+        return gather_timelines(self.recorder, self.schedule, self.group, self.device)
+
+    def write_trace(self, directory: Any) -> Any:
+        """Write the recorded timeline, the prediction and a picture to ``directory`` (collective).
+
+        See :func:`~.trace.write_trace`; returns its report on rank 0, None elsewhere.
+        """
+        from .trace import write_trace
+
+        return write_trace(self, directory)
+
+    # -- optimizer step and data parallelism --------------------------------------------------------
+
+    @property
+    def data_parallel(self) -> int:
+        """Number of pipeline replicas (``D``); this rank is pipeline rank ``self.rank`` of replica
+        ``self.layout.dp_index`` (group rank ``dp_index · p + rank``)."""
+        return self.layout.data_parallel
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> None:
+        """Clip the gradients to ``max_norm`` over the whole model and step, or skip on Inf/NaN.
+
+        Call it on every rank after :meth:`step`, where ``optimizer.step()`` would be; ``optimizer``
+        holds this rank's parameters.  The result is that of ``clip_grad_norm_(all parameters,
+        max_norm)`` + ``optimizer.step()`` on the whole model (no step at all when a gradient
+        anywhere is not finite).  With post-validation (the default) the global norm is reduced
+        point to point along the ranks, each rank steps optimistically when its partial state
+        allows, and the step is confirmed — or rolled back in place and redone — during the next
+        :meth:`step` (before its first forward) or at :meth:`synchronize`; no collective over the
+        pipeline runs here.  ``post_validation=False`` steps after one all-reduce of the norm.
+        ``zero_grad(set_to_none=True)`` may follow at once; gradients must not be changed in place
+        before the step is settled.  Counters: :attr:`optimizer_stats`.
+        """
+        self._optimizer.step(optimizer, max_norm)
+
+    def synchronize(self) -> None:
+        """Settle a pending optimizer step now (collective over the pipeline: every rank calls it).
+
+        Afterwards parameters and optimizer state are final — call it before reading them outside
+        the training loop (checkpoints, ``state_dict``, evaluation, the end of training).
+        """
+        self._optimizer.close()
+
+    @property
+    def optimizer_stats(self) -> OptimizerStats:
+        """Counters of this rank's settled optimizer steps (steps, clipped, skipped, rolled back, deferred)."""
+        return self._optimizer.stats
+
+    def _init_optimization(self, post_validation: bool) -> None:
+        """Chain the ranks for the optimizer step; plan the data-parallel reductions and the op hooks."""
+        layout, program = self.layout, self.schedule.programs[self.rank]
+        finish_times = [ends[-1] if ends else 0.0 for ends in self.timeline.end]
+        chain = [layout.global_rank(rank) for rank in validation_chain(finish_times)]
+        self._optimizer = PipelineOptimizer(
+            chain, layout.global_rank(self.rank), layout.control_group, post_validation, self.device
+        )
+        self._averager: GradientAverager | None = None
+        after: dict[int, Callable[[], None]] = {}
+        if layout.data_parallel > 1:
+            last_ops = last_gradient_ops(program)
+            chunks = chunk_parameters(self._executor.stages, last_ops)
+            self._averager = GradientAverager(chunks, layout.dp_group, layout.data_parallel)
+            after = {position: functools.partial(self._averager.start, stage) for stage, position in last_ops.items()}
+        self._hooks = ({first_forward(program): self._optimizer.finish}, after)
+        self._hooked_program: list | None = None
+
+    def _run_program(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]) -> list[torch.Tensor]:
+        """Run the executor's program with the Pipeline's hooks; average gradients over the replicas."""
+        executor = self._executor
+        if executor.program is not self._hooked_program:  # first step, or compile() rebuilt it
+            executor.program = self._hooked_program = hook_program(executor.program, *self._hooks)
+        try:
+            losses = executor.run_step(inputs, targets)
+        except BaseException:
+            if self._averager is not None:
+                self._averager.discard()
+            raise
+        if self._averager is not None:
+            self._averager.finish()
+        return losses
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The step's mean loss, over the global batch when there are several replicas."""
+        mean = torch.stack(losses).mean()
+        if self.layout.data_parallel > 1:
+            dist.all_reduce(mean, group=self.layout.dp_group)
+            mean /= self.layout.data_parallel
+        return mean
 
 
 def _resolve_schedule(

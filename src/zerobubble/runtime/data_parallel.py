@@ -1,0 +1,251 @@
+"""Data parallelism across pipeline replicas, and the per-op hooks the Pipeline runs.
+
+Layout
+------
+A Pipeline over ``p`` pipeline ranks with ``data_parallel = D`` spans ``p·D`` ranks of its process
+group (the world by default): group rank ``g = dp_index · p + pipeline_rank``.  Replica ``d`` is the
+pipeline of group ranks ``d·p … d·p + p − 1``; the data-parallel group of pipeline rank ``r`` is
+``{r, p + r, …, (D−1)·p + r}`` — the ranks holding the same chunks.
+
+Every replica runs the same schedule on its own shard of the batch.  As soon as a chunk's last
+weight-gradient op (its last B, W or BW in the program) has run, the chunk's gradients are flattened
+and all-reduced asynchronously over the data-parallel group, so the reduction overlaps the rest of
+the step; the step waits for it at the end and divides by ``D``.  With equal shards this gives every
+replica the gradient of the mean loss over the global batch.
+
+Process groups
+--------------
+``torch.distributed.new_group`` (in its default, globally synchronised mode) names a group by a
+counter that every rank of the world advances, so *every* rank must create the same groups in the
+same order, members or not.  :class:`ParallelLayout` creates the pipeline, data-parallel and control
+groups that way, and :meth:`ParallelLayout.replicated` makes each replica's
+:class:`~.comm.Comm` channels in turn: while replica ``d`` builds its channels, the ranks of the other
+replicas make the same ``new_group`` calls as non-members, keeping the counter in step.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..schedule.ir import Kind, Op
+from . import PipelineError
+
+_GRADIENT_KINDS = (Kind.B, Kind.W, Kind.BW)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this rank sits in a ``D × p`` grid of data-parallel pipeline replicas.
+
+    ``span`` lists the global ranks of the whole grid in group-rank order.  ``pipeline_group`` is
+    this replica's group (the caller's group itself when ``D = 1``), ``dp_group`` the group of the
+    ranks holding the same chunks (None when ``D = 1``), ``control_group`` a group of this replica's
+    ranks reserved for the optimizer's small messages (never used by the pipeline's transfers).
+    """
+
+    pipeline_size: int
+    data_parallel: int
+    pipeline_rank: int
+    dp_index: int
+    span: tuple[int, ...]
+    pipeline_group: Any
+    dp_group: Any
+    control_group: Any
+    setup_timeout: timedelta
+
+    def global_rank(self, pipeline_rank: int, dp_index: int | None = None) -> int:
+        """The global rank of ``pipeline_rank`` in replica ``dp_index`` (this rank's replica by default)."""
+        replica = self.dp_index if dp_index is None else dp_index
+        return self.span[replica * self.pipeline_size + pipeline_rank]
+
+    def replica_ranks(self, dp_index: int) -> list[int]:
+        """Global ranks of replica ``dp_index`` in pipeline-rank order."""
+        return [self.global_rank(r, dp_index) for r in range(self.pipeline_size)]
+
+    @contextmanager
+    def replicated(self, channels: Sequence[tuple[int, int]]) -> Iterator[None]:
+        """Run the body (which creates one group per pipeline-rank pair in ``channels``) in replica order.
+
+        Before the body, the ranks of this rank's replica make, as non-members, the ``new_group``
+        calls of every earlier replica's body; after it, those of every later one.  The body must
+        create exactly one group per pair of ``channels``, in that order (what
+        :class:`~.comm.Comm` does with :func:`~.comm.directed_pairs`); this is checked.
+        """
+        if self.data_parallel == 1:
+            yield
+            return
+        for replica in range(self.dp_index):
+            self._mirror(channels, replica)
+        before = dist.get_pg_count()
+        yield
+        made = dist.get_pg_count() - before
+        if made != len(channels):
+            raise PipelineError(
+                f"the pipeline's channels created {made} process groups, {len(channels)} expected; the "
+                "data-parallel replicas cannot keep their group creation in step (update data_parallel.py)"
+            )
+        for replica in range(self.dp_index + 1, self.data_parallel):
+            self._mirror(channels, replica)
+
+    def _mirror(self, channels: Sequence[tuple[int, int]], replica: int) -> None:
+        for src, dst in channels:
+            ranks = sorted((self.global_rank(src, replica), self.global_rank(dst, replica)))
+            dist.new_group(ranks, timeout=self.setup_timeout)
+
+
+def create_layout(group: Any, data_parallel: int, timeout: float) -> ParallelLayout:
+    """Split ``group`` (the world when None) into ``data_parallel`` pipeline replicas; collective.
+
+    Every rank of the world must call this in the same order as its other group creations.
+    """
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise PipelineError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+    size = dist.get_world_size(group)
+    if size % data_parallel:
+        raise PipelineError(
+            f"data_parallel={data_parallel} does not divide the {size} ranks of the process group; "
+            f"start a multiple of {data_parallel} ranks (pipeline size × data_parallel)"
+        )
+    span = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
+    pipeline_size = size // data_parallel
+    dp_index, pipeline_rank = divmod(dist.get_rank(group), pipeline_size)
+    setup = timedelta(seconds=max(timeout, 60.0))
+    layout = ParallelLayout(pipeline_size, data_parallel, pipeline_rank, dp_index, span, group, None, None, setup)
+    replicas = [layout.replica_ranks(d) for d in range(data_parallel)]
+    pipeline_group, dp_group = group, None
+    if data_parallel > 1:
+        pipeline_group = _own_group(replicas, layout, setup)
+        columns = [[layout.global_rank(r, d) for d in range(data_parallel)] for r in range(pipeline_size)]
+        dp_group = _own_group(columns, layout, setup)
+    control_group = _own_group(replicas, layout, setup)
+    return ParallelLayout(
+        pipeline_size, data_parallel, pipeline_rank, dp_index, span, pipeline_group, dp_group, control_group, setup
+    )
+
+
+def _own_group(rank_lists: list[list[int]], layout: ParallelLayout, timeout: timedelta) -> Any:
+    """Create a group for every list (all ranks, same order); return the one holding this rank."""
+    me, own = layout.global_rank(layout.pipeline_rank), None
+    for ranks in rank_lists:
+        created = dist.new_group(ranks, timeout=timeout)
+        if me in ranks:
+            own = created
+    return own
+
+
+# -- gradient averaging --------------------------------------------------------------------------------
+
+
+def last_gradient_ops(program: Sequence[Op]) -> dict[int, int]:
+    """For each stage of ``program``, the position of its last op computing weight gradients (B/W/BW).
+
+    After that op the stage's gradients for the step are final: every W(s,j) follows B(s,j), so the
+    last W (or BW) of a stage comes after all of its B ops.
+    """
+    last: dict[int, int] = {}
+    for position, op in enumerate(program):
+        if op.kind in _GRADIENT_KINDS:
+            last[op.stage] = position
+    return last
+
+
+class GradientAverager:
+    """Averages each chunk's gradients over the data-parallel group, chunk by chunk, asynchronously.
+
+    ``chunks`` maps a stage index to its parameters.  :meth:`start` flattens the stage's existing
+    gradients (one buffer per dtype) and posts a non-blocking sum; :meth:`finish` waits for every
+    posted sum, divides by the group size and writes the averages back into ``.grad``.
+    Parameters whose ``.grad`` is None are left alone (they are None on every replica alike).
+    """
+
+    def __init__(self, chunks: Mapping[int, Sequence[nn.Parameter]], group: Any, size: int):
+        self.chunks = {stage: list(params) for stage, params in chunks.items()}
+        self.group = group
+        self.size = size
+        self._inflight: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+
+    @torch.no_grad()
+    def start(self, stage: int) -> None:
+        """Post the all-reduce of ``stage``'s gradients (call once its last gradient op has run)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in self.chunks[stage]:
+            if param.grad is not None:
+                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._inflight.append((work, flat, grads))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for the posted reductions and store the averaged gradients in place."""
+        inflight, self._inflight = self._inflight, []
+        for work, flat, grads in inflight:
+            work.wait()
+            flat.div_(self.size)
+            for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                grad.copy_(piece.view_as(grad))
+
+    def discard(self) -> None:
+        """Forget the posted reductions after a failed step."""
+        self._inflight.clear()
+
+
+# -- hooks around program entries ----------------------------------------------------------------------
+
+
+ProgramEntry = tuple[Op, Callable[[Any, int], None], Any, int]
+
+
+def hook_program(
+    program: Sequence[ProgramEntry],
+    before: Mapping[int, Callable[[], None]],
+    after: Mapping[int, Callable[[], None]],
+) -> list[ProgramEntry]:
+    """A copy of an executor program whose entries at the given positions call a hook before / after.
+
+    The executor runs ``handler(state, microbatch)`` for each entry; wrapping the handler lets the
+    Pipeline act at a precise point of the step (finish the previous optimizer step before the
+    first forward, start a chunk's gradient reduction after its last W) without touching the loop.
+    """
+    hooked = list(program)
+    for position in set(before) | set(after):
+        op, handler, state, microbatch = hooked[position]
+        hooked[position] = (op, _wrapped(handler, before.get(position), after.get(position)), state, microbatch)
+    return hooked
+
+
+def _wrapped(handler, first: Callable[[], None] | None, then: Callable[[], None] | None):
+    def run(state: Any, microbatch: int) -> None:
+        if first is not None:
+            first()
+        handler(state, microbatch)
+        if then is not None:
+            then()
+
+    return run
+
+
+def first_forward(program: Sequence[Op]) -> int:
+    """Position of the first F of ``program`` (where the parameters are first read in a step)."""
+    for position, op in enumerate(program):
+        if op.kind is Kind.F:
+            return position
+    raise PipelineError("a rank's program has no forward op")
+
+
+def chunk_parameters(stages: Mapping[int, Any], last_ops: Mapping[int, int]) -> dict[int, list[nn.Parameter]]:
+    """Each stage's parameters, a parameter shared by two stages going to the one reduced last."""
+    seen: set[int] = set()
+    chunks: dict[int, list[nn.Parameter]] = {}
+    for stage in sorted(last_ops, key=last_ops.__getitem__, reverse=True):
+        params = [p for layer in stages[stage].module.layers for p in layer.parameters()]
+        chunks[stage] = [p for p in params if id(p) not in seen and not seen.add(id(p))]
+    return chunks
