@@ -11,7 +11,7 @@ result is a :class:`TrainSummary` (first and last loss, time per step, the simul
 bubble, how many optimizer steps were clipped, skipped or rolled back).
 
 ``zerobubble train --schedule zb-v --ranks 2`` runs it from a shell;
-``torchrun --nproc-per-node 2 -m zerobubble.train ...`` runs it under torchrun (CUDA + NCCL when
+``torchrun --nproc-per-node 2 -m zerobubble train ...`` runs it under torchrun (CUDA + NCCL when
 available, one device per local rank).
 """
 
