@@ -52,6 +52,7 @@ def test_deferred_weight_gradients_match_autograd_on_a_first_stage():
     assert store.pending_keys() == []
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-6, atol=1e-7)
+        assert not param.grad.requires_grad, f"W built an autograd graph into {name}.grad"
 
 
 def test_fused_mode_returns_weight_gradients_at_once_and_keeps_names():

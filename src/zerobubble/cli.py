@@ -216,6 +216,7 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, helptext in _TRAIN_OPTIONS:
         parser.add_argument(flag, type=kind, help=helptext)
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    parser.add_argument("--trace", metavar="DIR", help="record the steps and write the measured timeline to DIR")
     parser.add_argument("--no-post-validation", dest="post_validation", action="store_false", default=None,
                         help="synchronous optimizer step (all-reduce before it) instead of post-validation")
 
@@ -227,6 +228,44 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = TrainConfig(**{key: given[key] for key in TrainConfig.__dataclass_fields__ if key in given})
     print_summary(run_training(config))
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    print(f"Machine: {bench.machine_description()}\n")
+    if args.benchmark == "pipelines":
+        tables = bench.compare_pipelines(args.models, args.microbatches, rounds=args.rounds,
+                                         steps_per_round=args.steps_per_round)
+    elif args.benchmark == "wgrad":
+        tables = [bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate)
+                  for accumulate in (True, False)]
+    else:
+        f, b, w = args.costs
+        tables = [bench.emulated_pipelines(ranks, costs=CostModel(f=f, b=b, w=w), steps=args.steps,
+                                           schedules=args.schedules) for ranks in args.ranks]
+    for table in tables:
+        print(table.markdown() + "\n")
+    return 0
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    kinds = parser.add_subparsers(dest="benchmark", required=True, parser_class=_Parser)
+    pipelines = kinds.add_parser("pipelines", help="ours vs torch.distributed.pipelining vs one process, 2 ranks")
+    pipelines.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
+    pipelines.add_argument("--microbatches", type=int, default=8)
+    pipelines.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
+    pipelines.add_argument("--steps-per-round", type=int, default=2)
+    wgrad = kinds.add_parser("wgrad", help="T_B + T_W of the B/W split against the fused backward")
+    wgrad.add_argument("--rows", nargs="+", type=int, default=[8, 32, 128, 512], help="microbatch rows")
+    wgrad.add_argument("--repeats", type=int, default=15)
+    wgrad.add_argument("--threads", type=int, default=1)
+    emulate = kinds.add_parser("emulate", help="emulated compute: measured vs predicted iteration time")
+    emulate.add_argument("--ranks", nargs="+", type=int, default=[4, 8])
+    emulate.add_argument("--steps", type=int, default=4)
+    emulate.add_argument("--schedules", nargs="+", help="default: every schedule")
+    emulate.add_argument("--costs", nargs=3, type=float, default=[10.0, 10.0, 7.0], metavar=("F", "B", "W"),
+                         help="emulated op times in milliseconds (default 10 10 7)")
 
 
 def _is_user_error(error: Exception) -> bool:
@@ -275,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train the built-in GPT on local ranks (or under torchrun)")
     _add_train_arguments(train)
     train.set_defaults(run=_cmd_train)
+
+    bench = commands.add_parser("bench", help="benchmarks of the runtime (results as Markdown tables)")
+    _add_bench_arguments(bench)
+    bench.set_defaults(run=_cmd_bench)
     return parser
 
 

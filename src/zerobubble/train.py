@@ -56,6 +56,7 @@ class TrainConfig:
     backend: str | None = None
     timeout: float = 120.0
     progress: bool = True
+    trace: str | None = None
 
     @property
     def pipeline_ranks(self) -> int:
@@ -94,6 +95,7 @@ class TrainSummary:
     steps_clipped: int = 0
     steps_skipped: int = 0
     steps_rolled_back: int = 0
+    trace_lines: tuple[str, ...] = ()
 
     def lines(self) -> list[str]:
         """A short human-readable report."""
@@ -106,6 +108,7 @@ class TrainSummary:
             f"predicted bubble rate {self.predicted_bubble:.1%}",
             f"optimizer steps clipped {self.steps_clipped}, skipped (Inf/NaN) {self.steps_skipped}, "
             f"rolled back {self.steps_rolled_back}",
+            *self.trace_lines,
         ]
 
 
@@ -141,7 +144,7 @@ def _train_rank(config: TrainConfig) -> TrainSummary:
     pipe = Pipeline(
         gpt_layers(config.model), schedule=config.schedule, microbatches=config.microbatches, loss_fn=lm_loss,
         chunks=config.chunks, costs=_costs(config), timeout=config.timeout,
-        data_parallel=config.data_parallel, post_validation=config.post_validation,
+        data_parallel=config.data_parallel, post_validation=config.post_validation, trace=config.trace is not None,
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
@@ -161,6 +164,7 @@ def _train_rank(config: TrainConfig) -> TrainSummary:
                 losses.append(float(loss))
                 advance(losses[-1], config.batch_size * config.seq_len / times[-1])
     pipe.synchronize()
+    report = pipe.write_trace(config.trace) if config.trace is not None else None
     losses = _share_losses(losses if reports_loss else None, config.steps, pipe.device)
     clipped, skipped, rolled_back = _most_over_ranks(pipe, pipe.device)
     step_time = sum(times[1:]) / max(1, len(times) - 1) if len(times) > 1 else times[0]
@@ -170,7 +174,7 @@ def _train_rank(config: TrainConfig) -> TrainSummary:
         tokens_per_second=config.batch_size * config.seq_len / step_time,
         predicted_bubble=pipe.timeline.bubble_rate, entropy_floor=corpus.entropy, losses=losses,
         data_parallel=config.data_parallel, steps_clipped=clipped, steps_skipped=skipped,
-        steps_rolled_back=rolled_back,
+        steps_rolled_back=rolled_back, trace_lines=tuple(report.lines()) if report is not None else (),
     )
 
 

@@ -247,14 +247,18 @@ class Comm:
                 raise PipelineError(f"rank {self.rank}: message {key} from rank {src} was already consumed")
             self._post(src, 1)
         pending = self._posted.pop(key)
-        recorder = self.recorder
-        started = time.perf_counter() if recorder is not None else 0.0
-        for work in pending.works:
-            self._wait(work, lambda: _describe_key(key, src))
-        if recorder is not None:
-            recorder.wait(key, started, time.perf_counter())
-        if not self._headers:
+        if not self._headers:  # keep `lookahead` receives posted: the next ones are in flight while we wait
             self._post(src, self.lookahead - self._posted_ahead(src))
+        recorder = self.recorder
+        if recorder is None:
+            for work in pending.works:
+                self._wait(work, lambda: _describe_key(key, src))
+        else:
+            clock = getattr(recorder, "clock", time.perf_counter)
+            started = clock()
+            for work in pending.works:
+                self._wait(work, lambda: _describe_key(key, src))
+            recorder.wait(key, started, clock())
         return tuple(pending.tensors)
 
     def _posted_ahead(self, src: int) -> int:

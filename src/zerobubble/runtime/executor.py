@@ -5,7 +5,14 @@ handler per op kind (the ``handlers`` dispatch table, as in DeepSpeed's pipeline
 per-op cost of the loop is one call; replacing a handler and calling :meth:`Executor.compile` changes
 what an op kind does (e.g. an emulation that sleeps for the modelled duration).  A *recorder* — any
 object with ``op(op, start, end)`` and ``wait(key, start, end)`` — may be attached to time every op
-and every transfer wait; without one the loop reads no clock.
+and every transfer wait; without one the loop reads no clock.  A recorder may also provide
+``clock()`` (whose values it then receives instead of ``time.perf_counter()`` seconds, e.g. CUDA
+events) and ``begin_step()`` (called before each step's first op).
+
+Each handler is a receive, a compute and a send, exposed as separate methods
+(:meth:`Executor.receive_forward`, :meth:`Executor.compute_forward`, :meth:`Executor.send_forward`
+and their backward counterparts) so another handler — an emulation that replaces the compute by a
+timed wait, :mod:`.emulate` — can reuse the receive and the send unchanged.
 
 Tensors between two chunks of the same rank (the tip of a V) are handed over in a dict, without
 communication.  What a microbatch keeps alive follows the schedule: F keeps the stage's inputs and
@@ -68,7 +75,7 @@ class Executor:
         self._losses: list[torch.Tensor] = []
         self._scale = 1.0 / schedule.microbatches
         self.handlers: dict[Kind, Callable[[StageState, int], None]] = {
-            Kind.F: self._forward, Kind.B: self._backward, Kind.BW: self._backward_fused, Kind.W: self._weight,
+            Kind.F: self._forward, Kind.B: self._backward, Kind.BW: self._backward_fused, Kind.W: self.compute_weight,
         }
         self.program: list[tuple[Op, Callable[[StageState, int], None], StageState, int]] = []
         self.compile()
@@ -94,11 +101,7 @@ class Executor:
                 for _, handler, state, microbatch in self.program:
                     handler(state, microbatch)
             else:
-                clock = time.perf_counter
-                for op, handler, state, microbatch in self.program:
-                    started = clock()
-                    handler(state, microbatch)
-                    recorder.op(op, started, clock())
+                self._run_recorded(recorder)
             self.comm.finish_step()
         except BaseException:
             self._abort()
@@ -107,6 +110,17 @@ class Executor:
             self._inputs = self._targets = ()
         self._steps += 1
         return self._losses
+
+    def _run_recorded(self, recorder: Any) -> None:
+        begin = getattr(recorder, "begin_step", None)
+        if begin is not None:
+            begin()
+        clock = getattr(recorder, "clock", time.perf_counter)
+        record = recorder.op
+        for op, handler, state, microbatch in self.program:
+            started = clock()
+            handler(state, microbatch)
+            record(op, started, clock())
 
     def _abort(self) -> None:
         self.comm.abort_step()
@@ -118,17 +132,8 @@ class Executor:
     # -- handlers ----------------------------------------------------------------------------------
 
     def _forward(self, state: StageState, j: int) -> None:
-        inputs = self._stage_inputs(state, j)
-        try:
-            outputs = state.module(*inputs)
-        except Exception as error:
-            raise PipelineError(self._forward_failure(state, j, inputs, error)) from error
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        if state.last:
-            outputs = (self._loss(state, outputs, j),)
-        else:
-            self._pass_on(state, (0, state.index, j), tuple(t.detach() for t in outputs), forward=True)
-        state.saved[j] = (inputs, outputs)
+        outputs = self.compute_forward(state, j, self.receive_forward(state, j))
+        self.send_forward(state, j, outputs)
 
     def _backward(self, state: StageState, j: int) -> None:
         self._run_backward(state, j, defer=True)
@@ -136,8 +141,68 @@ class Executor:
     def _backward_fused(self, state: StageState, j: int) -> None:
         self._run_backward(state, j, defer=False)
 
-    def _weight(self, state: StageState, j: int) -> None:
+    def compute_weight(self, state: StageState, j: int) -> None:
+        """The W op: accumulate the deferred weight gradients of microbatch ``j`` into ``.grad``."""
         state.store.flush((state.index, j))
+
+    def _run_backward(self, state: StageState, j: int, defer: bool) -> None:
+        grads = self.receive_backward(state, j)
+        self.send_backward(state, j, self.compute_backward(state, j, grads, defer))
+
+    # -- the pieces of a handler ---------------------------------------------------------------------
+
+    def receive_forward(self, state: StageState, j: int) -> tuple[torch.Tensor, ...]:
+        """The inputs of F(state, j): the batch, a local hand-over or a received message."""
+        return self._stage_inputs(state, j)
+
+    def compute_forward(self, state: StageState, j: int, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Run the stage's forward (and the loss on the last stage); keep what B needs; return the outputs."""
+        try:
+            outputs = state.module(*inputs)
+        except Exception as error:
+            raise PipelineError(self._forward_failure(state, j, inputs, error)) from error
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if state.last:
+            outputs = (self._loss(state, outputs, j),)
+        state.saved[j] = (inputs, outputs)
+        return outputs
+
+    def send_forward(self, state: StageState, j: int, outputs: tuple[torch.Tensor, ...]) -> None:
+        """Pass F's outputs to the next stage (nothing to pass from the last stage)."""
+        if not state.last:
+            self._pass_on(state, (0, state.index, j), tuple(t.detach() for t in outputs), forward=True)
+
+    def receive_backward(self, state: StageState, j: int) -> tuple[torch.Tensor, ...] | None:
+        """The gradient of the stage's outputs for microbatch ``j`` (None on the last stage: the loss)."""
+        if state.last:
+            return None
+        key = (1, state.index, j)
+        return self._handoff.pop(key) if state.next_local else self.comm.recv(key)
+
+    def compute_backward(
+        self, state: StageState, j: int, received: tuple[torch.Tensor, ...] | None, defer: bool
+    ) -> tuple[torch.Tensor, ...]:
+        """Backward of microbatch ``j`` (weight gradients deferred to W when ``defer``); the input gradients."""
+        inputs, outputs = state.saved.pop(j)
+        if received is None:
+            tensors, grads = [outputs[0] * self._scale], None
+        else:
+            pairs = [(out, grad) for out, grad in zip(_floating(outputs), received) if out.requires_grad]
+            tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        state.store.begin((state.index, j), defer)
+        try:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        finally:
+            state.store.end()
+        if state.first:
+            return ()
+        return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in _floating(inputs))
+
+    def send_backward(self, state: StageState, j: int, input_grads: tuple[torch.Tensor, ...]) -> None:
+        """Pass B's input gradients to the previous stage (nothing to pass from the first stage)."""
+        if not state.first:
+            self._pass_on(state, (1, state.index - 1, j), input_grads, forward=False)
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -159,25 +224,6 @@ class Executor:
             )
         self._losses.append(loss.detach())
         return loss
-
-    def _run_backward(self, state: StageState, j: int, defer: bool) -> None:
-        inputs, outputs = state.saved.pop(j)
-        if state.last:
-            tensors, grads = [outputs[0] * self._scale], None
-        else:
-            key = (1, state.index, j)
-            received = self._handoff.pop(key) if state.next_local else self.comm.recv(key)
-            pairs = [(out, grad) for out, grad in zip(_floating(outputs), received) if out.requires_grad]
-            tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
-        state.store.begin((state.index, j), defer)
-        try:
-            if tensors:
-                torch.autograd.backward(tensors, grads)
-        finally:
-            state.store.end()
-        if not state.first:
-            input_grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in _floating(inputs))
-            self._pass_on(state, (1, state.index - 1, j), input_grads, forward=False)
 
     def _pass_on(self, state: StageState, key: tuple[int, int, int], tensors: tuple[torch.Tensor, ...], forward: bool) -> None:
         local = state.next_local if forward else state.prev_local

@@ -57,6 +57,11 @@ class Pipeline:
     Pipeline.  With ``static_shapes`` the tensors crossing stage boundaries keep the shapes of the
     first step, which lets receives be posted ahead of time.
 
+    ``trace=True`` records the start and end of every op and transfer wait of the last steps
+    (:mod:`.trace`); :meth:`write_trace` then writes the measured timeline next to the simulator's
+    prediction.  ``emulate=costs`` (a CostModel in milliseconds) stretches every op to its modelled
+    duration while real tensors still flow (:mod:`.emulate`), to measure the runtime's own overhead.
+
     ``data_parallel = D`` runs ``D`` replicas of a ``p``-rank pipeline over the ``p·D`` ranks of
     ``group`` (group rank ``dp_index · p + pipeline rank``, see :mod:`.data_parallel`); each replica
     steps on its shard of the batch and the gradients are averaged over the replicas, chunk by

@@ -56,11 +56,13 @@ class WeightGradStore:
 
         A key without deferred work (a stage without Linear layers) is a no-op.
         """
-        for linear, inputs, grad_output in self._pending.pop(key, ()):
-            grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-            _accumulate(linear.weight, grad_2d.t().mm(inputs.reshape(-1, inputs.shape[-1])))
-            if linear.bias is not None:
-                _accumulate(linear.bias, grad_2d.sum(0))
+        # no_grad: the saved input may require grad; a W op must not build a graph into .grad
+        with torch.no_grad():
+            for linear, inputs, grad_output in self._pending.pop(key, ()):
+                grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+                _accumulate_product(linear.weight, grad_2d, inputs.reshape(-1, inputs.shape[-1]))
+                if linear.bias is not None:
+                    _accumulate(linear.bias, grad_2d.sum(0))
 
     def pending_keys(self) -> list[tuple[int, int]]:
         """Keys whose W has not run yet (empty after a complete step)."""
@@ -77,6 +79,14 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad
     else:
         param.grad.add_(grad)
+
+
+def _accumulate_product(param: torch.Tensor, grad_2d: torch.Tensor, inputs_2d: torch.Tensor) -> None:
+    """``param.grad += grad_2d^T @ inputs_2d`` as one GEMM (no temporary weight-sized gradient)."""
+    if param.grad is None:
+        param.grad = grad_2d.t().mm(inputs_2d)
+    else:
+        param.grad.addmm_(grad_2d.t(), inputs_2d)
 
 
 class DeferredLinear(torch.autograd.Function):

@@ -1,0 +1,396 @@
+"""Recorded timelines: the real start and end of every op and transfer wait on every rank.
+
+A :class:`TraceRecorder` attached to a pipeline (``Pipeline(..., trace=True)``) keeps, for the last
+few steps, one ``(start, end)`` pair per op of the rank's program and one ``(key, start, end)`` per
+transfer wait — two clock reads and an append per op, cheap enough to leave on.  On the CPU the clock
+is ``time.perf_counter``; on a GPU it records CUDA events on the current stream (converted to
+seconds only when the trace is gathered), so an op's interval is when the device ran it.
+
+:func:`gather_timeline` (collective) aligns the ranks' clocks and returns, on rank 0, a
+:class:`MeasuredTimeline`: the same interface as the simulator's Timeline (``schedule``,
+``start[r][i]``, ``end[r][i]``, ``iteration_time``, ``makespan``, ``bubble_rate``), in seconds, so
+the renderer and the Chrome-trace exporter draw it as they draw a prediction.  An op's measured
+start is when its inputs were there: the end of the transfer wait inside the op if it had one (the
+wait itself is idle time, as in the simulator), else when the executor called it.
+
+**Clock alignment.**  Each rank estimates the offset of its ``perf_counter`` to rank 0's by a few
+ping-pongs (NTP style): it notes ``t1``, rank 0 answers with its time ``t2``, it notes ``t3``; the
+offset is ``t2 − (t1 + t3)/2`` from the round trip with the smallest ``t3 − t1``, and the error is
+at most half that round trip (typically 50–300 µs over gloo on loopback; reported per rank as
+``clock_error``).  One-rank-relative quantities (op durations, a rank's span, hence
+``iteration_time``) do not depend on the alignment at all.
+
+:func:`measured_costs` turns a measured timeline into a :class:`CostModel` (per-stage mean F, B, W),
+so :func:`write_trace` can draw the simulator's prediction for the same costs beneath the measurement
+and report both bubble rates: measured versus predicted is apples to apples.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import CostModel, Kind, Schedule, simulate
+from ..schedule.export import to_chrome_trace
+from ..schedule.render import render_comparison
+
+Interval = tuple[float, float]
+_PING_PONGS = 8
+
+
+class TraceRecorder:
+    """Records the op and wait intervals of the last ``keep`` steps of one rank.
+
+    The executor calls :meth:`begin_step` before a step, :meth:`clock` around every op and wait,
+    :meth:`op` after every op and :meth:`wait` after every transfer wait (the recorder protocol of
+    :mod:`.executor`).  ``device`` selects the clock: CUDA events on a CUDA device, else
+    ``time.perf_counter``.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", keep: int = 8):
+        self.cuda = torch.device(device).type == "cuda"
+        self.steps: deque[tuple[list, list]] = deque(maxlen=keep)
+        self._ops: list = []
+        self._waits: list = []
+        self._anchor: tuple[Any, float] | None = None
+        self.begun = 0
+        self.clock = self._cuda_clock if self.cuda else time.perf_counter
+        """The current time (``perf_counter`` seconds; a recorded CUDA event on a GPU)."""
+
+    def _cuda_clock(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin_step(self) -> None:
+        """Start recording a new step (the oldest kept step is dropped)."""
+        if self.cuda and self._anchor is None:
+            anchor = self._cuda_clock()
+            anchor.synchronize()
+            self._anchor = (anchor, time.perf_counter())
+        self._ops, self._waits = [], []
+        self.steps.append((self._ops, self._waits))
+        self.begun += 1
+
+    @property
+    def keeps_first_step(self) -> bool:
+        """True while the oldest kept step is the pipeline's first (it also exchanges shape headers)."""
+        return self.begun <= (self.steps.maxlen or self.begun)
+
+    def op(self, op: Any, start: Any, end: Any) -> None:
+        """One op ran from ``start`` to ``end``."""
+        self._ops.append((start, end))
+
+    def wait(self, key: Any, start: Any, end: Any) -> None:
+        """The rank waited for message ``key`` from ``start`` to ``end``."""
+        self._waits.append((key, start, end))
+
+    def seconds(self) -> list[tuple[list[Interval], list[tuple[Any, float, float]]]]:
+        """The kept steps as ``perf_counter`` seconds: ``[(op intervals, waits)]``, oldest first."""
+        if not self.cuda:
+            return [(list(ops), list(waits)) for ops, waits in self.steps]
+        torch.cuda.synchronize()
+        anchor, host = self._anchor  # type: ignore[misc]
+
+        def convert(event: Any) -> float:
+            return host + anchor.elapsed_time(event) / 1e3
+
+        return [
+            ([(convert(a), convert(b)) for a, b in ops], [(key, convert(a), convert(b)) for key, a, b in waits])
+            for ops, waits in self.steps
+        ]
+
+
+@dataclass(frozen=True)
+class MeasuredTimeline:
+    """A recorded step in seconds on rank 0's clock, read like a simulated Timeline.
+
+    ``start[r][i]``/``end[r][i]`` belong to ``schedule.programs[r][i]``; ``issued[r][i]`` is when the
+    executor called the op (before any transfer wait inside it); ``waits[r]`` lists
+    ``(message key, start, end)``; ``clock_error[r]`` bounds rank ``r``'s alignment error (seconds).
+    """
+
+    schedule: Schedule
+    start: tuple[tuple[float, ...], ...]
+    end: tuple[tuple[float, ...], ...]
+    issued: tuple[tuple[float, ...], ...] = ()
+    waits: tuple[tuple[tuple[Any, float, float], ...], ...] = ()
+    clock_error: tuple[float, ...] = ()
+
+    @property
+    def rank_spans(self) -> tuple[float, ...]:
+        """Per rank, end of its last op minus start of its first."""
+        return tuple(e[-1] - s[0] if e else 0.0 for s, e in zip(self.start, self.end))
+
+    @property
+    def busy(self) -> tuple[float, ...]:
+        """Measured compute time of each rank."""
+        return tuple(sum(b - a for a, b in zip(s, e)) for s, e in zip(self.start, self.end))
+
+    @property
+    def makespan(self) -> float:
+        """First op's start to last op's end, over all ranks (depends on the clock alignment)."""
+        return max(e[-1] for e in self.end if e) - min(s[0] for s in self.start if s)
+
+    @property
+    def iteration_time(self) -> float:
+        """Max over ranks of its own span (independent of the clock alignment)."""
+        return max(self.rank_spans)
+
+    @property
+    def ideal(self) -> float:
+        """Measured busy time of the busiest rank."""
+        return max(self.busy)
+
+    @property
+    def bubble_rate(self) -> float:
+        """``1 − ideal / iteration_time``."""
+        return 1.0 - self.ideal / self.iteration_time if self.iteration_time > 0 else 0.0
+
+    @property
+    def bubble_rate_makespan(self) -> float:
+        """``1 − ideal / makespan``."""
+        return 1.0 - self.ideal / self.makespan if self.makespan > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers as a JSON-ready dict (times in seconds)."""
+        return {
+            "schedule": self.schedule.name, "stages": self.schedule.num_ranks,
+            "microbatches": self.schedule.microbatches, "chunks": self.schedule.chunks,
+            "makespan": self.makespan, "iteration_time": self.iteration_time, "ideal": self.ideal,
+            "bubble_rate": self.bubble_rate, "bubble_rate_makespan": self.bubble_rate_makespan,
+            "clock_error": list(self.clock_error),
+        }
+
+
+def build_timeline(
+    schedule: Schedule, per_rank: Sequence[tuple[list[Interval], list]], clock_error: Sequence[float] = ()
+) -> MeasuredTimeline:
+    """A :class:`MeasuredTimeline` from each rank's ``(op intervals, waits)`` on one clock."""
+    starts, ends, issued, waits = [], [], [], []
+    for rank, (ops, rank_waits) in enumerate(per_rank):
+        if len(ops) != len(schedule.programs[rank]):
+            raise ValueError(
+                f"rank {rank} recorded {len(ops)} ops but its program has {len(schedule.programs[rank])}; "
+                "record a whole step"
+            )
+        starts.append(tuple(_ready_times(ops, rank_waits)))
+        ends.append(tuple(b for _, b in ops))
+        issued.append(tuple(a for a, _ in ops))
+        waits.append(tuple(rank_waits))
+    return MeasuredTimeline(schedule, tuple(starts), tuple(ends), tuple(issued), tuple(waits), tuple(clock_error))
+
+
+def _ready_times(ops: list[Interval], waits: list[tuple[Any, float, float]]) -> list[float]:
+    """Each op's start moved to the end of the last transfer wait that began inside it (a sweep)."""
+    ready, position = [], 0
+    for start, end in ops:
+        moved = start
+        while position < len(waits) and waits[position][1] < end:
+            if waits[position][1] >= start:
+                moved = min(max(moved, waits[position][2]), end)
+            position += 1
+        ready.append(moved)
+    return ready
+
+
+def shift_steps(steps: list, offset: float) -> list:
+    """Steps of :meth:`TraceRecorder.seconds` moved by ``offset`` seconds (onto rank 0's clock)."""
+    return [
+        ([(a + offset, b + offset) for a, b in ops], [(key, a + offset, b + offset) for key, a, b in waits])
+        for ops, waits in steps
+    ]
+
+
+def clock_offset(group: dist.ProcessGroup | None, device: torch.device) -> tuple[float, float]:
+    """``(offset, error)`` of this rank's ``perf_counter`` to rank 0's of ``group`` (collective).
+
+    Rank 0 answers each other rank in turn; offset and error come from the fastest of a few round
+    trips (see the module docstring).  Rank 0 gets ``(0, 0)``.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    buffer = torch.zeros(1, dtype=torch.float64, device=device)
+    if rank == 0:
+        for other in range(1, world):
+            for _ in range(_PING_PONGS):
+                dist.recv(buffer, to_global(other), group=group)
+                buffer.fill_(time.perf_counter())
+                dist.send(buffer, to_global(other), group=group)
+        return 0.0, 0.0
+    best = (float("inf"), 0.0)
+    for _ in range(_PING_PONGS):
+        sent = time.perf_counter()
+        dist.send(buffer, to_global(0), group=group)
+        dist.recv(buffer, to_global(0), group=group)
+        back = time.perf_counter()
+        remote = float(buffer.item())
+        best = min(best, (back - sent, remote - (sent + back) / 2))
+    return best[1], best[0] / 2
+
+
+def gather_timelines(
+    recorder: TraceRecorder, schedule: Schedule, group: dist.ProcessGroup | None, device: torch.device
+) -> list[MeasuredTimeline] | None:
+    """Every kept step as a :class:`MeasuredTimeline` on rank 0 (``None`` elsewhere). Collective."""
+    offset, error = clock_offset(group, device)
+    mine = (shift_steps(recorder.seconds(), offset), error)
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    gathered: list[Any] = [None] * world if rank == 0 else None  # type: ignore[assignment]
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.gather_object(mine, gathered, dst=root, group=group)
+    if rank != 0:
+        return None
+    counts = {len(steps) for steps, _ in gathered}
+    errors = [err for _, err in gathered]
+    return [
+        build_timeline(schedule, [steps[index] for steps, _ in gathered], errors) for index in range(min(counts))
+    ]
+
+
+def median_timeline(timelines: Sequence[MeasuredTimeline]) -> MeasuredTimeline:
+    """The step whose iteration time is the median (the lower one of an even count)."""
+    ordered = sorted(timelines, key=lambda t: t.iteration_time)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def measured_costs(timelines: Sequence[MeasuredTimeline], comm: float = 0.0) -> CostModel:
+    """Per-virtual-stage mean F, B and W durations (seconds) over ``timelines`` as a CostModel.
+
+    A fused BW is counted as B with W = 0 (the simulator runs BW for ``b + w``); a stage with no op of
+    a kind gets 0.  ``comm`` is the transfer time the prediction assumes (0: transfers are free).
+    """
+    schedule = timelines[0].schedule
+    sums = {kind: [0.0] * schedule.num_stages for kind in (Kind.F, Kind.B, Kind.W)}
+    counts = {kind: [0] * schedule.num_stages for kind in (Kind.F, Kind.B, Kind.W)}
+    for timeline in timelines:
+        for rank, program in enumerate(schedule.programs):
+            for op, a, b in zip(program, timeline.start[rank], timeline.end[rank]):
+                kind = Kind.B if op.kind is Kind.BW else op.kind
+                sums[kind][op.stage] += b - a
+                counts[kind][op.stage] += 1
+    means = {
+        kind: [total / count if count else 0.0 for total, count in zip(sums[kind], counts[kind])] for kind in sums
+    }
+    return CostModel(f=means[Kind.F], b=means[Kind.B], w=means[Kind.W], comm=comm)
+
+
+def transfer_latencies(timeline: MeasuredTimeline) -> list[float]:
+    """Seconds from a producer op's end to the end of its consumer's wait, for every transfer waited on.
+
+    Only messages the consumer was already waiting for when the producer finished count (otherwise
+    the wait measures nothing about the transfer).  The producer's recorded end is just after it
+    posted the send, so this is the one-way latency of a small message plus the wake-up.
+    """
+    schedule = timeline.schedule
+    produced = {}
+    for rank, program in enumerate(schedule.programs):
+        for op, end in zip(program, timeline.end[rank]):
+            if op.kind is Kind.F:
+                produced[(0, op.stage, op.microbatch)] = end
+            elif op.kind in (Kind.B, Kind.BW):
+                produced[(1, op.stage - 1, op.microbatch)] = end
+    latencies = []
+    for waits in timeline.waits:
+        for key, start, end in waits:
+            sent = produced.get(tuple(key))
+            if sent is not None and start <= sent <= end:
+                latencies.append(end - sent)
+    return latencies
+
+
+@dataclass(frozen=True)
+class TraceReport:
+    """What :func:`write_trace` wrote and the headline comparison (times in seconds)."""
+
+    measured_iteration_time: float
+    predicted_iteration_time: float
+    measured_bubble_rate: float
+    predicted_bubble_rate: float
+    steps: int
+    files: tuple[str, ...]
+
+    def lines(self) -> list[str]:
+        """A short human-readable report."""
+        return [
+            f"measured iteration {self.measured_iteration_time * 1e3:.2f} ms, bubble {self.measured_bubble_rate:.1%} "
+            f"(median of {self.steps} recorded steps)",
+            f"predicted iteration {self.predicted_iteration_time * 1e3:.2f} ms, "
+            f"bubble {self.predicted_bubble_rate:.1%} (simulator, measured per-stage costs)",
+            *(f"wrote {path}" for path in self.files),
+        ]
+
+
+def write_trace(pipe: Any, directory: str | Path, image: str = "timeline.png") -> TraceReport | None:
+    """Write the recorded steps of ``pipe`` (a Pipeline built with ``trace=True``) to ``directory``.
+
+    Collective: every rank calls it; rank 0 writes ``trace.json`` (Chrome trace of the median step
+    — the pipeline's first step is left out when later ones were recorded —
+    transfer waits included), ``predicted.json`` (the simulator's prediction for the measured
+    costs), ``summary.json`` and ``image`` (measured above predicted), and returns a
+    :class:`TraceReport`; other ranks return ``None``.  With data parallelism the rank 0 of every
+    replica's pipeline writes into ``directory/replica<d>``.
+    """
+    timelines = pipe.measured_timelines()
+    if timelines is None:
+        return None
+    if not timelines:
+        raise ValueError("no step was recorded: run pipe.step() with trace=True before write_trace")
+    if len(timelines) > 1 and getattr(pipe.recorder, "keeps_first_step", False):
+        timelines = timelines[1:]  # the first step also sends shape headers and allocates: not typical
+    measured = median_timeline(timelines)
+    predicted = simulate(measured.schedule, measured_costs(timelines))
+    folder = Path(directory)
+    replica = getattr(getattr(pipe, "layout", None), "dp_index", 0)
+    if getattr(getattr(pipe, "layout", None), "data_parallel", 1) > 1:
+        folder = folder / f"replica{replica}"  # every data-parallel replica writes its own pipeline's trace
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {
+        "trace.json": measured_chrome_trace(measured),
+        "predicted.json": to_chrome_trace(predicted, time_unit_us=1e6),
+        "summary.json": json.dumps(
+            {"measured": measured.summary(), "predicted": predicted.summary(),
+             "costs_seconds": measured_costs(timelines).to_dict()}, indent=2),
+    }
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    render_comparison(measured, predicted, folder / image)
+    return TraceReport(
+        measured.iteration_time, predicted.iteration_time, measured.bubble_rate, predicted.bubble_rate,
+        len(timelines), tuple(str(folder / name) for name in (*files, image)),
+    )
+
+
+def measured_chrome_trace(timeline: MeasuredTimeline) -> str:
+    """Chrome trace JSON (µs) of a measured step: the ops, plus every transfer wait as a ``wait`` event."""
+    trace = json.loads(to_chrome_trace(timeline, time_unit_us=1e6))
+    t0 = min(s[0] for s in timeline.start if s)
+    for rank, waits in enumerate(timeline.waits):
+        for key, a, b in waits:
+            direction, boundary, microbatch = key
+            route = f"act {boundary}->{boundary + 1}" if direction == 0 else f"grad {boundary + 1}->{boundary}"
+            trace["traceEvents"].append({
+                "name": f"wait {route} mb {microbatch}",
+                "cat": "wait", "ph": "X", "ts": round((a - t0) * 1e6, 3), "dur": round((b - a) * 1e6, 3),
+                "pid": 0, "tid": rank, "args": {"key": list(key)},
+            })
+    earliest = min((e["ts"] for e in trace["traceEvents"] if "ts" in e), default=0.0)
+    if earliest < 0:  # a rank's first wait begins before the first op's inputs arrive
+        for event in trace["traceEvents"]:
+            if "ts" in event:
+                event["ts"] = round(event["ts"] - earliest, 3)
+    return json.dumps(trace)
+
+
+__all__ = [
+    "MeasuredTimeline", "TraceRecorder", "TraceReport", "build_timeline", "clock_offset", "gather_timelines",
+    "measured_chrome_trace", "measured_costs", "median_timeline", "transfer_latencies", "write_trace",
+]
