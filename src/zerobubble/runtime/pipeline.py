@@ -5,7 +5,8 @@
     pipe = zerobubble.Pipeline(layers, schedule="zb-v", microbatches=8, loss_fn=F.cross_entropy)
     optimizer = torch.optim.AdamW(pipe.parameters())
     loss = pipe.step(inputs, targets)   # mean loss where the last stage lives, else None
-    optimizer.step(); optimizer.zero_grad()
+    pipe.optimizer_step(optimizer, max_norm=1.0)   # clipped, post-validated; then zero the grads
+    optimizer.zero_grad(set_to_none=True)
 
 The layers are cut into ``p·v`` chunks (evenly, or at the cut points of ``partition``), placed by the
 schedule's placement, and only this rank's chunks are kept.  Parameter names stay those of
