@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..schedule import CostModel, Kind, Schedule, simulate
 from ..schedule.export import to_chrome_trace
 from ..schedule.render import render_comparison
+from ..schedule.simulate import RecordedSpans
 
 Interval = tuple[float, float]
 _PING_PONGS = 8
@@ -109,55 +110,19 @@ class TraceRecorder:
 
 
 @dataclass(frozen=True)
-class MeasuredTimeline:
+class MeasuredTimeline(RecordedSpans):
     """A recorded step in seconds on rank 0's clock, read like a simulated Timeline.
 
     ``start[r][i]``/``end[r][i]`` belong to ``schedule.programs[r][i]``; ``issued[r][i]`` is when the
     executor called the op (before any transfer wait inside it); ``waits[r]`` lists
     ``(message key, start, end)``; ``clock_error[r]`` bounds rank ``r``'s alignment error (seconds).
+    The makespan depends on the clock alignment; the iteration time (each rank's own span) does not.
+    The ideal is the measured busy time of the busiest rank.
     """
 
-    schedule: Schedule
-    start: tuple[tuple[float, ...], ...]
-    end: tuple[tuple[float, ...], ...]
     issued: tuple[tuple[float, ...], ...] = ()
     waits: tuple[tuple[tuple[Any, float, float], ...], ...] = ()
     clock_error: tuple[float, ...] = ()
-
-    @property
-    def rank_spans(self) -> tuple[float, ...]:
-        """Per rank, end of its last op minus start of its first."""
-        return tuple(e[-1] - s[0] if e else 0.0 for s, e in zip(self.start, self.end))
-
-    @property
-    def busy(self) -> tuple[float, ...]:
-        """Measured compute time of each rank."""
-        return tuple(sum(b - a for a, b in zip(s, e)) for s, e in zip(self.start, self.end))
-
-    @property
-    def makespan(self) -> float:
-        """First op's start to last op's end, over all ranks (depends on the clock alignment)."""
-        return max(e[-1] for e in self.end if e) - min(s[0] for s in self.start if s)
-
-    @property
-    def iteration_time(self) -> float:
-        """Max over ranks of its own span (independent of the clock alignment)."""
-        return max(self.rank_spans)
-
-    @property
-    def ideal(self) -> float:
-        """Measured busy time of the busiest rank."""
-        return max(self.busy)
-
-    @property
-    def bubble_rate(self) -> float:
-        """``1 − ideal / iteration_time``."""
-        return 1.0 - self.ideal / self.iteration_time if self.iteration_time > 0 else 0.0
-
-    @property
-    def bubble_rate_makespan(self) -> float:
-        """``1 − ideal / makespan``."""
-        return 1.0 - self.ideal / self.makespan if self.makespan > 0 else 0.0
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-ready dict (times in seconds)."""

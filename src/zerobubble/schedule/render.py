@@ -7,8 +7,9 @@ drawn like a simulated one:
 * required: ``schedule`` (a :class:`~zerobubble.schedule.ir.Schedule`), ``start`` and ``end``
   (``start[r][i]`` / ``end[r][i]`` belong to ``schedule.programs[r][i]``);
 * optional: ``iteration_time``, ``makespan``, ``bubble_rate``, ``bubble_rate_makespan`` and
-  ``peak_memory_mb``.  Missing numbers are derived from ``start``/``end`` (the bubble rates then
-  take the busiest rank's compute time as the ideal) or, for peak memory, left out of the caption.
+  ``peak_memory_mb``.  Without them the numbers come from ``start``/``end`` as
+  :class:`~zerobubble.schedule.simulate.RecordedSpans` defines them (the busiest rank's compute
+  time is the ideal); peak memory is then left out of the caption.
 
 matplotlib is imported only inside the image functions, so importing the schedule layer stays fast,
 and figures are drawn on a private Agg canvas without touching pyplot's global state.
@@ -19,9 +20,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from .ir import Kind, Schedule, ScheduleError
+from .simulate import RecordedSpans
 
 #: Text letters per kind; chunks after a rank's first are written in lower case.
 _LETTERS = MappingProxyType({Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"})
@@ -54,28 +56,18 @@ class Figures(NamedTuple):
 
 
 def timeline_figures(timeline: Any) -> Figures:
-    """Caption numbers of ``timeline``: its own attributes where it has them, else derived from
-    ``start``/``end`` (see the module docstring)."""
-    starts = [s[0] for s in timeline.start if s]
-    ends = [e[-1] for e in timeline.end if e]
-    makespan = _attribute(timeline, "makespan", lambda: max(ends) - min(starts) if ends else 0.0)
-    spans = [e[-1] - s[0] for s, e in zip(timeline.start, timeline.end) if e]
-    iteration = _attribute(timeline, "iteration_time", lambda: max(spans, default=0.0))
-    busiest = max((sum(b - a for a, b in zip(s, e)) for s, e in zip(timeline.start, timeline.end)), default=0.0)
-    bubble = _attribute(timeline, "bubble_rate", lambda: _bubble(busiest, iteration))
-    bubble_makespan = _attribute(timeline, "bubble_rate_makespan", lambda: _bubble(busiest, makespan))
+    """Caption numbers of ``timeline``; an object with only ``schedule``/``start``/``end`` is read
+    as a :class:`~zerobubble.schedule.simulate.RecordedSpans` (see the module docstring)."""
+    spans = timeline if hasattr(timeline, "iteration_time") else as_recorded(timeline)
     peaks = getattr(timeline, "peak_memory_mb", None)
-    peak = max(peaks) if peaks else None
-    return Figures(iteration, makespan, bubble, bubble_makespan, peak)
+    return Figures(
+        spans.iteration_time, spans.makespan, spans.bubble_rate, spans.bubble_rate_makespan, max(peaks) if peaks else None
+    )
 
 
-def _attribute(timeline: Any, name: str, fallback: Callable[[], float]) -> float:
-    value = getattr(timeline, name, None)
-    return float(value) if value is not None else float(fallback())
-
-
-def _bubble(ideal: float, period: float) -> float:
-    return 1.0 - ideal / period if period > 0 else 0.0
+def as_recorded(timeline: Any) -> RecordedSpans:
+    """``timeline``'s op times with the figures a recorded run derives from them."""
+    return RecordedSpans(timeline.schedule, tuple(map(tuple, timeline.start)), tuple(map(tuple, timeline.end)))
 
 
 def caption(timeline: Any) -> str:

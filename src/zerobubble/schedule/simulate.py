@@ -17,7 +17,7 @@ p = 32, m = 256 takes a few tens of milliseconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .costs import CostModel, StageCosts
@@ -38,32 +38,21 @@ class DeadlockError(ScheduleError):
         self.waits = waits
 
 
-@dataclass(frozen=True)
-class Timeline:
-    """Start and end of every op of a schedule, and the figures derived from them.
+class SpanMetrics:
+    """The figures every timeline derives from its op times, defined once for simulated and
+    recorded timelines alike.
 
-    ``start[r][i]`` and ``end[r][i]`` belong to ``schedule.programs[r][i]``; ``memory[r][i]`` is
-    rank ``r``'s activation memory right after that op.
+    Subclasses have ``schedule``, ``start`` and ``end`` (``start[r][i]``/``end[r][i]`` belong to
+    ``schedule.programs[r][i]``) and define ``ideal``, the compute time no iteration can undercut.
     """
 
     schedule: Schedule
-    costs: StageCosts
     start: tuple[tuple[float, ...], ...]
     end: tuple[tuple[float, ...], ...]
-    memory: tuple[tuple[float, ...], ...]
-    peak_memory: tuple[float, ...]
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
-    def num_ranks(self) -> int:
-        """Number of ranks."""
-        return self.schedule.num_ranks
-
-    def events(self) -> Iterator[tuple[int, Op, float, float]]:
-        """Every ``(rank, op, start, end)``, rank by rank in program order."""
-        for rank, program in enumerate(self.schedule.programs):
-            for op, start, end in zip(program, self.start[rank], self.end[rank]):
-                yield rank, op, start, end
+    def ideal(self) -> float:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
 
     @property
     def rank_spans(self) -> tuple[float, ...]:
@@ -74,12 +63,6 @@ class Timeline:
     def busy(self) -> tuple[float, ...]:
         """Compute time of each rank."""
         return tuple(sum(e - s for s, e in zip(starts, ends)) for starts, ends in zip(self.start, self.end))
-
-    @property
-    def idle(self) -> tuple[float, ...]:
-        """Idle time of each rank within the makespan."""
-        makespan = self.makespan
-        return tuple(makespan - busy for busy in self.busy)
 
     @property
     def makespan(self) -> float:
@@ -94,11 +77,6 @@ class Timeline:
         return max(self.rank_spans)
 
     @property
-    def ideal(self) -> float:
-        """Compute time of the busiest rank: no schedule's iteration is shorter."""
-        return max(self.costs.rank_work(r, self.schedule.microbatches) for r in range(self.num_ranks))
-
-    @property
     def bubble_rate(self) -> float:
         """``1 − ideal / iteration_time``."""
         return _bubble(self.ideal, self.iteration_time)
@@ -107,6 +85,58 @@ class Timeline:
     def bubble_rate_makespan(self) -> float:
         """``1 − ideal / makespan``."""
         return _bubble(self.ideal, self.makespan)
+
+
+@dataclass(frozen=True)
+class RecordedSpans(SpanMetrics):
+    """Op times from anywhere (a recorded run, a file): the busiest rank's busy time is the ideal."""
+
+    schedule: Schedule
+    start: tuple[tuple[float, ...], ...]
+    end: tuple[tuple[float, ...], ...]
+
+    @property
+    def ideal(self) -> float:
+        """Measured compute time of the busiest rank."""
+        return max(self.busy, default=0.0)
+
+
+@dataclass(frozen=True)
+class Timeline(SpanMetrics):
+    """Start and end of every op of a schedule, and the figures derived from them.
+
+    ``start[r][i]`` and ``end[r][i]`` belong to ``schedule.programs[r][i]``; ``memory[r][i]`` is
+    rank ``r``'s activation memory right after that op.
+    """
+
+    schedule: Schedule
+    costs: StageCosts
+    start: tuple[tuple[float, ...], ...]
+    end: tuple[tuple[float, ...], ...]
+    memory: tuple[tuple[float, ...], ...]
+    peak_memory: tuple[float, ...]
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of ranks."""
+        return self.schedule.num_ranks
+
+    def events(self) -> Iterator[tuple[int, Op, float, float]]:
+        """Every ``(rank, op, start, end)``, rank by rank in program order."""
+        for rank, program in enumerate(self.schedule.programs):
+            for op, start, end in zip(program, self.start[rank], self.end[rank]):
+                yield rank, op, start, end
+
+    @property
+    def idle(self) -> tuple[float, ...]:
+        """Idle time of each rank within the makespan."""
+        makespan = self.makespan
+        return tuple(makespan - busy for busy in self.busy)
+
+    @property
+    def ideal(self) -> float:
+        """Compute time of the busiest rank: no schedule's iteration is shorter."""
+        return max(self.costs.rank_work(r, self.schedule.microbatches) for r in range(self.num_ranks))
 
     @property
     def peak_memory_mb(self) -> tuple[float, ...]:
