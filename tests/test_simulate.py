@@ -119,3 +119,12 @@ def test_simulator_is_fast():
     elapsed = time.perf_counter() - started
     assert sum(len(p) for p in timeline.start) == 32 * 256 * 2
     assert elapsed < 1.0, f"simulating ~16k ops took {elapsed:.2f}s"
+
+
+def test_busy_and_idle_per_rank():
+    costs = CostModel(f=1.0, b=2.0, w=1.0)
+    timeline = simulate(build_schedule("1f1b", 3, 4, costs), costs)
+    assert timeline.busy == pytest.approx((16.0, 16.0, 16.0))
+    # 1F1B idles (p−1)(T_F+T_B+T_W) on every rank within the makespan
+    assert timeline.idle == pytest.approx((8.0, 8.0, 8.0))
+    assert timeline.summary()["idle"] == pytest.approx([8.0, 8.0, 8.0])

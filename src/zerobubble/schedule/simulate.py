@@ -159,6 +159,8 @@ class Timeline(SpanMetrics):
             "bubble_rate_makespan": self.bubble_rate_makespan,
             "peak_memory": list(self.peak_memory_mb),
             "peak_memory_abs": list(self.peak_memory),
+            "busy": list(self.busy),
+            "idle": list(self.idle),
         }
 
 
