@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 
 import zerobubble
 from zerobubble.schedule.builders import build_schedule
+from zerobubble.schedule.builders.v_blocks import BLOCK_VARIANTS, block_programs, programs_peak_memory
 from zerobubble.schedule.costs import CostModel
-from zerobubble.schedule.ir import Kind, Placement, ScheduleError
+from zerobubble.schedule.ir import Kind, Placement, Schedule, ScheduleError
 from zerobubble.schedule.simulate import simulate
+from zerobubble.schedule.validate import validate_schedule
 
 
 TABLE5 = Path(zerobubble.__file__).parent / "data" / "paper_table5.json"  # the paper's Table 5, shipped
@@ -232,3 +234,39 @@ def test_zb_v_beats_interleaved_and_zb_1p_on_paper_rows(model, microbatches):
     assert max(zbv.peak_memory_mb) <= p + EPS
     assert zbv.bubble_rate < interleaved.bubble_rate - 0.005
     assert zbv.bubble_rate < zb_1p.bubble_rate - 0.005
+
+
+# -- building blocks (v_blocks) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model, microbatches", [("1.5B", 24), ("6.2B", 24), ("1.5B", 64)])
+def test_v_half_beats_1f1b_on_paper_rows(model, microbatches):
+    """With realistic costs V-Half keeps ⌊(p+2)/2⌋·M_B and still has less bubble than 1F1B (paper)."""
+    row = paper_row(model, microbatches)
+    p, m, costs = row["stages"], row["microbatches"], paper_costs(row)
+    half = simulate(build_schedule("v-half", p, m, costs), costs)
+    baseline = simulate(build_schedule("1f1b", p, m, costs), costs)
+    assert max(half.peak_memory_mb) <= (p + 2) // 2 + EPS
+    assert half.bubble_rate < 0.85 * baseline.bubble_rate
+
+
+def test_v_min_block_improves_on_the_greedy_on_a_paper_row():
+    """6.2B, m = 64: the memory-bounded greedy alone gave bubble 0.245 under ⌊(p+4)/3⌋·M_B."""
+    row = paper_row("6.2B", 64)
+    p, m, costs = row["stages"], row["microbatches"], paper_costs(row)
+    schedule = build_schedule("v-min", p, m, costs)
+    timeline = simulate(schedule, costs)
+    assert max(timeline.peak_memory_mb) <= (p + 4) // 3 + EPS
+    assert timeline.bubble_rate < 0.22
+    assert schedule.meta["policy"]["planner"] == "block"
+
+
+@pytest.mark.parametrize("variant", BLOCK_VARIANTS)
+def test_block_peak_memory_is_the_steady_states(variant):
+    """A repeated block's peak memory does not grow with the number of microbatches."""
+    costs = CostModel(f=1.0, b=1.1, w=0.5, comm=0.05, mem_w=0.4).resolve(Placement.vshape(4))
+    peaks = [max(programs_peak_memory(costs, block_programs(costs, m, variant))) for m in (24, 48)]
+    assert peaks[0] == pytest.approx(peaks[1])
+    schedule = Schedule("block", costs.placement, 40, block_programs(costs, 40, variant))
+    timeline = validate_schedule(schedule, costs)
+    assert timeline.iteration_time < 40 * 2 * 4 * 1.3  # far below one microbatch at a time through the V

@@ -15,14 +15,20 @@ Here the same V greedy as ZB-V (:func:`.zb_v.search_v_schedule`) is run with tho
 figures as the limit on every rank, and with policies that cap each rank's chunk-0 lifespan at the
 count a full-throughput V block needs (``lifespan_slack``), which spreads the scarce activations
 evenly instead of letting the warm-up take them all, and with policies that inject microbatches at
-the blocks' steady rhythm (``pace``).  A user's own ``costs.memory_limit`` still
-applies where it is smaller.  ``Schedule.meta`` records the limit used.
+the blocks' steady rhythm (``pace``).  The paper's own construction, a repeated building block
+(:mod:`.v_blocks`), is built under the same limit too, and the shorter iteration time wins: with
+realistic costs (T_W < T_F, T_comm > 0, M_W > 0) the block usually does.  A user's own
+``costs.memory_limit`` still applies where it is smaller.  ``Schedule.meta`` records the limit used
+and the construction chosen (``meta["policy"]["planner"]``: ``"block"``, ``"greedy"`` or ``"rounds"``).
 """
 
 from __future__ import annotations
 
 from ..costs import CostModel
+from dataclasses import asdict
+
 from ..ir import Placement, Schedule, ScheduleError
+from .v_blocks import best_block
 from .zb_v import VPolicy, search_v_schedule
 
 _ORDERS = (("B1", "B0", "F1", "F0"), ("B1", "F1", "B0", "F0"), ("F1", "B1", "B0", "F0"))
@@ -53,6 +59,10 @@ MEMORY_POLICIES: tuple[VPolicy, ...] = _LEADING + tuple(
     )
     if policy not in _LEADING
 )
+
+
+# Past this many stage-microbatches (p·m) the greedy tries only its leading policy.
+_FULL_SEARCH_SIZE = 2048
 
 
 def half_memory_microbatches(stages: int) -> int:
@@ -87,7 +97,15 @@ def build_with_memory(
         limits.append(min(own, resolved.memory_limit[rank]))
     planned = costs.with_memory_limit(limits)
     meta = {"memory_microbatches": microbatches_in_memory}
-    return search_v_schedule(name, stages, microbatches, planned, MEMORY_POLICIES, meta)
+    # the block wins on large problems; the greedy then tries only its leading policy (build time)
+    policies = MEMORY_POLICIES if stages * microbatches <= _FULL_SEARCH_SIZE else MEMORY_POLICIES[:1]
+    searched = search_v_schedule(name, stages, microbatches, planned, policies, meta)
+    block = best_block(planned.resolve(placement), microbatches)
+    if block is None or block[0] >= searched.meta["iteration_time"]:
+        return searched
+    iteration, programs, variant = block
+    info = {**searched.meta, "policy": {"planner": "block", **asdict(variant)}, "iteration_time": iteration}
+    return Schedule(name, placement, microbatches, programs, info)
 
 
 def _check_chunks(name: str, chunks: int) -> None:
