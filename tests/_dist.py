@@ -22,16 +22,7 @@ VOCAB, WIDTH, SEQ = 11, 8, 3
 
 def available_schedules() -> list[str]:
     """Registry names whose builder module exists already (others are being written)."""
-    names = []
-    for name, spec in REGISTRY.items():
-        if name == "zb-ilp":
-            continue
-        try:
-            spec.load()
-        except ImportError:
-            continue
-        names.append(name)
-    return names
+    return [name for name in REGISTRY if name != "zb-ilp"]
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 170.0) -> list:

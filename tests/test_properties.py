@@ -9,14 +9,6 @@ from zerobubble.schedule.compare import SLOW_SCHEDULES
 FAST = [name for name in REGISTRY if name not in SLOW_SCHEDULES]
 
 
-def _available(name):
-    try:
-        REGISTRY[name].load()
-    except ImportError:
-        return False
-    return True
-
-
 positive = st.floats(min_value=0.1, max_value=5.0, allow_nan=False)
 
 
@@ -33,8 +25,6 @@ def setups(draw):
 @pytest.mark.parametrize("name", FAST)
 @given(setup=setups(), chunks=st.integers(1, 3))
 def test_every_builder_validates_and_respects_the_ideal(name, setup, chunks):
-    if not _available(name):
-        pytest.skip(f"{name} is not built yet")
     p, m, costs = setup
     spec = REGISTRY[name]
     take = chunks if spec.chunks is None else None

@@ -28,6 +28,7 @@ from torch import nn
 
 from .models import Block, GPTConfig, MarkovCorpus, gpt_layers, lm_loss
 from .runtime.launch import init_distributed, launch
+from .runtime.pipeline import Pipeline, even_partition
 from .schedule import REGISTRY, CostModel, build_schedule, simulate
 
 
@@ -119,16 +120,6 @@ def bench_partition(model: str, count: int, chunks: int) -> list[int]:
     return [1 + cut for cut in even_partition(blocks, chunks)]
 
 
-def even_partition(count: int, chunks: int) -> list[int]:
-    """Start indices of chunks 1..chunks−1 of an even split of ``count`` layers (first chunks larger)."""
-    base, extra = divmod(count, chunks)
-    cuts, position = [], 0
-    for chunk in range(chunks - 1):
-        position += base + (1 if chunk < extra else 0)
-        cuts.append(position)
-    return cuts
-
-
 # -- 1. our schedules against torch.distributed.pipelining ------------------------------------------
 
 OUR_SCHEDULES = ("1f1b", "zb-h1", "zb-2p", "zb-v")
@@ -161,8 +152,6 @@ def _compare_rank(models, microbatches, rows, rounds, steps_per_round, warmup) -
 
 def _pipeline_runners(model: str, load: Workload, m: int) -> dict[str, Callable[[], None]]:
     """One zero-argument step function per configuration, all on the same model, split and batch."""
-    from .runtime.pipeline import Pipeline
-
     count = len(load.make_layers())
     runners: dict[str, Callable[[], None]] = {"single process": _single_runner(load, m)}
     for name in OUR_SCHEDULES:
@@ -395,7 +384,6 @@ def emulated_pipelines(ranks: int, microbatches: int | None = None, costs: CostM
 
 def _emulate_rank(names: list[str], m: int, costs: CostModel, steps: int) -> dict[str, Any]:
     from .runtime.emulate import tiny_layers
-    from .runtime.pipeline import Pipeline
     from .runtime.trace import median_timeline, transfer_latencies
 
     init_distributed(backend="gloo", timeout=300)

@@ -338,16 +338,22 @@ def _named_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[tuple[str
     return named
 
 
+def even_partition(count: int, chunks: int) -> list[int]:
+    """Start indices of chunks 1..chunks−1 of an even split of ``count`` layers (first chunks larger)."""
+    base, extra = divmod(count, chunks)
+    cuts, position = [], 0
+    for chunk in range(chunks - 1):
+        position += base + (1 if chunk < extra else 0)
+        cuts.append(position)
+    return cuts
+
+
 def _partition_bounds(count: int, stages: int, partition: Sequence[int] | None) -> list[int]:
     """Start index of every chunk, plus ``count`` at the end."""
     if partition is None:
         if count < stages:
             raise PipelineError(f"{count} layers cannot fill {stages} pipeline chunks; give at least {stages}")
-        base, extra = divmod(count, stages)
-        bounds = [0]
-        for stage in range(stages):
-            bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
-        return bounds
+        return [0, *even_partition(count, stages), count]
     cuts = [int(c) for c in partition]
     bounds = [0, *cuts, count]
     if len(cuts) != stages - 1 or any(b >= a for a, b in zip(bounds[1:], bounds)):

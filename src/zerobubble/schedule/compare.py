@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
+from .bounds import lower_bound
 from .builders import REGISTRY, build_schedule
 from .costs import CostModel
 from .ir import ScheduleError
@@ -100,7 +101,7 @@ def _row(name, stages, microbatches, costs, chunks, optimizer, step_time, option
         schedule = build_schedule(name, stages, microbatches, costs, chunks=take_chunks, validate=False, **options)
         planned = spec.resolve_costs(costs, stages) if spec else costs
         timeline = validate_schedule(schedule, planned.with_memory_limit(None))
-    except (ScheduleError, ImportError) as error:
+    except ScheduleError as error:
         return ComparisonRow(schedule=name, error=str(error))
     limits = planned.resolve(schedule.placement).memory_limit
     bound = _lower_bound(schedule, timeline, stages, microbatches, costs)
@@ -129,10 +130,6 @@ def _lower_bound(schedule, timeline: Timeline, stages: int, microbatches: int, c
     schedule of equal memory, not from one that may use unlimited memory.
     """
     proven = schedule.meta.get("lower_bound")
-    try:
-        from .bounds import lower_bound
-    except ImportError:
-        return proven
     own_memory = costs.with_memory_limit([max(peak, 1e-12) for peak in timeline.peak_memory])
     analytic = lower_bound(stages, microbatches, own_memory, chunks=schedule.chunks, placement=schedule.placement)
     return max(analytic, proven) if proven is not None else analytic

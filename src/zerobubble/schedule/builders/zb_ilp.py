@@ -205,7 +205,7 @@ def _best_incumbent(stages: int, microbatches: int, costs: CostModel, resolved: 
     for name in _INCUMBENT_BUILDERS:
         try:
             schedule = build_schedule(name, stages, microbatches, costs, validate=True)
-        except (ImportError, ScheduleError):
+        except ScheduleError:
             continue
         found.append((_relabel([_split_backward(program) for program in schedule.programs]), name))
     found.append((_sequential_programs(stages, microbatches), "sequential"))
