@@ -98,8 +98,10 @@ def token_loss(logits, targets):
 def rich_batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random tokens and targets for :func:`rich_layers`."""
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randint(VOCAB, (batch, SEQ), generator=generator),
-            torch.randint(VOCAB, (batch, SEQ), generator=generator))
+    return (
+        torch.randint(VOCAB, (batch, SEQ), generator=generator),
+        torch.randint(VOCAB, (batch, SEQ), generator=generator),
+    )
 
 
 def reference(layers: list[nn.Module], inputs, targets) -> tuple[float, dict[str, torch.Tensor]]:
@@ -123,7 +125,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def gradient_cases(cases: list[tuple]) -> dict:
-    """For each ``(schedule, microbatches, chunks, partition[, static_shapes])``: errors of loss and gradients.
+    """Errors of loss and gradients for each ``(schedule, microbatches, chunks, partition[, static_shapes])``.
 
     Returns ``{case index: {"loss": rel error or None, "grads": {name: rel error}}}`` or
     ``{"skipped": reason}`` when the builder rejects the size.
@@ -139,8 +141,16 @@ def gradient_cases(cases: list[tuple]) -> dict:
         if name.startswith("object:"):  # a Schedule object instead of a registry name
             schedule = build_schedule(name.split(":", 1)[1], int(os.environ["WORLD_SIZE"]), microbatches)
         try:
-            pipe = Pipeline(rich_layers(seed=index), schedule=schedule, microbatches=microbatches, loss_fn=token_loss,
-                            chunks=chunks, partition=partition, timeout=60, static_shapes=static[0] if static else True)
+            pipe = Pipeline(
+                rich_layers(seed=index),
+                schedule=schedule,
+                microbatches=microbatches,
+                loss_fn=token_loss,
+                chunks=chunks,
+                partition=partition,
+                timeout=60,
+                static_shapes=static[0] if static else True,
+            )
         except PipelineError as error:
             if isinstance(error.__cause__, ScheduleError):
                 results[index] = {"skipped": str(error)}
@@ -153,13 +163,17 @@ def gradient_cases(cases: list[tuple]) -> dict:
             "grads": grads,
             "second_step": _second_step_error(pipe, inputs, targets, expected_grads),
             "recorded": pipe.recorder.counts,
-            "leftover": sum(len(state.saved) + len(state.store.pending_keys())
-                            for state in pipe._executor.stages.values()),
+            "leftover": sum(
+                len(state.saved) + len(state.store.pending_keys()) for state in pipe._executor.stages.values()
+            ),
             "program_length": len(pipe.schedule.programs[pipe.rank]),
             "state_keys": list(pipe.state_dict()),
             "loaded": _load_error(pipe, index),
-            "expected_state_keys": [k for k in nn.Sequential(*rich_layers(index)).state_dict()
-                                    if k.split(".")[0] in {n.split(".")[0] for n, _ in pipe.named_parameters()}],
+            "expected_state_keys": [
+                k
+                for k in nn.Sequential(*rich_layers(index)).state_dict()
+                if k.split(".")[0] in {n.split(".")[0] for n, _ in pipe.named_parameters()}
+            ],
         }
     return results
 
@@ -188,7 +202,7 @@ class CountingRecorder:
 
 
 def _second_step_error(pipe, inputs, targets, expected_grads) -> float:
-    """A second step (cached shapes, prefetched receives, a recorder) on zeroed grads gives the same gradients."""
+    """A second step (cached shapes, prefetched receives, a recorder) on zeroed grads: same gradients."""
     pipe.zero_grad()
     pipe.recorder = CountingRecorder()
     pipe.step(inputs, targets)
@@ -218,10 +232,14 @@ def _error_case(case: str) -> str:
             Pipeline(rich_layers(0), schedule="1f1b", microbatches=3, **options).step(inputs, targets)
         elif case == "invalid_schedule":
             good = build_schedule("1f1b", 2, 4)
-            bad = type(good)(good.name, good.placement, good.microbatches, (good.programs[0], good.programs[1][1:]))
+            bad = type(good)(
+                good.name, good.placement, good.microbatches, (good.programs[0], good.programs[1][1:])
+            )
             Pipeline(rich_layers(0), schedule=bad, **options)
         elif case == "loss_not_scalar":
-            options["loss_fn"] = lambda out, tgt: F.cross_entropy(out.flatten(0, 1), tgt.flatten(), reduction="none")
+            options["loss_fn"] = lambda out, tgt: F.cross_entropy(
+                out.flatten(0, 1), tgt.flatten(), reduction="none"
+            )
             Pipeline(rich_layers(0), schedule="1f1b", microbatches=4, **options).step(inputs, targets)
         elif case == "shape_mismatch":
             layers = [nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(2 * WIDTH, VOCAB)]

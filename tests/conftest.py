@@ -6,7 +6,11 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "zerobubble", deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    "zerobubble",
+    deadline=None,
+    max_examples=40,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
 )
 settings.load_profile("zerobubble")
 

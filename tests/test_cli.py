@@ -23,12 +23,35 @@ def test_schedules_lists_the_registry(capsys):
 
 
 def test_simulate_json_fields(capsys):
-    code, out, _ = run(capsys, "simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
-                       "--cost", "1,2,1", "--memory", "2,1", "--json")
+    code, out, _ = run(
+        capsys,
+        "simulate",
+        "--schedule",
+        "1f1b",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--cost",
+        "1,2,1",
+        "--memory",
+        "2,1",
+        "--json",
+    )
     assert code == 0
     report = json.loads(out)
-    for key in ("schedule", "stages", "microbatches", "chunks", "makespan", "iteration_time", "ideal",
-                "bubble_rate", "bubble_rate_makespan", "peak_memory"):
+    for key in (
+        "schedule",
+        "stages",
+        "microbatches",
+        "chunks",
+        "makespan",
+        "iteration_time",
+        "ideal",
+        "bubble_rate",
+        "bubble_rate_makespan",
+        "peak_memory",
+    ):
         assert key in report
     assert report["ideal"] == pytest.approx(8 * 4)
     assert report["makespan"] == pytest.approx(32 + 3 * 4)
@@ -36,7 +59,9 @@ def test_simulate_json_fields(capsys):
 
 
 def test_memory_limit_in_units_of_p(capsys):
-    code, _, err = run(capsys, "simulate", "--schedule", "gpipe", "-p", "2", "-m", "6", "--memory-limit", "1p")
+    code, _, err = run(
+        capsys, "simulate", "--schedule", "gpipe", "-p", "2", "-m", "6", "--memory-limit", "1p"
+    )
     assert code == 2
     assert err.count("\n") == 1 and "above the limit 2" in err
 
@@ -55,14 +80,16 @@ def test_memory_limit_in_units_of_p(capsys):
     ],
 )
 def test_errors_are_one_line(capsys, argv, fragment):
-    code, out, err = run(capsys, *argv)
+    code, _, err = run(capsys, *argv)
     assert code == 2
     assert err.startswith("zerobubble: error:") and err.count("\n") == 1
     assert fragment in err
 
 
 def test_module_entry_point_runs():
-    result = subprocess.run([sys.executable, "-m", "zerobubble", "schedules"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "zerobubble", "schedules"], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0 and "1f1b" in result.stdout
 
 
@@ -77,8 +104,19 @@ def test_compare_reports_every_schedule(capsys):
 
 
 def test_compare_paper_model(capsys):
-    code, out, _ = run(capsys, "compare", "--paper-model", "1.5B", "--microbatches", "24",
-                       "--schedules", "1f1b,interleaved-1f1b", "--optimizer", "sync", "--json")
+    code, out, _ = run(
+        capsys,
+        "compare",
+        "--paper-model",
+        "1.5B",
+        "--microbatches",
+        "24",
+        "--schedules",
+        "1f1b,interleaved-1f1b",
+        "--optimizer",
+        "sync",
+        "--json",
+    )
     assert code == 0
     rows = {row["schedule"]: row for row in json.loads(out)["rows"]}
     assert rows["1f1b"]["bubble_rate_makespan"] == pytest.approx(0.2431, abs=0.0015)
@@ -112,8 +150,18 @@ def test_compare_shows_both_optimizer_modes(capsys):
 
 
 def test_compare_gap_to_lower_bound(capsys):
-    code, out, _ = run(capsys, "compare", "--paper-model", "1.5B", "--microbatches", "24",
-                       "--schedules", "1f1b,zb-1p,zb-2p", "--json")
+    code, out, _ = run(
+        capsys,
+        "compare",
+        "--paper-model",
+        "1.5B",
+        "--microbatches",
+        "24",
+        "--schedules",
+        "1f1b,zb-1p,zb-2p",
+        "--json",
+    )
+    assert code == 0
     rows = {row["schedule"]: row for row in json.loads(out)["rows"]}
     # zb-1p and zb-2p meet the analytic bound for their memory on this setup; 1f1b does not
     assert rows["zb-1p"]["gap_to_bound"] == pytest.approx(0.0, abs=1e-6)

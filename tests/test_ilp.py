@@ -11,24 +11,25 @@ import pytest
 
 import zerobubble
 from zerobubble.schedule.bounds import lower_bound, lower_bound_makespan
-from zerobubble.schedule.builders import zb_ilp
-from zerobubble.schedule.builders import REGISTRY, build_schedule
+from zerobubble.schedule.builders import REGISTRY, build_schedule, zb_ilp
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.ir import Kind, Op, Placement, Schedule, ScheduleError
 from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.validate import validate_schedule
 
-
 TABLE5 = Path(zerobubble.__file__).parent / "data" / "paper_table5.json"  # the paper's Table 5, shipped
 
 
 def random_costs(rng, p, limit_factor):
-    """Per-stage costs within ±15% of random means, with transfer time and a limit of ``limit_factor``·p·max M_B.
+    """Per-stage costs within ±15% of random means, transfer time, a limit of ``limit_factor``·p·max M_B.
 
     Near-uniform stages keep every rank close to critical, so the solver (not the analytic bound
     alone) has to settle the order.
     """
-    noisy = lambda base: [round(base * rng.uniform(0.85, 1.15), 3) for _ in range(p)]
+
+    def noisy(base):
+        return [round(base * rng.uniform(0.85, 1.15), 3) for _ in range(p)]
+
     mem_b = noisy(1.0)
     costs = CostModel(
         f=noisy(rng.uniform(0.8, 1.5)),
@@ -58,7 +59,10 @@ def brute_force_optimum(p, m, costs):
         ops = [Op(kind, rank, j) for j in range(m) for kind in (Kind.F, Kind.B, Kind.W)]
         for order in itertools.permutations(ops):
             where = {op: i for i, op in enumerate(order)}
-            if not all(where[Op(Kind.F, rank, j)] < where[Op(Kind.B, rank, j)] < where[Op(Kind.W, rank, j)] for j in range(m)):
+            if not all(
+                where[Op(Kind.F, rank, j)] < where[Op(Kind.B, rank, j)] < where[Op(Kind.W, rank, j)]
+                for j in range(m)
+            ):
                 continue
             levels = itertools.accumulate(resolved.memory_delta(op) for op in order)
             if all(level <= resolved.memory_limit[rank] * (1 + 1e-9) for level in levels):
@@ -105,14 +109,19 @@ def admits(model, schedule, costs):
     """Whether the integer program's rows and bounds accept a known schedule's simulated times and order."""
     timeline = simulate(schedule, costs)
     program = model.formulate()
-    point = model.encode([list(p) for p in schedule.programs], [list(e) for e in timeline.end], timeline.iteration_time)
+    point = model.encode(
+        [list(p) for p in schedule.programs], [list(e) for e in timeline.end], timeline.iteration_time
+    )
     tolerance = 1e-7
     if np.any(point < program.bounds.lb - tolerance) or np.any(point > program.bounds.ub + tolerance):
         return False
     if program.constraints is None:
         return True
     values = program.constraints.A @ point
-    return bool(np.all(values >= program.constraints.lb - tolerance) and np.all(values <= program.constraints.ub + tolerance))
+    return bool(
+        np.all(values >= program.constraints.lb - tolerance)
+        and np.all(values <= program.constraints.ub + tolerance)
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -131,7 +140,11 @@ def test_strengthened_program_admits_the_incumbent_and_the_optimum(seed):
     assert admits(strong, incumbent.schedule, costs) and admits(plain, incumbent.schedule, costs)
     plain_programs, plain_report = plain.solve(30.0)
     strong_programs, strong_report = strong.solve(30.0)
-    plain_best = upper if plain_programs is None else simulate(Schedule("p", placement, m, plain_programs), costs).iteration_time
+    plain_best = (
+        upper
+        if plain_programs is None
+        else simulate(Schedule("p", placement, m, plain_programs), costs).iteration_time
+    )
     assert plain_report.status in ("optimal", "relaxation_bound")
     assert strong_report.dual_bound <= plain_best * (1 + 1e-6)
     if plain_programs is not None:
@@ -212,8 +225,13 @@ def test_lower_bound_reproduces_paper_zb_1p_figure():
     row = json.loads(TABLE5.read_text())["rows"][0]
     p, m = row["stages"], row["microbatches"]
     costs = CostModel(
-        f=row["cost_f"], b=row["cost_b"], w=row["cost_w"], comm=row["cost_comm"],
-        mem_b=row["mem_b"], mem_w=row["mem_w"], memory_limit=p * row["mem_b"],
+        f=row["cost_f"],
+        b=row["cost_b"],
+        w=row["cost_w"],
+        comm=row["cost_comm"],
+        mem_b=row["mem_b"],
+        mem_w=row["mem_w"],
+        memory_limit=p * row["mem_b"],
     )
     ideal = m * (row["cost_f"] + row["cost_b"] + row["cost_w"])
     # The paper's zb-1p bubble rate for this row is 15.85% and its zb-2p one 4.33%: no schedule
@@ -230,9 +248,21 @@ def test_lower_bound_never_exceeds_any_registry_schedule():
     for _ in range(40):
         p, m = rng.randint(1, 5), rng.randint(1, 10)
         heterogeneous = rng.random() < 0.5
-        values = lambda lo, hi: [round(rng.uniform(lo, hi), 2) for _ in range(p)] if heterogeneous else round(rng.uniform(lo, hi), 2)
+
+        def values(lo, hi, p=p, heterogeneous=heterogeneous):
+            if heterogeneous:
+                return [round(rng.uniform(lo, hi), 2) for _ in range(p)]
+            return round(rng.uniform(lo, hi), 2)
+
         mem_b = values(0.5, 2.0)
-        base = CostModel(f=values(0.2, 3), b=values(0.2, 3), w=values(0.0, 3), comm=values(0.0, 1.0), mem_b=mem_b, mem_w=values(0.0, 0.4))
+        base = CostModel(
+            f=values(0.2, 3),
+            b=values(0.2, 3),
+            w=values(0.0, 3),
+            comm=values(0.0, 1.0),
+            mem_b=mem_b,
+            mem_w=values(0.0, 0.4),
+        )
         factor = rng.choice([None, 1.0, 1.5, 2.0, 3.0])
         costs = base if factor is None else base.with_memory_limit(factor * p * 2.0)
         for name in names:
@@ -245,7 +275,9 @@ def test_lower_bound_never_exceeds_any_registry_schedule():
             own = costs.with_memory_limit(list(timeline.peak_memory))
             bound = lower_bound(p, m, own, placement=schedule.placement)
             assert bound <= timeline.iteration_time * (1 + 1e-9), (name, p, m, costs)
-            assert lower_bound_makespan(p, m, own, placement=schedule.placement) <= timeline.makespan * (1 + 1e-9)
+            assert lower_bound_makespan(p, m, own, placement=schedule.placement) <= timeline.makespan * (
+                1 + 1e-9
+            )
             assert bound >= timeline.ideal * (1 - 1e-12)
             checked += 1
     assert checked > 100
@@ -256,8 +288,13 @@ def test_paper_1_5b_setup_improves_on_zb_2p_or_proves_it_optimal():
     row = json.loads(TABLE5.read_text())["rows"][0]
     p, m = row["stages"], row["microbatches"]
     costs = CostModel(
-        f=row["cost_f"], b=row["cost_b"], w=row["cost_w"], comm=row["cost_comm"],
-        mem_b=row["mem_b"], mem_w=row["mem_w"], memory_limit=2 * p * row["mem_b"],
+        f=row["cost_f"],
+        b=row["cost_b"],
+        w=row["cost_w"],
+        comm=row["cost_comm"],
+        mem_b=row["mem_b"],
+        mem_w=row["mem_w"],
+        memory_limit=2 * p * row["mem_b"],
     )
     schedule = build_schedule("zb-ilp", p, m, costs, time_limit=60)
     timeline = check_result(schedule, p, m, costs)

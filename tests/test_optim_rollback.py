@@ -6,7 +6,6 @@ clipped step directly with torch's own ``optimizer.step()``.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -23,11 +22,16 @@ SHAPES = [(48, 32), (32,), (7, 48), (7,)]
 CONFIGS = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     "sgd-momentum-decay": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.05),
-    "sgd-dampening-maximize": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, dampening=0.3,
-                                                         weight_decay=0.01, maximize=True),
-    "sgd-nesterov-decay": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05),
+    "sgd-dampening-maximize": lambda ps: torch.optim.SGD(
+        ps, lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.01, maximize=True
+    ),
+    "sgd-nesterov-decay": lambda ps: torch.optim.SGD(
+        ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05
+    ),
     "sgd-nesterov-foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, foreach=True),
-    "sgd-foreach-decay": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.05, foreach=True),
+    "sgd-foreach-decay": lambda ps: torch.optim.SGD(
+        ps, lr=0.1, momentum=0.9, weight_decay=0.05, foreach=True
+    ),
     "sgd-fused-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, fused=True),
     "sgd-plain-decay": lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.05),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
@@ -61,8 +65,10 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def snapshot(params, optimizer) -> tuple[list[torch.Tensor], list[dict]]:
     """Copies of the parameters and of their optimizer state (test bookkeeping only)."""
     states = [
-        {key: (value.clone() if isinstance(value, torch.Tensor) else value)
-         for key, value in optimizer.state.get(p, {}).items()}
+        {
+            key: (value.clone() if isinstance(value, torch.Tensor) else value)
+            for key, value in optimizer.state.get(p, {}).items()
+        }
         for p in params
     ]
     return [p.detach().clone() for p in params], states
@@ -106,8 +112,9 @@ def test_rollback_restores_parameters_state_and_step(config):
     moved = max(relative_error(p.detach(), b) for p, b in zip(params, before_params))
     assert moved > 1e-3  # the step really changed something
     reversible.rollback()
-    for param, expected, state, grad, expected_grad in zip(params, before_params, before_states,
-                                                           (p.grad for p in params), grads_before):
+    for param, expected, state, grad, expected_grad in zip(
+        params, before_params, before_states, (p.grad for p in params), grads_before
+    ):
         assert relative_error(param.detach(), expected) <= TOLERANCE
         assert relative_error(grad, expected_grad) <= TOLERANCE
         assert sorted(optimizer.state[param]) == sorted(state)
@@ -197,7 +204,7 @@ def test_gradients_changed_in_place_are_detected():
     "factory, words",
     [
         (lambda ps: torch.optim.Adam(ps, amsgrad=True), "amsgrad"),
-        (lambda ps: torch.optim.RMSprop(ps), "RMSprop"),
+        (torch.optim.RMSprop, "RMSprop"),
         (lambda ps: torch.optim.SGD(ps, lr=1.0, weight_decay=1.0), "weight_decay == 1"),
     ],
 )

@@ -25,8 +25,16 @@ from torch import nn
 
 from _dist import relative_error, rich_batch, rich_layers, run_ranks, token_loss
 from test_post_validation import (
-    COLLECTIVES, MAX_NORM, OPTIMIZERS, SCENARIOS, STEPS, TOLERANCE, counting_distributed_calls,
-    expected_counters, learning_rate, worst_error,
+    COLLECTIVES,
+    MAX_NORM,
+    OPTIMIZERS,
+    SCENARIOS,
+    STEPS,
+    TOLERANCE,
+    counting_distributed_calls,
+    expected_counters,
+    learning_rate,
+    worst_error,
 )
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.data_parallel import hook_program, last_gradient_ops
@@ -59,7 +67,9 @@ def shape_gradients(pipe, step: int, chain: list[int]) -> dict[str, torch.Tensor
     factors = {}
     for rank in range(world):
         names = [n for n in full if owner[n] == rank]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(full[n]) for n in names])))
+        norm = float(
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(full[n]) for n in names]))
+        )
         big = (scenario == "head" and rank == chain[0]) or (scenario == "tail" and rank == chain[-1])
         factors[rank] = (3.0 * MAX_NORM if big else 0.3 * MAX_NORM / math.sqrt(world)) / norm
     shaped = {name: grad * factors[owner[name]] for name, grad in full.items()}
@@ -76,8 +86,14 @@ def run_optimizer_case(name: str, schedule: str, post_validation: bool) -> dict:
     """30 steps through the Pipeline against the whole-model synchronous reference."""
     from zerobubble import Pipeline
 
-    pipe = Pipeline(rich_layers(seed=1), schedule=schedule, microbatches=MICROBATCHES, loss_fn=token_loss,
-                    timeout=60, post_validation=post_validation)
+    pipe = Pipeline(
+        rich_layers(seed=1),
+        schedule=schedule,
+        microbatches=MICROBATCHES,
+        loss_fn=token_loss,
+        timeout=60,
+        post_validation=post_validation,
+    )
     reference = dict(nn.Sequential(*rich_layers(seed=1)).named_parameters())
     names = [n for n, _ in pipe.named_parameters()]
     mine, theirs = [dict(pipe.named_parameters())[n] for n in names], [reference[n] for n in names]
@@ -111,10 +127,18 @@ def run_optimizer_case(name: str, schedule: str, post_validation: bool) -> dict:
     pipe.synchronize()
     worst = max(worst, worst_error(mine, optimizer, theirs, their_optimizer))
     stats = pipe.optimizer_stats
-    return {"worst": worst, "calls": calls, "position": chain.index(pipe.rank),
-            "counters": {"steps": stats.steps, "steps_rolled_back": stats.rolled_back,
-                         "steps_skipped": stats.skipped, "steps_deferred": stats.deferred,
-                         "steps_clipped": stats.clipped}}
+    return {
+        "worst": worst,
+        "calls": calls,
+        "position": chain.index(pipe.rank),
+        "counters": {
+            "steps": stats.steps,
+            "steps_rolled_back": stats.rolled_back,
+            "steps_skipped": stats.skipped,
+            "steps_deferred": stats.deferred,
+            "steps_clipped": stats.clipped,
+        },
+    }
 
 
 class GroupRecorder:
@@ -137,10 +161,14 @@ class GroupRecorder:
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
             group = kwargs.get("group")
-            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
-                range(dist.get_world_size()))
+            ranks = (
+                tuple(dist.get_process_group_ranks(group))
+                if group is not None
+                else tuple(range(dist.get_world_size()))
+            )
             self.calls.append((name, ranks, bool(kwargs.get("async_op", False))))
             return function(*args, **kwargs)
+
         return wrapper
 
 
@@ -148,8 +176,9 @@ def run_data_parallel_case() -> dict:
     """DP 2 × PP 2 (zb-v) against one process on the whole batch: loss, gradients, parameters."""
     from zerobubble import Pipeline
 
-    pipe = Pipeline(rich_layers(seed=2), schedule="zb-v", microbatches=2, loss_fn=token_loss, timeout=60,
-                    data_parallel=2)
+    pipe = Pipeline(
+        rich_layers(seed=2), schedule="zb-v", microbatches=2, loss_fn=token_loss, timeout=60, data_parallel=2
+    )
     layers = rich_layers(seed=2)
     model = nn.Sequential(*layers)
     mine = dict(pipe.named_parameters())
@@ -180,11 +209,14 @@ def run_data_parallel_case() -> dict:
     pipe.synchronize()
     expected = dict(model.named_parameters())
     return {
-        "loss_errors": loss_errors, "grad_errors": grad_errors,
+        "loss_errors": loss_errors,
+        "grad_errors": grad_errors,
         "param_error": max(relative_error(p.detach(), expected[n].detach()) for n, p in mine.items()),
-        "calls": recorders, "chunks": len(pipe.stages), "dp_ranks": [pipe.layout.global_rank(pipe.rank, d)
-                                                                    for d in range(2)],
-        "pipeline_ranks": pipe.layout.replica_ranks(pipe.layout.dp_index), "holds_loss": pipe.holds_loss,
+        "calls": recorders,
+        "chunks": len(pipe.stages),
+        "dp_ranks": [pipe.layout.global_rank(pipe.rank, d) for d in range(2)],
+        "pipeline_ranks": pipe.layout.replica_ranks(pipe.layout.dp_index),
+        "holds_loss": pipe.holds_loss,
         "stats": pipe.optimizer_stats.clipped,
     }
 
@@ -212,7 +244,7 @@ def rank_worker(world: int) -> dict:
 # -- the tests ---------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _outcomes(world: int) -> list[dict]:
     return run_ranks(rank_worker, world, world)
 
@@ -287,7 +319,7 @@ def test_last_gradient_op_of_each_stage():
         assert sorted(last) == sorted(schedule.placement.stages_of(rank))
         for stage, position in last.items():
             assert program[position].stage == stage and program[position].kind.value in ("W", "BW", "B")
-            assert all(op.stage != stage or op.kind.value == "F" for op in program[position + 1:])
+            assert all(op.stage != stage or op.kind.value == "F" for op in program[position + 1 :])
 
 
 def test_hook_program_calls_hooks_around_the_chosen_entries():

@@ -35,9 +35,23 @@ OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.05),
     "rmsprop-fallback": lambda ps: torch.optim.RMSprop(ps, lr=0.01),
 }
-COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather", "scatter",
-               "all_gather_object", "broadcast_object_list", "all_reduce_coalesced"]
+COLLECTIVES = [
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "gather",
+    "scatter",
+    "all_gather_object",
+    "broadcast_object_list",
+    "all_reduce_coalesced",
+]
 POINT_TO_POINT = ["isend", "irecv", "send", "recv", "batch_isend_irecv"]
 
 
@@ -46,8 +60,9 @@ POINT_TO_POINT = ["isend", "irecv", "send", "recv", "batch_isend_irecv"]
 
 def small_model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
-                         nn.Linear(8, 3))
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)
+    )
 
 
 def slice_bounds(count: int, world: int, rank: int) -> tuple[int, int]:
@@ -109,6 +124,7 @@ def counting_distributed_calls(counts: dict[str, int]):
         def wrapper(*args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
             return function(*args, **kwargs)
+
         return wrapper
 
     try:
@@ -131,7 +147,9 @@ def run_case(name: str, chain: list[int], post_validation: bool) -> dict:
     base_lr = my_optimizer.param_groups[0]["lr"]
     position = chain.index(rank)
     validator = PostValidator(
-        my_optimizer, MAX_NORM, post_validation=post_validation,
+        my_optimizer,
+        MAX_NORM,
+        post_validation=post_validation,
         prev_rank=chain[position - 1] if position > 0 else None,
         next_rank=chain[position + 1] if position + 1 < world else None,
     )
@@ -165,9 +183,13 @@ def run_case(name: str, chain: list[int], post_validation: bool) -> dict:
     validator.close()
     worst = max(worst, worst_error(mine, my_optimizer, theirs, their_optimizer))
     return {
-        "worst": worst, "position": position, "calls": calls,
-        "counters": {key: getattr(validator, key) for key in
-                     ("steps", "steps_rolled_back", "steps_skipped", "steps_deferred", "steps_clipped")},
+        "worst": worst,
+        "position": position,
+        "calls": calls,
+        "counters": {
+            key: getattr(validator, key)
+            for key in ("steps", "steps_rolled_back", "steps_skipped", "steps_deferred", "steps_clipped")
+        },
     }
 
 
@@ -184,7 +206,7 @@ def rank_worker(chain: list[int]) -> dict:
 
 def expected_counters(position: int, world: int, reversible: bool) -> dict[str, int]:
     """What each step's scenario must cost a rank at ``position`` in the chain."""
-    counts = {key: 0 for key in ("steps_rolled_back", "steps_skipped", "steps_deferred", "steps_clipped")}
+    counts = dict.fromkeys(("steps_rolled_back", "steps_skipped", "steps_deferred", "steps_clipped"), 0)
     tail = position == world - 1
     for step in range(STEPS):
         scenario = SCENARIOS[step % len(SCENARIOS)]
@@ -210,7 +232,9 @@ def outcomes(request):
 def test_every_step_equals_the_synchronous_reference(outcomes, case):
     _, per_rank = outcomes
     for rank, results in enumerate(per_rank):
-        assert results[case]["worst"] <= TOLERANCE, f"rank {rank}: relative error {results[case]['worst']:.3g}"
+        assert results[case]["worst"] <= TOLERANCE, (
+            f"rank {rank}: relative error {results[case]['worst']:.3g}"
+        )
 
 
 @pytest.mark.parametrize("case", [*OPTIMIZERS, "adamw-synchronous"])
@@ -224,7 +248,7 @@ def test_rollbacks_deferrals_and_skips_happen_exactly_where_needed(outcomes, cas
 
 
 def test_post_validation_uses_point_to_point_only(outcomes):
-    world, per_rank = outcomes
+    _, per_rank = outcomes
     for results in per_rank:
         for case in OPTIMIZERS:
             calls = results[case]["calls"]

@@ -1,7 +1,8 @@
 """Property-based checks over every fast builder: random P, M, V and per-stage costs."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from zerobubble.schedule import REGISTRY, CostModel, Schedule, ScheduleError, build_schedule, simulate
 from zerobubble.schedule.compare import SLOW_SCHEDULES
@@ -17,8 +18,12 @@ def setups(draw):
     p = draw(st.integers(1, 6))
     m = draw(st.integers(1, 12))
     per_stage = draw(st.booleans())
-    cost = (lambda: draw(st.lists(positive, min_size=p, max_size=p))) if per_stage else (lambda: draw(positive))
-    costs = CostModel(f=cost(), b=cost(), w=cost(), comm=draw(st.floats(0, 1.0)), mem_b=1.0, mem_w=draw(st.floats(0, 1.0)))
+    cost = (
+        (lambda: draw(st.lists(positive, min_size=p, max_size=p))) if per_stage else (lambda: draw(positive))
+    )
+    costs = CostModel(
+        f=cost(), b=cost(), w=cost(), comm=draw(st.floats(0, 1.0)), mem_b=1.0, mem_w=draw(st.floats(0, 1.0))
+    )
     return p, m, costs
 
 

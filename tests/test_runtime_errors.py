@@ -12,11 +12,19 @@ from zerobubble.runtime.launch import RankFailure
 
 pytestmark = pytest.mark.multiprocess
 
-SEQUENTIAL = ["world_size", "batch_split", "invalid_schedule", "loss_not_scalar", "shape_mismatch",
-              "dtype_mismatch", "shape_changed", "stalled_rank"]
+SEQUENTIAL = [
+    "world_size",
+    "batch_split",
+    "invalid_schedule",
+    "loss_not_scalar",
+    "shape_mismatch",
+    "dtype_mismatch",
+    "shape_changed",
+    "stalled_rank",
+]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _messages() -> list[dict[str, str]]:
     return run_ranks(error_cases, 2, SEQUENTIAL, timeout=150)
 
@@ -33,7 +41,9 @@ def test_batch_that_does_not_split_into_microbatches():
 
 def test_schedule_that_fails_validation():
     for messages in _messages():
-        assert "cannot run" in messages["invalid_schedule"] and "F1.0 is missing" in messages["invalid_schedule"]
+        assert (
+            "cannot run" in messages["invalid_schedule"] and "F1.0 is missing" in messages["invalid_schedule"]
+        )
 
 
 def test_loss_that_is_not_a_scalar():
@@ -42,8 +52,10 @@ def test_loss_that_is_not_a_scalar():
     assert "failed (timeout 2 s)" in _messages()[0]["loss_not_scalar"]
 
 
-@pytest.mark.parametrize("case, detail", [("shape_mismatch", "shapes cannot be multiplied"),
-                                          ("dtype_mismatch", "Double and Float")])
+@pytest.mark.parametrize(
+    "case, detail",
+    [("shape_mismatch", "shapes cannot be multiplied"), ("dtype_mismatch", "Double and Float")],
+)
 def test_mismatch_between_stages_names_both_stages(case, detail):
     message = _messages()[1][case]
     assert "forward of stage 1" in message and "from stage 0 (rank 0)" in message and detail in message

@@ -21,7 +21,13 @@ TOLERANCE = 1e-5
 SCHEDULES = [name for name in REGISTRY if name != "zb-ilp"]
 MICROBATCHES = {2: (2, 5), 4: (4, 8)}
 EXTRA_CASES = {  # (schedule, microbatches, chunks, partition) beyond the defaults
-    2: [("object:zb-h1", 4, None, None), ("zb-v", 4, None, None, False), ("1f1b", 4, None, (5,)), ("interleaved-1f1b", 4, 3, None), ("interleaved-1f1b", 2, 2, (1, 3, 6))],
+    2: [
+        ("object:zb-h1", 4, None, None),
+        ("zb-v", 4, None, None, False),
+        ("1f1b", 4, None, (5,)),
+        ("interleaved-1f1b", 4, 3, None),
+        ("interleaved-1f1b", 2, 2, (1, 3, 6)),
+    ],
     4: [],
 }
 
@@ -37,7 +43,7 @@ def _cases(world: int) -> list[tuple]:
     return cases + [c for c in EXTRA_CASES[world] if c[0].split(":")[-1] in names]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(world: int) -> dict[tuple, list[dict]]:
     cases = _cases(world)
     per_rank = run_ranks(gradient_cases, world, cases)
@@ -66,7 +72,11 @@ def _check_case(world: int, case: tuple) -> None:
 
 def _ids(case: tuple) -> str:
     name, m, chunks, partition, *static = case
-    suffix = (f"-v{chunks}" if chunks else "") + ("-partition" if partition else "") + ("-dynamic" if static else "")
+    suffix = (
+        (f"-v{chunks}" if chunks else "")
+        + ("-partition" if partition else "")
+        + ("-dynamic" if static else "")
+    )
     return f"{name}-m{m}{suffix}"
 
 

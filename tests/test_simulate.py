@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from zerobubble.schedule import BW, CostModel, F, Placement, Schedule, build_schedule, simulate, transformer_costs
+from zerobubble.schedule import (
+    BW,
+    CostModel,
+    F,
+    Placement,
+    Schedule,
+    build_schedule,
+    simulate,
+    transformer_costs,
+)
 from zerobubble.schedule.paper import paper_rows
 
 SETUPS = [(2, 2), (2, 5), (4, 4), (4, 8), (5, 11), (8, 16)]
@@ -58,7 +67,9 @@ def test_paper_table5_interleaved(row):
     dependency costs 0.0008–0.0035 of bubble rate on these rows (docs/paper-reproduction.md), so our
     value may sit that much above the table, never below it.
     """
-    schedule = build_schedule("interleaved-1f1b", row.stages, row.microbatches, row.costs, chunks=row.interleaved_chunks)
+    schedule = build_schedule(
+        "interleaved-1f1b", row.stages, row.microbatches, row.costs, chunks=row.interleaved_chunks
+    )
     rate = simulate(schedule, row.costs).bubble_rate_makespan
     expected = row.bubble_rates["interleaved-1f1b"]
     assert expected - 0.0015 <= rate <= expected + 0.004

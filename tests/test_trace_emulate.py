@@ -33,7 +33,9 @@ def _record_worker(directory: str) -> dict:
     inputs, targets = rich_batch(8, seed=0)
     out = {}
     for name in ("zb-v", "1f1b"):
-        pipe = Pipeline(rich_layers(0), schedule=name, microbatches=4, loss_fn=token_loss, timeout=60, trace=True)
+        pipe = Pipeline(
+            rich_layers(0), schedule=name, microbatches=4, loss_fn=token_loss, timeout=60, trace=True
+        )
         for _ in range(3):
             pipe.step(inputs, targets)
         timelines = pipe.measured_timelines()
@@ -57,8 +59,15 @@ def _emulate_worker(m: int) -> dict:
     inputs, targets = torch.randn(4 * m, 8, generator=generator), torch.randn(4 * m, 8, generator=generator)
     out = {}
     for name in ("zb-h1", "1f1b"):
-        pipe = Pipeline(tiny_layers(4), schedule=name, microbatches=m, loss_fn=F.mse_loss, timeout=60,
-                        trace=True, emulate=EMULATED)
+        pipe = Pipeline(
+            tiny_layers(4),
+            schedule=name,
+            microbatches=m,
+            loss_fn=F.mse_loss,
+            timeout=60,
+            trace=True,
+            emulate=EMULATED,
+        )
         for _ in range(3):
             pipe.step(inputs, targets)
         timelines = pipe.measured_timelines()
@@ -67,12 +76,12 @@ def _emulate_worker(m: int) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _recorded(directory: str) -> dict:
     return run_ranks(_record_worker, 2, directory)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _emulated() -> dict:
     return run_ranks(_emulate_worker, 4, EMULATED_M)[0]
 
@@ -95,7 +104,9 @@ def test_recorded_timeline_has_every_op_once_in_program_order(trace_dir, name):
             for i in range(len(program)):
                 assert issued[rank][i] <= start[rank][i] <= end[rank][i]
                 if i:
-                    assert end[rank][i - 1] <= issued[rank][i], f"rank {rank} ran op {i} before op {i - 1} ended"
+                    assert end[rank][i - 1] <= issued[rank][i], (
+                        f"rank {rank} ran op {i} before op {i - 1} ended"
+                    )
 
 
 @pytest.mark.multiprocess
@@ -104,7 +115,8 @@ def test_write_trace_files_and_chrome_events(trace_dir):
     names = sorted(os.path.basename(path) for path in report.files)
     assert names == ["predicted.json", "summary.json", "timeline.png", "trace.json"]
     assert 0.0 <= report.measured_bubble_rate < 1.0 and 0.0 <= report.predicted_bubble_rate < 1.0
-    trace = json.loads(open(os.path.join(trace_dir, "zb-v", "trace.json")).read())
+    with open(os.path.join(trace_dir, "zb-v", "trace.json")) as handle:
+        trace = json.load(handle)
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     ops = [e for e in complete if e.get("cat") != "wait"]
     assert len(ops) == sum(len(p) for p in build_schedule("zb-v", 2, 4).programs)
@@ -125,18 +137,22 @@ def test_emulated_run_follows_schedule_and_prediction(name):
     for start, end, clock_error in steps:
         ends = {}
         for rank, program in enumerate(schedule.programs):
-            for op, a, b in zip(program, start[rank], end[rank]):
+            for op, a, _ in zip(program, start[rank], end[rank]):
                 role = Kind.B if op.kind in (Kind.B, Kind.BW) else op.kind
                 # the earliest moment its outputs could leave (the recorded end also covers posting the send)
                 ends[(role, op.stage, op.microbatch)] = (a + EMULATED_DURATION[op.kind] / 1e3, rank)
         slack = 2 * max(clock_error) + 1e-3
         for rank, program in enumerate(schedule.programs):
             for op, a, b in zip(program, start[rank], end[rank]):
-                assert b - a >= EMULATED_DURATION[op.kind] * 0.99 / 1e3, f"{op} shorter than its emulated cost"
+                assert b - a >= EMULATED_DURATION[op.kind] * 0.99 / 1e3, (
+                    f"{op} shorter than its emulated cost"
+                )
                 for dependency in dependencies(op, schedule.num_stages):
                     before, where = ends[dependency]
                     if where != rank:
-                        assert a >= before - slack, f"{op} on rank {rank} started before its input {dependency}"
+                        assert a >= before - slack, (
+                            f"{op} on rank {rank} started before its input {dependency}"
+                        )
         measured = max(e[-1] - s[0] for s, e in zip(start, end))
         assert 0.9 * predicted <= measured <= 1.5 * predicted, (measured, predicted)
 
@@ -155,7 +171,7 @@ def test_measured_costs_and_ready_times_from_a_synthetic_trace():
     durations = {Kind.F: 1.0, Kind.BW: 3.0}
     simulated = simulate(schedule, CostModel(f=1.0, b=3.0, w=0.0))
     per_rank = []
-    for rank, program in enumerate(schedule.programs):
+    for rank in range(len(schedule.programs)):
         # each op issued up to 0.5 before its simulated start, waiting for its input until that start
         ends = (-1.0, *simulated.end[rank][:-1])
         issued = [max(a - 0.5, previous) for a, previous in zip(simulated.start[rank], ends)]
@@ -165,5 +181,7 @@ def test_measured_costs_and_ready_times_from_a_synthetic_trace():
     timeline = build_timeline(schedule, per_rank)
     assert timeline.start == simulated.start and timeline.iteration_time == simulated.iteration_time
     costs = measured_costs([timeline])
-    assert costs.f == (durations[Kind.F],) * 2 and costs.b == (durations[Kind.BW],) * 2 and costs.w == (0.0, 0.0)
+    assert (
+        costs.f == (durations[Kind.F],) * 2 and costs.b == (durations[Kind.BW],) * 2 and costs.w == (0.0, 0.0)
+    )
     assert abs(timeline.bubble_rate - simulated.bubble_rate) < 1e-12

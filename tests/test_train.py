@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from _dist import available_schedules
-from zerobubble.runtime import PipelineError
 from zerobubble.models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
+from zerobubble.runtime import PipelineError
 from zerobubble.train import TrainConfig, run_training
 
 
@@ -38,8 +38,21 @@ def test_gpt_layers_start_at_chance_level():
 @pytest.mark.multiprocess
 def test_run_training_spawns_ranks_and_the_loss_drops():
     schedule = "zb-v" if "zb-v" in available_schedules() else "1f1b"
-    config = TrainConfig(schedule=schedule, ranks=2, steps=25, microbatches=4, batch_size=16, seq_len=16, vocab=32,
-                         dim=32, heads=2, layers=2, lr=1e-2, progress=False, timeout=60)
+    config = TrainConfig(
+        schedule=schedule,
+        ranks=2,
+        steps=25,
+        microbatches=4,
+        batch_size=16,
+        seq_len=16,
+        vocab=32,
+        dim=32,
+        heads=2,
+        layers=2,
+        lr=1e-2,
+        progress=False,
+        timeout=60,
+    )
     summary = run_training(config)
     assert summary.schedule == schedule and summary.ranks == 2 and len(summary.losses) == 25
     assert summary.first_loss == pytest.approx(summary.losses[0])
@@ -52,9 +65,23 @@ def test_run_training_spawns_ranks_and_the_loss_drops():
 
 @pytest.mark.multiprocess
 def test_data_parallel_training_clips_and_reports_the_optimizer_outcomes():
-    config = TrainConfig(schedule="zb-v", ranks=2, data_parallel=2, steps=12, microbatches=2, batch_size=8,
-                         seq_len=8, vocab=16, dim=16, heads=2, layers=2, lr=1e-2, max_norm=0.05, progress=False,
-                         timeout=60)
+    config = TrainConfig(
+        schedule="zb-v",
+        ranks=2,
+        data_parallel=2,
+        steps=12,
+        microbatches=2,
+        batch_size=8,
+        seq_len=8,
+        vocab=16,
+        dim=16,
+        heads=2,
+        layers=2,
+        lr=1e-2,
+        max_norm=0.05,
+        progress=False,
+        timeout=60,
+    )
     summary = run_training(config)
     assert summary.ranks == 2 and summary.data_parallel == 2 and len(summary.losses) == 12
     assert summary.steps_clipped == 12, "a tiny max_norm clips every step"

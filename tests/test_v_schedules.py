@@ -24,7 +24,6 @@ from zerobubble.schedule.ir import Kind, Placement, Schedule, ScheduleError
 from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.validate import validate_schedule
 
-
 TABLE5 = Path(zerobubble.__file__).parent / "data" / "paper_table5.json"  # the paper's Table 5, shipped
 EPS = 1e-9
 
@@ -36,7 +35,12 @@ def bubble_time(timeline) -> float:
 
 def paper_costs(row: dict) -> CostModel:
     return CostModel(
-        f=row["cost_f"], b=row["cost_b"], w=row["cost_w"], comm=row["cost_comm"], mem_b=row["mem_b"], mem_w=row["mem_w"]
+        f=row["cost_f"],
+        b=row["cost_b"],
+        w=row["cost_w"],
+        comm=row["cost_comm"],
+        mem_b=row["mem_b"],
+        mem_w=row["mem_w"],
     )
 
 
@@ -66,7 +70,14 @@ def test_zb_v_zero_bubble_with_equal_costs(p, m):
     [
         CostModel(),
         CostModel(f=1.0, b=1.3, w=0.6, comm=0.1, mem_w=0.4),
-        CostModel(f=[1.0, 1.4, 0.8, 1.1], b=[1.2, 1.0, 1.5, 1.0], w=0.5, comm=0.05, mem_b=[1.0, 2.0, 1.0, 1.5], mem_w=0.3),
+        CostModel(
+            f=[1.0, 1.4, 0.8, 1.1],
+            b=[1.2, 1.0, 1.5, 1.0],
+            w=0.5,
+            comm=0.05,
+            mem_b=[1.0, 2.0, 1.0, 1.5],
+            mem_w=0.3,
+        ),
     ],
 )
 def test_zb_v_peak_memory_within_p_mb(costs):
@@ -92,7 +103,9 @@ def test_zb_v_beats_1f1b_and_matches_interleaved_on_paper_costs():
     p, m, costs = row["stages"], row["microbatches"], paper_costs(row)
     zbv = simulate(build_schedule("zb-v", p, m, costs), costs)
     one_f_one_b = simulate(build_schedule("1f1b", p, m, costs), costs)
-    interleaved = simulate(build_schedule("interleaved-1f1b", p, m, costs, chunks=row["interleaved_chunks"]), costs)
+    interleaved = simulate(
+        build_schedule("interleaved-1f1b", p, m, costs, chunks=row["interleaved_chunks"]), costs
+    )
     assert zbv.bubble_rate < 0.5 * one_f_one_b.bubble_rate
     assert zbv.bubble_rate <= interleaved.bubble_rate + 0.01
     assert max(zbv.peak_memory_mb) <= p + EPS < max(interleaved.peak_memory_mb)
@@ -102,7 +115,9 @@ def test_zb_v_beats_1f1b_and_matches_interleaved_on_paper_costs():
     "costs",
     [
         CostModel(f=1.0, b=2.0, w=1.0, comm=0.2),
-        CostModel(f=[1.0, 1.2, 0.9, 1.1, 1.0, 1.3], b=[1.5, 1.4, 1.6, 1.2, 1.5, 1.5], w=0.7, comm=0.15, mem_w=0.3),
+        CostModel(
+            f=[1.0, 1.2, 0.9, 1.1, 1.0, 1.3], b=[1.5, 1.4, 1.6, 1.2, 1.5, 1.5], w=0.7, comm=0.15, mem_w=0.3
+        ),
     ],
 )
 def test_zb_v_beats_1f1b_with_unequal_costs_and_transfers(costs):
@@ -120,7 +135,10 @@ def test_zb_v_takes_the_users_memory_limit():
     tight = build_schedule("zb-v", p, m, CostModel(comm=0.1, memory_limit=2.0))
     assert max(simulate(tight).peak_memory) <= 2.0 + EPS
     assert tight.meta["memory_limit"] == 2.0 and roomy.meta["memory_limit"] == 6.0
-    assert simulate(roomy, CostModel(comm=0.1)).iteration_time <= simulate(tight, CostModel(comm=0.1)).iteration_time
+    assert (
+        simulate(roomy, CostModel(comm=0.1)).iteration_time
+        <= simulate(tight, CostModel(comm=0.1)).iteration_time
+    )
 
 
 def test_v_builders_reject_bad_requests():
@@ -160,7 +178,9 @@ def test_controllable_memory_against_1f1b(p, name, memory_of_p, bubble_share):
 
 def test_memory_ordering_of_the_v_family():
     p, m = 8, 24
-    peaks = {name: max(simulate(build_schedule(name, p, m)).peak_memory_mb) for name in ("zb-v", "v-half", "v-min")}
+    peaks = {
+        name: max(simulate(build_schedule(name, p, m)).peak_memory_mb) for name in ("zb-v", "v-half", "v-min")
+    }
     assert peaks["v-min"] < peaks["v-half"] < peaks["zb-v"] <= p + EPS
 
 
@@ -187,8 +207,14 @@ def v_requests(draw):
 
     # Memory per rank-stage (scalar or length p): the registry's "1p" default reads it that way.
     mem_b = values(0.5, 2.0, size=draw(st.sampled_from([None, p])))
-    costs = CostModel(f=values(0.2, 2.0), b=values(0.2, 2.0), w=values(0.1, 2.0), comm=draw(st.floats(0.0, 0.5)),
-                      mem_b=mem_b, mem_w=0.0)
+    costs = CostModel(
+        f=values(0.2, 2.0),
+        b=values(0.2, 2.0),
+        w=values(0.1, 2.0),
+        comm=draw(st.floats(0.0, 0.5)),
+        mem_b=mem_b,
+        mem_w=0.0,
+    )
     resolved = costs.resolve(Placement.vshape(p))
     need = max(sum(resolved.mem_b[s] for s in Placement.vshape(p).stages_of(r)) for r in range(p))
     mem_w_share = draw(st.floats(0.0, 0.9))
@@ -229,7 +255,9 @@ def test_zb_v_beats_interleaved_and_zb_1p_on_paper_rows(model, microbatches):
     row = paper_row(model, microbatches)
     p, m, costs = row["stages"], row["microbatches"], paper_costs(row)
     zbv = simulate(build_schedule("zb-v", p, m, costs), costs)
-    interleaved = simulate(build_schedule("interleaved-1f1b", p, m, costs, chunks=row["interleaved_chunks"]), costs)
+    interleaved = simulate(
+        build_schedule("interleaved-1f1b", p, m, costs, chunks=row["interleaved_chunks"]), costs
+    )
     zb_1p = simulate(build_schedule("zb-1p", p, m, costs), costs)
     assert max(zbv.peak_memory_mb) <= p + EPS
     assert zbv.bubble_rate < interleaved.bubble_rate - 0.005

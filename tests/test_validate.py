@@ -2,7 +2,18 @@
 
 import pytest
 
-from zerobubble.schedule import BW, B, CostModel, F, Placement, Schedule, ValidationError, W, build_schedule, validate_schedule
+from zerobubble.schedule import (
+    BW,
+    B,
+    CostModel,
+    F,
+    Placement,
+    Schedule,
+    ValidationError,
+    W,
+    build_schedule,
+    validate_schedule,
+)
 
 
 def two_rank(programs, microbatches=1):
@@ -76,7 +87,9 @@ def test_cross_rank_deadlock_reports_the_cycle():
 def test_memory_above_limit():
     costs = CostModel(mem_b=1.0, memory_limit=2.0)
     schedule = build_schedule("gpipe", 2, 3)
-    with pytest.raises(ValidationError, match=r"rank 0: activation memory reaches 3 after F0\.2, above the limit 2"):
+    with pytest.raises(
+        ValidationError, match=r"rank 0: activation memory reaches 3 after F0\.2, above the limit 2"
+    ):
         validate_schedule(schedule, costs)
 
 

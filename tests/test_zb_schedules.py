@@ -167,8 +167,15 @@ def test_zb_auto_below_one_p_keeps_the_pipeline_busy():
 
 
 def test_planner_times_match_the_simulator():
-    costs = CostModel(f=[1.0, 1.3, 0.9, 1.1], b=[1.2, 1.0, 1.4, 1.0], w=0.7, comm=[0.1, 0.2, 0.05, 0.0],
-                      mem_b=1.0, mem_w=0.3, memory_limit=6.0)
+    costs = CostModel(
+        f=[1.0, 1.3, 0.9, 1.1],
+        b=[1.2, 1.0, 1.4, 1.0],
+        w=0.7,
+        comm=[0.1, 0.2, 0.05, 0.0],
+        mem_b=1.0,
+        mem_w=0.3,
+        memory_limit=6.0,
+    )
     stage_costs = costs.resolve(Placement.loop(4))
     for variant in zb_auto.ALL_VARIANTS:
         planner = variant.planner(stage_costs, 10)
@@ -222,7 +229,9 @@ def _minimum_limit(costs: CostModel, p: int) -> list[float]:
 def test_zb_auto_valid_within_any_feasible_limit(problem, scale, per_rank):
     p, m, costs = problem
     minimum = _minimum_limit(costs, p)
-    limit = [need * min(scale, 3.0 * p) for need in minimum] if per_rank else max(minimum) * min(scale, 3.0 * p)
+    limit = (
+        [need * min(scale, 3.0 * p) for need in minimum] if per_rank else max(minimum) * min(scale, 3.0 * p)
+    )
     limited = costs.with_memory_limit(limit)
     schedule = build_schedule("zb-auto", p, m, limited)  # validates, memory included
     peaks = simulate(schedule, limited).peak_memory

@@ -9,7 +9,15 @@ from .schedule import CostModel, Schedule, ScheduleError, build_schedule, simula
 
 __version__ = "0.1.0"
 
-__all__ = ["CostModel", "Pipeline", "Schedule", "ScheduleError", "build_schedule", "simulate", "validate_schedule"]
+__all__ = [
+    "CostModel",
+    "Pipeline",
+    "Schedule",
+    "ScheduleError",
+    "build_schedule",
+    "simulate",
+    "validate_schedule",
+]
 
 
 def __getattr__(name: str):

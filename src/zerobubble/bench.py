@@ -18,8 +18,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,12 @@ class Table:
 
     def markdown(self) -> str:
         """The table as GitHub Markdown."""
-        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |",
-                 "|" + "|".join("---" for _ in self.columns) + "|"]
+        lines = [
+            f"### {self.title}",
+            "",
+            "| " + " | ".join(self.columns) + " |",
+            "|" + "|".join("---" for _ in self.columns) + "|",
+        ]
         lines += ["| " + " | ".join(row) + " |" for row in self.rows]
         if self.notes:
             lines += ["", *self.notes]
@@ -60,8 +65,10 @@ def machine_description() -> str:
     except OSError:
         pass
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
-    return (f"{cpu}, {os.cpu_count()} cores, load average {load} at start, torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, load average {load} at start, torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def _median(values: Sequence[float]) -> float:
@@ -96,8 +103,10 @@ def workload(name: str, microbatches: int, rows: int) -> Workload:
     """``mlp`` (rows of width 1024 per microbatch) or ``gpt`` (rows = sequences per microbatch)."""
     generator = torch.Generator().manual_seed(1)
     if name == "mlp":
-        batch = (torch.randn(microbatches * rows, 1024, generator=generator),
-                 torch.randn(microbatches * rows, 1024, generator=generator))
+        batch = (
+            torch.randn(microbatches * rows, 1024, generator=generator),
+            torch.randn(microbatches * rows, 1024, generator=generator),
+        )
         return Workload("MLP 8×Linear(1024)+ReLU", mlp_layers, F.mse_loss, batch)
     config = bench_gpt_config()
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=1)
@@ -127,20 +136,27 @@ TORCH_SCHEDULES = ("Schedule1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBV
 
 
 def compare_pipelines(
-    models: Sequence[str] = ("mlp", "gpt"), microbatches: int = 8, rows: dict[str, int] | None = None,
-    rounds: int = 5, steps_per_round: int = 2, warmup: int = 2,
+    models: Sequence[str] = ("mlp", "gpt"),
+    microbatches: int = 8,
+    rows: dict[str, int] | None = None,
+    rounds: int = 5,
+    steps_per_round: int = 2,
+    warmup: int = 2,
 ) -> list[Table]:
     """Step time of our schedules, torch's and the single-process step on 2 CPU ranks (gloo, 1 thread).
 
     ``rows`` per model is the microbatch size (MLP rows, GPT sequences).  One table per model.
     """
     rows = rows or {"mlp": 32, "gpt": 4}
-    results = launch(_compare_rank, 2, (tuple(models), microbatches, rows, rounds, steps_per_round, warmup),
-                     threads=1)[0]
+    results = launch(
+        _compare_rank, 2, (tuple(models), microbatches, rows, rounds, steps_per_round, warmup), threads=1
+    )[0]
     return [_comparison_table(model, microbatches, rows[model], times) for model, times in results.items()]
 
 
-def _compare_rank(models, microbatches, rows, rounds, steps_per_round, warmup) -> dict[str, dict[str, list[float]]]:
+def _compare_rank(
+    models, microbatches, rows, rounds, steps_per_round, warmup
+) -> dict[str, dict[str, list[float]]]:
     init_distributed(backend="gloo", timeout=300)
     results = {}
     for model in models:
@@ -156,8 +172,14 @@ def _pipeline_runners(model: str, load: Workload, m: int) -> dict[str, Callable[
     runners: dict[str, Callable[[], None]] = {"single process": _single_runner(load, m)}
     for name in OUR_SCHEDULES:
         chunks = 4 if name == "zb-v" else 2
-        pipe = Pipeline(load.make_layers(), schedule=name, microbatches=m, loss_fn=load.loss_fn,
-                        partition=bench_partition(model, count, chunks), timeout=300)
+        pipe = Pipeline(
+            load.make_layers(),
+            schedule=name,
+            microbatches=m,
+            loss_fn=load.loss_fn,
+            partition=bench_partition(model, count, chunks),
+            timeout=300,
+        )
         runners[f"ours {name}"] = _our_step(pipe, load.batch)
     for name in TORCH_SCHEDULES:
         runners[f"torch {name}"] = _torch_runner(name, model, load, m)
@@ -173,7 +195,7 @@ def _our_step(pipe, batch) -> Callable[[], None]:
 
 
 def _single_runner(load: Workload, m: int) -> Callable[[], None]:
-    """The whole model in this process, microbatch by microbatch (the same matmul shapes), gradients accumulated."""
+    """The whole model in this process, microbatch by microbatch (same matmul shapes), gradients summed."""
     model = nn.Sequential(*load.make_layers())
     inputs, targets = (t.chunk(m) for t in load.batch)
 
@@ -202,8 +224,11 @@ def _torch_runner(name: str, model: str, load: Workload, m: int) -> Callable[[],
         for i in indices
     ]
     schedule_class = getattr(schedules, name)
-    schedule = schedule_class(stages if len(stages) > 1 or name != "Schedule1F1B" else stages[0],
-                              n_microbatches=m, loss_fn=load.loss_fn)
+    schedule = schedule_class(
+        stages if len(stages) > 1 or name != "Schedule1F1B" else stages[0],
+        n_microbatches=m,
+        loss_fn=load.loss_fn,
+    )
     holds_first = 0 in indices
     holds_last = chunks - 1 in indices
     inputs, targets = load.batch
@@ -229,7 +254,7 @@ def _interleaved(
             _timed(runners[name])
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(rounds):
-        order = names[round_index % len(names):] + names[: round_index % len(names)]
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             for _ in range(steps):
                 times[name].append(_timed(runners[name]))
@@ -255,11 +280,19 @@ def _comparison_table(model: str, m: int, rows: int, times: dict[str, list[float
     )
     for name, values in times.items():
         median = _median(values)
-        table.rows.append([name, f"{median * 1e3:.1f}", f"{median / limit:.3f}", f"{median / reference:.3f}",
-                           str(len(values))])
+        table.rows.append(
+            [
+                name,
+                f"{median * 1e3:.1f}",
+                f"{median / limit:.3f}",
+                f"{median / reference:.3f}",
+                str(len(values)),
+            ]
+        )
     table.notes.append(
-        "2-rank limit = half the single-process step (same microbatches, one thread). Step = barrier to barrier, "
-        "backward and zero_grad included, no optimizer. Configurations measured in rotating rounds."
+        "2-rank limit = half the single-process step (same microbatches, one thread). "
+        "Step = barrier to barrier, backward and zero_grad included, no optimizer. "
+        "Configurations measured in rotating rounds."
     )
     return table
 
@@ -286,8 +319,16 @@ def wgrad_split_cost(
     for label, make, shape in _split_stages():
         for rows in rows_list:
             fused, split_b, split_w = _split_times(make, shape(rows), repeats, accumulate)
-            table.rows.append([label, str(rows), f"{fused * 1e3:.3f}", f"{split_b * 1e3:.3f}",
-                               f"{split_w * 1e3:.3f}", f"{(split_b + split_w) / fused:.3f}"])
+            table.rows.append(
+                [
+                    label,
+                    str(rows),
+                    f"{fused * 1e3:.3f}",
+                    f"{split_b * 1e3:.3f}",
+                    f"{split_w * 1e3:.3f}",
+                    f"{(split_b + split_w) / fused:.3f}",
+                ]
+            )
     table.notes.append(f"Median of {repeats} repeats after one warm-up; the goal is ≤ 1.05 for ≥ 32 rows.")
     return table
 
@@ -300,8 +341,10 @@ def _split_stages():
         torch.manual_seed(0)
         return Block(GPTConfig(vocab=16, seq_len=512, dim=256, heads=4, n_layers=1))
 
-    return [("MLP 4×Linear(1024)", mlp, lambda rows: (rows, 1024)),
-            ("GPT block d=256", block, lambda rows: (1, rows, 256))]
+    return [
+        ("MLP 4×Linear(1024)", mlp, lambda rows: (rows, 1024)),
+        ("GPT block d=256", block, lambda rows: (1, rows, 256)),
+    ]
 
 
 def _split_times(
@@ -350,16 +393,30 @@ def emulated_schedules() -> list[str]:
     return [name for name in REGISTRY if name not in ("zb-ilp", "zb-auto")]
 
 
-def emulated_pipelines(ranks: int, microbatches: int | None = None, costs: CostModel = EMULATED_COSTS,
-                       steps: int = 4, schedules: Sequence[str] | None = None) -> Table:
+def emulated_pipelines(
+    ranks: int,
+    microbatches: int | None = None,
+    costs: CostModel = EMULATED_COSTS,
+    steps: int = 4,
+    schedules: Sequence[str] | None = None,
+) -> Table:
     """Measured (emulated compute) against predicted iteration time of every schedule on ``ranks`` ranks."""
     m = microbatches or 2 * ranks
     names = list(schedules or emulated_schedules())
     results = launch(_emulate_rank, ranks, (names, m, costs, steps), threads=1)[0]
     table = Table(
-        f"Emulated compute on {ranks} ranks, {m} microbatches, F/B/W = {costs.f}/{costs.b}/{costs.w} ms per rank-stage",
-        ["schedule", "predicted (ms)", "measured (ms)", "measured / predicted", "predicted with measured T_comm (ms)",
-         "measured / that", "predicted bubble", "measured bubble"],
+        f"Emulated compute on {ranks} ranks, {m} microbatches, "
+        f"F/B/W = {costs.f}/{costs.b}/{costs.w} ms per rank-stage",
+        [
+            "schedule",
+            "predicted (ms)",
+            "measured (ms)",
+            "measured / predicted",
+            "predicted with measured T_comm (ms)",
+            "measured / that",
+            "predicted bubble",
+            "measured bubble",
+        ],
     )
     latencies = []
     for name in names:
@@ -369,15 +426,25 @@ def emulated_pipelines(ranks: int, microbatches: int | None = None, costs: CostM
             continue
         predicted, measured, with_comm, latency, predicted_bubble, measured_bubble = outcome
         latencies.append(latency)
-        table.rows.append([name, f"{predicted * 1e3:.1f}", f"{measured * 1e3:.1f}", f"{measured / predicted:.4f}",
-                           f"{with_comm * 1e3:.1f}", f"{measured / with_comm:.4f}",
-                           f"{predicted_bubble:.1%}", f"{measured_bubble:.1%}"])
+        table.rows.append(
+            [
+                name,
+                f"{predicted * 1e3:.1f}",
+                f"{measured * 1e3:.1f}",
+                f"{measured / predicted:.4f}",
+                f"{with_comm * 1e3:.1f}",
+                f"{measured / with_comm:.4f}",
+                f"{predicted_bubble:.1%}",
+                f"{measured_bubble:.1%}",
+            ]
+        )
     table.notes.append(
-        f"Measured = median over {steps} steps (after one warm-up step) of the recorded iteration time (max over "
-        "ranks of first-op start to last-op end); predicted = simulate(schedule, costs) with T_comm = 0, and again "
-        "with T_comm = the median measured transfer latency of that schedule's run (producer's end to the waiting "
-        f"consumer's wake-up; median over schedules {_median(latencies) * 1e3:.2f} ms). Real 8-wide tensors cross "
-        "real gloo channels; each op sleeps to its modelled duration."
+        f"Measured = median over {steps} steps (after one warm-up step) of the recorded iteration time "
+        "(max over ranks of first-op start to last-op end); predicted = simulate(schedule, costs) with "
+        "T_comm = 0, and again with T_comm = the median measured transfer latency of that schedule's run "
+        "(producer's end to the waiting consumer's wake-up; median over schedules "
+        f"{_median(latencies) * 1e3:.2f} ms). Real 8-wide tensors cross real gloo channels; each op sleeps "
+        "to its modelled duration."
     )
     return table
 
@@ -393,12 +460,20 @@ def _emulate_rank(names: list[str], m: int, costs: CostModel, steps: int) -> dic
     results: dict[str, Any] = {}
     for name in names:
         try:
-            schedule = build_schedule(name, ranks, m, costs=costs, chunks=2 if name == "interleaved-1f1b" else None)
-        except Exception as error:  # noqa: BLE001 - a builder that rejects the size is reported in the table
+            schedule = build_schedule(
+                name, ranks, m, costs=costs, chunks=2 if name == "interleaved-1f1b" else None
+            )
+        except Exception as error:
             results[name] = f"not built: {error}"[:60]
             continue
-        pipe = Pipeline(tiny_layers(ranks * schedule.chunks), schedule=schedule, loss_fn=F.mse_loss, timeout=300,
-                        trace=True, emulate=costs)
+        pipe = Pipeline(
+            tiny_layers(ranks * schedule.chunks),
+            schedule=schedule,
+            loss_fn=F.mse_loss,
+            timeout=300,
+            trace=True,
+            emulate=costs,
+        )
         for _ in range(steps + 1):
             pipe.step(*batch)
             pipe.zero_grad()
@@ -408,6 +483,12 @@ def _emulate_rank(names: list[str], m: int, costs: CostModel, steps: int) -> dic
             predicted = simulate(schedule, costs)
             latency = _median([x for t in timelines[1:] for x in transfer_latencies(t)] or [0.0])
             with_comm = simulate(schedule, costs.replace(comm=latency * 1e3))
-            results[name] = (predicted.iteration_time / 1e3, measured.iteration_time, with_comm.iteration_time / 1e3,
-                             latency, predicted.bubble_rate, 1.0 - predicted.ideal / 1e3 / measured.iteration_time)
+            results[name] = (
+                predicted.iteration_time / 1e3,
+                measured.iteration_time,
+                with_comm.iteration_time / 1e3,
+                latency,
+                predicted.bubble_rate,
+                1.0 - predicted.ideal / 1e3 / measured.iteration_time,
+            )
     return results

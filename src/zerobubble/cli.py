@@ -9,9 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from .schedule import REGISTRY, CostModel, Schedule, ScheduleError, build_schedule, parse_memory_limit, simulate
+from .schedule import (
+    REGISTRY,
+    CostModel,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    parse_memory_limit,
+)
 from .schedule.compare import OPTIMIZER_MODES, compare_schedules, iteration_period
 from .schedule.paper import paper_models, paper_setup
 
@@ -23,7 +31,7 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line and exit 2."""
 
-    def error(self, message: str) -> None:  # noqa: D102 - argparse hook
+    def error(self, message: str) -> None:
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
@@ -57,14 +65,22 @@ def _costs_from_args(args: argparse.Namespace, stages: int) -> CostModel:
 def _add_setup_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
     if schedule:
         parser.add_argument("--schedule", default="zb-h1", help="schedule name (see 'zerobubble schedules')")
-        parser.add_argument("--schedule-file", help="read a schedule JSON (from 'export --format json') instead")
+        parser.add_argument(
+            "--schedule-file", help="read a schedule JSON (from 'export --format json') instead"
+        )
         parser.add_argument("--chunks", type=int, help="virtual stages per rank, for schedules that take it")
     parser.add_argument("--stages", "-p", type=int, default=4, help="pipeline ranks P (default 4)")
     parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches M (default 8)")
-    parser.add_argument("--cost", default="1,1,1,0", help="T_F,T_B,T_W[,T_comm] per rank-stage (default 1,1,1,0)")
+    parser.add_argument(
+        "--cost", default="1,1,1,0", help="T_F,T_B,T_W[,T_comm] per rank-stage (default 1,1,1,0)"
+    )
     parser.add_argument("--memory", default="1,0", help="M_B,M_W per rank-stage (default 1,0)")
-    parser.add_argument("--memory-limit", help="per-rank limit: an amount in --memory's unit, or Np = N·p·M_B")
-    parser.add_argument("--costs-file", help="JSON CostModel (per-stage lists allowed) instead of --cost/--memory")
+    parser.add_argument(
+        "--memory-limit", help="per-rank limit: an amount in --memory's unit, or Np = N·p·M_B"
+    )
+    parser.add_argument(
+        "--costs-file", help="JSON CostModel (per-stage lists allowed) instead of --cost/--memory"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -78,7 +94,9 @@ def _schedule_from_args(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
         return schedule, _costs_from_args(args, schedule.num_ranks)
     costs = _costs_from_args(args, args.stages)
     options = {"time_limit": args.time_limit} if getattr(args, "time_limit", None) is not None else {}
-    schedule = build_schedule(args.schedule, args.stages, args.microbatches, costs, chunks=args.chunks, **options)
+    schedule = build_schedule(
+        args.schedule, args.stages, args.microbatches, costs, chunks=args.chunks, **options
+    )
     return schedule, REGISTRY[args.schedule].resolve_costs(costs, args.stages)
 
 
@@ -124,8 +142,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     _, timeline, report = _simulation_report(args)
     if args.output:
         render_image(timeline, args.output)
-        print(f"wrote {args.output}: {report['schedule']}, iteration time {report['iteration_time']:.6g}, "
-              f"bubble rate {report['bubble_rate']:.4f}")
+        print(
+            f"wrote {args.output}: {report['schedule']}, iteration time {report['iteration_time']:.6g}, "
+            f"bubble rate {report['bubble_rate']:.4f}"
+        )
     else:
         print(render_text(timeline, width=args.width))
     return 0
@@ -158,19 +178,34 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.ilp:
         names = (names or [n for n in REGISTRY if n != "zb-ilp"]) + ["zb-ilp"]
     options = {"zb-ilp": {"time_limit": args.time_limit}} if args.time_limit is not None else None
-    rows = compare_schedules(stages, args.microbatches, costs, names, chunks, args.optimizer, args.step_time, options)
+    rows = compare_schedules(
+        stages, args.microbatches, costs, names, chunks, args.optimizer, args.step_time, options
+    )
     if args.json:
-        print(json.dumps({"stages": stages, "microbatches": args.microbatches, "optimizer": args.optimizer,
-                          "rows": [row.to_dict() for row in rows]}))
+        print(
+            json.dumps(
+                {
+                    "stages": stages,
+                    "microbatches": args.microbatches,
+                    "optimizer": args.optimizer,
+                    "rows": [row.to_dict() for row in rows],
+                }
+            )
+        )
         return 0
     print(_format_comparison(rows, stages, args.microbatches, args.optimizer))
     return 0
 
 
 def _format_comparison(rows, stages: int, microbatches: int, optimizer: str) -> str:
-    header = (f"{'schedule':<17}{'sync period':>13}{'post-val period':>16}{'bubble':>8}{'peak mem':>9}"
-              f"{'vs 1f1b':>9}{'gap to LB':>10}")
-    lines = [f"p={stages} m={microbatches}; sorted by the {optimizer} period; speed-up and bubble use it too", header]
+    header = (
+        f"{'schedule':<17}{'sync period':>13}{'post-val period':>16}{'bubble':>8}{'peak mem':>9}"
+        f"{'vs 1f1b':>9}{'gap to LB':>10}"
+    )
+    lines = [
+        f"p={stages} m={microbatches}; sorted by the {optimizer} period; speed-up and bubble use it too",
+        header,
+    ]
     for row in rows:
         if row.error:
             lines.append(f"{row.schedule:<17}n/a: {row.error}")
@@ -185,9 +220,13 @@ def _format_comparison(rows, stages: int, microbatches: int, optimizer: str) -> 
             f"{row.schedule:<17}{row.period_sync:>13.6g}{row.period_post_validation:>16.6g}{bubble:>8.4f}"
             f"{memory:>9}{row.speedup_vs_1f1b or 0:>8.3f}x{gap:>10}"
         )
-    lines.append("sync period = makespan + step; post-val period = iteration time + step (optimizer post-validation);")
-    lines.append("peak mem in M_B (max over ranks; ! = above --memory-limit); gap to LB = iteration time over the "
-                 "best lower bound known for its placement and its memory (* = proven optimal)")
+    lines.append(
+        "sync period = makespan + step; post-val period = iteration time + step (optimizer post-validation);"
+    )
+    lines.append(
+        "peak mem in M_B (max over ranks; ! = above --memory-limit); gap to LB = iteration time over the "
+        "best lower bound known for its placement and its memory (* = proven optimal)"
+    )
     return "\n".join(lines)
 
 
@@ -215,10 +254,19 @@ _TRAIN_OPTIONS = (
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, helptext in _TRAIN_OPTIONS:
         parser.add_argument(flag, type=kind, help=helptext)
-    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
-    parser.add_argument("--trace", metavar="DIR", help="record the steps and write the measured timeline to DIR")
-    parser.add_argument("--no-post-validation", dest="post_validation", action="store_false", default=None,
-                        help="synchronous optimizer step (all-reduce before it) instead of post-validation")
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", default=None, help="no progress bar"
+    )
+    parser.add_argument(
+        "--trace", metavar="DIR", help="record the steps and write the measured timeline to DIR"
+    )
+    parser.add_argument(
+        "--no-post-validation",
+        dest="post_validation",
+        action="store_false",
+        default=None,
+        help="synchronous optimizer step (all-reduce before it) instead of post-validation",
+    )
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -235,15 +283,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     print(f"Machine: {bench.machine_description()}\n")
     if args.benchmark == "pipelines":
-        tables = bench.compare_pipelines(args.models, args.microbatches, rounds=args.rounds,
-                                         steps_per_round=args.steps_per_round)
+        tables = bench.compare_pipelines(
+            args.models, args.microbatches, rounds=args.rounds, steps_per_round=args.steps_per_round
+        )
     elif args.benchmark == "wgrad":
-        tables = [bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate)
-                  for accumulate in (True, False)]
+        tables = [
+            bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate)
+            for accumulate in (True, False)
+        ]
     else:
         f, b, w = args.costs
-        tables = [bench.emulated_pipelines(ranks, costs=CostModel(f=f, b=b, w=w), steps=args.steps,
-                                           schedules=args.schedules) for ranks in args.ranks]
+        tables = [
+            bench.emulated_pipelines(
+                ranks, costs=CostModel(f=f, b=b, w=w), steps=args.steps, schedules=args.schedules
+            )
+            for ranks in args.ranks
+        ]
     for table in tables:
         print(table.markdown() + "\n")
     return 0
@@ -251,7 +306,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     kinds = parser.add_subparsers(dest="benchmark", required=True, parser_class=_Parser)
-    pipelines = kinds.add_parser("pipelines", help="ours vs torch.distributed.pipelining vs one process, 2 ranks")
+    pipelines = kinds.add_parser(
+        "pipelines", help="ours vs torch.distributed.pipelining vs one process, 2 ranks"
+    )
     pipelines.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
     pipelines.add_argument("--microbatches", type=int, default=8)
     pipelines.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
@@ -264,8 +321,14 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     emulate.add_argument("--ranks", nargs="+", type=int, default=[4, 8])
     emulate.add_argument("--steps", type=int, default=4)
     emulate.add_argument("--schedules", nargs="+", help="default: every schedule")
-    emulate.add_argument("--costs", nargs=3, type=float, default=[10.0, 10.0, 7.0], metavar=("F", "B", "W"),
-                         help="emulated op times in milliseconds (default 10 10 7)")
+    emulate.add_argument(
+        "--costs",
+        nargs=3,
+        type=float,
+        default=[10.0, 10.0, 7.0],
+        metavar=("F", "B", "W"),
+        help="emulated op times in milliseconds (default 10 10 7)",
+    )
 
 
 def _is_user_error(error: Exception) -> bool:
@@ -288,8 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         command = commands.add_parser(name, help=helptext)
         _add_setup_arguments(command)
-        command.add_argument("--optimizer", choices=OPTIMIZER_MODES, default="post-validation",
-                             help="sync: period = makespan + step; post-validation: iteration time + step")
+        command.add_argument(
+            "--optimizer",
+            choices=OPTIMIZER_MODES,
+            default="post-validation",
+            help="sync: period = makespan + step; post-validation: iteration time + step",
+        )
         command.add_argument("--step-time", type=float, default=0.0, help="optimizer step time (default 0)")
         command.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
         command.set_defaults(run=run)

@@ -109,7 +109,9 @@ class MarkovCorpus:
     def __init__(self, vocab: int, seq_len: int, seed: int = 0, branching: int = 2):
         generator = torch.Generator().manual_seed(seed)
         self.vocab, self.seq_len = vocab, seq_len
-        self.successors = torch.stack([torch.randperm(vocab, generator=generator)[:branching] for _ in range(vocab)])
+        self.successors = torch.stack(
+            [torch.randperm(vocab, generator=generator)[:branching] for _ in range(vocab)]
+        )
         weights = torch.rand(branching, generator=generator) + 0.5
         self.probabilities = weights / weights.sum()
         self.entropy = float(-(self.probabilities * self.probabilities.log()).sum())
@@ -120,7 +122,10 @@ class MarkovCorpus:
         tokens = torch.empty(batch_size, self.seq_len + 1, dtype=torch.int64)
         tokens[:, 0] = torch.randint(self.vocab, (batch_size,), generator=self._generator)
         choices = torch.multinomial(
-            self.probabilities.expand(batch_size, -1), self.seq_len, replacement=True, generator=self._generator
+            self.probabilities.expand(batch_size, -1),
+            self.seq_len,
+            replacement=True,
+            generator=self._generator,
         )
         for position in range(self.seq_len):
             tokens[:, position + 1] = self.successors[tokens[:, position], choices[:, position]]

@@ -66,7 +66,9 @@ class TrainConfig:
     @property
     def model(self) -> GPTConfig:
         """The GPT size these knobs describe."""
-        return GPTConfig(vocab=self.vocab, seq_len=self.seq_len, dim=self.dim, heads=self.heads, n_layers=self.layers)
+        return GPTConfig(
+            vocab=self.vocab, seq_len=self.seq_len, dim=self.dim, heads=self.heads, n_layers=self.layers
+        )
 
 
 @dataclass(frozen=True)
@@ -142,9 +144,16 @@ def _train_rank(config: TrainConfig) -> TrainSummary:
     init_distributed(config.backend, config.timeout)
     torch.manual_seed(config.seed)
     pipe = Pipeline(
-        gpt_layers(config.model), schedule=config.schedule, microbatches=config.microbatches, loss_fn=lm_loss,
-        chunks=config.chunks, costs=_costs(config), timeout=config.timeout,
-        data_parallel=config.data_parallel, post_validation=config.post_validation, trace=config.trace is not None,
+        gpt_layers(config.model),
+        schedule=config.schedule,
+        microbatches=config.microbatches,
+        loss_fn=lm_loss,
+        chunks=config.chunks,
+        costs=_costs(config),
+        timeout=config.timeout,
+        data_parallel=config.data_parallel,
+        post_validation=config.post_validation,
+        trace=config.trace is not None,
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
@@ -169,12 +178,22 @@ def _train_rank(config: TrainConfig) -> TrainSummary:
     clipped, skipped, rolled_back = _most_over_ranks(pipe, pipe.device)
     step_time = sum(times[1:]) / max(1, len(times) - 1) if len(times) > 1 else times[0]
     return TrainSummary(
-        schedule=pipe.schedule.name, ranks=dist.get_world_size(), microbatches=config.microbatches,
-        steps=config.steps, first_loss=losses[0], last_loss=losses[-1], step_time=step_time,
+        schedule=pipe.schedule.name,
+        ranks=dist.get_world_size(),
+        microbatches=config.microbatches,
+        steps=config.steps,
+        first_loss=losses[0],
+        last_loss=losses[-1],
+        step_time=step_time,
         tokens_per_second=config.batch_size * config.seq_len / step_time,
-        predicted_bubble=pipe.timeline.bubble_rate, entropy_floor=corpus.entropy, losses=losses,
-        data_parallel=config.data_parallel, steps_clipped=clipped, steps_skipped=skipped,
-        steps_rolled_back=rolled_back, trace_lines=tuple(report.lines()) if report is not None else (),
+        predicted_bubble=pipe.timeline.bubble_rate,
+        entropy_floor=corpus.entropy,
+        losses=losses,
+        data_parallel=config.data_parallel,
+        steps_clipped=clipped,
+        steps_skipped=skipped,
+        steps_rolled_back=rolled_back,
+        trace_lines=tuple(report.lines()) if report is not None else (),
     )
 
 
@@ -220,8 +239,11 @@ class _progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._bar = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[rate]:,.0f} tok/s"),
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.3f}"),
+                TextColumn("{task.fields[rate]:,.0f} tok/s"),
                 TimeRemainingColumn(),
             )
             self._bar.start()

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,16 @@ MessageKey = tuple[int, int, int]
 ``boundary + 1``, 1 = the input gradient of stage ``boundary + 1`` going back to ``boundary``."""
 
 _DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 )
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 HEADER_LENGTH = 64
@@ -95,7 +103,7 @@ def directed_pairs(schedule: Schedule) -> list[tuple[int, int]]:
 class _Pending:
     """One message whose receive is posted: its works and the buffers they fill."""
 
-    __slots__ = ("works", "tensors")
+    __slots__ = ("tensors", "works")
 
     def __init__(self, works: list, tensors: list[torch.Tensor]):
         self.works = works
@@ -138,7 +146,9 @@ class Comm:
         self._sends: deque[tuple[list, tuple[torch.Tensor, ...]]] = deque()
         self._headers = True
 
-    def _connect(self, pairs: list[tuple[int, int]], group) -> dict[tuple[int, int], tuple[dist.ProcessGroup, int]]:
+    def _connect(
+        self, pairs: list[tuple[int, int]], group
+    ) -> dict[tuple[int, int], tuple[dist.ProcessGroup, int]]:
         """One process group per directed pair; this rank keeps its own as ``(src, dst) -> (group, peer)``.
 
         ``new_group`` is collective over the whole world, so every rank creates every pair's group in

@@ -25,10 +25,11 @@ replicas make the same ``new_group`` calls as non-members, keeping the counter i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,7 +118,9 @@ def create_layout(group: Any, data_parallel: int, timeout: float) -> ParallelLay
     pipeline_size = size // data_parallel
     dp_index, pipeline_rank = divmod(dist.get_rank(group), pipeline_size)
     setup = timedelta(seconds=max(timeout, 60.0))
-    layout = ParallelLayout(pipeline_size, data_parallel, pipeline_rank, dp_index, span, group, None, None, setup)
+    layout = ParallelLayout(
+        pipeline_size, data_parallel, pipeline_rank, dp_index, span, group, None, None, setup
+    )
     replicas = [layout.replica_ranks(d) for d in range(data_parallel)]
     pipeline_group, dp_group = group, None
     if data_parallel > 1:
@@ -126,7 +129,15 @@ def create_layout(group: Any, data_parallel: int, timeout: float) -> ParallelLay
         dp_group = _own_group(columns, layout, setup)
     control_group = _own_group(replicas, layout, setup)
     return ParallelLayout(
-        pipeline_size, data_parallel, pipeline_rank, dp_index, span, pipeline_group, dp_group, control_group, setup
+        pipeline_size,
+        data_parallel,
+        pipeline_rank,
+        dp_index,
+        span,
+        pipeline_group,
+        dp_group,
+        control_group,
+        setup,
     )
 
 
@@ -218,7 +229,12 @@ def hook_program(
     hooked = list(program)
     for position in set(before) | set(after):
         op, handler, state, microbatch = hooked[position]
-        hooked[position] = (op, _wrapped(handler, before.get(position), after.get(position)), state, microbatch)
+        hooked[position] = (
+            op,
+            _wrapped(handler, before.get(position), after.get(position)),
+            state,
+            microbatch,
+        )
     return hooked
 
 

@@ -18,7 +18,7 @@ be milliseconds, not microseconds, for the same reason.  Transfers are not delay
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -38,10 +38,14 @@ def wait_until(deadline: float, spin: float = DEFAULT_SPIN) -> None:
         pass
 
 
-def install_emulation(executor: Executor, costs: CostModel, unit: float = 1e-3, spin: float = DEFAULT_SPIN) -> None:
+def install_emulation(
+    executor: Executor, costs: CostModel, unit: float = 1e-3, spin: float = DEFAULT_SPIN
+) -> None:
     """Replace ``executor``'s handlers by emulated ones taking ``costs`` (× ``unit`` seconds) per op."""
     if not unit > 0 or spin < 0:
-        raise ScheduleError(f"emulation needs unit > 0 and spin >= 0 seconds, got unit={unit!r}, spin={spin!r}")
+        raise ScheduleError(
+            f"emulation needs unit > 0 and spin >= 0 seconds, got unit={unit!r}, spin={spin!r}"
+        )
     stage_costs = costs.resolve(executor.schedule.placement)
     seconds = {
         kind: [value * unit for value in values]

@@ -23,7 +23,8 @@ by the stage's :class:`WeightGradStore`), W frees the rest.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,9 +38,11 @@ from .wgrad import WeightGradStore
 class StageState:
     """One virtual stage held by this rank: its module, its W store and its in-flight microbatches."""
 
-    __slots__ = ("index", "module", "store", "first", "last", "saved", "next_local", "prev_local", "name")
+    __slots__ = ("first", "index", "last", "module", "name", "next_local", "prev_local", "saved", "store")
 
-    def __init__(self, index: int, module: nn.Module, store: WeightGradStore, first: bool, last: bool, name: str):
+    def __init__(
+        self, index: int, module: nn.Module, store: WeightGradStore, first: bool, last: bool, name: str
+    ):
         self.index = index
         self.module = module
         self.store = store
@@ -58,7 +61,9 @@ class Executor:
     ``1/m`` before its backward so the accumulated gradients are those of the mean loss.
     """
 
-    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, StageState], comm: Comm, loss_fn: Callable):
+    def __init__(
+        self, schedule: Schedule, rank: int, stages: dict[int, StageState], comm: Comm, loss_fn: Callable
+    ):
         self.schedule = schedule
         self.rank = rank
         self.stages = stages
@@ -75,7 +80,10 @@ class Executor:
         self._losses: list[torch.Tensor] = []
         self._scale = 1.0 / schedule.microbatches
         self.handlers: dict[Kind, Callable[[StageState, int], None]] = {
-            Kind.F: self._forward, Kind.B: self._backward, Kind.BW: self._backward_fused, Kind.W: self.compute_weight,
+            Kind.F: self._forward,
+            Kind.B: self._backward,
+            Kind.BW: self._backward_fused,
+            Kind.W: self.compute_weight,
         }
         self.program: list[tuple[Op, Callable[[StageState, int], None], StageState, int]] = []
         self.compile()
@@ -88,7 +96,9 @@ class Executor:
             for op in self.schedule.programs[self.rank]
         ]
 
-    def run_step(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]) -> list[torch.Tensor]:
+    def run_step(
+        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]
+    ) -> list[torch.Tensor]:
         """Run the program once; ``inputs``/``targets`` are per-microbatch (empty where unused).
 
         Returns the detached per-microbatch losses on the rank of the last stage, else ``[]``.
@@ -155,7 +165,9 @@ class Executor:
         """The inputs of F(state, j): the batch, a local hand-over or a received message."""
         return self._stage_inputs(state, j)
 
-    def compute_forward(self, state: StageState, j: int, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def compute_forward(
+        self, state: StageState, j: int, inputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
         """Run the stage's forward (and the loss on the last stage); keep what B needs; return the outputs."""
         try:
             outputs = state.module(*inputs)
@@ -182,7 +194,7 @@ class Executor:
     def compute_backward(
         self, state: StageState, j: int, received: tuple[torch.Tensor, ...] | None, defer: bool
     ) -> tuple[torch.Tensor, ...]:
-        """Backward of microbatch ``j`` (weight gradients deferred to W when ``defer``); the input gradients."""
+        """Backward of microbatch ``j`` (weight gradients deferred to W if ``defer``); the input gradients."""
         inputs, outputs = state.saved.pop(j)
         if received is None:
             tensors, grads = [outputs[0] * self._scale], None
@@ -225,7 +237,9 @@ class Executor:
         self._losses.append(loss.detach())
         return loss
 
-    def _pass_on(self, state: StageState, key: tuple[int, int, int], tensors: tuple[torch.Tensor, ...], forward: bool) -> None:
+    def _pass_on(
+        self, state: StageState, key: tuple[int, int, int], tensors: tuple[torch.Tensor, ...], forward: bool
+    ) -> None:
         local = state.next_local if forward else state.prev_local
         if local:
             self._handoff[key] = tensors
@@ -235,13 +249,16 @@ class Executor:
 
     def _forward_failure(self, state: StageState, j: int, inputs: tuple, error: Exception) -> str:
         shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs)
-        where = f"the forward of stage {state.index} ({state.name}, rank {self.rank}) failed on microbatch {j}"
+        where = (
+            f"the forward of stage {state.index} ({state.name}, rank {self.rank}) failed on microbatch {j}"
+        )
         cause = f"{type(error).__name__}: {error}"
         if state.first:
             return f"{where} with the batch inputs [{shapes}]: {cause}"
         previous = state.index - 1
         return (
-            f"{where} with inputs [{shapes}] from stage {previous} (rank {self._placement.rank_of(previous)}): "
+            f"{where} with inputs [{shapes}] from stage {previous} "
+            f"(rank {self._placement.rank_of(previous)}): "
             f"{cause} — check that the outputs of stage {previous} match what stage {state.index} expects"
         )
 

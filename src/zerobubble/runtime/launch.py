@@ -14,8 +14,9 @@ import queue as queue_module
 import socket
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,9 @@ def launch(
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_rank_entry, args=(rank, nprocs, port, threads, fn, tuple(args), results), daemon=True)
+        context.Process(
+            target=_rank_entry, args=(rank, nprocs, port, threads, fn, tuple(args), results), daemon=True
+        )
         for rank in range(nprocs)
     ]
     for process in processes:
@@ -131,15 +134,19 @@ def _collect(processes, results, timeout: float | None) -> dict[int, tuple[bool,
 
 def _rank_entry(rank: int, world: int, port: int, threads: int | None, fn, args, results) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     if threads is not None:
         torch.set_num_threads(threads)
     try:
         payload = pickle.dumps(fn(*args))
         results.put((rank, True, payload))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+    except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():

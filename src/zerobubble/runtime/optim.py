@@ -103,9 +103,10 @@ from __future__ import annotations
 import enum
 import math
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,16 +114,16 @@ import torch.distributed as dist
 from . import PipelineError
 
 __all__ = [
+    "OptimizerStats",
     "OptimizerValidationError",
+    "PipelineOptimizer",
+    "PostValidator",
     "ReversibleStep",
     "StepOutcome",
-    "PostValidator",
-    "rollback_support",
-    "clip_coefficient",
     "check_max_norm",
+    "clip_coefficient",
+    "rollback_support",
     "validation_chain",
-    "OptimizerStats",
-    "PipelineOptimizer",
 ]
 
 #: gloo tag of the validator's point-to-point messages, apart from the pipeline's own transfers.
@@ -139,7 +140,7 @@ class OptimizerValidationError(PipelineError):
 # Which optimizers can be rolled back
 
 
-def _group_problem(optimizer: torch.optim.Optimizer, group: dict) -> Optional[str]:
+def _group_problem(optimizer: torch.optim.Optimizer, group: dict) -> str | None:
     """Why one param group's step cannot be inverted, or None when it can."""
     if group.get("differentiable", False):
         return "differentiable=True is not supported by the rollback"
@@ -162,7 +163,7 @@ def _group_problem(optimizer: torch.optim.Optimizer, group: dict) -> Optional[st
     return None
 
 
-def rollback_support(optimizer: torch.optim.Optimizer) -> Optional[str]:
+def rollback_support(optimizer: torch.optim.Optimizer) -> str | None:
     """Say why ``optimizer``'s step cannot be rolled back in place, or None when it can.
 
     Supported: ``torch.optim.SGD``, ``Adam`` and ``AdamW`` themselves (not subclasses, whose
@@ -170,8 +171,7 @@ def rollback_support(optimizer: torch.optim.Optimizer) -> Optional[str]:
     """
     if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         return (
-            f"{type(optimizer).__name__} has no in-place rollback (only torch.optim.SGD, Adam and "
-            "AdamW do)"
+            f"{type(optimizer).__name__} has no in-place rollback (only torch.optim.SGD, Adam and AdamW do)"
         )
     for group in optimizer.param_groups:
         problem = _group_problem(optimizer, group)
@@ -271,7 +271,7 @@ class _StepRecord:
     """What one step needs to be taken later or undone: no parameter-sized copies."""
 
     hypers: list[dict]  # per group: every setting but "params", frozen
-    grads: list[list[Optional[torch.Tensor]]]  # per group, per param: the gradient tensor used
+    grads: list[list[torch.Tensor | None]]  # per group, per param: the gradient tensor used
     versions: list[list[int]]  # version counters of those gradients, to detect foreign edits
     created_state: list[list[bool]]  # per group, per param: the applied step created the state
     mutated: list[list[bool]]  # per group, per param: the applied step wrote into the gradient
@@ -286,7 +286,7 @@ def _scale_in_place(grads: list[torch.Tensor], factor: torch.Tensor | float) -> 
         grad.mul_(factor.to(grad.device) if isinstance(factor, torch.Tensor) else factor)
 
 
-def _versions(grads: list[list[Optional[torch.Tensor]]]) -> list[list[int]]:
+def _versions(grads: list[list[torch.Tensor | None]]) -> list[list[int]]:
     return [[-1 if g is None else g._version for g in group] for group in grads]
 
 
@@ -302,7 +302,7 @@ class ReversibleStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._record: Optional[_StepRecord] = None
+        self._record: _StepRecord | None = None
 
     @property
     def recorded(self) -> bool:
@@ -338,7 +338,7 @@ class ReversibleStep:
             reversible=rollback_support(self.optimizer) is None and not sparse,
         )
 
-    def apply(self, grad_scale: Optional[torch.Tensor | float] = None) -> None:
+    def apply(self, grad_scale: torch.Tensor | float | None = None) -> None:
         """Take the recorded step, first multiplying the recorded gradients by ``grad_scale``."""
         record = self._require_record()
         if record.applied:
@@ -369,8 +369,11 @@ class ReversibleStep:
         is_sgd = isinstance(self.optimizer, torch.optim.SGD)
         with torch.no_grad():
             for group, hyper, grads, created, mutated in zip(
-                self.optimizer.param_groups, record.hypers, record.grads,
-                record.created_state, record.mutated,
+                self.optimizer.param_groups,
+                record.hypers,
+                record.grads,
+                record.created_state,
+                record.mutated,
             ):
                 for param, grad, new, wrote in zip(group["params"], grads, created, mutated):
                     if grad is None:
@@ -429,7 +432,7 @@ class ReversibleStep:
 # The global state: norm and non-finite flag
 
 
-def check_max_norm(max_norm: Optional[float]) -> Optional[float]:
+def check_max_norm(max_norm: float | None) -> float | None:
     """``max_norm`` as a float (None: no clipping); raise when it is not positive."""
     if max_norm is None:
         return None
@@ -438,7 +441,7 @@ def check_max_norm(max_norm: Optional[float]) -> Optional[float]:
     return float(max_norm)
 
 
-def clip_coefficient(total_norm: float, max_norm: Optional[float], dtype: torch.dtype) -> float:
+def clip_coefficient(total_norm: float, max_norm: float | None, dtype: torch.dtype) -> float:
     """torch's clip factor ``clamp(max_norm / (total_norm + 1e-6), max=1)``, in ``dtype``.
 
     1.0 means no clipping (also when ``max_norm`` is None).
@@ -509,15 +512,15 @@ class PostValidator:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        max_norm: Optional[float] = None,
+        max_norm: float | None = None,
         *,
-        prev_rank: Optional[int] = None,
-        next_rank: Optional[int] = None,
-        group: Optional[dist.ProcessGroup] = None,
+        prev_rank: int | None = None,
+        next_rank: int | None = None,
+        group: dist.ProcessGroup | None = None,
         post_validation: bool = True,
         norm_type: float = 2.0,
-        extra_reduce: Optional[ExtraReduce] = None,
-        device: Optional[torch.device | str] = None,
+        extra_reduce: ExtraReduce | None = None,
+        device: torch.device | str | None = None,
         tag: int = DEFAULT_TAG,
     ) -> None:
         self._check_settings(max_norm, norm_type, prev_rank, next_rank)
@@ -529,14 +532,16 @@ class PostValidator:
         self.extra_reduce = extra_reduce
         self.tag = tag
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.device = torch.device(device) if device is not None else (
-            params[0].device if params else torch.device("cpu")
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else (params[0].device if params else torch.device("cpu"))
         )
         self._norm_dtype = params[0].dtype if params and params[0].is_floating_point() else torch.float32
         self._step = ReversibleStep(optimizer)
-        self._pending: Optional[_Pending] = None
+        self._pending: _Pending | None = None
         self._sends: list[tuple[Any, torch.Tensor]] = []
-        self.last_outcome: Optional[StepOutcome] = None
+        self.last_outcome: StepOutcome | None = None
         self.steps = self.steps_rolled_back = self.steps_skipped = 0
         self.steps_deferred = self.steps_clipped = 0
         self._warn_if_not_reversible()
@@ -573,7 +578,7 @@ class PostValidator:
         self._send(partial, self.next_rank)
         self._pending = self._act_on_partial(partial)
 
-    def finish(self) -> Optional[StepOutcome]:
+    def finish(self) -> StepOutcome | None:
         """Wait for the full state of the pending step, then confirm, roll back and redo, or skip.
 
         Returns the outcome of the latest step (None before the first).  Cheap when nothing is
@@ -590,7 +595,7 @@ class PostValidator:
 
     synchronize = finish
 
-    def close(self) -> Optional[StepOutcome]:
+    def close(self) -> StepOutcome | None:
         """Finish the pending step and wait for every message this rank sent."""
         outcome = self.finish()
         self._wait_sends()
@@ -659,8 +664,9 @@ class PostValidator:
         optimistic = verdict is _Verdict.PLAIN and self._step.reversible
         if optimistic:
             self._step.apply()
-        return _Pending(stepped=optimistic, deferred=verdict is not _Verdict.SKIP and not optimistic,
-                        full=full, work=work)
+        return _Pending(
+            stepped=optimistic, deferred=verdict is not _Verdict.SKIP and not optimistic, full=full, work=work
+        )
 
     def _settle(self, full: torch.Tensor, *, stepped: bool, deferred: bool) -> StepOutcome:
         """Make the step what the full state says it must be; update counters."""
@@ -673,8 +679,13 @@ class PostValidator:
         elif verdict is _Verdict.PLAIN and not stepped:
             self._step.apply()
         self._step.release()
-        outcome = StepOutcome(total_norm=norm, clip_coef=coef, skipped=verdict is _Verdict.SKIP,
-                              rolled_back=rolled_back, deferred=deferred)
+        outcome = StepOutcome(
+            total_norm=norm,
+            clip_coef=coef,
+            skipped=verdict is _Verdict.SKIP,
+            rolled_back=rolled_back,
+            deferred=deferred,
+        )
         self._count(outcome)
         return outcome
 
@@ -728,11 +739,15 @@ class OptimizerStats:
     deferred: int = 0
     pending: bool = False
 
-    def plus(self, other: "OptimizerStats") -> "OptimizerStats":
+    def plus(self, other: OptimizerStats) -> OptimizerStats:
         """Counters summed (``pending`` from ``other``)."""
         return OptimizerStats(
-            self.steps + other.steps, self.clipped + other.clipped, self.skipped + other.skipped,
-            self.rolled_back + other.rolled_back, self.deferred + other.deferred, other.pending,
+            self.steps + other.steps,
+            self.clipped + other.clipped,
+            self.skipped + other.skipped,
+            self.rolled_back + other.rolled_back,
+            self.deferred + other.deferred,
+            other.pending,
         )
 
 
@@ -746,25 +761,32 @@ class PipelineOptimizer:
     call) and keeps counting.
     """
 
-    def __init__(self, chain: Sequence[int], rank: int, group: Any, post_validation: bool, device: torch.device):
+    def __init__(
+        self, chain: Sequence[int], rank: int, group: Any, post_validation: bool, device: torch.device
+    ):
         position = list(chain).index(rank)
         self.prev_rank = chain[position - 1] if position > 0 else None
         self.next_rank = chain[position + 1] if position + 1 < len(chain) else None
         self.group = group
         self.post_validation = post_validation
         self.device = device
-        self.validator: Optional[PostValidator] = None
+        self.validator: PostValidator | None = None
         self._retired = OptimizerStats()
 
-    def step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> None:
         """Clip to ``max_norm`` (None: no clipping) and step, or skip on non-finite gradients."""
         max_norm = check_max_norm(max_norm)
         validator = self.validator
         if validator is None or validator.optimizer is not optimizer:
             self._retire()
             validator = self.validator = PostValidator(
-                optimizer, max_norm, prev_rank=self.prev_rank, next_rank=self.next_rank, group=self.group,
-                post_validation=self.post_validation, device=self.device,
+                optimizer,
+                max_norm,
+                prev_rank=self.prev_rank,
+                next_rank=self.next_rank,
+                group=self.group,
+                post_validation=self.post_validation,
+                device=self.device,
             )
         else:
             validator.finish()  # the previous step settles under its own max_norm
@@ -787,10 +809,16 @@ class PipelineOptimizer:
         validator = self.validator
         if validator is None:
             return self._retired
-        return self._retired.plus(OptimizerStats(
-            validator.steps, validator.steps_clipped, validator.steps_skipped, validator.steps_rolled_back,
-            validator.steps_deferred, validator.pending,
-        ))
+        return self._retired.plus(
+            OptimizerStats(
+                validator.steps,
+                validator.steps_clipped,
+                validator.steps_skipped,
+                validator.steps_rolled_back,
+                validator.steps_deferred,
+                validator.pending,
+            )
+        )
 
     def _retire(self) -> None:
         if self.validator is not None:

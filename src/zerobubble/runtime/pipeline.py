@@ -16,7 +16,8 @@ schedule's placement, and only this rank's chunks are kept.  Parameter names sta
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,12 +27,18 @@ from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, valid
 from . import PipelineError
 from .comm import Comm, directed_pairs
 from .data_parallel import (
-    GradientAverager, chunk_parameters, create_layout, first_forward, hook_program, last_gradient_ops,
+    GradientAverager,
+    chunk_parameters,
+    create_layout,
+    first_forward,
+    hook_program,
+    last_gradient_ops,
 )
 from .executor import Executor, StageState
 from .launch import init_distributed, local_device
 from .optim import OptimizerStats, PipelineOptimizer, validation_chain
 from .wgrad import WeightGradStore, install_deferral
+
 
 class StageModule:
     """A contiguous run of layers; a layer returning a tuple passes it unpacked to the next one."""
@@ -100,7 +107,9 @@ class Pipeline:
         self.rank = self.layout.pipeline_rank
         self.world_size = self.layout.pipeline_size
         self.device = local_device(backend)
-        self.schedule, self.timeline = _resolve_schedule(schedule, self.world_size, microbatches, chunks, costs)
+        self.schedule, self.timeline = _resolve_schedule(
+            schedule, self.world_size, microbatches, chunks, costs
+        )
         self.module = nn.Module()
         stages = self._place(_named_layers(layers), partition)
         self.stages = tuple(sorted(stages))
@@ -118,7 +127,9 @@ class Pipeline:
         self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
         self._init_optimization(post_validation)
 
-    def _place(self, named: list[tuple[str, nn.Module]], partition: Sequence[int] | None) -> dict[int, StageState]:
+    def _place(
+        self, named: list[tuple[str, nn.Module]], partition: Sequence[int] | None
+    ) -> dict[int, StageState]:
         """Cut the layers into chunks and keep this rank's, registered under their original names."""
         bounds = _partition_bounds(len(named), self.schedule.num_stages, partition)
         stages = {}
@@ -131,7 +142,11 @@ class Pipeline:
             if self.schedule.splits_backward:
                 install_deferral(layers, store)
             stages[index] = StageState(
-                index, StageModule(layers), store, first=index == 0, last=index == self.schedule.num_stages - 1,
+                index,
+                StageModule(layers),
+                store,
+                first=index == 0,
+                last=index == self.schedule.num_stages - 1,
                 name=f"layers {chunk[0][0]}..{chunk[-1][0]}",
             )
         return stages
@@ -145,7 +160,7 @@ class Pipeline:
 
     @property
     def recorder(self) -> Any:
-        """An optional object timing every op (``op(op, start, end)``) and wait (``wait(key, start, end)``)."""
+        """An optional object timing every op (``op(op, start, end)``) and wait (``wait(key, ...)``)."""
         return self._executor.recorder
 
     @recorder.setter
@@ -197,7 +212,7 @@ class Pipeline:
 
         Keys of layers this rank does not hold are ignored, so the full model's checkpoint works.
         """
-        local = {name for name in self.module.state_dict()}
+        local = set(self.module.state_dict())
         return self.module.load_state_dict({k: v for k, v in state_dict.items() if k in local}, strict=strict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -260,7 +275,7 @@ class Pipeline:
 
     @property
     def optimizer_stats(self) -> OptimizerStats:
-        """Counters of this rank's settled optimizer steps (steps, clipped, skipped, rolled back, deferred)."""
+        """Counters of this rank's settled optimizer steps (steps, clipped, skipped, rolled back)."""
         return self._optimizer.stats
 
     def _init_optimization(self, post_validation: bool) -> None:
@@ -277,11 +292,16 @@ class Pipeline:
             last_ops = last_gradient_ops(program)
             chunks = chunk_parameters(self._executor.stages, last_ops)
             self._averager = GradientAverager(chunks, layout.dp_group, layout.data_parallel)
-            after = {position: functools.partial(self._averager.start, stage) for stage, position in last_ops.items()}
+            after = {
+                position: functools.partial(self._averager.start, stage)
+                for stage, position in last_ops.items()
+            }
         self._hooks = ({first_forward(program): self._optimizer.finish}, after)
         self._hooked_program: list | None = None
 
-    def _run_program(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]) -> list[torch.Tensor]:
+    def _run_program(
+        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]
+    ) -> list[torch.Tensor]:
         """Run the executor's program with the Pipeline's hooks; average gradients over the replicas."""
         executor = self._executor
         if executor.program is not self._hooked_program:  # first step, or compile() rebuilt it
@@ -306,17 +326,24 @@ class Pipeline:
 
 
 def _resolve_schedule(
-    schedule: str | Schedule, world: int, microbatches: int | None, chunks: int | None, costs: CostModel | None
+    schedule: str | Schedule,
+    world: int,
+    microbatches: int | None,
+    chunks: int | None,
+    costs: CostModel | None,
 ) -> tuple[Schedule, Any]:
     try:
         if isinstance(schedule, str):
-            built = build_schedule(schedule, world, microbatches or 8, costs=costs, chunks=chunks, validate=False)
+            built = build_schedule(
+                schedule, world, microbatches or 8, costs=costs, chunks=chunks, validate=False
+            )
         else:
             built = schedule
             if microbatches is not None and microbatches != built.microbatches:
                 raise PipelineError(
-                    f"the schedule object runs {built.microbatches} microbatches but microbatches={microbatches} "
-                    "was given; drop the argument or build the schedule for that count"
+                    f"the schedule object runs {built.microbatches} microbatches but "
+                    f"microbatches={microbatches} was given; drop the argument or build the schedule "
+                    "for that count"
                 )
         if built.num_ranks != world:
             raise PipelineError(
@@ -325,7 +352,9 @@ def _resolve_schedule(
             )
         return built, validate_schedule(built, costs)
     except ScheduleError as error:
-        raise PipelineError(f"schedule {getattr(schedule, 'name', schedule)!r} cannot run: {error}") from error
+        raise PipelineError(
+            f"schedule {getattr(schedule, 'name', schedule)!r} cannot run: {error}"
+        ) from error
 
 
 def _named_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -352,7 +381,9 @@ def _partition_bounds(count: int, stages: int, partition: Sequence[int] | None) 
     """Start index of every chunk, plus ``count`` at the end."""
     if partition is None:
         if count < stages:
-            raise PipelineError(f"{count} layers cannot fill {stages} pipeline chunks; give at least {stages}")
+            raise PipelineError(
+                f"{count} layers cannot fill {stages} pipeline chunks; give at least {stages}"
+            )
         return [0, *even_partition(count, stages), count]
     cuts = [int(c) for c in partition]
     bounds = [0, *cuts, count]
@@ -364,7 +395,9 @@ def _partition_bounds(count: int, stages: int, partition: Sequence[int] | None) 
     return bounds
 
 
-def _split(batch: Any, microbatches: int, what: str, device: torch.device) -> list[tuple[torch.Tensor, ...]] | None:
+def _split(
+    batch: Any, microbatches: int, what: str, device: torch.device
+) -> list[tuple[torch.Tensor, ...]] | None:
     if batch is None:
         return None
     tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)

@@ -30,9 +30,10 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,10 @@ class TraceRecorder:
             return host + anchor.elapsed_time(event) / 1e3
 
         return [
-            ([(convert(a), convert(b)) for a, b in ops], [(key, convert(a), convert(b)) for key, a, b in waits])
+            (
+                [(convert(a), convert(b)) for a, b in ops],
+                [(key, convert(a), convert(b)) for key, a, b in waits],
+            )
             for ops, waits in self.steps
         ]
 
@@ -127,10 +131,15 @@ class MeasuredTimeline(RecordedSpans):
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-ready dict (times in seconds)."""
         return {
-            "schedule": self.schedule.name, "stages": self.schedule.num_ranks,
-            "microbatches": self.schedule.microbatches, "chunks": self.schedule.chunks,
-            "makespan": self.makespan, "iteration_time": self.iteration_time, "ideal": self.ideal,
-            "bubble_rate": self.bubble_rate, "bubble_rate_makespan": self.bubble_rate_makespan,
+            "schedule": self.schedule.name,
+            "stages": self.schedule.num_ranks,
+            "microbatches": self.schedule.microbatches,
+            "chunks": self.schedule.chunks,
+            "makespan": self.makespan,
+            "iteration_time": self.iteration_time,
+            "ideal": self.ideal,
+            "bubble_rate": self.bubble_rate,
+            "bubble_rate_makespan": self.bubble_rate_makespan,
             "clock_error": list(self.clock_error),
         }
 
@@ -150,7 +159,9 @@ def build_timeline(
         ends.append(tuple(b for _, b in ops))
         issued.append(tuple(a for a, _ in ops))
         waits.append(tuple(rank_waits))
-    return MeasuredTimeline(schedule, tuple(starts), tuple(ends), tuple(issued), tuple(waits), tuple(clock_error))
+    return MeasuredTimeline(
+        schedule, tuple(starts), tuple(ends), tuple(issued), tuple(waits), tuple(clock_error)
+    )
 
 
 def _ready_times(ops: list[Interval], waits: list[tuple[Any, float, float]]) -> list[float]:
@@ -217,7 +228,8 @@ def gather_timelines(
     counts = {len(steps) for steps, _ in gathered}
     errors = [err for _, err in gathered]
     return [
-        build_timeline(schedule, [steps[index] for steps, _ in gathered], errors) for index in range(min(counts))
+        build_timeline(schedule, [steps[index] for steps, _ in gathered], errors)
+        for index in range(min(counts))
     ]
 
 
@@ -243,7 +255,8 @@ def measured_costs(timelines: Sequence[MeasuredTimeline], comm: float = 0.0) -> 
                 sums[kind][op.stage] += b - a
                 counts[kind][op.stage] += 1
     means = {
-        kind: [total / count if count else 0.0 for total, count in zip(sums[kind], counts[kind])] for kind in sums
+        kind: [total / count if count else 0.0 for total, count in zip(sums[kind], counts[kind])]
+        for kind in sums
     }
     return CostModel(f=means[Kind.F], b=means[Kind.B], w=means[Kind.W], comm=comm)
 
@@ -286,7 +299,8 @@ class TraceReport:
     def lines(self) -> list[str]:
         """A short human-readable report."""
         return [
-            f"measured iteration {self.measured_iteration_time * 1e3:.2f} ms, bubble {self.measured_bubble_rate:.1%} "
+            f"measured iteration {self.measured_iteration_time * 1e3:.2f} ms, "
+            f"bubble {self.measured_bubble_rate:.1%} "
             f"(median of {self.steps} recorded steps)",
             f"predicted iteration {self.predicted_iteration_time * 1e3:.2f} ms, "
             f"bubble {self.predicted_bubble_rate:.1%} (simulator, measured per-stage costs)",
@@ -322,15 +336,24 @@ def write_trace(pipe: Any, directory: str | Path, image: str = "timeline.png") -
         "trace.json": measured_chrome_trace(measured),
         "predicted.json": to_chrome_trace(predicted, time_unit_us=1e6),
         "summary.json": json.dumps(
-            {"measured": measured.summary(), "predicted": predicted.summary(),
-             "costs_seconds": measured_costs(timelines).to_dict()}, indent=2),
+            {
+                "measured": measured.summary(),
+                "predicted": predicted.summary(),
+                "costs_seconds": measured_costs(timelines).to_dict(),
+            },
+            indent=2,
+        ),
     }
     for name, text in files.items():
         (folder / name).write_text(text)
     render_comparison(measured, predicted, folder / image)
     return TraceReport(
-        measured.iteration_time, predicted.iteration_time, measured.bubble_rate, predicted.bubble_rate,
-        len(timelines), tuple(str(folder / name) for name in (*files, image)),
+        measured.iteration_time,
+        predicted.iteration_time,
+        measured.bubble_rate,
+        predicted.bubble_rate,
+        len(timelines),
+        tuple(str(folder / name) for name in (*files, image)),
     )
 
 
@@ -341,12 +364,21 @@ def measured_chrome_trace(timeline: MeasuredTimeline) -> str:
     for rank, waits in enumerate(timeline.waits):
         for key, a, b in waits:
             direction, boundary, microbatch = key
-            route = f"act {boundary}->{boundary + 1}" if direction == 0 else f"grad {boundary + 1}->{boundary}"
-            trace["traceEvents"].append({
-                "name": f"wait {route} mb {microbatch}",
-                "cat": "wait", "ph": "X", "ts": round((a - t0) * 1e6, 3), "dur": round((b - a) * 1e6, 3),
-                "pid": 0, "tid": rank, "args": {"key": list(key)},
-            })
+            route = (
+                f"act {boundary}->{boundary + 1}" if direction == 0 else f"grad {boundary + 1}->{boundary}"
+            )
+            trace["traceEvents"].append(
+                {
+                    "name": f"wait {route} mb {microbatch}",
+                    "cat": "wait",
+                    "ph": "X",
+                    "ts": round((a - t0) * 1e6, 3),
+                    "dur": round((b - a) * 1e6, 3),
+                    "pid": 0,
+                    "tid": rank,
+                    "args": {"key": list(key)},
+                }
+            )
     earliest = min((e["ts"] for e in trace["traceEvents"] if "ts" in e), default=0.0)
     if earliest < 0:  # a rank's first wait begins before the first op's inputs arrive
         for event in trace["traceEvents"]:
@@ -356,6 +388,15 @@ def measured_chrome_trace(timeline: MeasuredTimeline) -> str:
 
 
 __all__ = [
-    "MeasuredTimeline", "TraceRecorder", "TraceReport", "build_timeline", "clock_offset", "gather_timelines",
-    "measured_chrome_trace", "measured_costs", "median_timeline", "transfer_latencies", "write_trace",
+    "MeasuredTimeline",
+    "TraceRecorder",
+    "TraceReport",
+    "build_timeline",
+    "clock_offset",
+    "gather_timelines",
+    "measured_chrome_trace",
+    "measured_costs",
+    "median_timeline",
+    "transfer_latencies",
+    "write_trace",
 ]

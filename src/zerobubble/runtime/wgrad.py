@@ -18,7 +18,7 @@ The store belongs to one stage object (never a global), and its entries are keye
 from __future__ import annotations
 
 import types
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -93,7 +93,7 @@ class DeferredLinear(torch.autograd.Function):
     """``F.linear`` whose backward defers the weight gradient to the stage's store."""
 
     @staticmethod
-    def forward(ctx, inputs, weight, bias, linear, store):  # noqa: D102 - autograd protocol
+    def forward(ctx, inputs, weight, bias, linear, store):
         ctx.save_for_backward(inputs, weight)
         ctx.linear = linear
         ctx.store = store
@@ -101,14 +101,16 @@ class DeferredLinear(torch.autograd.Function):
         return torch.nn.functional.linear(inputs, weight, bias)
 
     @staticmethod
-    def backward(ctx, grad_output):  # noqa: D102 - autograd protocol
+    def backward(ctx, grad_output):
         inputs, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         if ctx.store.deferring:
             ctx.store.put(ctx.linear, inputs, grad_output)
             return grad_input, None, None, None, None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_weight = grad_2d.t().mm(inputs.reshape(-1, inputs.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_weight = (
+            grad_2d.t().mm(inputs.reshape(-1, inputs.shape[-1])) if ctx.needs_input_grad[1] else None
+        )
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias, None, None
 

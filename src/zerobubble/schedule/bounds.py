@@ -131,14 +131,20 @@ def _rank_span_bound(costs: StageCosts, m: int, chains: _Chains, rank: int) -> f
     limit = costs.memory_limit[rank] * (1 + _MEMORY_TOLERANCE) + _MEMORY_TOLERANCE
     work = costs.rank_work(rank, m)
     forward_work = m * sum(costs.f[s] for s in stages)
-    warm_idle = max(0.0, min(chains.round_trip[s] for s in stages) - _forward_capacity(costs, m, stages, limit))
+    warm_idle = max(
+        0.0, min(chains.round_trip[s] for s in stages) - _forward_capacity(costs, m, stages, limit)
+    )
     cool_idle = max(
         0.0,
-        min(chains.round_trip[s] - costs.f[s] - _backward_capacity(costs, m, stages, s, limit) for s in stages),
+        min(
+            chains.round_trip[s] - costs.f[s] - _backward_capacity(costs, m, stages, s, limit) for s in stages
+        ),
     )
     all_forwards_fit = m * sum(costs.mem_b[s] for s in stages) <= limit
     idle = max(warm_idle, cool_idle) if all_forwards_fit else warm_idle + cool_idle
-    last_microbatch = min(forward_work + chains.round_trip[s] - costs.f[s] + costs.b[s] + costs.w[s] for s in stages)
+    last_microbatch = min(
+        forward_work + chains.round_trip[s] - costs.f[s] + costs.b[s] + costs.w[s] for s in stages
+    )
     return max(work + idle, last_microbatch, _turnaround_bound(costs, m, chains, stages))
 
 

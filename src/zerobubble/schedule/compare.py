@@ -8,8 +8,9 @@ returns one :class:`ComparisonRow` each, best first.  A schedule that cannot be 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from .bounds import lower_bound
 from .builders import REGISTRY, build_schedule
@@ -84,9 +85,14 @@ def compare_schedules(
     schedule name to extra builder options (e.g. ``{"zb-ilp": {"time_limit": 10}}``).
     """
     if optimizer not in OPTIMIZER_MODES:
-        raise ScheduleError(f"unknown optimizer mode {optimizer!r}; choose one of {', '.join(OPTIMIZER_MODES)}")
+        raise ScheduleError(
+            f"unknown optimizer mode {optimizer!r}; choose one of {', '.join(OPTIMIZER_MODES)}"
+        )
     selected = list(names) if names is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
-    rows = [_row(name, stages, microbatches, costs, chunks, optimizer, step_time, (options or {}).get(name, {})) for name in selected]
+    rows = [
+        _row(name, stages, microbatches, costs, chunks, optimizer, step_time, (options or {}).get(name, {}))
+        for name in selected
+    ]
     reference = next((row.period for row in rows if row.schedule == "1f1b" and row.period), None)
     if reference is None and rows:
         reference = _reference_period(stages, microbatches, costs, optimizer, step_time)
@@ -98,7 +104,9 @@ def _row(name, stages, microbatches, costs, chunks, optimizer, step_time, option
     spec = REGISTRY.get(name)
     take_chunks = chunks if spec is not None and spec.chunks is None else None
     try:
-        schedule = build_schedule(name, stages, microbatches, costs, chunks=take_chunks, validate=False, **options)
+        schedule = build_schedule(
+            name, stages, microbatches, costs, chunks=take_chunks, validate=False, **options
+        )
         planned = spec.resolve_costs(costs, stages) if spec else costs
         timeline = validate_schedule(schedule, planned.with_memory_limit(None))
     except ScheduleError as error:
@@ -123,7 +131,9 @@ def _row(name, stages, microbatches, costs, chunks, optimizer, step_time, option
     )
 
 
-def _lower_bound(schedule, timeline: Timeline, stages: int, microbatches: int, costs: CostModel) -> float | None:
+def _lower_bound(
+    schedule, timeline: Timeline, stages: int, microbatches: int, costs: CostModel
+) -> float | None:
     """The best bound known on the iteration time of any schedule using no more memory per rank.
 
     Bounding at the schedule's own peak memory makes the gap say how far it is from the best
@@ -131,7 +141,9 @@ def _lower_bound(schedule, timeline: Timeline, stages: int, microbatches: int, c
     """
     proven = schedule.meta.get("lower_bound")
     own_memory = costs.with_memory_limit([max(peak, 1e-12) for peak in timeline.peak_memory])
-    analytic = lower_bound(stages, microbatches, own_memory, chunks=schedule.chunks, placement=schedule.placement)
+    analytic = lower_bound(
+        stages, microbatches, own_memory, chunks=schedule.chunks, placement=schedule.placement
+    )
     return max(analytic, proven) if proven is not None else analytic
 
 
@@ -139,7 +151,9 @@ def _reference_period(stages, microbatches, costs, optimizer, step_time) -> floa
     from .simulate import simulate
 
     try:
-        return iteration_period(simulate(build_schedule("1f1b", stages, microbatches, costs), costs), optimizer, step_time)
+        return iteration_period(
+            simulate(build_schedule("1f1b", stages, microbatches, costs), costs), optimizer, step_time
+        )
     except ScheduleError:
         return None
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Sequence, Union
+from typing import Any
 
 from .ir import Kind, Op, Placement, ScheduleError
 
-PerStage = Union[float, Sequence[float]]
+PerStage = float | Sequence[float]
 
 
 def _as_values(name: str, value: PerStage) -> tuple[float, ...] | float:
@@ -31,7 +32,9 @@ def _as_values(name: str, value: PerStage) -> tuple[float, ...] | float:
         try:
             items = tuple(float(v) for v in value)  # type: ignore[union-attr]
         except (TypeError, ValueError):
-            raise ScheduleError(f"cost {name!r} must be a number or a list of numbers, got {value!r}") from None
+            raise ScheduleError(
+                f"cost {name!r} must be a number or a list of numbers, got {value!r}"
+            ) from None
         if not items:
             raise ScheduleError(f"cost {name!r} is an empty list")
         values = items
@@ -69,17 +72,17 @@ class CostModel:
             if any(limit <= 0 for limit in limits):  # type: ignore[operator]
                 raise ScheduleError(f"memory limit must be positive, got {self.memory_limit}")
 
-    def replace(self, **changes: Any) -> "CostModel":
+    def replace(self, **changes: Any) -> CostModel:
         """A copy with some fields changed."""
         data = {item.name: getattr(self, item.name) for item in fields(self)}
         data.update(changes)
         return CostModel(**data)
 
-    def with_memory_limit(self, limit: PerStage | None) -> "CostModel":
+    def with_memory_limit(self, limit: PerStage | None) -> CostModel:
         """A copy with another memory limit."""
         return self.replace(memory_limit=limit)
 
-    def resolve(self, placement: Placement) -> "StageCosts":
+    def resolve(self, placement: Placement) -> StageCosts:
         """Per-virtual-stage costs for ``placement`` (see the module docstring for list lengths)."""
         p, S, v = placement.num_ranks, placement.num_stages, placement.chunks
 
@@ -105,7 +108,9 @@ class CostModel:
         elif len(limit) == p:
             limits = tuple(limit)
         else:
-            raise ScheduleError(f"memory limit has {len(limit)} values; give one number or {p} (one per rank)")
+            raise ScheduleError(
+                f"memory limit has {len(limit)} values; give one number or {p} (one per rank)"
+            )
         return StageCosts(
             placement=placement,
             f=per_stage("f", True),
@@ -126,7 +131,7 @@ class CostModel:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "CostModel":
+    def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
         """Inverse of :meth:`to_dict`."""
         known = {item.name for item in fields(cls)}
         unknown = set(data) - known
@@ -235,7 +240,12 @@ def transformer_costs(
     B = sbh(24h+8s), W = sbh·24h FLOPs; activation memory M_B = sb(34h+5as) and M_W = 32sbh (bytes
     in 16-bit precision).  Times are FLOPs divided by ``flops_per_time_unit``.
     """
-    for name, value in (("hidden", hidden), ("heads", heads), ("seq_len", seq_len), ("micro_batch", micro_batch)):
+    for name, value in (
+        ("hidden", hidden),
+        ("heads", heads),
+        ("seq_len", seq_len),
+        ("micro_batch", micro_batch),
+    ):
         if value < 1:
             raise ScheduleError(f"{name} must be ≥ 1, got {value}")
     if layers_per_stage <= 0 or flops_per_time_unit <= 0:

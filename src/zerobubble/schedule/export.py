@@ -90,11 +90,21 @@ def to_chrome_trace(timeline: Any, time_unit_us: float = 1.0, memory: bool = Tru
 
 def _trace_metadata(schedule: Schedule) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": f"pipeline: {schedule.name}"}}
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": 0,
+            "tid": 0,
+            "args": {"name": f"pipeline: {schedule.name}"},
+        }
     ]
     for rank in range(schedule.num_ranks):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
+        )
+        events.append(
+            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}}
+        )
     return events
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import enum
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 
 class ScheduleError(ValueError):
@@ -62,7 +63,7 @@ class Op:
         return f"Op({self})"
 
     @classmethod
-    def parse(cls, text: str) -> "Op":
+    def parse(cls, text: str) -> Op:
         """Read an op from its string form, e.g. ``"B3.7"``."""
         match = _OP_PATTERN.match(text)
         if match is None:
@@ -144,20 +145,20 @@ class Placement:
         )
 
     @classmethod
-    def loop(cls, num_ranks: int, chunks: int = 1) -> "Placement":
+    def loop(cls, num_ranks: int, chunks: int = 1) -> Placement:
         """Interleaved ("looping") placement: stage ``s`` on rank ``s % p``."""
         check_positive(num_ranks=num_ranks, chunks=chunks)
         return cls(tuple(s % num_ranks for s in range(num_ranks * chunks)), num_ranks, "loop")
 
     @classmethod
-    def vshape(cls, num_ranks: int) -> "Placement":
+    def vshape(cls, num_ranks: int) -> Placement:
         """V-shape: stage ``s < p`` on rank ``s``, stage ``s >= p`` on rank ``2p-1-s``."""
         check_positive(num_ranks=num_ranks)
         p = num_ranks
         return cls(tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p)), p, "vshape")
 
     @classmethod
-    def explicit(cls, stage_ranks: Sequence[int], num_ranks: int | None = None) -> "Placement":
+    def explicit(cls, stage_ranks: Sequence[int], num_ranks: int | None = None) -> Placement:
         """Any mapping, given as the rank of each virtual stage in model order."""
         ranks = tuple(int(r) for r in stage_ranks)
         return cls(ranks, num_ranks if num_ranks is not None else max(ranks) + 1, "explicit")
@@ -189,28 +190,40 @@ class Placement:
         return {"style": self.style, "num_ranks": self.num_ranks, "stage_ranks": list(self.stage_ranks)}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Placement":
+    def from_dict(cls, data: Mapping[str, Any]) -> Placement:
         """Inverse of :meth:`to_dict`."""
         return cls(tuple(data["stage_ranks"]), int(data["num_ranks"]), str(data.get("style", "explicit")))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Schedule:
     """A placement plus one ordered program of ops per rank.
 
     ``programs[r]`` is what rank ``r`` executes, in order.  ``meta`` carries builder details worth
     keeping (the memory limit it planned for, the variant a search chose); it must be JSON-ready.
+    Builders may pass any sequences of ops; the schedule keeps frozen tuples.
     """
 
     name: str
     placement: Placement
     microbatches: int
     programs: tuple[tuple[Op, ...], ...]
-    meta: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, Any]
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "programs", tuple(tuple(program) for program in self.programs))
-        object.__setattr__(self, "meta", dict(self.meta))
+    def __init__(
+        self,
+        name: str,
+        placement: Placement,
+        microbatches: int,
+        programs: Sequence[Sequence[Op]],
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        # A frozen dataclass with its own __init__: the constructor takes lists, the object holds tuples.
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "placement", placement)
+        object.__setattr__(self, "microbatches", microbatches)
+        object.__setattr__(self, "programs", tuple(tuple(program) for program in programs))
+        object.__setattr__(self, "meta", dict(meta or {}))
         if len(self.programs) != self.placement.num_ranks:
             raise ScheduleError(
                 f"schedule {self.name!r} has {len(self.programs)} programs for "
@@ -262,7 +275,7 @@ class Schedule:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Schedule":
+    def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
         """Inverse of :meth:`to_dict`."""
         try:
             return cls(
@@ -280,7 +293,7 @@ class Schedule:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "Schedule":
+    def from_json(cls, text: str) -> Schedule:
         """Read a schedule written by :meth:`to_json`."""
         try:
             data = json.loads(text)

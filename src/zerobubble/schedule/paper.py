@@ -58,13 +58,26 @@ def paper_setup(model: str, microbatches: int | None = None) -> PaperSetup:
     if chosen is not None or microbatches is None:
         return _setup(chosen or rows[0], exact=True)
     setup = _setup(rows[0], exact=False)
-    return PaperSetup(setup.model, setup.stages, microbatches, setup.costs, setup.interleaved_chunks, {}, False)
+    return PaperSetup(
+        setup.model, setup.stages, microbatches, setup.costs, setup.interleaved_chunks, {}, False
+    )
 
 
 def _setup(row: dict[str, Any], exact: bool) -> PaperSetup:
     costs = CostModel(
-        f=row["cost_f"], b=row["cost_b"], w=row["cost_w"], comm=row["cost_comm"], mem_b=row["mem_b"], mem_w=row["mem_w"]
+        f=row["cost_f"],
+        b=row["cost_b"],
+        w=row["cost_w"],
+        comm=row["cost_comm"],
+        mem_b=row["mem_b"],
+        mem_w=row["mem_w"],
     )
     return PaperSetup(
-        row["model"], row["stages"], row["microbatches"], costs, row["interleaved_chunks"], dict(row["bubble_rate"]), exact
+        row["model"],
+        row["stages"],
+        row["microbatches"],
+        costs,
+        row["interleaved_chunks"],
+        dict(row["bubble_rate"]),
+        exact,
     )

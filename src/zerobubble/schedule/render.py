@@ -18,16 +18,19 @@ and figures are drawn on a private Agg canvas without touching pyplot's global s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from .ir import Kind, Schedule, ScheduleError
 from .simulate import RecordedSpans
 
 #: Text letters per kind; chunks after a rank's first are written in lower case.
 _LETTERS = MappingProxyType({Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"})
-_KIND_NAMES = MappingProxyType({Kind.F: "forward", Kind.B: "input grad", Kind.W: "weight grad", Kind.BW: "fused B+W"})
+_KIND_NAMES = MappingProxyType(
+    {Kind.F: "forward", Kind.B: "input grad", Kind.W: "weight grad", Kind.BW: "fused B+W"}
+)
 _COLOURS = MappingProxyType({Kind.F: "#2f6fb5", Kind.B: "#1f9e89", Kind.W: "#e39b2d", Kind.BW: "#7b5ea7"})
 _IDLE_COLOUR = "#e9e9ec"
 _IMAGE_SUFFIXES = MappingProxyType({".svg": "svg", ".png": "png"})
@@ -61,13 +64,19 @@ def timeline_figures(timeline: Any) -> Figures:
     spans = timeline if hasattr(timeline, "iteration_time") else as_recorded(timeline)
     peaks = getattr(timeline, "peak_memory_mb", None)
     return Figures(
-        spans.iteration_time, spans.makespan, spans.bubble_rate, spans.bubble_rate_makespan, max(peaks) if peaks else None
+        spans.iteration_time,
+        spans.makespan,
+        spans.bubble_rate,
+        spans.bubble_rate_makespan,
+        max(peaks) if peaks else None,
     )
 
 
 def as_recorded(timeline: Any) -> RecordedSpans:
     """``timeline``'s op times with the figures a recorded run derives from them."""
-    return RecordedSpans(timeline.schedule, tuple(map(tuple, timeline.start)), tuple(map(tuple, timeline.end)))
+    return RecordedSpans(
+        timeline.schedule, tuple(map(tuple, timeline.start)), tuple(map(tuple, timeline.end))
+    )
 
 
 def caption(timeline: Any) -> str:
@@ -128,7 +137,9 @@ def render_text(timeline: Any, width: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _column_spans(starts: Sequence[float], ends: Sequence[float], t0: float, scale: float) -> list[tuple[int, int]]:
+def _column_spans(
+    starts: Sequence[float], ends: Sequence[float], t0: float, scale: float
+) -> list[tuple[int, int]]:
     return [(round((s - t0) * scale), round((e - t0) * scale)) for s, e in zip(starts, ends)]
 
 
@@ -315,7 +326,9 @@ def _draw_timeline(axes, timeline: Any, t0: float, extent: float) -> None:
     ranks, chunks = schedule.num_ranks, schedule.chunks
     extent = extent if extent > 0 else 1.0
     boxes, fills, cells = [], [], []
-    palette = {(kind, c): _shade(colour, c, chunks) for kind, colour in _COLOURS.items() for c in range(chunks)}
+    palette = {
+        (kind, c): _shade(colour, c, chunks) for kind, colour in _COLOURS.items() for c in range(chunks)
+    }
     chunk_of = [schedule.placement.chunk_index(s) for s in range(schedule.num_stages)]
     for rank, program in enumerate(schedule.programs):
         for op, start, end in zip(program, timeline.start[rank], timeline.end[rank]):
@@ -325,13 +338,18 @@ def _draw_timeline(axes, timeline: Any, t0: float, extent: float) -> None:
             cells.append((op.microbatch, fill))
     half = _ROW_FILL / 2
     own_end = _time_origin(timeline)[1] - t0
-    background = [[(0, r - half), (own_end, r - half), (own_end, r + half), (0, r + half)] for r in range(ranks)]
+    background = [
+        [(0, r - half), (own_end, r - half), (own_end, r + half), (0, r + half)] for r in range(ranks)
+    ]
     axes.add_collection(PolyCollection(background, facecolors=_IDLE_COLOUR, edgecolors="none", zorder=1))
     if boxes:
         spans = np.asarray(boxes, dtype=float)
         x0, x1, y = spans[:, 0], spans[:, 1], spans[:, 2]
         verts = np.stack(
-            [np.column_stack(corner) for corner in ((x0, y - half), (x1, y - half), (x1, y + half), (x0, y + half))],
+            [
+                np.column_stack(corner)
+                for corner in ((x0, y - half), (x1, y - half), (x1, y + half), (x0, y + half))
+            ],
             axis=1,
         )
         pixels_per_unit = _axes_width_px(axes) / extent
@@ -374,8 +392,15 @@ def _draw_labels(axes, spans, cells, pixels_per_unit: float, ranks: int) -> None
         microbatch, fill = cells[index]
         x0, x1, y = spans[index]
         axes.text(
-            (x0 + x1) / 2, y, str(microbatch), ha="center", va="center_baseline",
-            fontsize=font_pt, color=_text_colour(fill), zorder=3, clip_on=True,
+            (x0 + x1) / 2,
+            y,
+            str(microbatch),
+            ha="center",
+            va="center_baseline",
+            fontsize=font_pt,
+            color=_text_colour(fill),
+            zorder=3,
+            clip_on=True,
         )
 
 
@@ -403,10 +428,18 @@ def _add_legend(figure, schedule: Schedule) -> None:
         for chunk in range(chunks if chunks <= 4 else 1):
             label = _KIND_NAMES[kind] + (f" (chunk {chunk})" if chunks > 1 and chunks <= 4 else "")
             label = f"{kind.value}: {label}"
-            handles.append(Patch(facecolor=_shade(_COLOURS[kind], chunk, chunks), edgecolor="none", label=label))
+            handles.append(
+                Patch(facecolor=_shade(_COLOURS[kind], chunk, chunks), edgecolor="none", label=label)
+            )
     handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="none", label="idle"))
     height = figure.get_size_inches()[1]
     figure.legend(
-        handles=handles, loc="upper right", bbox_to_anchor=(1 - 0.1 / figure.get_size_inches()[0], 1 - 0.08 / height),
-        ncol=min(len(handles), 5), fontsize=7.5, frameon=False, handlelength=1.2, columnspacing=1.2,
+        handles=handles,
+        loc="upper right",
+        bbox_to_anchor=(1 - 0.1 / figure.get_size_inches()[0], 1 - 0.08 / height),
+        ncol=min(len(handles), 5),
+        fontsize=7.5,
+        frameon=False,
+        handlelength=1.2,
+        columnspacing=1.2,
     )

@@ -17,8 +17,9 @@ p = 32, m = 256 takes a few tens of milliseconds.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from .costs import CostModel, StageCosts
 from .ir import Kind, Op, Schedule, ScheduleError, dependencies
@@ -218,7 +219,9 @@ def _compile(schedule: Schedule, costs: StageCosts) -> list[list[tuple[float, tu
     return compiled
 
 
-def _run(schedule: Schedule, costs: StageCosts) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+def _run(
+    schedule: Schedule, costs: StageCosts
+) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
     compiled = _compile(schedule, costs)
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
     done = [-1.0] * (3 * S * m)
@@ -242,8 +245,7 @@ def _run(schedule: Schedule, costs: StageCosts) -> tuple[tuple[tuple[float, ...]
                     waiting.setdefault(key, []).append(rank)
                     blocked = True
                     break
-                if finished + delay > ready:
-                    ready = finished + delay
+                ready = max(ready, finished + delay)
             if blocked:
                 break
             now = ready + duration
@@ -277,9 +279,13 @@ def _deadlock(schedule: Schedule, position: list[int]) -> DeadlockError:
                 break
     for rank, (head, dep) in waits.items():
         if dep not in where:
-            return DeadlockError(f"rank {rank}: {head} waits for {dep}, which no rank's program contains", waits)
+            return DeadlockError(
+                f"rank {rank}: {head} waits for {dep}, which no rank's program contains", waits
+            )
     cycle = _find_cycle(waits, where)
-    text = " -> ".join(f"rank {r} at {waits[r][0]} waits for {waits[r][1]} (rank {where[waits[r][1]]})" for r in cycle)
+    text = " -> ".join(
+        f"rank {r} at {waits[r][0]} waits for {waits[r][1]} (rank {where[waits[r][1]]})" for r in cycle
+    )
     return DeadlockError(f"deadlock: {text}", waits)
 
 
@@ -289,7 +295,7 @@ def _find_cycle(waits: dict[int, tuple[Op, Op]], where: dict[Op, int]) -> list[i
     while rank not in seen and rank in waits:
         seen.append(rank)
         rank = where[waits[rank][1]]
-    return seen[seen.index(rank):] if rank in seen else seen
+    return seen[seen.index(rank) :] if rank in seen else seen
 
 
 def _memory(schedule: Schedule, costs: StageCosts) -> tuple[tuple[tuple[float, ...], ...], tuple[float, ...]]:

@@ -45,14 +45,20 @@ def _check_placement(schedule: Schedule) -> None:
     S, m = schedule.num_stages, schedule.microbatches
     for rank, op in schedule.ops():
         if not 0 <= op.stage < S:
-            raise ValidationError(f"rank {rank}: {op} names stage {op.stage}, but there are stages 0..{S - 1}", rank, op)
+            raise ValidationError(
+                f"rank {rank}: {op} names stage {op.stage}, but there are stages 0..{S - 1}", rank, op
+            )
         if not 0 <= op.microbatch < m:
             raise ValidationError(
-                f"rank {rank}: {op} names microbatch {op.microbatch}, but there are microbatches 0..{m - 1}", rank, op
+                f"rank {rank}: {op} names microbatch {op.microbatch}, but there are microbatches 0..{m - 1}",
+                rank,
+                op,
             )
         owner = schedule.placement.rank_of(op.stage)
         if owner != rank:
-            raise ValidationError(f"rank {rank}: {op} is of stage {op.stage}, which rank {owner} holds", rank, op)
+            raise ValidationError(
+                f"rank {rank}: {op} is of stage {op.stage}, which rank {owner} holds", rank, op
+            )
 
 
 def _check_complete(schedule: Schedule) -> None:
@@ -61,23 +67,33 @@ def _check_complete(schedule: Schedule) -> None:
     for op, count in counts.items():
         if count > 1:
             rank = location[op]
-            raise ValidationError(f"rank {rank}: {op} appears {count} times; every op runs exactly once", rank, op)
+            raise ValidationError(
+                f"rank {rank}: {op} appears {count} times; every op runs exactly once", rank, op
+            )
     rank_of = schedule.placement.rank_of
     for stage in range(schedule.num_stages):
         for j in range(schedule.microbatches):
             rank = rank_of(stage)
             fused, split_b, split_w = (Op(k, stage, j) in counts for k in (Kind.BW, Kind.B, Kind.W))
             if Op(Kind.F, stage, j) not in counts:
-                raise ValidationError(f"rank {rank}: {Op(Kind.F, stage, j)} is missing", rank, Op(Kind.F, stage, j))
+                raise ValidationError(
+                    f"rank {rank}: {Op(Kind.F, stage, j)} is missing", rank, Op(Kind.F, stage, j)
+                )
             if fused and (split_b or split_w):
                 raise ValidationError(
-                    f"rank {rank}: stage {stage} microbatch {j} has both a fused BW and a split B/W", rank, Op(Kind.BW, stage, j)
+                    f"rank {rank}: stage {stage} microbatch {j} has both a fused BW and a split B/W",
+                    rank,
+                    Op(Kind.BW, stage, j),
                 )
             if not fused and not (split_b and split_w):
                 missing = Op(Kind.W, stage, j) if split_b else Op(Kind.B, stage, j)
                 if not split_b and not split_w:
                     missing = Op(Kind.BW, stage, j)
-                raise ValidationError(f"rank {rank}: {missing} is missing (no backward for stage {stage} microbatch {j})", rank, missing)
+                raise ValidationError(
+                    f"rank {rank}: {missing} is missing (no backward for stage {stage} microbatch {j})",
+                    rank,
+                    missing,
+                )
 
 
 def _check_local_order(schedule: Schedule) -> None:
@@ -86,7 +102,11 @@ def _check_local_order(schedule: Schedule) -> None:
         position = {op: i for i, op in enumerate(program)}
         for i, op in enumerate(program):
             for role, stage, mb in dependencies(op, S):
-                for candidate in (Op(role, stage, mb), Op(Kind.BW, stage, mb)) if role is Kind.B else (Op(role, stage, mb),):
+                for candidate in (
+                    (Op(role, stage, mb), Op(Kind.BW, stage, mb))
+                    if role is Kind.B
+                    else (Op(role, stage, mb),)
+                ):
                     if position.get(candidate, -1) > i:
                         raise ValidationError(
                             f"rank {rank}: {op} (position {i}) comes before {candidate} "

@@ -9,9 +9,10 @@ memory-limit rule, imports the family's module on first use and validates the re
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ..costs import CostModel, parse_memory_limit
 from ..ir import Schedule, ScheduleError, check_positive
@@ -73,13 +74,33 @@ _SPECS = (
         default_chunks=2,
     ),
     BuilderSpec("zb-h1", "ZB-H1: 1F1B memory, W fills the cool-down bubbles", "zb_handcrafted", "build_h1"),
-    BuilderSpec("zb-h2", "ZB-H2: more warm-up forwards, W fills the rest; (2p-1)·M_B", "zb_handcrafted", "build_h2"),
+    BuilderSpec(
+        "zb-h2", "ZB-H2: more warm-up forwards, W fills the rest; (2p-1)·M_B", "zb_handcrafted", "build_h2"
+    ),
     BuilderSpec("zb-auto", "automatic zero-bubble scheduler under --memory-limit (paper §3.1)", "zb_auto"),
-    BuilderSpec("zb-1p", "zb-auto with memory limit p·M_B", "zb_auto", memory_limit="1p", fixed_memory_limit=True),
-    BuilderSpec("zb-2p", "zb-auto with memory limit 2p·M_B", "zb_auto", memory_limit="2p", fixed_memory_limit=True),
-    BuilderSpec("zb-v", "ZB-V: V-shape, 2 chunks per rank, searched under p·M_B", "zb_v", chunks=2, memory_limit="1p"),
-    BuilderSpec("v-half", "V-Half: V-shape with about half of 1F1B's activation memory", "v_memory", "build_half", chunks=2),
-    BuilderSpec("v-min", "V-Min: V-shape with about a third of 1F1B's activation memory", "v_memory", "build_min", chunks=2),
+    BuilderSpec(
+        "zb-1p", "zb-auto with memory limit p·M_B", "zb_auto", memory_limit="1p", fixed_memory_limit=True
+    ),
+    BuilderSpec(
+        "zb-2p", "zb-auto with memory limit 2p·M_B", "zb_auto", memory_limit="2p", fixed_memory_limit=True
+    ),
+    BuilderSpec(
+        "zb-v", "ZB-V: V-shape, 2 chunks per rank, searched under p·M_B", "zb_v", chunks=2, memory_limit="1p"
+    ),
+    BuilderSpec(
+        "v-half",
+        "V-Half: V-shape with about half of 1F1B's activation memory",
+        "v_memory",
+        "build_half",
+        chunks=2,
+    ),
+    BuilderSpec(
+        "v-min",
+        "V-Min: V-shape with about a third of 1F1B's activation memory",
+        "v_memory",
+        "build_min",
+        chunks=2,
+    ),
     BuilderSpec(
         "zb-ilp",
         "optimal schedule from the paper's integer program (HiGHS), warm-started by zb-auto",

@@ -99,7 +99,9 @@ def block_offsets(costs: StageCosts, interval: float, eager_w: int) -> dict[tupl
     for s in range(S - 1, -1, -1):
         end = place(("B", s), end + (hop(s) if s < S - 1 else 0.0), costs.b[s])
         rank = rank_of[s]
-        if eager_w == 1 or (eager_w == 2 and _free_start(busy[rank], end, costs.w[s], interval) <= end + _TOLERANCE):
+        if eager_w == 1 or (
+            eager_w == 2 and _free_start(busy[rank], end, costs.w[s], interval) <= end + _TOLERANCE
+        ):
             place(("W", s), end, costs.w[s])
     for s in range(S - 1, -1, -1):
         if ("W", s) not in offsets:

@@ -24,9 +24,9 @@ and the construction chosen (``meta["policy"]["planner"]``: ``"block"``, ``"gree
 
 from __future__ import annotations
 
-from ..costs import CostModel
 from dataclasses import asdict
 
+from ..costs import CostModel
 from ..ir import Placement, Schedule, ScheduleError
 from .v_blocks import best_block
 from .zb_v import VPolicy, search_v_schedule

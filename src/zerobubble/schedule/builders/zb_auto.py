@@ -75,7 +75,7 @@ class Variant:
     prioritize_b: bool
     fill_small_gaps: bool
 
-    def planner(self, costs: StageCosts, microbatches: int) -> "_Planner":
+    def planner(self, costs: StageCosts, microbatches: int) -> _Planner:
         """The round-based planner for these choices."""
         return _Planner(costs, microbatches, self)
 
@@ -139,8 +139,7 @@ class _Planner:
         start = max(self.clock[rank], ready)
         if self.kinds[rank]:
             self.idle[rank] += start - self.clock[rank]
-            if self.idle[rank] > self.max_idle:
-                self.max_idle = self.idle[rank]
+            self.max_idle = max(self.max_idle, self.idle[rank])
         else:
             self.first_start[rank] = start
         end = start + self.cost[kind][rank]
@@ -295,7 +294,7 @@ class ListVariant:
     backward_first: bool
     fill_small_gaps: bool
 
-    def planner(self, costs: StageCosts, microbatches: int) -> "_ListScheduler":
+    def planner(self, costs: StageCosts, microbatches: int) -> _ListScheduler:
         """The list scheduler for these choices."""
         return _ListScheduler(costs, microbatches, self)
 
@@ -383,7 +382,7 @@ class _ListScheduler:
         forward, backward = self._forward_arrival(rank), self._backward_arrival(rank)
         if forward is not None:
             known.append(forward)
-        elif 0 < rank and self.count["F"][rank] < self.m:
+        elif rank > 0 and self.count["F"][rank] < self.m:
             estimated.append(max(self.clock[rank - 1], now) + self.f[rank - 1] + self.comm[rank - 1])
         if backward is not None:
             known.append(backward)

@@ -271,7 +271,9 @@ class _OrderModel:
     pair.  Times are divided by the incumbent's iteration time.
     """
 
-    def __init__(self, costs: StageCosts, microbatches: int, upper: float, lower: float, strengthen: bool = True):
+    def __init__(
+        self, costs: StageCosts, microbatches: int, upper: float, lower: float, strengthen: bool = True
+    ):
         self.costs = costs
         self.m = microbatches
         self.p = costs.placement.num_ranks
@@ -280,7 +282,9 @@ class _OrderModel:
         self.strengthen = strengthen
         self.upper = 1.0 + 1e-9
         self.lower = min(lower / upper, 1.0)
-        self.duration = np.array([self._rank_vector(r, costs.f, costs.b, costs.w) for r in range(self.p)]) / upper
+        self.duration = (
+            np.array([self._rank_vector(r, costs.f, costs.b, costs.w) for r in range(self.p)]) / upper
+        )
         delta_b = [-(mb - mw) for mb, mw in zip(costs.mem_b, costs.mem_w)]
         delta_w = [-mw for mw in costs.mem_w]
         self.memory_unit = costs.memory_unit
@@ -321,7 +325,11 @@ class _OrderModel:
         limit = self.costs.memory_limit[rank] * (1 + _MEMORY_TOLERANCE) + _MEMORY_TOLERANCE
         result = []
         for i in range(self.m):
-            backwards = 0 if mem_b <= 0 or not math.isfinite(limit) else max(0, math.ceil(i + 1 - limit / mem_b - 1e-9))
+            backwards = (
+                0
+                if mem_b <= 0 or not math.isfinite(limit)
+                else max(0, math.ceil(i + 1 - limit / mem_b - 1e-9))
+            )
             weights = 0
             if mem_w > 0 and math.isfinite(limit):
                 weights = max(0, math.ceil((mem_b + i * mem_w - limit) / mem_w - 1e-9))
@@ -404,7 +412,7 @@ class _OrderModel:
         free = ~(order | order.T)
         return [(int(u), int(v)) for u, v in zip(*np.nonzero(np.triu(free, 1)))]
 
-    def formulate(self) -> "_Program":
+    def formulate(self) -> _Program:
         """The program as arrays for :func:`scipy.optimize.milp`."""
         rows = _Rows()
         pair_index = self._pair_variables()
@@ -422,7 +430,9 @@ class _OrderModel:
         lower = np.concatenate([(self.earliest + self.duration).ravel(), [self.lower], np.zeros(binaries)])
         upper = np.concatenate([self.latest.ravel(), [self.upper], np.ones(binaries)])
         integrality = np.concatenate([np.zeros(self.p * self.n + 1), np.ones(binaries)])
-        return _Program(objective, integrality, Bounds(lower, np.maximum(lower, upper)), rows.constraint(size), pair_index)
+        return _Program(
+            objective, integrality, Bounds(lower, np.maximum(lower, upper)), rows.constraint(size), pair_index
+        )
 
     def encode(self, programs: list[list[Op]], ends: list[list[float]], iteration_time: float) -> np.ndarray:
         """A known schedule as a point of the program (to check that the program admits it)."""
@@ -486,7 +496,7 @@ class _OrderModel:
             return pair_index[(rank, b, a)], -1.0, 1.0
         return None
 
-    def _dependency_rows(self, rows: "_Rows") -> None:
+    def _dependency_rows(self, rows: _Rows) -> None:
         d = self.duration
         for ru, ku, rv, kv, delay in self._cross_rank():
             rows.add({self._variable(rv, kv): 1.0, self._variable(ru, ku): -1.0}, d[rv, kv] + delay, math.inf)
@@ -494,7 +504,7 @@ class _OrderModel:
             for u, v in _covering_pairs(self.precedes[r]):
                 rows.add({self._variable(r, v): 1.0, self._variable(r, u): -1.0}, d[r, v], math.inf)
 
-    def _disjunction_rows(self, rows: "_Rows", pair_index) -> None:
+    def _disjunction_rows(self, rows: _Rows, pair_index) -> None:
         d, early, late = self.duration, self.earliest, self.latest
         for (r, u, v), x in pair_index.items():
             eu, ev = self._variable(r, u), self._variable(r, v)
@@ -504,7 +514,7 @@ class _OrderModel:
             big_vu = max(0.0, late[r, v] - early[r, u])
             rows.add({eu: 1.0, ev: -1.0, x: big_vu}, d[r, u], math.inf)
 
-    def _monotone_rows(self, rows: "_Rows", pair_index) -> None:
+    def _monotone_rows(self, rows: _Rows, pair_index) -> None:
         m = self.m
         for r, u, v in list(pair_index):
             for first, second in ((u, v), (v, u)):
@@ -518,7 +528,7 @@ class _OrderModel:
                         coefficients[var] = coefficients.get(var, 0.0) + coef
                     rows.add(coefficients, -math.inf, implied[2] - given[2])
 
-    def _memory_rows(self, rows: "_Rows", pair_index) -> None:
+    def _memory_rows(self, rows: _Rows, pair_index) -> None:
         for r in range(self.p):
             limit = self.costs.memory_limit[r] * (1 + _MEMORY_TOLERANCE) + _MEMORY_TOLERANCE
             if not math.isfinite(limit):
@@ -538,7 +548,7 @@ class _OrderModel:
                 if level + positive > limit:
                     rows.add(coefficients, -math.inf, limit - level)
 
-    def _work_rows(self, rows: "_Rows", pair_index) -> None:
+    def _work_rows(self, rows: _Rows, pair_index) -> None:
         """Each op starts after all work ordered before it and ends before all work after it.
 
         ``E[v] ≥ first + Σ_{u before v} T(u) + T(v)`` and ``E[v] + Σ_{u after v} T(u) ≤ first + T``
@@ -565,7 +575,7 @@ class _OrderModel:
                 rows.add(start, self.first_start[r] + start_constant, math.inf)
                 rows.add(finish, -math.inf, self.first_start[r] - finish_constant)
 
-    def _objective_rows(self, rows: "_Rows") -> None:
+    def _objective_rows(self, rows: _Rows) -> None:
         t = self.p * self.n
         for r in range(self.p):
             order = self.precedes[r]

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ..costs import CostModel, StageCosts
 from ..ir import B, F, Op, Placement, Schedule, ScheduleError, W
@@ -84,7 +85,9 @@ class VPolicy:
         if sorted(self.order) != sorted((_F0, _F1, _B0, _B1)):
             raise ScheduleError(f"a V policy order must list F0, F1, B0 and B1 once each; got {self.order}")
         if self.reserve < 1:
-            raise ScheduleError(f"a V policy must reserve room for at least one chunk-1 forward, got {self.reserve}")
+            raise ScheduleError(
+                f"a V policy must reserve room for at least one chunk-1 forward, got {self.reserve}"
+            )
 
 
 _BACKWARD_FIRST = (_B1, _B0, _F1, _F0)
@@ -156,8 +159,12 @@ class _VGreedy:
         self.injection_interval = costs.rank_work(0, 1) * policy.pace if policy.pace else 0.0
         self.tables = [self._rank_table(rank) for rank in range(p)]
         base = tuple(_CLASSES.index(name) for name in policy.order)
-        forwards_first = tuple(k for k in base if _IS_FORWARD[k]) + tuple(k for k in base if not _IS_FORWARD[k])
-        backwards_first = tuple(k for k in base if not _IS_FORWARD[k]) + tuple(k for k in base if _IS_FORWARD[k])
+        forwards_first = tuple(k for k in base if _IS_FORWARD[k]) + tuple(
+            k for k in base if not _IS_FORWARD[k]
+        )
+        backwards_first = tuple(k for k in base if not _IS_FORWARD[k]) + tuple(
+            k for k in base if _IS_FORWARD[k]
+        )
         # Preference order indexed by last_kind + 1: none yet, after a forward, after a backward.
         self.orders = (base, backwards_first, forwards_first) if policy.alternate else (base, base, base)
 
@@ -188,7 +195,10 @@ class _VGreedy:
             if _IS_FORWARD[k]:
                 dep, dep_duration = stage - 1, (costs.f[stage - 1] if stage > 0 else 0.0)
             else:
-                dep, dep_duration = (stage + 1 if stage + 1 < S else -1), (costs.b[stage + 1] if stage + 1 < S else 0.0)
+                dep, dep_duration = (
+                    (stage + 1 if stage + 1 < S else -1),
+                    (costs.b[stage + 1] if stage + 1 < S else 0.0),
+                )
             crosses = dep >= 0 and rank_of[dep] != rank
             hop = costs.comm[min(stage, dep)] if crosses else 0.0
             table.append((stage, dep, hop, rank_of[dep] if dep >= 0 else rank, dep_duration))
@@ -249,7 +259,10 @@ class _VGreedy:
         now = self.clock[rank]
         options = self._options(rank)
         order = self.orders[self.last_kind[rank] + 1]
-        allowed = [o is not None and (not _IS_FORWARD[k] or self._forward_fits(rank, k)) for k, o in enumerate(options)]
+        allowed = [
+            o is not None and (not _IS_FORWARD[k] or self._forward_fits(rank, k))
+            for k, o in enumerate(options)
+        ]
         memory_blocked = any(o is not None and not allowed[k] for k, o in enumerate(options))
         best_start, best_class = math.inf, -1
         earliest_unknown = math.inf
@@ -277,7 +290,9 @@ class _VGreedy:
             heapq.heappush(self.heap, (best_start, priority, rank, self.version[rank], best_class))
             self.plan[rank] = (best_start, best_class)
 
-    def _guarded(self, rank: int, options, allowed, order, best_start: float, best_class: int) -> tuple[float, int]:
+    def _guarded(
+        self, rank: int, options, allowed, order, best_start: float, best_class: int
+    ) -> tuple[float, int]:
         """Wait for a preferred op due (known or forecast) before ``best_class`` would end, if any."""
         finish = best_start + self._duration(rank, best_class)
         for k in order[: order.index(best_class)]:
@@ -300,7 +315,7 @@ class _VGreedy:
         return self.costs.f[stage] if _IS_FORWARD[k] else self.costs.b[stage]
 
     def _commit(self, rank: int, k: int, start: float) -> tuple[int, ...]:
-        """Place class ``k`` (-1: the oldest pending W) on ``rank`` at ``start``; return the ranks to re-plan."""
+        """Place class ``k`` (-1: oldest pending W) on ``rank`` at ``start``; return the ranks to re-plan."""
         costs = self.costs
         if k < 0:
             head = self.pending_head[rank]
@@ -316,16 +331,13 @@ class _VGreedy:
         end = start + duration
         self.remaining_work[rank] -= duration
         self.clock[rank] = end
-        if start < self.first_start[rank]:
-            self.first_start[rank] = start
+        self.first_start[rank] = min(self.first_start[rank], start)
         self.memory[rank] += costs.memory_delta(op)
-        if self.memory[rank] > self.peak[rank]:
-            self.peak[rank] = self.memory[rank]
+        self.peak[rank] = max(self.peak[rank], self.memory[rank])
         self.programs[rank].append(op)
         if k < 0:
             return (rank,)
-        if start > self.global_time:
-            self.global_time = start
+        self.global_time = max(self.global_time, start)
         rank_of = costs.placement.stage_ranks
         if _IS_FORWARD[k]:
             self.last_kind[rank] = 0
@@ -614,7 +626,9 @@ def check_memory_feasible(costs: StageCosts) -> None:
 
 def _better(key: tuple[float, float], best: tuple[float, float]) -> bool:
     """Shorter iteration time wins; on a tie, lower peak memory."""
-    return key[0] < best[0] * (1 - _TOLERANCE) or (key[0] <= best[0] * (1 + _TOLERANCE) and key[1] < best[1] * (1 - _TOLERANCE))
+    return key[0] < best[0] * (1 - _TOLERANCE) or (
+        key[0] <= best[0] * (1 + _TOLERANCE) and key[1] < best[1] * (1 - _TOLERANCE)
+    )
 
 
 def search_v_schedule(
