@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -169,7 +170,7 @@ def _train_rank(config: TrainConfig) -> TrainSummary:
             pipe.optimizer_step(optimizer, config.max_norm)
             optimizer.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - started)
-            if reports_loss:
+            if reports_loss and loss is not None:  # the last stage's rank reports
                 losses.append(float(loss))
                 advance(losses[-1], config.batch_size * config.seq_len / times[-1])
     pipe.synchronize()
@@ -232,7 +233,7 @@ class _progress:
 
     def __init__(self, enabled: bool, steps: int):
         self.enabled, self.steps = enabled, steps
-        self._bar = None
+        self._bar: Any = None
 
     def __enter__(self):
         if self.enabled:

@@ -262,6 +262,9 @@ def chunk_parameters(stages: Mapping[int, Any], last_ops: Mapping[int, int]) -> 
     seen: set[int] = set()
     chunks: dict[int, list[nn.Parameter]] = {}
     for stage in sorted(last_ops, key=last_ops.__getitem__, reverse=True):
-        params = [p for layer in stages[stage].module.layers for p in layer.parameters()]
-        chunks[stage] = [p for p in params if id(p) not in seen and not seen.add(id(p))]
+        chunks[stage] = []
+        for param in stages[stage].module.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                chunks[stage].append(param)
     return chunks

@@ -624,7 +624,8 @@ class PostValidator:
 
     @property
     def _reduce_op(self) -> dist.ReduceOp:
-        return dist.ReduceOp.MAX if math.isinf(self.norm_type) else dist.ReduceOp.SUM
+        # torch's stubs type the members as RedOpType while the collectives take ReduceOp
+        return dist.ReduceOp.MAX if math.isinf(self.norm_type) else dist.ReduceOp.SUM  # type: ignore[return-value]
 
     @torch.no_grad()
     def _local_state(self) -> torch.Tensor:
@@ -643,7 +644,10 @@ class PostValidator:
         if self.prev_rank is None:
             return local
         received = torch.empty_like(local)
-        dist.irecv(received, self.prev_rank, group=self.group, tag=self.tag).wait()
+        work = dist.irecv(received, self.prev_rank, group=self.group, tag=self.tag)
+        if work is None:  # torch returns None when this rank is not in the group
+            raise PipelineError(f"rank {self.prev_rank} is not in this pipeline's process group")
+        work.wait()
         if math.isinf(self.norm_type):
             return torch.maximum(received, local)
         return received + local

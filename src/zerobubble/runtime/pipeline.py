@@ -40,13 +40,14 @@ from .optim import OptimizerStats, PipelineOptimizer, validation_chain
 from .wgrad import WeightGradStore, install_deferral
 
 
-class StageModule:
+class StageModule(nn.Module):
     """A contiguous run of layers; a layer returning a tuple passes it unpacked to the next one."""
 
     def __init__(self, layers: Sequence[nn.Module]):
-        self.layers = list(layers)
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
 
-    def __call__(self, *inputs: torch.Tensor) -> Any:
+    def forward(self, *inputs: torch.Tensor) -> Any:
         values: Any = inputs
         for layer in self.layers:
             values = layer(*values) if isinstance(values, tuple) else layer(values)
