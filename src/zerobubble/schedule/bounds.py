@@ -5,7 +5,7 @@ its builder: fused or split backward, any order.  They are cheap (O(S²) arithme
 can rank candidates by their distance to the bound, and the integer program of
 :mod:`~zerobubble.schedule.builders.zb_ilp` uses them as a cut and as its proven bound's floor.
 
-Iteration time (max over ranks of its last end minus its first start, DESIGN.md §4).  Let rank
+Iteration time (max over ranks of its last end minus its first start, docs/concepts.md).  Let rank
 ``r`` start at ``t0`` and hold ``work_r`` of compute.  These facts bound its span:
 
 * **Warm-up.**  The first backward op on ``r`` (of some stage ``s``) cannot start before the

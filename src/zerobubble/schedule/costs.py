@@ -1,6 +1,6 @@
 """Cost model: how long each op takes and how much activation memory it holds.
 
-Costs are given **per rank-stage** (everything one rank holds in a non-chunked split, DESIGN.md §4):
+Costs are given **per rank-stage** (everything one rank holds in a non-chunked split, docs/concepts.md):
 ``f, b, w`` are the times of F, B and W, ``comm`` the transfer time between neighbouring stages,
 ``mem_b`` the activation memory a forward allocates and ``mem_w`` the part of it that B keeps alive
 until W.  A chunked schedule gives each of its ``v`` chunks ``1/v`` of the times and memory; the
@@ -25,12 +25,13 @@ PerStage = float | Sequence[float]
 
 
 def _as_values(name: str, value: PerStage) -> tuple[float, ...] | float:
+    items: tuple[float, ...]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         values: tuple[float, ...] | float = float(value)
         items = (float(value),)
     else:
         try:
-            items = tuple(float(v) for v in value)  # type: ignore[union-attr]
+            items = tuple(float(v) for v in value)  # type: ignore[union-attr]  # a bool lands in the except
         except (TypeError, ValueError):
             raise ScheduleError(
                 f"cost {name!r} must be a number or a list of numbers, got {value!r}"
@@ -69,7 +70,7 @@ class CostModel:
             object.__setattr__(self, item.name, _as_values(item.name, value))
         if self.memory_limit is not None:
             limits = self.memory_limit if isinstance(self.memory_limit, tuple) else (self.memory_limit,)
-            if any(limit <= 0 for limit in limits):  # type: ignore[operator]
+            if any(limit <= 0 for limit in limits):
                 raise ScheduleError(f"memory limit must be positive, got {self.memory_limit}")
 
     def replace(self, **changes: Any) -> CostModel:

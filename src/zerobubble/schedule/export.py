@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
@@ -108,7 +109,7 @@ def _trace_metadata(schedule: Schedule) -> list[dict[str, Any]]:
     return events
 
 
-def _memory_counters(timeline: Any, stamp) -> list[dict[str, Any]]:
+def _memory_counters(timeline: Any, stamp: Callable[[float], float]) -> list[dict[str, Any]]:
     """Per rank, the memory level as a counter: a rise shows at the op's start, a fall at its end."""
     costs = getattr(timeline, "costs", None)
     unit = costs.memory_unit if isinstance(costs, StageCosts) else 1.0

@@ -21,10 +21,15 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from .ir import Kind, Schedule, ScheduleError
+from .ir import Kind, Op, Schedule, ScheduleError
 from .simulate import RecordedSpans
+
+if TYPE_CHECKING:  # matplotlib and numpy load only when a picture is drawn
+    import numpy as np
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 #: Text letters per kind; chunks after a rank's first are written in lower case.
 _LETTERS = MappingProxyType({Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"})
@@ -154,7 +159,13 @@ def _numbers_fit(schedule: Schedule, timeline: Any, spans: list[list[tuple[int, 
     )
 
 
-def _text_row(schedule: Schedule, program, spans, columns: int, numbered: bool) -> str:
+def _text_row(
+    schedule: Schedule,
+    program: Sequence[Op],
+    spans: Sequence[tuple[int, int]],
+    columns: int,
+    numbered: bool,
+) -> str:
     cells = ["."] * columns
     placement = schedule.placement
     for op, (c0, c1) in zip(program, spans):
@@ -257,7 +268,7 @@ def _panel_height(ranks: int) -> float:
     return max(1.2, _ROW_IN * ranks + 0.2)
 
 
-def _new_figure(ranks: int, panels: int):
+def _new_figure(ranks: int, panels: int) -> Figure:
     """A figure on its own Agg canvas (no pyplot, no global figure registry)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -268,28 +279,28 @@ def _new_figure(ranks: int, panels: int):
     return figure
 
 
-def _axes_box(figure, ranks: int, index: int) -> list[float]:
+def _axes_box(figure: Figure, ranks: int, index: int) -> tuple[float, float, float, float]:
     """[left, bottom, width, height] in figure fractions of panel ``index`` (0 = top)."""
     width_in, height_in = figure.get_size_inches()
     panel = _panel_height(ranks)
     top_in = height_in - _TOP_IN - index * (panel + _GAP_IN)
-    return [
+    return (
         _LEFT_IN / width_in,
         (top_in - panel) / height_in,
         1 - (_LEFT_IN + _RIGHT_IN) / width_in,
         panel / height_in,
-    ]
+    )
 
 
-def _title_y(figure) -> float:
+def _title_y(figure: Figure) -> float:
     return 1 - 0.12 / figure.get_size_inches()[1]
 
 
-def _caption_y(figure) -> float:
+def _caption_y(figure: Figure) -> float:
     return 0.08 / figure.get_size_inches()[1]
 
 
-def _save(figure, path: str | Path, fmt: str) -> None:
+def _save(figure: Figure, path: str | Path, fmt: str) -> None:
     from matplotlib import rc_context
 
     # Text stays text in SVG (small, searchable files) instead of one path per glyph.
@@ -317,7 +328,7 @@ def _text_colour(fill: tuple[float, float, float]) -> str:
     return "black" if luminance > 0.6 else "white"
 
 
-def _draw_timeline(axes, timeline: Any, t0: float, extent: float) -> None:
+def _draw_timeline(axes: Axes, timeline: Any, t0: float, extent: float) -> None:
     """Draw one timeline's rows on ``axes``, times shifted by ``-t0``, x axis ``[0, extent]``."""
     import numpy as np
     from matplotlib.collections import PolyCollection
@@ -355,26 +366,43 @@ def _draw_timeline(axes, timeline: Any, t0: float, extent: float) -> None:
         pixels_per_unit = _axes_width_px(axes) / extent
         median_px = float(np.median(x1 - x0)) * pixels_per_unit
         edge_width = 0.6 if median_px >= 6 else 0.0
-        axes.add_collection(
-            PolyCollection(verts, facecolors=fills, edgecolors="white", linewidths=edge_width, zorder=2)
+        # verts is an (N, 4, 2) array of corners, which matplotlib takes; its stubs admit only sequences
+        boxes_collection = PolyCollection(
+            verts,  # type: ignore[arg-type]
+            facecolors=fills,
+            edgecolors="white",
+            linewidths=edge_width,
+            zorder=2,
         )
+        axes.add_collection(boxes_collection)
         _draw_labels(axes, spans, cells, pixels_per_unit, ranks)
     axes.set_xlim(0, extent)
     axes.set_ylim(ranks - 0.5, -0.5)
     _style_axes(axes, ranks)
 
 
-def _axes_width_px(axes) -> float:
-    return axes.get_position().width * axes.figure.get_size_inches()[0] * _DPI
+def _figure_of(axes: Axes) -> Figure:
+    # our axes always sit on a top-level Figure (never a SubFigure), see _new_figure
+    return cast("Figure", axes.figure)
 
 
-def _draw_labels(axes, spans, cells, pixels_per_unit: float, ranks: int) -> None:
+def _axes_width_px(axes: Axes) -> float:
+    return axes.get_position().width * _figure_of(axes).get_size_inches()[0] * _DPI
+
+
+def _draw_labels(
+    axes: Axes,
+    spans: np.ndarray,
+    cells: Sequence[tuple[int, tuple[float, float, float]]],
+    pixels_per_unit: float,
+    ranks: int,
+) -> None:
     """Microbatch numbers inside the cells wide enough for them.
 
     All or nothing, roughly: when most cells are too narrow a few scattered numbers only add noise,
     and beyond ``_MAX_LABELS`` texts the figure gets slow and unreadable, so none are drawn.
     """
-    row_px = axes.get_position().height * axes.figure.get_size_inches()[1] * _DPI / ranks
+    row_px = axes.get_position().height * _figure_of(axes).get_size_inches()[1] * _DPI / ranks
     font_pt = min(7.5, row_px * _ROW_FILL * 72 / _DPI * 0.75)
     if font_pt < 4:
         return
@@ -404,7 +432,7 @@ def _draw_labels(axes, spans, cells, pixels_per_unit: float, ranks: int) -> None
         )
 
 
-def _style_axes(axes, ranks: int) -> None:
+def _style_axes(axes: Axes, ranks: int) -> None:
     from matplotlib.ticker import FixedLocator, MaxNLocator
 
     step = max(1, math.ceil(ranks / 32))
@@ -419,7 +447,7 @@ def _style_axes(axes, ranks: int) -> None:
     axes.set_facecolor("white")
 
 
-def _add_legend(figure, schedule: Schedule) -> None:
+def _add_legend(figure: Figure, schedule: Schedule) -> None:
     from matplotlib.patches import Patch
 
     chunks = schedule.chunks

@@ -2,7 +2,7 @@
 
 Each rank runs its program in order; an op starts as soon as its rank is free and its inputs have
 arrived (a dependency between ops on different ranks costs that hop's transfer time).  The numbers a
-:class:`Timeline` reports are defined in DESIGN.md §4:
+:class:`Timeline` reports are defined in docs/concepts.md:
 
 * ``makespan`` — first op's start to last op's end (an iteration ending in a synchronous step);
 * ``iteration_time`` — max over ranks of (its last end − its first start): the period of a pipeline

@@ -85,7 +85,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -97,6 +99,9 @@ from ..ir import B, F, Kind, Op, Placement, Schedule, ScheduleError, W, check_po
 from ..simulate import Timeline
 from ..validate import validate_schedule
 from . import build_schedule
+
+#: The 0/1 variable of "op u before op v" on a rank, keyed by ``(rank, u, v)``.
+PairIndex = dict[tuple[int, int, int], int]
 
 _INCUMBENT_BUILDERS = ("zb-auto", "zb-h1", "zb-h2", "1f1b")
 _RELATIVE_GAP = 1e-6
@@ -296,7 +301,9 @@ class _OrderModel:
         self.latest = np.zeros((self.p, self.n))
         self.feasible = self._fix_by_windows() if strengthen else self._check_windows()
 
-    def _rank_vector(self, rank: int, f, b, w) -> np.ndarray:
+    def _rank_vector(
+        self, rank: int, f: Sequence[float], b: Sequence[float], w: Sequence[float]
+    ) -> np.ndarray:
         return np.repeat([f[rank], b[rank], w[rank]], self.m).astype(float)
 
     def _first_starts(self) -> np.ndarray:
@@ -482,13 +489,13 @@ class _OrderModel:
 
     def _pair_variables(self) -> dict[tuple[int, int, int], int]:
         base = self.p * self.n + 1
-        index = {}
+        index: dict[tuple[int, int, int], int] = {}
         for r in range(self.p):
             for u, v in self.pairs(r):
                 index[(r, u, v)] = base + len(index)
         return index
 
-    def _before(self, pair_index, rank: int, a: int, b: int):
+    def _before(self, pair_index: PairIndex, rank: int, a: int, b: int) -> tuple[int, float, float] | None:
         """``[a before b]`` as ``(variable, coefficient, constant)``, or None when decided."""
         if a < b and (rank, a, b) in pair_index:
             return pair_index[(rank, a, b)], 1.0, 0.0
@@ -504,7 +511,7 @@ class _OrderModel:
             for u, v in _covering_pairs(self.precedes[r]):
                 rows.add({self._variable(r, v): 1.0, self._variable(r, u): -1.0}, d[r, v], math.inf)
 
-    def _disjunction_rows(self, rows: _Rows, pair_index) -> None:
+    def _disjunction_rows(self, rows: _Rows, pair_index: PairIndex) -> None:
         d, early, late = self.duration, self.earliest, self.latest
         for (r, u, v), x in pair_index.items():
             eu, ev = self._variable(r, u), self._variable(r, v)
@@ -514,7 +521,7 @@ class _OrderModel:
             big_vu = max(0.0, late[r, v] - early[r, u])
             rows.add({eu: 1.0, ev: -1.0, x: big_vu}, d[r, u], math.inf)
 
-    def _monotone_rows(self, rows: _Rows, pair_index) -> None:
+    def _monotone_rows(self, rows: _Rows, pair_index: PairIndex) -> None:
         m = self.m
         for r, u, v in list(pair_index):
             for first, second in ((u, v), (v, u)):
@@ -528,7 +535,7 @@ class _OrderModel:
                         coefficients[var] = coefficients.get(var, 0.0) + coef
                     rows.add(coefficients, -math.inf, implied[2] - given[2])
 
-    def _memory_rows(self, rows: _Rows, pair_index) -> None:
+    def _memory_rows(self, rows: _Rows, pair_index: PairIndex) -> None:
         for r in range(self.p):
             limit = self.costs.memory_limit[r] * (1 + _MEMORY_TOLERANCE) + _MEMORY_TOLERANCE
             if not math.isfinite(limit):
@@ -548,7 +555,7 @@ class _OrderModel:
                 if level + positive > limit:
                     rows.add(coefficients, -math.inf, limit - level)
 
-    def _work_rows(self, rows: _Rows, pair_index) -> None:
+    def _work_rows(self, rows: _Rows, pair_index: PairIndex) -> None:
         """Each op starts after all work ordered before it and ends before all work after it.
 
         ``E[v] ≥ first + Σ_{u before v} T(u) + T(v)`` and ``E[v] + Σ_{u after v} T(u) ≤ first + T``
@@ -582,7 +589,7 @@ class _OrderModel:
             for k in np.nonzero(~order.any(axis=1))[0]:
                 rows.add({t: 1.0, self._variable(r, int(k)): -1.0}, -self.first_start[r], math.inf)
 
-    def _programs(self, x: np.ndarray, pair_index) -> list[list[Op]]:
+    def _programs(self, x: np.ndarray, pair_index: PairIndex) -> list[list[Op]]:
         """Each rank's order: ops ranked by how many ops precede them, ties by end time."""
         position = np.array([order.sum(axis=0) for order in self.precedes], dtype=float)
         for (rank, u, v), var in pair_index.items():
@@ -607,9 +614,9 @@ class _Program:
     integrality: np.ndarray
     bounds: Bounds
     constraints: LinearConstraint | None
-    pair_index: dict
+    pair_index: PairIndex
 
-    def run(self, integrality: np.ndarray, time_limit: float):
+    def run(self, integrality: np.ndarray, time_limit: float) -> Any:
         """Solve with HiGHS under ``integrality`` (all zeros for the relaxation)."""
         return milp(
             self.objective,
