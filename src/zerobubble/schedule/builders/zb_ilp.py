@@ -1,84 +1,14 @@
 """Optimal zero-bubble schedules from the paper's integer program (Qi et al., 2024, Appendix G).
 
-One stage per rank (loop placement), split B and W.  The program decides, for every pair of ops on
-one rank whose order is not already implied, which runs first (a binary), and the end time of every
-op (a continuous variable):
+One stage per rank, split B and W.  For every pair of ops on a rank whose order is not already
+implied, a binary decides which runs first; continuous variables give every op's end time.  Rows
+encode the dependencies, one op at a time (per-pair big-M from time windows), the memory limit after
+each F, and the objective (the iteration time).  Orders implied by dependencies, memory and time
+windows are fixed up front, so the program stays small.  The incumbent (the best heuristic schedule)
+bounds the objective and is the fallback; the analytic lower bound and the LP relaxation often prove
+it optimal before any MILP runs.  HiGHS solves through ``scipy.optimize.milp``.
 
-* **dependencies** — ``E[v] ≥ E[u] + T_comm + T(v)`` for F(s−1)→F(s) and B(s+1)→B(s) (cross-rank),
-  ``E[B] ≥ E[F] + T_B``, ``E[W] ≥ E[B] + T_W`` on a rank;
-* **one op at a time** — for an undecided pair, ``x = 1`` puts ``u`` before ``v``:
-  ``E[v] − T(v) ≥ E[u] − M(1 − x)`` and ``E[u] − T(u) ≥ E[v] − M·x`` with a per-pair big-M from
-  the op time windows;
-* **memory** — after each F the rank's activation memory (F adds M_B, B releases M_B − M_W, W
-  releases M_W, summed over the ops ordered before it, itself included) stays within the limit;
-  memory peaks right after an F, so those are the only points that need a row;
-* **objective** — the iteration time ``T ≥ E[last op of r] − start[first op of r]`` for every rank.
-
-The simulator starts every op as early as its order allows, so a rank's first op (``F(s,0)``, see
-below) starts exactly when microbatch 0's forward chain reaches it; the program fixes those starts
-to the same values, which makes its optimum equal the best simulated iteration time.
-
-What keeps the program small and tight:
-
-* **Implied order.**  Ops of one microbatch are ordered by the dependency graph (F before B before
-  W), and microbatches are interchangeable (costs depend on the stage only), so without loss of
-  generality F(s,j) precedes F(s,j+1), likewise for B and W (relabel the k-th op of each kind as
-  microbatch k: sorted matchings keep every dependency and the memory trace).  Only pairs
-  ``(F_i, B_j)``, ``(F_i, W_j)``, ``(B_i, W_j)`` with ``i > j`` remain, minus the ones fixed below.
-* **Fixed by memory.**  Before ``F_i`` at least ``i + 1 − ⌊L/M_B⌋`` backwards must have run (and
-  enough W ops when M_W > 0), so those pairs are decided.
-* **Fixed by time windows.**  With the incumbent's iteration time as an upper bound, every op has
-  an earliest start (dependency chains, and the work ordered before it on its rank) and a latest end
-  (the rank's first start plus the bound, minus the work ordered after it); a pair whose one order
-  does not fit the windows is fixed, and the windows are recomputed until nothing changes.  The same
-  windows give each pair's big-M.
-* **Monotone orders.**  ``u`` before ``v`` implies ``u`` before the op that follows ``v``
-  structurally (next microbatch of the same kind, or v's B/W); these rows tighten the relaxation.
-* **Bounds.**  ``T`` lies between the analytic :func:`~zerobubble.schedule.bounds.lower_bound` and
-  the incumbent's iteration time.  Times are scaled by the incumbent's so HiGHS sees numbers near 1.
-
-Solving: first the analytic bound is compared with the incumbent (when they meet, the incumbent
-is optimal and no program is built); then the LP relaxation is solved, whose bound often meets the
-incumbent already; only then the MILP runs.  ``scipy.optimize.milp`` takes no initial solution, so
-the incumbent (the best validated schedule among zb-auto, zb-h1, zb-h2 and 1F1B that fits the
-memory limit, microbatches renumbered in execution order, or one microbatch at a time when none
-fits) serves as the objective's upper bound, as the source of the time windows and as the fallback.
-When the time limit runs out the better of the program's best feasible schedule and the incumbent
-is returned.  Each rank's order is read from the solution (ops ranked by how many ops precede them,
-ties broken by end time) and re-simulated; the simulated iteration time is the one reported.
-
-``Schedule.meta``: ``lower_bound`` (the best of the analytic bound, the relaxation's and HiGHS's
-dual bound), ``optimal`` (the gap is closed), ``solver_status`` (``bound``: the analytic bound meets
-the incumbent; ``relaxation_bound``: the LP relaxation does; ``optimal``; ``time_limit``;
-``too_large``: more than 100,000 candidate pairs, so the incumbent is returned without a program),
-``time`` (seconds for the whole build), ``iteration_time``, ``source`` (``ilp`` or the incumbent's
-builder), ``incumbent``, ``incumbent_iteration_time``, ``binaries`` and ``memory_limit``.
-
-Measured sizes (HiGHS 1.12 via SciPy 1.17, one solver thread on a shared 2-core machine; per-stage
-costs within ±15% of random means, T_comm up to 0.3·T_F; worst wall time of 4 seeds, in seconds,
-"> 60 (k/4)" when only k of them were proven optimal within 60 s):
-
-=====  =====  =====  =====  =====  ===========  ===========
-limit  p      m=2-4  m=6    m=8    m=10         m=12
-=====  =====  =====  =====  =====  ===========  ===========
-1p     2      0.02   0.04   0.06
-1p     3      0.03   0.15   2.1
-1p     4      0.01   0.3    11     > 60 (2/4)   50
-1p     5                           > 60 (2/4)   39
-1p     6                           54           > 60 (0/4)
-2p     2      0.01   0.02   0.02
-2p     3      0.01   0.11   0.5
-2p     4      0.04   0.17   0.9    38           25
-2p     5                           22           0.02
-2p     6                           8            > 60 (2/4)
-=====  =====  =====  =====  =====  ===========  ===========
-
-So p ≤ 4 with m ≤ 8 solves to proven optimality within seconds; beyond about 400 undecided pairs
-it depends on the instance.  The paper's 1.5B setup (p = 8, m = 24, 2p·M_B) is settled by the
-analytic bound in under a second: zb-2p's schedule (bubble 4.33%) is optimal, because the rank
-holding stage 0 must span the pipeline's full turnaround (see :mod:`~zerobubble.schedule.bounds`).
-For the other p = 8 rows of the paper's Table 5 at 2p·M_B (3,000 to 30,000 undecided pairs) a
-minute neither improves on zb-2p nor lifts the bound above the busiest rank's work.
+The derivation, the ``Schedule.meta`` fields and the measured solve times are in ``docs/ilp.md``.
 """
 
 from __future__ import annotations
