@@ -17,7 +17,7 @@ from typing import Any
 
 from .costs import CostModel, StageCosts
 from .ir import Kind, Op, Schedule, ScheduleError
-from .simulate import simulate
+from .simulate import simulate, time_bounds
 
 #: The format names :func:`export` accepts.
 FORMATS = ("json", "torch-csv", "chrome-trace")
@@ -56,8 +56,7 @@ def to_chrome_trace(timeline: Any, time_unit_us: float = 1.0, memory: bool = Tru
     if not time_unit_us > 0:
         raise ScheduleError(f"time_unit_us must be positive, got {time_unit_us!r}")
     schedule: Schedule = timeline.schedule
-    starts = [s[0] for s in timeline.start if s]
-    t0 = min(starts) if starts else 0.0
+    t0 = time_bounds(timeline)[0]
 
     def stamp(t: float) -> float:
         return round((t - t0) * time_unit_us, 6)

@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from .ir import Kind, Op, Schedule, ScheduleError
-from .simulate import RecordedSpans
+from .simulate import RecordedSpans, time_bounds
 
 if TYPE_CHECKING:  # matplotlib and numpy load only when a picture is drawn
     import numpy as np
@@ -102,14 +102,6 @@ def caption(timeline: Any) -> str:
     return " | ".join(parts)
 
 
-def _time_origin(timeline: Any) -> tuple[float, float]:
-    starts = [s[0] for s in timeline.start if s]
-    ends = [e[-1] for e in timeline.end if e]
-    if not ends:
-        return 0.0, 0.0
-    return min(starts), max(ends)
-
-
 # --------------------------------------------------------------------------------------------- text
 
 
@@ -125,7 +117,7 @@ def render_text(timeline: Any, width: int | None = None) -> str:
     if isinstance(columns, bool) or not isinstance(columns, int) or columns < 10:
         raise ScheduleError(f"text width must be an integer of at least 10 columns, got {width!r}")
     schedule: Schedule = timeline.schedule
-    t0, t1 = _time_origin(timeline)
+    t0, t1 = time_bounds(timeline)
     scale = columns / (t1 - t0) if t1 > t0 else 0.0
     spans = [_column_spans(starts, ends, t0, scale) for starts, ends in zip(timeline.start, timeline.end)]
     numbered = _numbers_fit(schedule, timeline, spans)
@@ -208,7 +200,7 @@ def render_image(timeline: Any, path: str | Path, title: str | None = None) -> N
     ranks = timeline.schedule.num_ranks
     figure = _new_figure(ranks, panels=1)
     axes = figure.add_axes(_axes_box(figure, ranks, 0))
-    t0, t1 = _time_origin(timeline)
+    t0, t1 = time_bounds(timeline)
     _draw_timeline(axes, timeline, t0, t1 - t0)
     axes.set_xlabel("time")
     _add_legend(figure, timeline.schedule)
@@ -233,12 +225,12 @@ def render_comparison(measured: Any, predicted: Any, path: str | Path, title: st
         )
     figure = _new_figure(ranks, panels=2)
     panels = (("measured", measured), ("predicted (simulator)", predicted))
-    extent = max(_time_origin(t)[1] - _time_origin(t)[0] for _, t in panels)
+    extent = max(time_bounds(t)[1] - time_bounds(t)[0] for _, t in panels)
     top = None
     for index, (label, timeline) in enumerate(panels):
         axes = figure.add_axes(_axes_box(figure, ranks, index), sharex=top)
         top = top or axes
-        _draw_timeline(axes, timeline, _time_origin(timeline)[0], extent)
+        _draw_timeline(axes, timeline, time_bounds(timeline)[0], extent)
         axes.set_title(f"{label}: {caption(timeline)}", fontsize=8.5, loc="left")
     axes.set_xlabel("time")
     _add_legend(figure, measured.schedule)
@@ -348,7 +340,7 @@ def _draw_timeline(axes: Axes, timeline: Any, t0: float, extent: float) -> None:
             fills.append(fill)
             cells.append((op.microbatch, fill))
     half = _ROW_FILL / 2
-    own_end = _time_origin(timeline)[1] - t0
+    own_end = time_bounds(timeline)[1] - t0
     background = [
         [(0, r - half), (own_end, r - half), (own_end, r + half), (0, r + half)] for r in range(ranks)
     ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .costs import CostModel, StageCosts
 from .ir import Kind, Op, Schedule, ScheduleError, dependencies
@@ -37,6 +37,30 @@ class DeadlockError(ScheduleError):
     def __init__(self, message: str, waits: dict[int, tuple[Op, Op]]):
         super().__init__(message)
         self.waits = waits
+
+
+class OpTimes(Protocol):
+    """Anything with op times per rank: a simulated, recorded or measured timeline.
+
+    ``start[r][i]`` and ``end[r][i]`` belong to ``schedule.programs[r][i]``.  Render, export and the
+    trace writer take any such object.
+    """
+
+    schedule: Schedule
+    start: tuple[tuple[float, ...], ...]
+    end: tuple[tuple[float, ...], ...]
+
+
+def time_bounds(timeline: OpTimes) -> tuple[float, float]:
+    """The first op's start and the last op's end over all ranks; ``(0, 0)`` when nothing ran.
+
+    The one definition of a timeline's time origin: pictures and traces start their clocks here.
+    """
+    starts = [s[0] for s in timeline.start if s]
+    ends = [e[-1] for e in timeline.end if e]
+    if not ends:
+        return 0.0, 0.0
+    return min(starts), max(ends)
 
 
 class SpanMetrics:
@@ -68,9 +92,8 @@ class SpanMetrics:
     @property
     def makespan(self) -> float:
         """First op's start to last op's end."""
-        starts = [s[0] for s in self.start if s]
-        ends = [e[-1] for e in self.end if e]
-        return max(ends) - min(starts) if ends else 0.0
+        first, last = time_bounds(self)
+        return last - first
 
     @property
     def iteration_time(self) -> float:
