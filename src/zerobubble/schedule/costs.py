@@ -191,6 +191,16 @@ class StageCosts:
         return total / p if total > 0 else 1.0
 
 
+#: Relative and absolute slack of every memory-limit comparison (floating-point sums of M_B, M_W).
+MEMORY_TOLERANCE = 1e-9
+
+
+def within_limit(level: float, limit: float) -> bool:
+    """Whether an activation-memory ``level`` respects ``limit``: the one rule every builder, the
+    validator and the bounds use (``level ≤ limit·(1 + ε) + ε``, ``ε = MEMORY_TOLERANCE``)."""
+    return level <= limit * (1 + MEMORY_TOLERANCE) + MEMORY_TOLERANCE
+
+
 _LIMIT_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*p\s*$")
 
 

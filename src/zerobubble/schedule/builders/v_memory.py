@@ -24,12 +24,12 @@ and the construction chosen (``meta["policy"]["planner"]``: ``"block"``, ``"gree
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
+from ..bounds import lower_bound
 from ..costs import CostModel
 from ..ir import Placement, Schedule, ScheduleError
-from .v_blocks import best_block
-from .zb_v import VPolicy, search_v_schedule
+from .planning import check_one_microbatch_fits, search
+from .v_blocks import BLOCK_VARIANTS, block_candidate, pattern_candidates
+from .zb_v import OP_BUDGET, VPolicy, v_candidates
 
 _ORDERS = (("B1", "B0", "F1", "F0"), ("B1", "F1", "B0", "F0"), ("F1", "B1", "B0", "F0"))
 
@@ -59,10 +59,6 @@ MEMORY_POLICIES: tuple[VPolicy, ...] = _LEADING + tuple(
     )
     if policy not in _LEADING
 )
-
-
-# Past this many stage-microbatches (p·m) the greedy tries only its leading policy.
-_FULL_SEARCH_SIZE = 2048
 
 
 def half_memory_microbatches(stages: int) -> int:
@@ -96,16 +92,17 @@ def build_with_memory(
             own = resolved.memory_limit[rank] if resolved.memory_limit[rank] < float("inf") else 1.0
         limits.append(min(own, resolved.memory_limit[rank]))
     planned = costs.with_memory_limit(limits)
-    meta = {"memory_microbatches": microbatches_in_memory}
-    # the block wins on large problems; the greedy then tries only its leading policy (build time)
-    policies = MEMORY_POLICIES if stages * microbatches <= _FULL_SEARCH_SIZE else MEMORY_POLICIES[:1]
-    searched = search_v_schedule(name, stages, microbatches, planned, policies, meta)
-    block = best_block(planned.resolve(placement), microbatches)
-    if block is None or block[0] >= searched.meta["iteration_time"]:
-        return searched
-    iteration, programs, variant = block
-    info = {**searched.meta, "policy": {"planner": "block", **asdict(variant)}, "iteration_time": iteration}
-    return Schedule(name, placement, microbatches, programs, info)
+    resolved = planned.resolve(placement)
+    check_one_microbatch_fits(resolved, name)
+    floor = lower_bound(stages, microbatches, planned, placement=placement)
+    candidates = [
+        *pattern_candidates(resolved, microbatches, name),
+        *(block_candidate(resolved, microbatches, variant) for variant in BLOCK_VARIANTS),
+        *v_candidates(resolved, microbatches, MEMORY_POLICIES),
+    ]
+    return search(
+        name, resolved, microbatches, candidates, OP_BUDGET, floor, memory_microbatches=microbatches_in_memory
+    )
 
 
 def _check_chunks(name: str, chunks: int) -> None:

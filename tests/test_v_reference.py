@@ -1,0 +1,63 @@
+"""The V schedules against the authors' own schedulers on the paper's Table 5 setups.
+
+``tests/data/authors_zbv_table5.json`` holds the iteration times of the authors' public ZB-V
+heuristic, ``tests/data/authors_vhalf_vmin_table5.json`` those of their V-Half / V-Min orders timed
+by our simulator (each file's ``source`` field says how they were made).  Ours must never be slower.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zerobubble.schedule.builders import build_schedule
+from zerobubble.schedule.paper import paper_rows
+from zerobubble.schedule.simulate import simulate
+
+DATA = Path(__file__).parent / "data"
+ROWS = paper_rows()
+EPS = 1e-9
+
+
+def _reference(name: str, key: str) -> dict[tuple[str, int], float]:
+    rows = json.loads((DATA / name).read_text())["rows"]
+    return {(row["model"], row.get("microbatches", row.get("m"))): row[key] for row in rows}
+
+
+AUTHORS_ZBV = _reference("authors_zbv_table5.json", "zbv_iteration_time")
+AUTHORS_VHALF = _reference("authors_vhalf_vmin_table5.json", "vhalf")
+AUTHORS_VMIN = _reference("authors_vhalf_vmin_table5.json", "vmin")
+
+
+def _row_id(row) -> str:
+    return f"{row.model}-p{row.stages}-m{row.microbatches}"
+
+
+def test_references_cover_every_table5_row():
+    keys = {(row.model, row.microbatches) for row in ROWS}
+    assert keys == set(AUTHORS_ZBV) == set(AUTHORS_VHALF) == set(AUTHORS_VMIN)
+    assert len(keys) == 12
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[_row_id(row) for row in ROWS])
+def test_zb_v_at_least_as_fast_as_the_authors(row):
+    p, m, costs = row.stages, row.microbatches, row.costs
+    schedule = build_schedule("zb-v", p, m, costs)  # validated under p·M_B
+    timeline = simulate(schedule, costs)
+    assert timeline.iteration_time <= AUTHORS_ZBV[(row.model, m)] * (1 + EPS)
+    assert max(timeline.peak_memory_mb) <= p * (1 + EPS)
+    assert schedule.meta["iteration_time"] == pytest.approx(timeline.iteration_time, rel=1e-12)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[_row_id(row) for row in ROWS])
+@pytest.mark.parametrize("name", ["v-half", "v-min"])
+def test_v_half_and_v_min_at_least_as_fast_as_the_authors(row, name):
+    p, m, costs = row.stages, row.microbatches, row.costs
+    cap = (p + 2) // 2 if name == "v-half" else (p + 4) // 3
+    reference = (AUTHORS_VHALF if name == "v-half" else AUTHORS_VMIN)[(row.model, m)]
+    schedule = build_schedule(name, p, m, costs)
+    timeline = simulate(schedule, costs)
+    assert timeline.iteration_time <= reference * (1 + EPS)
+    assert max(timeline.peak_memory_mb) <= cap * (1 + EPS)
