@@ -23,10 +23,9 @@ memory, shorter warm-up bubble.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
-from ..costs import StageCosts, within_limit
+from ..costs import StageCosts
 from ..ir import B, F, Op, Schedule, W
 from ..simulate import DeadlockError, simulate
 from .planning import Candidate, Planned
@@ -191,13 +190,13 @@ def block_candidate(costs: StageCosts, microbatches: int, variant: BlockVariant)
 
     def run(bound: float) -> Planned | None:
         programs = block_programs(costs, microbatches, variant)
-        return _timed(costs, microbatches, programs)
+        return timed_candidate(costs, microbatches, programs)
 
     label = f"block-{variant.interval_factor:g}-depth{variant.depth}-w{variant.eager_w}"
     return Candidate("block", label + ("" if variant.packed else "-unpacked"), run)
 
 
-def _timed(costs: StageCosts, microbatches: int, programs: list[list[Op]]) -> Planned | None:
+def timed_candidate(costs: StageCosts, microbatches: int, programs: list[list[Op]]) -> Planned | None:
     """Simulate fixed programs as a candidate; None when they exceed the limit or deadlock."""
     if not fits_memory(costs, programs):
         return None
@@ -211,61 +210,3 @@ def _timed(costs: StageCosts, microbatches: int, programs: list[list[Op]]) -> Pl
         3 * costs.placement.num_stages * microbatches,
         lambda: programs,
     )
-
-
-# -- the authors' fixed V-Half / V-Min patterns ------------------------------------------------------
-
-
-def _pattern_slots(name: str, p: int) -> list[tuple[int, int, int, int]]:
-    """Per rank, the unit-time slots (period 6) of its down forward, up forward, up backward and
-    down backward in the V-Half / V-Min building blocks of arXiv 2405.15362 (equal costs)."""
-    if name == "v-half":
-        gap = 3 if p % 2 == 0 else 0
-        return [(2 * i, 3 * p - i - 2, 3 * p + gap + 2 * i - 1, 6 * p + gap - i - 2) for i in range(p)]
-    gap = 2 if p % 3 == 0 else 0
-    return [(i, 2 * p - i - 1, 2 * p + gap + i, 4 * p + gap - i - 1) for i in range(p)]
-
-
-def pattern_programs(name: str, p: int, microbatches: int) -> list[list[Op]]:
-    """The authors' V-Half or V-Min pattern repeated for every microbatch, W ops in the free slots.
-
-    Microbatch ``j`` runs the rank's four F/B ops at its pattern slots plus ``6j``; every slot left
-    free takes the oldest pending W (of the up stage first), the rest run at the end.
-    """
-    S = 2 * p
-    programs = []
-    for rank, slots in enumerate(_pattern_slots(name, p)):
-        up = S - 1 - rank
-        timed = sorted(
-            (slot + 6 * j, kind, j)
-            for j in range(microbatches)
-            for kind, slot in enumerate(slots)  # 0 F down, 1 F up, 2 B up, 3 B down
-        )
-        program: list[Op] = []
-        pending: list[deque[int]] = [deque(), deque()]  # W microbatches of the up and down stage
-        cursor = 0
-        for time, kind, j in timed:
-            while cursor < time and (pending[0] or pending[1]):
-                which = 0 if pending[0] else 1
-                program.append(W(up if which == 0 else rank, pending[which].popleft()))
-                cursor += 1
-            cursor = time + 1
-            stage = rank if kind in (0, 3) else up
-            program.append((F if kind < 2 else B)(stage, j))
-            if kind >= 2:
-                pending[kind - 2].append(j)
-        program += [W(up, j) for j in pending[0]] + [W(rank, j) for j in pending[1]]
-        programs.append(program)
-    return programs
-
-
-def pattern_candidates(costs: StageCosts, microbatches: int, name: str) -> list[Candidate]:
-    """The authors' fixed pattern for ``name`` ("v-half" or "v-min") as a search candidate."""
-    if name not in ("v-half", "v-min"):
-        return []
-    p = costs.placement.num_ranks
-
-    def run(bound: float) -> Planned | None:
-        return _timed(costs, microbatches, pattern_programs(name, p, microbatches))
-
-    return [Candidate("pattern", f"{name}-pattern", run)]

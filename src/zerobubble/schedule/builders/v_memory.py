@@ -28,7 +28,8 @@ from ..bounds import lower_bound
 from ..costs import CostModel
 from ..ir import Placement, Schedule, ScheduleError
 from .planning import check_one_microbatch_fits, search
-from .v_blocks import BLOCK_VARIANTS, block_candidate, pattern_candidates
+from .v_blocks import BLOCK_VARIANTS, block_candidate
+from .v_pattern import pattern_candidates
 from .zb_v import OP_BUDGET, VPolicy, v_candidates
 
 _ORDERS = (("B1", "B0", "F1", "F0"), ("B1", "F1", "B0", "F0"), ("F1", "B1", "B0", "F0"))
