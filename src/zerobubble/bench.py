@@ -492,3 +492,63 @@ def _emulate_rank(names: list[str], m: int, costs: CostModel, steps: int) -> dic
                 1.0 - predicted.ideal / 1e3 / measured.iteration_time,
             )
     return results
+
+
+# -- schedulers --------------------------------------------------------------------------------------
+
+#: The builders ``zerobubble bench schedulers`` times by default.
+BENCH_SCHEDULERS = ("zb-1p", "zb-2p", "zb-v", "v-half", "v-min")
+
+
+def scheduler_build_times(
+    stages: int = 32,
+    microbatches: int = 256,
+    rounds: int = 3,
+    schedules: Sequence[str] = BENCH_SCHEDULERS,
+    costs: CostModel | None = None,
+) -> Table:
+    """Wall time of building each schedule (median over ``rounds``, rotating order), and of
+    validating it, with the iteration time and bubble rate of what was built.
+
+    ``costs`` defaults to the paper's profiled 28.3B costs (Table 5), the setup of the speed goal.
+    """
+    from .schedule import validate_schedule
+    from .schedule.paper import paper_setup
+
+    if costs is None:
+        costs = paper_setup("28.3B").costs
+    build: dict[str, list[float]] = {name: [] for name in schedules}
+    check: dict[str, list[float]] = {name: [] for name in schedules}
+    built = {}
+    for round_index in range(rounds):
+        shift = round_index % len(schedules)
+        for name in [*schedules[shift:], *schedules[:shift]]:
+            started = time.perf_counter()
+            schedule = build_schedule(name, stages, microbatches, costs, validate=False)
+            build[name].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            spec = REGISTRY[name]
+            timeline = validate_schedule(schedule, spec.resolve_costs(costs, stages))
+            check[name].append(time.perf_counter() - started)
+            built[name] = (schedule, timeline)
+    table = Table(
+        f"Build time of the schedulers, p = {stages}, m = {microbatches}",
+        ["schedule", "build (s, median)", "validate (s, median)", "iteration time", "bubble", "winner"],
+    )
+    for name in schedules:
+        schedule, timeline = built[name]
+        table.rows.append(
+            [
+                name,
+                f"{_median(build[name]):.3f}",
+                f"{_median(check[name]):.3f}",
+                f"{timeline.iteration_time:.6g}",
+                f"{timeline.bubble_rate:.4f}",
+                f"{schedule.meta.get('planner', '')} {schedule.meta.get('variant', '')}".strip(),
+            ]
+        )
+    table.notes.append(
+        f"{rounds} rounds in rotating order; build = `build_schedule(..., validate=False)`; "
+        "validate = `validate_schedule` of the result."
+    )
+    return table

@@ -319,6 +319,34 @@ class Candidate:
     run: Callable[[float], Planned | None]
 
 
+def fixed_candidate(
+    planner: str,
+    variant: str,
+    costs: StageCosts,
+    microbatches: int,
+    make_programs: Callable[[], list[list[Op]]],
+) -> Candidate:
+    """Fixed programs (a pattern, a block, a handcrafted schedule) as a candidate: simulated, and
+    skipped when they exceed the memory limit or cannot run."""
+
+    def run(bound: float) -> Planned | None:
+        programs = make_programs()
+        for rank, program in enumerate(programs):
+            level, limit = 0.0, costs.memory_limit[rank]
+            for op in program:
+                level += costs.memory_delta(op)
+                if not within_limit(level, limit):
+                    return None
+        try:
+            timeline = simulate(Schedule(variant, costs.placement, microbatches, programs), costs)
+        except ScheduleError:  # zero-length ops can tie in a fixed order and deadlock
+            return None
+        effort = 3 * costs.placement.num_stages * microbatches
+        return Planned(timeline.iteration_time, max(timeline.peak_memory), effort, lambda: programs)
+
+    return Candidate(planner, variant, run)
+
+
 def _better(new: Planned, best: Planned | None) -> bool:
     """Shorter iteration time wins; on a tie, lower peak memory."""
     if best is None:

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from ..costs import StageCosts
 from ..ir import B, F, Op, W
-from .planning import Candidate, Planned
-from .v_blocks import timed_candidate
+from .planning import Candidate, fixed_candidate
 
 _PERIOD = 6
 Slots = list[list[list[int]]]  # [rank][kind][microbatch] -> unit time slot
@@ -251,7 +250,12 @@ def pattern_candidates(costs: StageCosts, microbatches: int, name: str) -> list[
         return []
     p = costs.placement.num_ranks
 
-    def run(bound: float) -> Planned | None:
-        return timed_candidate(costs, microbatches, squeezed_programs(name, p, microbatches))
-
-    return [Candidate("pattern", f"{name}-squeezed", run)]
+    return [
+        fixed_candidate(
+            "pattern",
+            f"{name}-squeezed",
+            costs,
+            microbatches,
+            lambda: squeezed_programs(name, p, microbatches),
+        )
+    ]

@@ -42,19 +42,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..costs import CostModel, StageCosts
+from ..bounds import lower_bound
+from ..costs import CostModel, StageCosts, within_limit
 from ..ir import B, F, Op, Placement, Schedule, ScheduleError, W
-from ..simulate import simulate
+from .planning import Candidate, Planned, check_one_microbatch_fits, fixed_candidate, search
 from .zb_handcrafted import rank_program as zb_h_program
 
-_RELATIVE_TOLERANCE = 1e-9
+#: Op placements one zb-auto search may spend before it stops trying further candidates.
+OP_BUDGET = 80_000
 
-
-def _fits(level: float, limit: float) -> bool:
-    """Whether a memory level respects a limit, with the validator's floating-point tolerance."""
-    return level <= limit * (1 + _RELATIVE_TOLERANCE) + _RELATIVE_TOLERANCE
+_fits = within_limit
 
 
 class _NoRoom(Exception):
@@ -508,54 +508,38 @@ def _capped_1f1b(costs: StageCosts, microbatches: int) -> list[list[Op]]:
     return programs
 
 
-def check_memory_feasible(costs: StageCosts) -> None:
-    """Raise :class:`ScheduleError` when some rank's limit cannot hold even one microbatch."""
-    for rank in range(costs.placement.num_ranks):
-        need = max(costs.mem_b[rank], costs.mem_w[rank])
-        limit = costs.memory_limit[rank]
-        if not _fits(need, limit):
-            raise ScheduleError(
-                f"memory limit {limit:g} on rank {rank} is below the {need:g} that one microbatch needs "
-                f"there (M_B of that stage); raise the memory limit to at least {need:g}"
-            )
-
-
-def _memory_fits(programs: list[list[Op]], costs: StageCosts) -> bool:
-    """Whether every rank's activation memory stays within its limit (summed as the simulator does)."""
-    for rank, program in enumerate(programs):
-        level, limit = 0.0, costs.memory_limit[rank]
-        for op in program:
-            level += costs.memory_delta(op)
-            if not _fits(level, limit):
-                return False
-    return True
-
-
-def _candidates(costs: StageCosts, microbatches: int, variants: tuple[Variant | ListVariant, ...]):
-    """Yield ``(label, iteration time, programs)`` for each greedy variant that succeeds and each
-    fallback that fits the limit; a greedy variant's programs are a lazy :class:`_KindPrograms`.
-
-    The greedy planner times its ops with the simulator's arithmetic, so its iteration time is
-    exact; the fallbacks are simulated.
-    """
-    placement = costs.placement
-    p = placement.num_ranks
-    for variant in variants:
+def _planner_candidate(costs: StageCosts, microbatches: int, variant: Variant | ListVariant) -> Candidate:
+    def run(bound: float) -> Planned | None:
         planner = variant.planner(costs, microbatches)
         try:
-            programs = planner.plan()
+            kinds = planner.plan()
         except _NoRoom:
-            continue
-        yield variant.label, planner.iteration_time, _KindPrograms(programs)
-    fallbacks = [
-        (label, [zb_h_program(rank, p, microbatches, depth) for rank in range(p)])
-        for label, depth in (("zb-h1", 1), ("zb-h2", 2))
-    ]
-    fallbacks.append(("1f1b-split", _capped_1f1b(costs, microbatches)))
-    for label, programs in fallbacks:
-        if _memory_fits(programs, costs):
-            timeline = simulate(Schedule(label, placement, microbatches, programs), costs)
-            yield label, timeline.iteration_time, programs
+            return None
+        effort = 3 * costs.placement.num_ranks * microbatches
+        return Planned(planner.iteration_time, 0.0, effort, _KindPrograms(kinds).materialise)
+
+    return Candidate("list" if isinstance(variant, ListVariant) else "greedy", variant.label, run)
+
+
+def _candidates(
+    costs: StageCosts, microbatches: int, variants: tuple[Variant | ListVariant, ...]
+) -> Iterator[Candidate]:
+    """The planners' variants, then the handcrafted ZB-H1, ZB-H2 and the memory-capped 1F1B with
+    split backward (each skipped when it exceeds the limit)."""
+    p = costs.placement.num_ranks
+    for variant in variants:
+        yield _planner_candidate(costs, microbatches, variant)
+    for label, depth in (("zb-h1", 1), ("zb-h2", 2)):
+        yield fixed_candidate(
+            "handcrafted",
+            label,
+            costs,
+            microbatches,
+            lambda depth=depth: [zb_h_program(rank, p, microbatches, depth) for rank in range(p)],  # type: ignore[misc]
+        )
+    yield fixed_candidate(
+        "handcrafted", "1f1b-split", costs, microbatches, lambda: _capped_1f1b(costs, microbatches)
+    )
 
 
 def build(
@@ -567,27 +551,18 @@ def build(
 ) -> Schedule:
     """The best zero-bubble schedule the §3.1 heuristic finds under ``costs.memory_limit``.
 
-    Among all candidates (see the module docstring) the one with the shortest iteration time wins.
-    ``meta`` records its label (``variant``), its simulated ``iteration_time``, how many candidates
-    were compared and the per-rank ``memory_limit`` (None = unlimited).  ``variants`` restricts the
-    search (the fallbacks always take part).  Raises :class:`ScheduleError` when the limit cannot
-    hold one microbatch on some rank.
+    Among all candidates (see the module docstring) the one with the shortest iteration time wins;
+    the search stops early when a candidate meets the analytic lower bound.  ``meta`` follows
+    :func:`.planning.schedule_meta` (``variant`` names the winner).  ``variants`` restricts the
+    planners' variants (the fallbacks always take part).  Raises :class:`ScheduleError` when the
+    limit cannot hold one microbatch on some rank.
     """
     if chunks != 1:
         raise ScheduleError(f"zb-auto runs one stage per rank; it cannot take chunks={chunks}")
     placement = Placement.loop(stages)
     stage_costs = costs.resolve(placement)
-    check_memory_feasible(stage_costs)
-    candidates = list(_candidates(stage_costs, microbatches, variants))
+    check_one_microbatch_fits(stage_costs, "zb-auto")
+    floor = lower_bound(stages, microbatches, costs, placement=placement)
     # The capped 1F1B fits every feasible limit, so there is always at least one candidate.
-    label, _, programs = min(candidates, key=lambda candidate: candidate[1])
-    if isinstance(programs, _KindPrograms):
-        programs = programs.materialise()
-    timeline = simulate(Schedule("zb-auto", placement, microbatches, programs), stage_costs)
-    meta = {
-        "variant": label,
-        "iteration_time": timeline.iteration_time,
-        "candidates": len(candidates),
-        "memory_limit": [None if math.isinf(limit) else limit for limit in stage_costs.memory_limit],
-    }
-    return Schedule("zb-auto", placement, microbatches, programs, meta)
+    candidates = _candidates(stage_costs, microbatches, variants)
+    return search("zb-auto", stage_costs, microbatches, candidates, OP_BUDGET, floor)
