@@ -40,7 +40,7 @@ def _costs(draw, placement_of):
 @settings(max_examples=25, deadline=None)
 @given(_costs(Placement.loop))
 def test_zb_auto_planners_are_timed_exactly(problem):
-    p, m, costs = problem
+    _, m, costs = problem
     for variant in zb_auto.ALL_VARIANTS:
         try:
             plan = variant.planner(costs, m).plan()
@@ -52,7 +52,7 @@ def test_zb_auto_planners_are_timed_exactly(problem):
 @settings(max_examples=25, deadline=None)
 @given(_costs(Placement.vshape))
 def test_v_planners_are_timed_exactly(problem):
-    p, m, costs = problem
+    _, m, costs = problem
     for policy in zb_v.ZB_V_POLICIES:
         plan = zb_v._VGreedy(costs, m, policy).run()
         if plan is not None:
@@ -62,9 +62,9 @@ def test_v_planners_are_timed_exactly(problem):
         if plan is not None:
             _check_exact(plan, costs, m)
     for variant in EQUALISED_VARIANTS:
-        result = equalised_plan(costs, m, variant)
-        if result is not None:
-            _check_exact(result[0], costs, m)
+        plan, _ = equalised_plan(costs, m, variant)
+        if plan is not None:
+            _check_exact(plan, costs, m)
 
 
 def test_plan_state_refuses_an_op_whose_input_is_missing_or_that_overflows():

@@ -195,10 +195,15 @@ class StageCosts:
 MEMORY_TOLERANCE = 1e-9
 
 
+def memory_cap(limit: float) -> float:
+    """The largest activation memory that respects ``limit``: ``limit·(1 + ε) + ε`` with
+    ``ε = MEMORY_TOLERANCE`` (the one rule every builder, the validator and the bounds use)."""
+    return limit * (1 + MEMORY_TOLERANCE) + MEMORY_TOLERANCE
+
+
 def within_limit(level: float, limit: float) -> bool:
-    """Whether an activation-memory ``level`` respects ``limit``: the one rule every builder, the
-    validator and the bounds use (``level ≤ limit·(1 + ε) + ε``, ``ε = MEMORY_TOLERANCE``)."""
-    return level <= limit * (1 + MEMORY_TOLERANCE) + MEMORY_TOLERANCE
+    """Whether an activation-memory ``level`` respects ``limit`` (see :func:`memory_cap`)."""
+    return level <= memory_cap(limit)
 
 
 _LIMIT_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*p\s*$")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..costs import StageCosts, within_limit
+from ..costs import StageCosts, memory_cap, within_limit
 from ..ir import B, F, Op, Schedule, ScheduleError, W
 from ..simulate import simulate
 
@@ -55,6 +55,7 @@ class PlanState:
         self.f, self.b, self.w = costs.f, costs.b, costs.w
         self.mem_b, self.mem_w = costs.mem_b, costs.mem_w
         self.limit = costs.memory_limit
+        self.capacity = [memory_cap(limit) for limit in self.limit]  # the most memory within the limit
         # hop[s]: transfer time between stage s and s + 1 (0 when one rank holds both)
         self.hop = tuple(
             costs.comm[s] if s + 1 < S and self.rank_of[s] != self.rank_of[s + 1] else 0.0 for s in range(S)
@@ -113,7 +114,7 @@ class PlanState:
     def _grow(self, rank: int, change: float) -> None:
         level = self.memory[rank] + change
         if change > 0:
-            if not within_limit(level, self.limit[rank]):
+            if level > self.capacity[rank]:
                 raise Stuck
             self.peak[rank] = max(self.peak[rank], level)
         self.memory[rank] = level
@@ -184,15 +185,16 @@ class PlanState:
 
     def fits(self, rank: int, growth: float) -> bool:
         """Whether ``rank``'s memory stays within its limit after growing by ``growth``."""
-        return within_limit(self.memory[rank] + growth, self.limit[rank])
+        return self.memory[rank] + growth <= self.capacity[rank]
 
     def can_make_room(self, rank: int, growth: float) -> bool:
         """Whether running all pending W ops first would make ``growth`` fit."""
-        return within_limit(self.memory[rank] + growth - self.releasable[rank], self.limit[rank])
+        return self.memory[rank] + growth - self.releasable[rank] <= self.capacity[rank]
 
     def make_room(self, rank: int, growth: float) -> None:
         """Run W ops until ``growth`` fits (raises :class:`Stuck` when they cannot make room)."""
-        while not within_limit(self.memory[rank] + growth, self.limit[rank]):
+        capacity = self.capacity[rank]
+        while self.memory[rank] + growth > capacity:
             self.put_weight(rank)
 
     def fill_gap(self, rank: int, until: float, share: float = 1.0) -> None:
@@ -331,15 +333,11 @@ def fixed_candidate(
 
     def run(bound: float) -> Planned | None:
         programs = make_programs()
-        for rank, program in enumerate(programs):
-            level, limit = 0.0, costs.memory_limit[rank]
-            for op in program:
-                level += costs.memory_delta(op)
-                if not within_limit(level, limit):
-                    return None
         try:
             timeline = simulate(Schedule(variant, costs.placement, microbatches, programs), costs)
         except ScheduleError:  # zero-length ops can tie in a fixed order and deadlock
+            return None
+        if not all(map(within_limit, timeline.peak_memory, costs.memory_limit)):
             return None
         effort = 3 * costs.placement.num_stages * microbatches
         return Planned(timeline.iteration_time, max(timeline.peak_memory), effort, lambda: programs)

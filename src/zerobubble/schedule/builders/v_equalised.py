@@ -30,6 +30,7 @@ a short gap now.  Passes repeat while the iteration time improves.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ class _EqualisedPass:
         microbatches: int,
         variant: EqualisedVariant,
         approved: Sequence[float] | None,
+        bound: float = math.inf,
     ) -> None:
         self.plan = PlanState(costs, microbatches)
         self.variant = variant
@@ -83,6 +85,7 @@ class _EqualisedPass:
         self.down_b = [0] * self.p
         self.approved = list(approved) if approved is not None else [0.0] * self.p
         self.max_approved = max(self.approved)
+        self.bound = bound
 
     def run(self) -> PlanState:
         """Plan every op (raises :class:`Stuck` when the variant cannot go on)."""
@@ -171,7 +174,10 @@ class _EqualisedPass:
         return plan.b_end[rank + 1][self.down_b[rank]] >= 0
 
     def _steady(self) -> None:
-        plan, p, m = self.plan, self.p, self.m
+        plan, p, m, S = self.plan, self.p, self.m, self.S
+        down_b, up_b = self.down_b, self.up_b
+        fill_before_up = self.variant.fill_before_up_backward
+        growth = [w - b for b, w in zip(plan.mem_b, plan.mem_w)]
         total = 2 * m * p
         placed_b = 0
         while placed_b < total:
@@ -180,66 +186,77 @@ class _EqualisedPass:
             order = [(rank, True) for rank in range(p - 1, -1, -1) if choices[rank] is True]
             order += [(rank, False) for rank in range(p) if choices[rank] is False]
             for rank, down in order:
-                stage = rank if down else self._up(rank)
-                j = self.down_b[rank] if down else self.up_b[rank]
+                stage, j = (rank, down_b[rank]) if down else (S - 1 - rank, up_b[rank])
                 arrival = plan.backward_arrival(stage, j)
                 if arrival < 0:
                     continue
-                growth = plan.mem_w[stage] - plan.mem_b[stage]
-                if growth > 0:
-                    plan.make_room(rank, growth)
-                self._fill_wait(rank, arrival, down or self.variant.fill_before_up_backward)
+                if growth[stage] > 0:
+                    plan.make_room(rank, growth[stage])
+                self._fill_wait(rank, arrival, down or fill_before_up)
                 plan.put_backward(rank, stage, j)
                 if down:
-                    self.down_b[rank] += 1
+                    down_b[rank] += 1
                 else:
-                    self.up_b[rank] += 1
+                    up_b[rank] += 1
                 placed_b += 1
             placed_f = self._forward_round()
             if placed_b == before and not placed_f:
                 raise Stuck
+            if any(plan.cannot_beat(rank, self.bound) for rank in range(p)):
+                raise Stuck
 
     def _forward_round(self) -> int:
-        plan, p, m = self.plan, self.p, self.m
+        plan, p, m, S = self.plan, self.p, self.m, self.S
+        up_f, down_f, f_end, mem_b = self.up_f, self.down_f, plan.f_end, plan.mem_b
+        short_gap = self.variant.fill_before_forward
         placed = 0
         for rank in range(p):
-            if self.up_f[rank] >= m:
+            j_up = up_f[rank]
+            if j_up >= m:
                 continue
-            up = self.up_f[rank] < self.down_f[rank] and (
-                rank == p - 1 or plan.f_end[self._up(rank) - 1][self.up_f[rank]] >= 0
-            )
-            if not up and self.down_f[rank] >= m:
+            # the up forward when its input is computed (the older chain), else the down one
+            up = j_up < down_f[rank] and (rank == p - 1 or f_end[S - 2 - rank][j_up] >= 0)
+            if up:
+                stage, j = S - 1 - rank, j_up
+            elif down_f[rank] < m:
+                stage, j = rank, down_f[rank]
+            else:
                 continue
-            stage = self._up(rank) if up else rank
-            j = self.up_f[rank] if up else self.down_f[rank]
             arrival = plan.forward_arrival(stage, j)
             if arrival < 0:
                 continue
-            plan.make_room(rank, plan.mem_b[stage])
-            self._fill_wait(rank, arrival, self.variant.fill_before_forward)
-            self._forward(rank, up)
+            plan.make_room(rank, mem_b[stage])
+            self._fill_wait(rank, arrival, short_gap)
+            plan.put_forward(rank, stage, j)
+            if up:
+                up_f[rank] = j + 1
+            else:
+                down_f[rank] = j + 1
             placed += 1
         return placed
 
 
 def equalised_plan(
-    costs: StageCosts, microbatches: int, variant: EqualisedVariant, bound: float = float("inf")
-) -> tuple[PlanState, int] | None:
-    """The best plan of ``variant`` over its approval passes, and the number of passes run.
+    costs: StageCosts, microbatches: int, variant: EqualisedVariant, bound: float = math.inf
+) -> tuple[PlanState | None, int]:
+    """The best plan of ``variant`` over its approval passes, and the ops placed in all passes.
 
-    Returns None when the variant gets stuck within the memory limit.
+    The plan is None when the variant gets stuck within the memory limit or cannot beat ``bound``
+    (a pass is abandoned as soon as some rank is sure to end above the best time so far).
     """
     best: PlanState | None = None
     approved: list[float] | None = None
-    passes = 0
+    effort = 0
     while True:
-        passes += 1
+        attempt = _EqualisedPass(costs, microbatches, variant, approved, bound)
         try:
-            plan = _EqualisedPass(costs, microbatches, variant, approved).run()
+            plan = attempt.run()
         except Stuck:
-            break
-        if best is not None and plan.iteration_time() >= best.iteration_time():
+            plan = None
+        effort += attempt.plan.placed
+        if plan is None or (best is not None and plan.iteration_time() >= best.iteration_time()):
             break
         best = plan
+        bound = min(bound, plan.iteration_time())
         approved = plan.idle
-    return (best, passes) if best is not None else None
+    return best, effort

@@ -202,20 +202,21 @@ def eager_unit_slots(slots: Slots, p: int) -> Slots:
         for kind in range(kinds)
         for j, slot in enumerate(slots[rank][kind])
     )
-    end: dict[tuple[int, int, int], int] = {}
-    rank_free = [0] * p
+    end: Slots = [[[0] * len(stream) for stream in rank_slots] for rank_slots in slots]
     result: Slots = [[[0] * len(stream) for stream in rank_slots] for rank_slots in slots]
+    rank_free = [0] * p
     for _, rank, kind, j in order:
         ready = rank_free[rank]
         if kind in (0, 2) and rank > 0:
-            ready = max(ready, end[(rank - 1, kind, j)])
+            ready = max(ready, end[rank - 1][kind][j])
         elif kind in (1, 3) and rank + 1 < p:
-            ready = max(ready, end[(rank + 1, kind, j)])
+            ready = max(ready, end[rank + 1][kind][j])
+        own = end[rank]
         if 0 < kind < 4:
-            ready = max(ready, end[(rank, kind - 1, j)])
+            ready = max(ready, own[kind - 1][j])
         if j > 0:
-            ready = max(ready, end[(rank, kind, j - 1)])
-        end[(rank, kind, j)] = rank_free[rank] = ready + 1
+            ready = max(ready, own[kind][j - 1])
+        own[kind][j] = rank_free[rank] = ready + 1
         result[rank][kind][j] = ready
     return result
 

@@ -120,7 +120,7 @@ ZB_V_POLICIES: tuple[VPolicy, ...] = (
 
 #: Op placements one V search may spend (past it, no further candidate starts).  The equalised
 #: planner's leading variants fit in it at p = 32, m = 256; smaller problems try everything.
-OP_BUDGET = 110_000
+OP_BUDGET = 60_000
 
 # Op classes by index: the forward and backward of chunk 0 (stage r) and chunk 1 (stage 2p-1-r).
 _CLASSES = (_F0, _F1, _B0, _B1)
@@ -577,8 +577,8 @@ def _round_candidate(costs: StageCosts, microbatches: int, variant: RoundVariant
 
 def _equalised_candidate(costs: StageCosts, microbatches: int, variant: EqualisedVariant) -> Candidate:
     def run(bound: float) -> Planned | None:
-        result = equalised_plan(costs, microbatches, variant, bound)
-        return Planned.of(result[0], effort=result[1]) if result is not None else None
+        plan, effort = equalised_plan(costs, microbatches, variant, bound)
+        return Planned.of(plan, effort) if plan is not None else None
 
     return Candidate("equalised", variant.label, run)
 
