@@ -100,3 +100,25 @@ def test_meta_schema_is_shared():
         meta = build_schedule(name, 4, 8, CostModel(mem_w=0.3)).meta
         assert keys <= set(meta), name
         assert isinstance(meta["memory_limit"], list) and len(meta["memory_limit"]) == 4, name
+
+
+@settings(max_examples=20, deadline=None)
+@given(_costs(Placement.loop), st.sampled_from([1, 2]))
+def test_replay_times_fixed_programs_as_the_simulator(problem, depth):
+    from zerobubble.schedule.builders.zb_handcrafted import rank_program
+
+    p, m, costs = problem
+    programs = [rank_program(rank, p, m, depth) for rank in range(p)]
+    plan = planning.replay(costs, m, planning.as_plan_ops(programs))
+    timeline = simulate(Schedule("h", costs.placement, m, programs), costs)
+    if plan is None:  # only when the handcrafted order exceeds the limit
+        assert any(peak > cap for peak, cap in zip(timeline.peak_memory, costs.memory_limit))
+        return
+    assert plan.programs_as_ops() == [list(program) for program in programs]
+    _check_exact(plan, costs, m)
+
+
+def test_replay_reports_a_deadlock_as_none():
+    costs = CostModel().resolve(Placement.loop(2))
+    stuck = [[(planning.BACKWARD, 0, 0), (planning.FORWARD, 0, 0), (planning.WEIGHT, 0, 0)], []]
+    assert planning.replay(costs, 1, stuck) is None

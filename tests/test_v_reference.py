@@ -1,38 +1,33 @@
 """The V schedules against the authors' own schedulers on the paper's Table 5 setups.
 
-``tests/data/authors_zbv_table5.json`` holds the iteration times of the authors' public ZB-V
-heuristic, ``tests/data/authors_vhalf_vmin_table5.json`` those of their V-Half / V-Min orders timed
-by our simulator (each file's ``source`` field says how they were made).  Ours must never be slower.
+The package ships them (:func:`zerobubble.schedule.paper.authors_reference`):
+``data/authors_zbv_table5.json`` holds the iteration times of the authors' public ZB-V heuristic,
+``data/authors_vhalf_vmin_table5.json`` those of their V-Half / V-Min orders timed by our simulator
+(each file's ``source`` field says how they were made).  Ours must never be slower.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from zerobubble.schedule.builders import build_schedule
-from zerobubble.schedule.paper import paper_rows
+from zerobubble.schedule.paper import authors_reference, authors_reference_source, paper_rows
 from zerobubble.schedule.simulate import simulate
 
-DATA = Path(__file__).parent / "data"
 ROWS = paper_rows()
 EPS = 1e-9
-
-
-def _reference(name: str, key: str) -> dict[tuple[str, int], float]:
-    rows = json.loads((DATA / name).read_text())["rows"]
-    return {(row["model"], row.get("microbatches", row.get("m"))): row[key] for row in rows}
-
-
-AUTHORS_ZBV = _reference("authors_zbv_table5.json", "zbv_iteration_time")
-AUTHORS_VHALF = _reference("authors_vhalf_vmin_table5.json", "vhalf")
-AUTHORS_VMIN = _reference("authors_vhalf_vmin_table5.json", "vmin")
+AUTHORS_ZBV = authors_reference("zb-v")
+AUTHORS_VHALF = authors_reference("v-half")
+AUTHORS_VMIN = authors_reference("v-min")
 
 
 def _row_id(row) -> str:
     return f"{row.model}-p{row.stages}-m{row.microbatches}"
+
+
+def test_references_keep_their_provenance():
+    for name in ("zb-v", "v-half", "v-min"):
+        assert "sail-sg/zero-bubble-pipeline-parallelism" in authors_reference_source(name)
 
 
 def test_references_cover_every_table5_row():

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import zerobubble
 from zerobubble.schedule.builders import build_schedule
-from zerobubble.schedule.builders.v_blocks import BLOCK_VARIANTS, block_programs, programs_peak_memory
+from zerobubble.schedule.builders.v_blocks import BLOCK_VARIANTS, block_programs
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.ir import Kind, Placement, Schedule, ScheduleError
 from zerobubble.schedule.simulate import simulate
@@ -294,7 +294,14 @@ def test_v_min_fixed_blocks_improve_on_the_greedy_on_a_paper_row():
 def test_block_peak_memory_is_the_steady_states(variant):
     """A repeated block's peak memory does not grow with the number of microbatches."""
     costs = CostModel(f=1.0, b=1.1, w=0.5, comm=0.05, mem_w=0.4).resolve(Placement.vshape(4))
-    peaks = [max(programs_peak_memory(costs, block_programs(costs, m, variant))) for m in (24, 48)]
+    peaks = [
+        max(
+            simulate(
+                Schedule("block", costs.placement, m, block_programs(costs, m, variant)), costs
+            ).peak_memory
+        )
+        for m in (24, 48)
+    ]
     assert peaks[0] == pytest.approx(peaks[1])
     schedule = Schedule("block", costs.placement, 40, block_programs(costs, 40, variant))
     timeline = validate_schedule(schedule, costs)

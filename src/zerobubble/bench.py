@@ -552,3 +552,33 @@ def scheduler_build_times(
         "validate = `validate_schedule` of the result."
     )
     return table
+
+
+def schedulers_against_authors() -> Table:
+    """Our zb-v, v-half and v-min against the authors' own schedulers on the paper's Table 5
+    setups: iteration time over theirs (< 1 is faster) and both bubble rates."""
+    from .schedule.paper import authors_reference, paper_rows
+
+    names = ("zb-v", "v-half", "v-min")
+    references = {name: authors_reference(name) for name in names}
+    columns = ["setup"]
+    for name in names:
+        columns += [f"{name} ours / theirs", f"{name} bubble ours (theirs)"]
+    table = Table("Our V schedules against the authors' on the paper's Table 5 setups", columns)
+    for row in paper_rows():
+        p, m, costs = row.stages, row.microbatches, row.costs
+        cells = [f"{row.model} p{p} m{m}"]
+        for name in names:
+            timeline = simulate(build_schedule(name, p, m, costs), costs)
+            theirs = references[name][(row.model, m)]
+            ideal = timeline.ideal
+            cells += [
+                f"{timeline.iteration_time / theirs:.4f}",
+                f"{timeline.bubble_rate:.4f} ({1 - ideal / theirs:.4f})",
+            ]
+        table.rows.append(cells)
+    table.notes.append(
+        "Theirs: the authors' public ZB-V heuristic, and their V-Half / V-Min orders timed by our "
+        "simulator, under the same costs and memory limits (`src/zerobubble/data/authors_*.json`)."
+    )
+    return table

@@ -320,6 +320,9 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     schedulers.add_argument("--microbatches", type=int, default=256)
     schedulers.add_argument("--rounds", type=int, default=3, help="rounds of interleaved measurements")
     schedulers.add_argument("--schedules", nargs="+", default=["zb-1p", "zb-2p", "zb-v", "v-half", "v-min"])
+    schedulers.add_argument(
+        "--table5", action="store_true", help="also compare zb-v, v-half, v-min with the authors' on Table 5"
+    )
     wgrad = kinds.add_parser("wgrad", help="T_B + T_W of the B/W split against the fused backward")
     wgrad.add_argument("--rows", nargs="+", type=int, default=[8, 32, 128, 512], help="microbatch rows")
     wgrad.add_argument("--repeats", type=int, default=15)

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..costs import StageCosts, memory_cap, within_limit
-from ..ir import B, F, Op, Schedule, ScheduleError, W
+from ..ir import B, F, Kind, Op, Schedule, ScheduleError, W
 from ..simulate import simulate
 
 #: Op kinds in plans (plain ints: a plan records hundreds of thousands of them).
 FORWARD, BACKWARD, WEIGHT = 0, 1, 2
+
+#: An op in a plan: ``(kind, stage, microbatch)``.
+PlanOp = tuple[int, int, int]
 
 _MAKERS = (F, B, W)
 
@@ -72,7 +75,7 @@ class PlanState:
         self.pending_mb: list[deque[int]] = [deque() for _ in range(p)]
         self.releasable = [0.0] * p  # memory the pending W ops of each rank would free
         self.remaining = [costs.rank_work(rank, m) for rank in range(p)]
-        self.programs: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
+        self.programs: list[list[PlanOp]] = [[] for _ in range(p)]
         self.held_back = False
 
     # -- inputs --------------------------------------------------------------------------------
@@ -162,7 +165,18 @@ class PlanState:
         if not self.pending_w[rank]:
             raise Stuck
         stage = self.pending_w[rank].popleft()
-        microbatch = self.pending_mb[rank].popleft()
+        return self._place_weight(rank, stage, self.pending_mb[rank].popleft(), arrival)
+
+    def put_given_weight(self, rank: int, stage: int, microbatch: int) -> float:
+        """Append W(stage, microbatch), pending on ``rank`` (not necessarily its oldest W)."""
+        stages, microbatches = self.pending_w[rank], self.pending_mb[rank]
+        for index, (pending_stage, pending_mb) in enumerate(zip(stages, microbatches)):
+            if pending_stage == stage and pending_mb == microbatch:
+                del stages[index], microbatches[index]
+                return self._place_weight(rank, stage, microbatch, 0.0)
+        raise Stuck
+
+    def _place_weight(self, rank: int, stage: int, microbatch: int, arrival: float) -> float:
         release = self.mem_w[stage]
         self.memory[rank] -= release
         self.releasable[rank] -= release
@@ -321,26 +335,69 @@ class Candidate:
     run: Callable[[float], Planned | None]
 
 
+def replay(costs: StageCosts, microbatches: int, programs: Sequence[Sequence[PlanOp]]) -> PlanState | None:
+    """Place fixed per-rank programs in order, each op as soon as its input is placed: the
+    simulator's event loop on the planning core.  None when they deadlock or exceed the limit."""
+    state = PlanState(costs, microbatches)
+    p = costs.placement.num_ranks
+    position = [0] * p
+    waiting: dict[PlanOp, list[int]] = {}
+    runnable = list(range(p))
+    f_end, b_end = state.f_end, state.b_end
+    try:
+        while runnable:
+            rank = runnable.pop()
+            program, i = programs[rank], position[rank]
+            while i < len(program):
+                kind, stage, j = program[i]
+                if kind == FORWARD:
+                    missing = (FORWARD, stage - 1, j) if stage and f_end[stage - 1][j] < 0 else None
+                elif kind == BACKWARD:
+                    missing = (FORWARD, stage, j) if f_end[stage][j] < 0 else None
+                    if missing is None and stage + 1 < state.S and b_end[stage + 1][j] < 0:
+                        missing = (BACKWARD, stage + 1, j)
+                else:
+                    missing = (BACKWARD, stage, j) if b_end[stage][j] < 0 else None
+                if missing is not None:
+                    waiting.setdefault(missing, []).append(rank)
+                    break
+                if kind == FORWARD:
+                    state.put_forward(rank, stage, j)
+                elif kind == BACKWARD:
+                    state.put_backward(rank, stage, j)
+                else:
+                    state.put_given_weight(rank, stage, j)
+                woken = waiting.pop((kind, stage, j), None) if kind != WEIGHT else None
+                if woken:
+                    runnable.extend(woken)
+                i += 1
+            position[rank] = i
+    except Stuck:
+        return None
+    if any(position[rank] < len(programs[rank]) for rank in range(p)):
+        return None
+    return state
+
+
+def as_plan_ops(programs: Sequence[Sequence[Op]]) -> list[list[PlanOp]]:
+    """Programs of :class:`~..ir.Op` (split backward only) as the core's ``(kind, stage, mb)``."""
+    kinds = {Kind.F: FORWARD, Kind.B: BACKWARD, Kind.W: WEIGHT}
+    return [[(kinds[op.kind], op.stage, op.microbatch) for op in program] for program in programs]
+
+
 def fixed_candidate(
     planner: str,
     variant: str,
     costs: StageCosts,
     microbatches: int,
-    make_programs: Callable[[], list[list[Op]]],
+    make_programs: Callable[[], Sequence[Sequence[PlanOp]]],
 ) -> Candidate:
-    """Fixed programs (a pattern, a block, a handcrafted schedule) as a candidate: simulated, and
-    skipped when they exceed the memory limit or cannot run."""
+    """Fixed programs (a pattern, a block, a handcrafted schedule) as a candidate, timed by
+    :func:`replay`; skipped when they exceed the memory limit or cannot run."""
 
     def run(bound: float) -> Planned | None:
-        programs = make_programs()
-        try:
-            timeline = simulate(Schedule(variant, costs.placement, microbatches, programs), costs)
-        except ScheduleError:  # zero-length ops can tie in a fixed order and deadlock
-            return None
-        if not all(map(within_limit, timeline.peak_memory, costs.memory_limit)):
-            return None
-        effort = 3 * costs.placement.num_stages * microbatches
-        return Planned(timeline.iteration_time, max(timeline.peak_memory), effort, lambda: programs)
+        plan = replay(costs, microbatches, make_programs())
+        return Planned.of(plan) if plan is not None else None
 
     return Candidate(planner, variant, run)
 

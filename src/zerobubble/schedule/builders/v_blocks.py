@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ..costs import StageCosts
 from ..ir import B, F, Op, W
-from .planning import Candidate, fixed_candidate
+from .planning import Candidate, as_plan_ops, fixed_candidate
 
 _TOLERANCE = 1e-9
 
@@ -129,18 +129,6 @@ def block_programs(costs: StageCosts, microbatches: int, variant: BlockVariant) 
     return [[_MAKERS[kind](stage, j) for _, _, j, stage, kind in sorted(ops)] for ops in timed]
 
 
-def programs_peak_memory(costs: StageCosts, programs: list[list[Op]]) -> list[float]:
-    """Peak activation memory of each rank running ``programs`` (memory depends on order only)."""
-    peaks = []
-    for ops in programs:
-        level = peak = 0.0
-        for op in ops:
-            level += costs.memory_delta(op)
-            peak = max(peak, level)
-        peaks.append(peak)
-    return peaks
-
-
 # Candidate blocks, most often best first.  Intervals below one rank's work make the modulo picture
 # overlap a little; the simulator's compression turns that into shorter lifespans at full rate.
 BLOCK_VARIANTS: tuple[BlockVariant, ...] = (
@@ -158,5 +146,5 @@ def block_candidate(costs: StageCosts, microbatches: int, variant: BlockVariant)
     label = f"block-{variant.interval_factor:g}-depth{variant.depth}-w{variant.eager_w}"
     label += "" if variant.packed else "-unpacked"
     return fixed_candidate(
-        "block", label, costs, microbatches, lambda: block_programs(costs, microbatches, variant)
+        "block", label, costs, microbatches, lambda: as_plan_ops(block_programs(costs, microbatches, variant))
     )

@@ -16,8 +16,7 @@ stage ``2p−1−r`` runs its backward first), 4 W (one stream, or 4/5 = W of th
 from __future__ import annotations
 
 from ..costs import StageCosts
-from ..ir import B, F, Op, W
-from .planning import Candidate, fixed_candidate
+from .planning import BACKWARD, FORWARD, WEIGHT, Candidate, PlanOp, fixed_candidate
 
 _PERIOD = 6
 Slots = list[list[list[int]]]  # [rank][kind][microbatch] -> unit time slot
@@ -221,7 +220,7 @@ def eager_unit_slots(slots: Slots, p: int) -> Slots:
     return result
 
 
-def squeezed_programs(name: str, p: int, microbatches: int) -> list[list[Op]]:
+def squeezed_programs(name: str, p: int, microbatches: int) -> list[list[PlanOp]]:
     """The authors' squeezed V-Half / V-Min order for ``p`` ranks and ``microbatches`` microbatches."""
     slots = pattern_slots(name, p, microbatches)
     first = squeeze([with_weights(rank_slots, split=False) for rank_slots in slots], True, p)
@@ -232,16 +231,16 @@ def squeezed_programs(name: str, p: int, microbatches: int) -> list[list[Op]]:
     return _programs(final, p)
 
 
-def _programs(slots: Slots, p: int) -> list[list[Op]]:
+def _programs(slots: Slots, p: int) -> list[list[PlanOp]]:
     S = 2 * p
+    kinds = (FORWARD, FORWARD, BACKWARD, BACKWARD, WEIGHT, WEIGHT)
     programs = []
     for rank, rank_slots in enumerate(slots):
         stage_of = (rank, S - 1 - rank, S - 1 - rank, rank, S - 1 - rank, rank)
         timed = sorted(
             (slot, kind, j) for kind, stream in enumerate(rank_slots) for j, slot in enumerate(stream)
         )
-        makers = (F, F, B, B, W, W)
-        programs.append([makers[kind](stage_of[kind], j) for _, kind, j in timed])
+        programs.append([(kinds[kind], stage_of[kind], j) for _, kind, j in timed])
     return programs
 
 

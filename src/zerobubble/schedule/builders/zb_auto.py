@@ -44,6 +44,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 from ..bounds import lower_bound
 from ..costs import CostModel, StageCosts, within_limit
@@ -51,8 +52,10 @@ from ..ir import B, F, Op, Placement, Schedule, ScheduleError, W
 from .planning import (
     Candidate,
     Planned,
+    PlanOp,
     PlanState,
     Stuck,
+    as_plan_ops,
     check_one_microbatch_fits,
     fixed_candidate,
     search,
@@ -441,15 +444,19 @@ def _candidates(
         yield _planner_candidate(costs, microbatches, variant)
     for label, depth in (("zb-h1", 1), ("zb-h2", 2)):
         yield fixed_candidate(
-            "handcrafted",
-            label,
-            costs,
-            microbatches,
-            lambda depth=depth: [zb_h_program(rank, p, microbatches, depth) for rank in range(p)],  # type: ignore[misc]
+            "handcrafted", label, costs, microbatches, partial(_handcrafted, p, microbatches, depth)
         )
     yield fixed_candidate(
-        "handcrafted", "1f1b-split", costs, microbatches, lambda: _capped_1f1b(costs, microbatches)
+        "handcrafted",
+        "1f1b-split",
+        costs,
+        microbatches,
+        lambda: as_plan_ops(_capped_1f1b(costs, microbatches)),
     )
+
+
+def _handcrafted(p: int, microbatches: int, depth: int) -> list[list[PlanOp]]:
+    return as_plan_ops([zb_h_program(rank, p, microbatches, depth) for rank in range(p)])
 
 
 def build(
