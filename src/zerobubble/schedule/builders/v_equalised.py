@@ -146,20 +146,28 @@ class _EqualisedPass:
             self._forward(rank, up=True)
 
     def _equalise(self) -> None:
-        p, m = self.p, self.m
+        plan, p, m, S = self.plan, self.p, self.m, self.S
         down_f, up_f = self.down_f, self.up_f
         up = False
         for rank in range(1, p):
-            while down_f[rank] + up_f[rank] < down_f[rank - 1] + up_f[rank - 1] or (
-                up_f[rank] <= up_f[rank - 1] < m
+            idle_sweeps = 0  # consecutive sweeps that gave rank ``rank`` nothing
+            while idle_sweeps < 2 and (
+                down_f[rank] + up_f[rank] < down_f[rank - 1] + up_f[rank - 1]
+                or up_f[rank] <= up_f[rank - 1] < m
             ):
-                placed = 0
+                counts = up_f if up else down_f
+                before = counts[rank]
                 for deeper in range(p - 1, rank - 1, -1):
-                    if (up_f if up else down_f)[deeper] < m:
+                    # With per-stage costs a sweep may find a rank full or its input not yet
+                    # computed (the authors' equal-cost pattern never does): that rank skips it.
+                    stage = S - 1 - deeper if up else deeper
+                    if (
+                        counts[deeper] < m
+                        and plan.fits(deeper, plan.mem_b[stage])
+                        and plan.forward_arrival(stage, counts[deeper]) >= 0
+                    ):
                         self._forward(deeper, up)
-                        placed += 1
-                if not placed and (down_f[rank] >= m and up_f[rank] >= m):
-                    raise Stuck
+                idle_sweeps = idle_sweeps + 1 if counts[rank] == before else 0
                 up = not up
 
     def _backward_choice(self, rank: int) -> bool | None:
