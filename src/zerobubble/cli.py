@@ -288,6 +288,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
     elif args.benchmark == "schedulers":
         tables = [bench.scheduler_build_times(args.stages, args.microbatches, args.rounds, args.schedules)]
+        if args.table5:
+            tables.append(bench.schedulers_against_authors())
     elif args.benchmark == "wgrad":
         tables = [
             bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate)

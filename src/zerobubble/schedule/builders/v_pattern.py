@@ -15,6 +15,8 @@ stage ``2p−1−r`` runs its backward first), 4 W (one stream, or 4/5 = W of th
 
 from __future__ import annotations
 
+import math
+
 from ..costs import StageCosts
 from .planning import BACKWARD, FORWARD, WEIGHT, Candidate, PlanOp, fixed_candidate
 
@@ -93,12 +95,13 @@ class _UnitMemory:
         elif not self.explicit_w:
             self.backward[slot] += sign
 
-    def _recompute(self, start: int, commit: bool) -> int:
-        """Peak from ``start`` on (stored when ``commit``)."""
+    def _recompute(self, start: int, commit: bool, limit: float = math.inf) -> float:
+        """Peak from ``start`` on (stored when ``commit``); a trial stops once it passes ``limit``."""
         level = self.level[start - 1] if start else 0
         owed = self.owed[start - 1] if start else 0
-        peak = self.prefix_peak[start - 1] if start else 0
+        peak: float = self.prefix_peak[start - 1] if start else 0
         delta, busy, backward, explicit_w = self.delta, self.busy, self.backward, self.explicit_w
+        levels, owes, peaks = self.level, self.owed, self.prefix_peak
         for slot in range(start, len(delta)):
             level += delta[slot]
             if not explicit_w:
@@ -107,9 +110,12 @@ class _UnitMemory:
                 elif owed:
                     owed -= 1
                     level -= 1
-            peak = max(peak, level)
+            if level > peak:
+                peak = level
+                if peak > limit:
+                    return peak
             if commit:
-                self.level[slot], self.owed[slot], self.prefix_peak[slot] = level, owed, peak
+                levels[slot], owes[slot], peaks[slot] = level, owed, int(peak)
         return peak
 
     @property
@@ -133,7 +139,7 @@ class _UnitMemory:
             return True
         self._add(kind, original, -1)
         self._add(kind, candidate, 1)
-        if self._recompute(candidate, commit=False) <= limit:
+        if self._recompute(candidate, commit=False, limit=limit) <= limit:
             self._recompute(candidate, commit=True)
             return True
         self._add(kind, candidate, -1)
@@ -207,14 +213,16 @@ def eager_unit_slots(slots: Slots, p: int) -> Slots:
     for _, rank, kind, j in order:
         ready = rank_free[rank]
         if kind in (0, 2) and rank > 0:
-            ready = max(ready, end[rank - 1][kind][j])
+            other = end[rank - 1][kind][j]
+            ready = max(ready, other)
         elif kind in (1, 3) and rank + 1 < p:
-            ready = max(ready, end[rank + 1][kind][j])
+            other = end[rank + 1][kind][j]
+            ready = max(ready, other)
         own = end[rank]
-        if 0 < kind < 4:
-            ready = max(ready, own[kind - 1][j])
-        if j > 0:
-            ready = max(ready, own[kind][j - 1])
+        if 0 < kind < 4 and own[kind - 1][j] > ready:
+            ready = own[kind - 1][j]
+        if j > 0 and own[kind][j - 1] > ready:
+            ready = own[kind][j - 1]
         own[kind][j] = rank_free[rank] = ready + 1
         result[rank][kind][j] = ready
     return result
