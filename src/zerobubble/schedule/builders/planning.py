@@ -193,10 +193,6 @@ class PlanState:
         """Whether ``rank`` has a W op waiting."""
         return bool(self.pending_w[rank])
 
-    def next_weight_time(self, rank: int) -> float:
-        """Duration of the W op ``rank`` would run next (its oldest pending one)."""
-        return self.w[self.pending_w[rank][0]]
-
     def fits(self, rank: int, growth: float) -> bool:
         """Whether ``rank``'s memory stays within its limit after growing by ``growth``."""
         return self.memory[rank] + growth <= self.capacity[rank]

@@ -44,9 +44,7 @@ class EqualisedVariant:
 
     ``fill_before_up_backward`` / ``fill_before_forward``: run a W in a gap shorter than a W
     before an up-stage backward / a forward when leaving the gap idle would make the rank the
-    idlest (before a down-stage backward this is always done).  ``reserve`` is how many
-    microbatches per rank beyond its own position the fill phase keeps room for (``None``: the
-    rank index plus one, which brings every rank to the full limit).
+    idlest (before a down-stage backward this is always done).
     """
 
     fill_before_up_backward: bool = True

@@ -11,15 +11,16 @@ V-Half        ⌊(p+2)/2⌋                              ≈ p/(2m)  (half of 1F
 V-Min         ⌊(p+4)/3⌋                              ≈ 2p/(3m) (two thirds)
 ============  =====================================  ==========================
 
-Here the same V greedy as ZB-V (:func:`.zb_v.search_v_schedule`) is run with those memory
-figures as the limit on every rank, and with policies that cap each rank's chunk-0 lifespan at the
-count a full-throughput V block needs (``lifespan_slack``), which spreads the scarce activations
-evenly instead of letting the warm-up take them all, and with policies that inject microbatches at
-the blocks' steady rhythm (``pace``).  The paper's own construction, a repeated building block
-(:mod:`.v_blocks`), is built under the same limit too, and the shorter iteration time wins: with
-realistic costs (T_W < T_F, T_comm > 0, M_W > 0) the block usually does.  A user's own
-``costs.memory_limit`` still applies where it is smaller.  ``Schedule.meta`` records the limit used
-and the construction chosen (``meta["policy"]["planner"]``: ``"block"``, ``"greedy"`` or ``"rounds"``).
+With those figures as the limit on every rank, one search (:func:`.planning.search`) compares, in
+this order: the authors' own squeezed pattern (:mod:`.v_pattern`), so the result is never slower
+than their order; our building blocks modulo-scheduled at the real costs (:mod:`.v_blocks`); and
+the V greedy of ZB-V (:mod:`.zb_v`) with policies that cap each rank's chunk-0 lifespan at the
+count a full-throughput V block needs (``lifespan_slack``) or inject microbatches at the blocks'
+steady rhythm (``pace``).  The shortest iteration time wins; the search stops at the analytic lower
+bound or when its op budget is spent (large problems try the pattern only).  A user's own
+``costs.memory_limit`` still applies where it is smaller.  ``Schedule.meta`` records the limit used,
+``memory_microbatches`` and the winner (``meta["planner"]``: ``"pattern"``, ``"block"`` or
+``"greedy"``).
 """
 
 from __future__ import annotations

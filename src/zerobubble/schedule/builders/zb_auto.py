@@ -17,7 +17,8 @@ while keeping the exact start and end time of every op it places (the same arith
 3. **Drain.**  When forwards and B ops are exhausted the remaining W ops run.
 
 The binary choices (how the warm-up meets the first B, whether B may pre-empt a forward, whether
-short gaps are filled) give eight greedy variants.  Four variants of an event-driven list scheduler
+short gaps are filled) give eight greedy variants (the one that meets the lower bound on the
+paper's Table 5 rows at p·M_B first).  Four variants of an event-driven list scheduler
 join them (our addition: a free rank runs the most urgent op whose input has arrived, forwards only
 within the memory limit); it adapts to real arrival times and does much better than the round-based
 greedy when the limit is below ``p·M_B`` and throttles the pipeline (on the paper's 1.5B setup at
@@ -28,10 +29,11 @@ worse than any of them; the candidate with the shortest iteration time wins and
 always exists once one microbatch (``max(M_B, M_W)`` of the stage) fits on every rank; below that
 the builder raises :class:`ScheduleError`.
 
-Both planners time every op with the simulator's arithmetic, so their iteration times are exact;
-the fallbacks are simulated, and so is the winner once more.  Each variant places ``3·p·m`` ops
-with amortised O(1) (greedy) or O(log p) (list) work per op: p = 32, m = 256 takes about 0.8 s of
-CPU for the whole search.
+Both planners keep only their decisions: the shared planning core (:mod:`.planning`) places and
+times every op exactly as the simulator does, and replays the fixed fallbacks.  The search
+(:func:`.planning.search`) stops as soon as a candidate meets the analytic lower bound or an op
+budget is spent; each variant places ``3·p·m`` ops with amortised O(1) (greedy) or O(log p) (list)
+work per op, so p = 32, m = 256 builds in about a tenth of a second (docs/planning.md).
 
 ``M_W ≤ M_B`` is assumed for the guarantee against 1F1B: with ``M_W > M_B`` a split backward needs
 more memory than the fused one, and a limit that fits 1F1B may not fit any split schedule as fast.
