@@ -56,3 +56,18 @@ def test_v_half_and_v_min_at_least_as_fast_as_the_authors(row, name):
     timeline = simulate(schedule, costs)
     assert timeline.iteration_time <= reference * (1 + EPS)
     assert max(timeline.peak_memory_mb) <= cap * (1 + EPS)
+
+
+@pytest.mark.parametrize("p", [4, 8, 16])
+@pytest.mark.parametrize("m_per_p", [2, 4])
+def test_v_half_and_v_min_closed_forms_with_equal_costs(p, m_per_p):
+    """Equal F/B/W costs, no transfer time (the papers' setting): V-Half holds ⌊(p+2)/2⌋·M_B with at
+    most half of 1F1B's bubble, V-Min ⌊(p+4)/3⌋·M_B with at most two thirds, at every m (the
+    authors' orders give 0.28-0.48 and 0.61-0.66 of it)."""
+    m = m_per_p * p
+    baseline = simulate(build_schedule("1f1b", p, m))
+    baseline_bubble = baseline.iteration_time - baseline.ideal
+    for name, cap, share in (("v-half", (p + 2) // 2, 0.5), ("v-min", (p + 4) // 3, 2 / 3)):
+        timeline = simulate(build_schedule(name, p, m))
+        assert max(timeline.peak_memory_mb) <= cap * (1 + EPS), name
+        assert timeline.iteration_time - timeline.ideal <= share * baseline_bubble * (1 + EPS), name

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..costs import StageCosts, memory_cap, within_limit
@@ -437,8 +437,7 @@ def search(
             best, chosen = planned, candidate
     if best is None or chosen is None:
         raise ScheduleError(f"{name}: no candidate schedule fits the memory limit")
-    programs = best.programs()
-    schedule = Schedule(name, costs.placement, microbatches, programs)
+    schedule = Schedule(name, costs.placement, microbatches, best.programs())
     iteration = best.iteration_time if best.exact else simulate(schedule, costs).iteration_time
     meta = schedule_meta(costs, iteration, chosen.planner, chosen.variant, tried, **extra_meta)
-    return Schedule(name, costs.placement, microbatches, programs, meta)
+    return replace(schedule, meta=meta)

@@ -186,9 +186,11 @@ class _EqualisedPass:
         growth = [w - b for b, w in zip(plan.mem_b, plan.mem_w)]
         total = 2 * m * p
         placed_b = 0
+        bounded = math.isfinite(self.bound)
+        choose = self._backward_choice
         while placed_b < total:
             before = placed_b
-            choices = [self._backward_choice(rank) for rank in range(p)]
+            choices = [choose(rank) for rank in range(p)]
             order = [(rank, True) for rank in range(p - 1, -1, -1) if choices[rank] is True]
             order += [(rank, False) for rank in range(p) if choices[rank] is False]
             for rank, down in order:
@@ -208,7 +210,7 @@ class _EqualisedPass:
             placed_f = self._forward_round()
             if placed_b == before and not placed_f:
                 raise Stuck
-            if any(plan.cannot_beat(rank, self.bound) for rank in range(p)):
+            if bounded and any(plan.cannot_beat(rank, self.bound) for rank in range(p)):
                 raise Stuck
 
     def _forward_round(self) -> int:
