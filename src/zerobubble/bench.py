@@ -14,6 +14,7 @@ machine it ran on (:func:`machine_description`).
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import statistics
@@ -519,32 +520,34 @@ def scheduler_build_times(
         costs = paper_setup("28.3B").costs
     build: dict[str, list[float]] = {name: [] for name in schedules}
     check: dict[str, list[float]] = {name: [] for name in schedules}
-    built = {}
+    results: dict[str, tuple[float, float, str]] = {}
     for round_index in range(rounds):
         shift = round_index % len(schedules)
         for name in [*schedules[shift:], *schedules[:shift]]:
+            gc.collect()  # the previous schedule's garbage is not this one's cost
             started = time.perf_counter()
             schedule = build_schedule(name, stages, microbatches, costs, validate=False)
             build[name].append(time.perf_counter() - started)
             started = time.perf_counter()
-            spec = REGISTRY[name]
-            timeline = validate_schedule(schedule, spec.resolve_costs(costs, stages))
+            timeline = validate_schedule(schedule, REGISTRY[name].resolve_costs(costs, stages))
             check[name].append(time.perf_counter() - started)
-            built[name] = (schedule, timeline)
+            variant = str(schedule.meta.get("variant", ""))
+            results[name] = (timeline.iteration_time, timeline.bubble_rate, variant)
+            del schedule, timeline
     table = Table(
         f"Build time of the schedulers, p = {stages}, m = {microbatches}",
         ["schedule", "build (s, median)", "validate (s, median)", "iteration time", "bubble", "winner"],
     )
     for name in schedules:
-        schedule, timeline = built[name]
+        iteration_time, bubble_rate, variant = results[name]
         table.rows.append(
             [
                 name,
                 f"{_median(build[name]):.3f}",
                 f"{_median(check[name]):.3f}",
-                f"{timeline.iteration_time:.6g}",
-                f"{timeline.bubble_rate:.4f}",
-                str(schedule.meta.get("variant", "")),
+                f"{iteration_time:.6g}",
+                f"{bubble_rate:.4f}",
+                variant,
             ]
         )
     table.notes.append(

@@ -15,7 +15,7 @@ from typing import Any
 from .bounds import lower_bound
 from .builders import REGISTRY, build_schedule
 from .costs import CostModel, within_limit
-from .ir import ScheduleError
+from .ir import Schedule, ScheduleError
 from .simulate import Timeline
 from .validate import validate_schedule
 
@@ -100,7 +100,16 @@ def compare_schedules(
     return sorted(rows, key=lambda row: (row.error is not None, row.period or 0.0, row.peak_memory or 0.0))
 
 
-def _row(name, stages, microbatches, costs, chunks, optimizer, step_time, options) -> ComparisonRow:
+def _row(
+    name: str,
+    stages: int,
+    microbatches: int,
+    costs: CostModel,
+    chunks: int | None,
+    optimizer: str,
+    step_time: float,
+    options: dict[str, Any],
+) -> ComparisonRow:
     spec = REGISTRY.get(name)
     take_chunks = chunks if spec is not None and spec.chunks is None else None
     try:
@@ -132,7 +141,7 @@ def _row(name, stages, microbatches, costs, chunks, optimizer, step_time, option
 
 
 def _lower_bound(
-    schedule, timeline: Timeline, stages: int, microbatches: int, costs: CostModel
+    schedule: Schedule, timeline: Timeline, stages: int, microbatches: int, costs: CostModel
 ) -> float | None:
     """The best bound known on the iteration time of any schedule using no more memory per rank.
 
@@ -147,7 +156,9 @@ def _lower_bound(
     return max(analytic, proven) if proven is not None else analytic
 
 
-def _reference_period(stages, microbatches, costs, optimizer, step_time) -> float | None:
+def _reference_period(
+    stages: int, microbatches: int, costs: CostModel, optimizer: str, step_time: float
+) -> float | None:
     from .simulate import simulate
 
     try:

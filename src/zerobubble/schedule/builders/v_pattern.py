@@ -163,19 +163,25 @@ def _dependency_slot(slots: Slots, rank: int, kind: int, j: int, p: int) -> int:
     return latest
 
 
+def _slot_order(slots: Slots, p: int) -> list[tuple[int, int, int, int]]:
+    """Every op as ``(slot, rank, kind, microbatch)``, sorted: a bucket per slot, filled in rank,
+    kind and microbatch order (the same order as sorting the tuples, in linear time)."""
+    horizon = max(slot for rank_slots in slots for stream in rank_slots for slot in stream) + 1
+    buckets: list[list[tuple[int, int, int, int]]] = [[] for _ in range(horizon)]
+    for rank in range(p):
+        for kind, stream in enumerate(slots[rank]):
+            for j, slot in enumerate(stream):
+                buckets[slot].append((slot, rank, kind, j))
+    return [op for bucket in buckets for op in bucket]
+
+
 def squeeze(slots: Slots, explicit_w: bool, p: int) -> Slots:
     """Move warm-up (``explicit_w`` only) and cool-down ops to the earliest free slot after their
     inputs that keeps every rank's peak unit memory at most the pattern's."""
     horizon = max(slot for rank_slots in slots for stream in rank_slots for slot in stream) + 2
     memories = [_UnitMemory(rank_slots, explicit_w, horizon) for rank_slots in slots]
     peak = max(memory.peak for memory in memories)
-    kinds = len(slots[0])
-    order = sorted(
-        (slot, rank, kind, j)
-        for rank in range(p)
-        for kind in range(kinds)
-        for j, slot in enumerate(slots[rank][kind])
-    )
+    order = _slot_order(slots, p)
     occupied: list[set[int]] = [set() for _ in range(p)]
     last_forward = len(slots[0][0]) - 1
     phase = 0
@@ -200,13 +206,7 @@ def squeeze(slots: Slots, explicit_w: bool, p: int) -> Slots:
 def eager_unit_slots(slots: Slots, p: int) -> Slots:
     """Start slots when every op runs as early as its inputs and its rank allow (unit times),
     keeping each rank's order by slot."""
-    kinds = len(slots[0])
-    order = sorted(
-        (slot, rank, kind, j)
-        for rank in range(p)
-        for kind in range(kinds)
-        for j, slot in enumerate(slots[rank][kind])
-    )
+    order = _slot_order(slots, p)
     end: Slots = [[[0] * len(stream) for stream in rank_slots] for rank_slots in slots]
     result: Slots = [[[0] * len(stream) for stream in rank_slots] for rank_slots in slots]
     rank_free = [0] * p
