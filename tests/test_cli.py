@@ -183,3 +183,26 @@ def test_show_writes_a_picture_and_prints_text(capsys, tmp_path):
     assert code == 0 and path.read_text().lstrip().startswith("<?xml")
     code, out, _ = run(capsys, "show", "--schedule", "zb-h1", "-p", "4", "-m", "8")
     assert code == 0 and out.count("rank ") >= 4 and "bubble rate" in out
+
+
+def test_bench_schedulers_prints_build_times(capsys):
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "schedulers",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--rounds",
+        "1",
+        "--schedules",
+        "zb-1p",
+        "zb-v",
+    )
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith("| zb-")]
+    assert [row.split("|")[1].strip() for row in rows] == ["zb-1p", "zb-v"]
+    for row in rows:
+        build_seconds = float(row.split("|")[2])
+        assert build_seconds >= 0

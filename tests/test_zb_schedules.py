@@ -178,12 +178,10 @@ def test_planner_times_match_the_simulator():
     )
     stage_costs = costs.resolve(Placement.loop(4))
     for variant in zb_auto.ALL_VARIANTS:
-        planner = variant.planner(stage_costs, 10)
-        kinds = planner.plan()
-        programs = zb_auto._KindPrograms(kinds).materialise()
-        schedule = build_schedule("zb-auto", 4, 10, costs, variants=(variant,))
-        timeline = simulate(Schedule("x", schedule.placement, 10, programs), stage_costs)
-        assert planner.iteration_time == pytest.approx(timeline.iteration_time, rel=1e-12)
+        plan = variant.planner(stage_costs, 10).plan()
+        timeline = simulate(Schedule("x", stage_costs.placement, 10, plan.programs_as_ops()), stage_costs)
+        assert plan.iteration_time() == pytest.approx(timeline.iteration_time, rel=1e-12)
+        assert plan.peak == pytest.approx(list(timeline.peak_memory), rel=1e-12)
 
 
 def test_zb_auto_is_fast_for_p32_m256():

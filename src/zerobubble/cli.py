@@ -286,6 +286,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         tables = bench.compare_pipelines(
             args.models, args.microbatches, rounds=args.rounds, steps_per_round=args.steps_per_round
         )
+    elif args.benchmark == "schedulers":
+        tables = [bench.scheduler_build_times(args.stages, args.microbatches, args.rounds, args.schedules)]
+        if args.table5:
+            tables.append(bench.schedulers_against_authors())
     elif args.benchmark == "wgrad":
         tables = [
             bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate)
@@ -313,6 +317,14 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     pipelines.add_argument("--microbatches", type=int, default=8)
     pipelines.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
     pipelines.add_argument("--steps-per-round", type=int, default=2)
+    schedulers = kinds.add_parser("schedulers", help="build time of the searching schedulers")
+    schedulers.add_argument("--stages", type=int, default=32)
+    schedulers.add_argument("--microbatches", type=int, default=256)
+    schedulers.add_argument("--rounds", type=int, default=3, help="rounds of interleaved measurements")
+    schedulers.add_argument("--schedules", nargs="+", default=["zb-1p", "zb-2p", "zb-v", "v-half", "v-min"])
+    schedulers.add_argument(
+        "--table5", action="store_true", help="also compare zb-v, v-half, v-min with the authors' on Table 5"
+    )
     wgrad = kinds.add_parser("wgrad", help="T_B + T_W of the B/W split against the fused backward")
     wgrad.add_argument("--rows", nargs="+", type=int, default=[8, 32, 128, 512], help="microbatch rows")
     wgrad.add_argument("--repeats", type=int, default=15)

@@ -40,10 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .costs import CostModel, StageCosts
+from .costs import CostModel, StageCosts, memory_cap
 from .ir import Placement, ScheduleError, check_positive
-
-_MEMORY_TOLERANCE = 1e-9
 
 
 @dataclass(frozen=True)
@@ -128,7 +126,7 @@ def _chains(costs: StageCosts) -> _Chains:
 def _rank_span_bound(costs: StageCosts, m: int, chains: _Chains, rank: int) -> float:
     """``work + idle`` for one rank (see the module docstring)."""
     stages = costs.placement.stages_of(rank)
-    limit = costs.memory_limit[rank] * (1 + _MEMORY_TOLERANCE) + _MEMORY_TOLERANCE
+    limit = memory_cap(costs.memory_limit[rank])
     work = costs.rank_work(rank, m)
     forward_work = m * sum(costs.f[s] for s in stages)
     warm_idle = max(

@@ -14,7 +14,7 @@ from typing import Any
 
 from .bounds import lower_bound
 from .builders import REGISTRY, build_schedule
-from .costs import CostModel
+from .costs import CostModel, within_limit
 from .ir import Schedule, ScheduleError
 from .simulate import Timeline
 from .validate import validate_schedule
@@ -133,7 +133,7 @@ def _row(
         bubble_rate=timeline.bubble_rate,
         bubble_rate_makespan=timeline.bubble_rate_makespan,
         peak_memory=max(timeline.peak_memory_mb),
-        fits_memory=all(peak <= limit * (1 + 1e-9) for peak, limit in zip(timeline.peak_memory, limits)),
+        fits_memory=all(map(within_limit, timeline.peak_memory, limits)),
         lower_bound=bound,
         gap_to_bound=(timeline.iteration_time / bound - 1.0) if bound else None,
         optimal=schedule.meta.get("optimal"),

@@ -192,6 +192,21 @@ class StageCosts:
         return total / p if total > 0 else 1.0
 
 
+#: Relative and absolute slack of every memory-limit comparison (floating-point sums of M_B, M_W).
+MEMORY_TOLERANCE = 1e-9
+
+
+def memory_cap(limit: float) -> float:
+    """The largest activation memory that respects ``limit``: ``limit·(1 + ε) + ε`` with
+    ``ε = MEMORY_TOLERANCE`` (the one rule every builder, the validator and the bounds use)."""
+    return limit * (1 + MEMORY_TOLERANCE) + MEMORY_TOLERANCE
+
+
+def within_limit(level: float, limit: float) -> bool:
+    """Whether an activation-memory ``level`` respects ``limit`` (see :func:`memory_cap`)."""
+    return level <= memory_cap(limit)
+
+
 _LIMIT_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*p\s*$")
 
 

@@ -81,3 +81,41 @@ def _setup(row: dict[str, Any], exact: bool) -> PaperSetup:
         dict(row["bubble_rate"]),
         exact,
     )
+
+
+# The authors' own schedulers on the Table 5 setups: file and field of each schedule's iteration time.
+_AUTHORS_FILES = {
+    "zb-v": ("data/authors_zbv_table5.json", "zbv_iteration_time"),
+    "v-half": ("data/authors_vhalf_vmin_table5.json", "vhalf"),
+    "v-min": ("data/authors_vhalf_vmin_table5.json", "vmin"),
+}
+
+
+@lru_cache(maxsize=4)
+def _authors_file(path: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(resources.files("zerobubble").joinpath(path).read_text())
+    return data
+
+
+def _authors_entry(schedule: str) -> tuple[str, str]:
+    try:
+        return _AUTHORS_FILES[schedule]
+    except KeyError:
+        raise ScheduleError(
+            f"no reference from the authors for {schedule!r}; known: {', '.join(_AUTHORS_FILES)}"
+        ) from None
+
+
+def authors_reference(schedule: str) -> dict[tuple[str, int], float]:
+    """Iteration time of the authors' own ``schedule`` ("zb-v", "v-half", "v-min") on each Table 5
+    setup, keyed by ``(model, microbatches)``, in the unit of the paper's costs."""
+    path, field = _authors_entry(schedule)
+    return {
+        (row["model"], int(row.get("microbatches", row.get("m")))): float(row[field])
+        for row in _authors_file(path)["rows"]
+    }
+
+
+def authors_reference_source(schedule: str) -> str:
+    """How the authors' reference for ``schedule`` was made (the data file's ``source`` field)."""
+    return str(_authors_file(_authors_entry(schedule)[0])["source"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .costs import CostModel, StageCosts
+from .costs import CostModel, StageCosts, within_limit
 from .ir import Kind, Op, Schedule, ScheduleError, dependencies
 from .simulate import DeadlockError, Timeline, simulate
 
@@ -118,11 +118,10 @@ def _check_local_order(schedule: Schedule) -> None:
 
 def _check_memory(timeline: Timeline) -> None:
     limits = timeline.costs.memory_limit
-    tolerance = 1e-9
     for rank, trace in enumerate(timeline.memory):
         limit = limits[rank]
         for i, level in enumerate(trace):
-            if level > limit * (1 + tolerance) + tolerance:
+            if not within_limit(level, limit):
                 op = timeline.schedule.programs[rank][i]
                 raise ValidationError(
                     f"rank {rank}: activation memory reaches {level:g} after {op}, above the limit {limit:g}",

@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass
 
 from ..costs import StageCosts
-from ..ir import B, F, Op, Schedule, W
-from ..simulate import DeadlockError, simulate
+from ..ir import B, F, Op, W
+from .planning import Candidate, as_plan_ops, fixed_candidate
 
 _TOLERANCE = 1e-9
 
@@ -129,27 +129,6 @@ def block_programs(costs: StageCosts, microbatches: int, variant: BlockVariant) 
     return [[_MAKERS[kind](stage, j) for _, _, j, stage, kind in sorted(ops)] for ops in timed]
 
 
-def programs_peak_memory(costs: StageCosts, programs: list[list[Op]]) -> list[float]:
-    """Peak activation memory of each rank running ``programs`` (memory depends on order only)."""
-    peaks = []
-    for ops in programs:
-        level = peak = 0.0
-        for op in ops:
-            level += costs.memory_delta(op)
-            peak = max(peak, level)
-        peaks.append(peak)
-    return peaks
-
-
-def fits_memory(costs: StageCosts, programs: list[list[Op]]) -> bool:
-    """Whether every rank's peak stays within its memory limit."""
-    peaks = programs_peak_memory(costs, programs)
-    return all(
-        peak <= limit * (1 + _TOLERANCE) + _TOLERANCE or math.isinf(limit)
-        for peak, limit in zip(peaks, costs.memory_limit)
-    )
-
-
 # Candidate blocks, most often best first.  Intervals below one rank's work make the modulo picture
 # overlap a little; the simulator's compression turns that into shorter lifespans at full rate.
 BLOCK_VARIANTS: tuple[BlockVariant, ...] = (
@@ -162,23 +141,10 @@ BLOCK_VARIANTS: tuple[BlockVariant, ...] = (
 )
 
 
-def best_block(
-    costs: StageCosts, microbatches: int, variants: tuple[BlockVariant, ...] = BLOCK_VARIANTS
-) -> tuple[float, list[list[Op]], BlockVariant] | None:
-    """The block schedule with the shortest iteration time within ``costs.memory_limit``, or None.
-
-    Returns ``(iteration time, programs, variant)``; a variant whose programs exceed the memory limit
-    is skipped before it is simulated.
-    """
-    best = None
-    for variant in variants:
-        programs = block_programs(costs, microbatches, variant)
-        if not fits_memory(costs, programs):
-            continue
-        try:
-            timeline = simulate(Schedule("block", costs.placement, microbatches, programs), costs)
-        except DeadlockError:  # zero-length ops can tie in the block order; skip such a variant
-            continue
-        if best is None or timeline.iteration_time < best[0] * (1 - _TOLERANCE):
-            best = (timeline.iteration_time, programs, variant)
-    return best
+def block_candidate(costs: StageCosts, microbatches: int, variant: BlockVariant) -> Candidate:
+    """One building block as a search candidate (skipped when it exceeds the memory limit)."""
+    label = f"block-{variant.interval_factor:g}-depth{variant.depth}-w{variant.eager_w}"
+    label += "" if variant.packed else "-unpacked"
+    return fixed_candidate(
+        "block", label, costs, microbatches, lambda: as_plan_ops(block_programs(costs, microbatches, variant))
+    )

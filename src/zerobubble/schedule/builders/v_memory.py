@@ -11,25 +11,27 @@ V-Half        ⌊(p+2)/2⌋                              ≈ p/(2m)  (half of 1F
 V-Min         ⌊(p+4)/3⌋                              ≈ 2p/(3m) (two thirds)
 ============  =====================================  ==========================
 
-Here the same V greedy as ZB-V (:func:`.zb_v.search_v_schedule`) is run with those memory
-figures as the limit on every rank, and with policies that cap each rank's chunk-0 lifespan at the
-count a full-throughput V block needs (``lifespan_slack``), which spreads the scarce activations
-evenly instead of letting the warm-up take them all, and with policies that inject microbatches at
-the blocks' steady rhythm (``pace``).  The paper's own construction, a repeated building block
-(:mod:`.v_blocks`), is built under the same limit too, and the shorter iteration time wins: with
-realistic costs (T_W < T_F, T_comm > 0, M_W > 0) the block usually does.  A user's own
-``costs.memory_limit`` still applies where it is smaller.  ``Schedule.meta`` records the limit used
-and the construction chosen (``meta["policy"]["planner"]``: ``"block"``, ``"greedy"`` or ``"rounds"``).
+With those figures as the limit on every rank, one search (:func:`.planning.search`) compares, in
+this order: the authors' own squeezed pattern (:mod:`.v_pattern`), so the result is never slower
+than their order; our building blocks modulo-scheduled at the real costs (:mod:`.v_blocks`); and
+the V greedy of ZB-V (:mod:`.zb_v`) with policies that cap each rank's chunk-0 lifespan at the
+count a full-throughput V block needs (``lifespan_slack``) or inject microbatches at the blocks'
+steady rhythm (``pace``).  The shortest iteration time wins; the search stops at the analytic lower
+bound or when its op budget is spent (large problems try the pattern only).  A user's own
+``costs.memory_limit`` still applies where it is smaller.  ``Schedule.meta`` records the limit used,
+``memory_microbatches`` and the winner (``meta["planner"]``: ``"pattern"``, ``"block"`` or
+``"greedy"``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
+from ..bounds import lower_bound
 from ..costs import CostModel
 from ..ir import Placement, Schedule, ScheduleError
-from .v_blocks import best_block
-from .zb_v import VPolicy, search_v_schedule
+from .planning import check_one_microbatch_fits, search
+from .v_blocks import BLOCK_VARIANTS, block_candidate
+from .v_pattern import pattern_candidates
+from .zb_v import VPolicy, v_candidates
 
 _ORDERS = (("B1", "B0", "F1", "F0"), ("B1", "F1", "B0", "F0"), ("F1", "B1", "B0", "F0"))
 
@@ -61,8 +63,10 @@ MEMORY_POLICIES: tuple[VPolicy, ...] = _LEADING + tuple(
 )
 
 
-# Past this many stage-microbatches (p·m) the greedy tries only its leading policy.
-_FULL_SEARCH_SIZE = 2048
+#: Op placements (or simulated ops) one V-Half / V-Min search may spend before it stops trying
+#: further candidates: at p = 32, m = 256 the authors' pattern alone (6·p·m = 49,152 ops); smaller
+#: problems try every candidate.
+OP_BUDGET = 40_000
 
 
 def half_memory_microbatches(stages: int) -> int:
@@ -96,16 +100,17 @@ def build_with_memory(
             own = resolved.memory_limit[rank] if resolved.memory_limit[rank] < float("inf") else 1.0
         limits.append(min(own, resolved.memory_limit[rank]))
     planned = costs.with_memory_limit(limits)
-    meta = {"memory_microbatches": microbatches_in_memory}
-    # the block wins on large problems; the greedy then tries only its leading policy (build time)
-    policies = MEMORY_POLICIES if stages * microbatches <= _FULL_SEARCH_SIZE else MEMORY_POLICIES[:1]
-    searched = search_v_schedule(name, stages, microbatches, planned, policies, meta)
-    block = best_block(planned.resolve(placement), microbatches)
-    if block is None or block[0] >= searched.meta["iteration_time"]:
-        return searched
-    iteration, programs, variant = block
-    info = {**searched.meta, "policy": {"planner": "block", **asdict(variant)}, "iteration_time": iteration}
-    return Schedule(name, placement, microbatches, programs, info)
+    resolved = planned.resolve(placement)
+    check_one_microbatch_fits(resolved, name)
+    floor = lower_bound(stages, microbatches, planned, placement=placement)
+    candidates = [
+        *pattern_candidates(resolved, microbatches, name),
+        *(block_candidate(resolved, microbatches, variant) for variant in BLOCK_VARIANTS),
+        *v_candidates(resolved, microbatches, MEMORY_POLICIES),
+    ]
+    return search(
+        name, resolved, microbatches, candidates, OP_BUDGET, floor, memory_microbatches=microbatches_in_memory
+    )
 
 
 def _check_chunks(name: str, chunks: int) -> None:

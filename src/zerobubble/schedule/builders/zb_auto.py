@@ -17,7 +17,8 @@ while keeping the exact start and end time of every op it places (the same arith
 3. **Drain.**  When forwards and B ops are exhausted the remaining W ops run.
 
 The binary choices (how the warm-up meets the first B, whether B may pre-empt a forward, whether
-short gaps are filled) give eight greedy variants.  Four variants of an event-driven list scheduler
+short gaps are filled) give eight greedy variants (the one that meets the lower bound on the
+paper's Table 5 rows at p·M_B first).  Four variants of an event-driven list scheduler
 join them (our addition: a free rank runs the most urgent op whose input has arrived, forwards only
 within the memory limit); it adapts to real arrival times and does much better than the round-based
 greedy when the limit is below ``p·M_B`` and throttles the pipeline (on the paper's 1.5B setup at
@@ -28,10 +29,11 @@ worse than any of them; the candidate with the shortest iteration time wins and
 always exists once one microbatch (``max(M_B, M_W)`` of the stage) fits on every rank; below that
 the builder raises :class:`ScheduleError`.
 
-Both planners time every op with the simulator's arithmetic, so their iteration times are exact;
-the fallbacks are simulated, and so is the winner once more.  Each variant places ``3·p·m`` ops
-with amortised O(1) (greedy) or O(log p) (list) work per op: p = 32, m = 256 takes about 0.8 s of
-CPU for the whole search.
+Both planners keep only their decisions: the shared planning core (:mod:`.planning`) places and
+times every op exactly as the simulator does, and replays the fixed fallbacks.  The search
+(:func:`.planning.search`) stops as soon as a candidate meets the analytic lower bound or an op
+budget is spent; each variant places ``3·p·m`` ops with amortised O(1) (greedy) or O(log p) (list)
+work per op, so p = 32, m = 256 builds in about a tenth of a second (docs/planning.md).
 
 ``M_W ≤ M_B`` is assumed for the guarantee against 1F1B: with ``M_W > M_B`` a split backward needs
 more memory than the fused one, and a limit that fits 1F1B may not fit any split schedule as fast.
@@ -42,23 +44,29 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
-from ..costs import CostModel, StageCosts
+from ..bounds import lower_bound
+from ..costs import CostModel, StageCosts, within_limit
 from ..ir import B, F, Op, Placement, Schedule, ScheduleError, W
-from ..simulate import simulate
+from .planning import (
+    Candidate,
+    Planned,
+    PlanOp,
+    PlanState,
+    Stuck,
+    as_plan_ops,
+    check_one_microbatch_fits,
+    fixed_candidate,
+    search,
+)
 from .zb_handcrafted import rank_program as zb_h_program
 
-_RELATIVE_TOLERANCE = 1e-9
-
-
-def _fits(level: float, limit: float) -> bool:
-    """Whether a memory level respects a limit, with the validator's floating-point tolerance."""
-    return level <= limit * (1 + _RELATIVE_TOLERANCE) + _RELATIVE_TOLERANCE
-
-
-class _NoRoom(Exception):
-    """A greedy variant painted itself into a corner: memory is full and no W is pending."""
+#: Op placements one zb-auto search may spend before it stops trying further candidates: two
+#: planner runs at p = 32, m = 256 (3·p·m = 24,576 ops each); smaller problems try every candidate.
+OP_BUDGET = 50_000
 
 
 @dataclass(frozen=True)
@@ -89,131 +97,77 @@ class Variant:
         )
 
 
-GREEDY_VARIANTS = tuple(Variant(*choice) for choice in itertools.product((True, False), repeat=3))
+# Most often best first: on the paper's Table 5 rows the first meets the lower bound at p·M_B
+# (zb-1p) and the second is the best at 2p·M_B (zb-2p) on the deepest rows.
+_LEADING_VARIANTS = (Variant(True, True, False), Variant(True, True, True))
+GREEDY_VARIANTS = _LEADING_VARIANTS + tuple(
+    variant
+    for variant in (Variant(*choice) for choice in itertools.product((True, False), repeat=3))
+    if variant not in _LEADING_VARIANTS
+)
 
 
 class _Planner:
-    """Builds all ranks' programs for one :class:`Variant`, timing every op as it is placed."""
+    """Builds all ranks' programs for one :class:`Variant` on a :class:`.planning.PlanState`.
+
+    Only the decisions live here (which op, how many warm-up forwards, when a W fills a gap); the
+    state places and times the ops.
+    """
 
     def __init__(self, costs: StageCosts, microbatches: int, variant: Variant):
-        p = costs.placement.num_ranks
-        self.p, self.m, self.variant = p, microbatches, variant
-        self.cost = {"F": costs.f, "B": costs.b, "W": costs.w}
-        self.delta = {
-            "F": costs.mem_b,
-            "B": tuple(w - b for b, w in zip(costs.mem_b, costs.mem_w)),
-            "W": tuple(-w for w in costs.mem_w),
-        }
-        self.comm = costs.comm
-        self.limit = costs.memory_limit
-        self.count = {"F": [0] * p, "B": [0] * p, "W": [0] * p}
-        self.clock = [0.0] * p
-        self.first_start = [0.0] * p
-        self.memory = [0.0] * p
-        self.idle = [0.0] * p
-        self.max_idle = 0.0
-        self.end_f: list[list[float]] = [[] for _ in range(p)]
-        self.end_b: list[list[float]] = [[] for _ in range(p)]
-        # Each kind runs its microbatches in order, so a rank's program is its sequence of kinds.
-        self.kinds: list[list[str]] = [[] for _ in range(p)]
+        self.state = PlanState(costs, microbatches)
+        self.p, self.m, self.variant = costs.placement.num_ranks, microbatches, variant
+        self.forwards = [0] * self.p
+        self.backwards = [0] * self.p
 
-    def plan(self) -> list[list[str]]:
-        """Run warm-up, steady rounds and drain; return each rank's sequence of kinds."""
+    def plan(self) -> PlanState:
+        """Run warm-up, steady rounds and drain (raises :class:`.planning.Stuck` when stuck)."""
         self._warm_up()
         for i in range(1, self.m):
             self._steady_round(i)
         for rank in range(self.p):
-            self._drain(rank)
-        return self.kinds
-
-    @property
-    def iteration_time(self) -> float:
-        """Max over ranks of last end − first start; equals ``simulate(...).iteration_time``."""
-        return max(end - start for start, end in zip(self.first_start, self.clock))
+            self.state.drain(rank)
+        return self.state
 
     # -- placing one op ------------------------------------------------------------------------
 
-    def _put(self, rank: int, kind: str, ready: float) -> None:
-        """Append the next op of ``kind`` to ``rank``; its input is available at ``ready``."""
-        counts = self.count[kind]
-        start = max(self.clock[rank], ready)
-        if self.kinds[rank]:
-            self.idle[rank] += start - self.clock[rank]
-            self.max_idle = max(self.max_idle, self.idle[rank])
-        else:
-            self.first_start[rank] = start
-        end = start + self.cost[kind][rank]
-        self.clock[rank] = end
-        self.memory[rank] += self.delta[kind][rank]
-        counts[rank] += 1
-        self.kinds[rank].append(kind)
-        if kind == "F":
-            self.end_f[rank].append(end)
-        elif kind == "B":
-            self.end_b[rank].append(end)
-
-    def _pending_w(self, rank: int) -> bool:
-        return self.count["W"][rank] < self.count["B"][rank]
-
-    def _put_w(self, rank: int) -> None:
-        self._put(rank, "W", 0.0)
-
-    def _make_room(self, rank: int, kind: str) -> None:
-        """Run W ops until the next ``kind`` op fits in the memory limit."""
-        growth = self.delta[kind][rank]
-        while not _fits(self.memory[rank] + growth, self.limit[rank]):
-            if not self._pending_w(rank):
-                raise _NoRoom
-            self._put_w(rank)
-
     def _fill_gap(self, rank: int, ready: float) -> None:
         """Fill the wait until ``ready`` with W ops (the paper's "W into every gap")."""
-        w = self.cost["W"][rank]
-        while self._pending_w(rank) and self.clock[rank] + w <= ready:
-            self._put_w(rank)
-        if self._pending_w(rank) and self.clock[rank] < ready:
-            leaves_rank_idlest = ready - self.clock[rank] > self.max_idle - self.idle[rank]
+        state = self.state
+        state.fill_gap(rank, ready)
+        if state.has_weight(rank) and state.clock[rank] < ready:
+            leaves_rank_idlest = ready - state.clock[rank] > state.max_idle - state.idle[rank]
             if leaves_rank_idlest or self.variant.fill_small_gaps:
-                self._put_w(rank)
-
-    def _forward_ready(self, rank: int) -> float:
-        if rank == 0:
-            return 0.0
-        return self.end_f[rank - 1][self.count["F"][rank]] + self.comm[rank - 1]
-
-    def _backward_ready(self, rank: int, microbatch: int) -> float:
-        if rank == self.p - 1:
-            return 0.0
-        return self.end_b[rank + 1][microbatch] + self.comm[rank]
+                state.put_weight(rank)
 
     def _place_forward(self, rank: int) -> None:
-        self._make_room(rank, "F")
-        ready = self._forward_ready(rank)
+        state = self.state
+        j = self.forwards[rank]
+        state.make_room(rank, state.mem_b[rank])
         if rank > 0:
-            self._fill_gap(rank, ready)
-        self._put(rank, "F", ready)
+            self._fill_gap(rank, state.forward_arrival(rank, j))
+        state.put_forward(rank, rank, j)
+        self.forwards[rank] = j + 1
 
     def _place_backward(self, rank: int, microbatch: int) -> None:
-        self._make_room(rank, "B")
-        ready = self._backward_ready(rank, microbatch)
+        state = self.state
+        state.make_room(rank, state.mem_w[rank] - state.mem_b[rank])
         if rank < self.p - 1:
-            self._fill_gap(rank, ready)
-        if rank == 0 and self.count["F"][0] == self.m:
+            self._fill_gap(rank, state.backward_arrival(rank, microbatch))
+        if rank == 0 and self.forwards[0] == self.m:
             # Nobody waits for the first stage's B: in the cool-down its W ops may go first.
-            self._drain(rank)
-        self._put(rank, "B", ready)
-
-    def _drain(self, rank: int) -> None:
-        while self._pending_w(rank):
-            self._put_w(rank)
+            state.drain(rank)
+        state.put_backward(rank, rank, microbatch)
+        self.backwards[rank] += 1
 
     # -- phases --------------------------------------------------------------------------------
 
     def _warm_up(self) -> None:
         """Microbatch 0 through the pipeline, with as many forwards as fit before its B returns."""
-        p = self.p
+        p, state = self.p, self.state
         for rank in range(p):
-            self._put(rank, "F", self._forward_ready(rank))
+            state.put_forward(rank, rank, 0)
+            self.forwards[rank] = 1
         extra = self._warm_up_counts()
         for rank in range(p):
             for _ in range(extra[rank]):
@@ -223,15 +177,16 @@ class _Planner:
 
     def _warm_up_counts(self) -> list[int]:
         """Extra warm-up forwards per rank, estimated from the last rank backwards."""
-        p, f, b = self.p, self.cost["F"], self.cost["B"]
+        p, state = self.p, self.state
+        f, b, hop = state.f, state.b, state.hop
         extra = [0] * p
-        b_done = self.clock[p - 1] + b[p - 1]
+        b_done = state.clock[p - 1] + b[p - 1]
         for rank in range(p - 2, -1, -1):
-            arrival = b_done + self.comm[rank]
-            clock, level = self.clock[rank], self.memory[rank]
-            b_growth = max(0.0, self.delta["B"][rank])
-            f_growth = self.delta["F"][rank]
-            while 1 + extra[rank] < self.m and _fits(level + f_growth + b_growth, self.limit[rank]):
+            arrival = b_done + hop[rank]
+            clock, level = state.clock[rank], state.memory[rank]
+            b_growth = max(0.0, state.mem_w[rank] - state.mem_b[rank])
+            f_growth = state.mem_b[rank]
+            while 1 + extra[rank] < self.m and within_limit(level + f_growth + b_growth, state.limit[rank]):
                 if self.variant.tight_warmup and clock + f[rank] > arrival:
                     break
                 if not self.variant.tight_warmup and clock >= arrival:
@@ -248,7 +203,7 @@ class _Planner:
 
     def _steady_round(self, microbatch: int) -> None:
         p = self.p
-        wants = [self.count["F"][rank] < self.m and not self._skip_forward(rank) for rank in range(p)]
+        wants = [self.forwards[rank] < self.m and not self._skip_forward(rank) for rank in range(p)]
         for rank in range(p - 2, -1, -1):
             wants[rank] = wants[rank] and wants[rank + 1]
         for rank in range(p):
@@ -259,26 +214,27 @@ class _Planner:
 
     def _skip_forward(self, rank: int) -> bool:
         """Whether ``rank`` should let its B pre-empt this round's forward (``prioritize_b``)."""
-        nf = self.count["F"]
+        nf, state = self.forwards, self.state
         if not self.variant.prioritize_b or rank == self.p - 1 or nf[rank] < nf[rank + 1] + 2:
             return False
         nxt = rank + 1
-        b_due = self.clock[nxt] + self.cost["F"][nxt] + self.cost["B"][nxt] + self.comm[rank]
-        clock = self.clock[rank]
+        b_due = state.clock[nxt] + state.f[nxt] + state.b[nxt] + state.hop[rank]
+        clock = state.clock[rank]
         if clock >= b_due:
             return True
-        if clock + self.cost["F"][rank] + self._room_time(rank) <= b_due:
+        if clock + state.f[rank] + self._room_time(rank) <= b_due:
             return False
-        return b_due - clock <= self.max_idle - self.idle[rank]
+        return b_due - clock <= state.max_idle - state.idle[rank]
 
     def _room_time(self, rank: int) -> float:
         """Time of the W ops ``rank`` would have to run before its next forward fits in memory."""
-        level = self.memory[rank] + self.delta["F"][rank]
-        pending = self.count["B"][rank] - self.count["W"][rank]
+        state = self.state
+        level = state.memory[rank] + state.mem_b[rank]
+        pending = len(state.pending_w[rank])
         spent = 0.0
-        while pending and not _fits(level, self.limit[rank]):
-            level += self.delta["W"][rank]
-            spent += self.cost["W"][rank]
+        while pending and not within_limit(level, state.limit[rank]):
+            level -= state.mem_w[rank]
+            spent += state.w[rank]
             pending -= 1
         return spent
 
@@ -318,167 +274,128 @@ class _ListScheduler:
     all ops that started earlier.  A forward runs only when it fits the memory limit (after W ops if
     those make room); with nothing ready a pending W runs when it ends before the next input is
     expected.  Unlike the round-based planner the order adapts to the real arrival times, which
-    matters most when the limit is below ``p·M_B`` and throttles the pipeline.
+    matters most when the limit is below ``p·M_B`` and throttles the pipeline.  The ops are placed
+    and timed by a :class:`.planning.PlanState`.
     """
 
     def __init__(self, costs: StageCosts, microbatches: int, variant: ListVariant):
-        p = costs.placement.num_ranks
-        self.p, self.m, self.variant = p, microbatches, variant
-        self.f, self.b, self.w, self.comm = costs.f, costs.b, costs.w, costs.comm
-        self.growth = {"F": costs.mem_b, "B": tuple(w - b for b, w in zip(costs.mem_b, costs.mem_w))}
-        self.release_w = costs.mem_w
+        self.state = state = PlanState(costs, microbatches)
+        p = self.p = costs.placement.num_ranks
+        self.m, self.variant = microbatches, variant
+        b_growth = tuple(w - b for b, w in zip(costs.mem_b, costs.mem_w))
         # A forward must leave room for its own B when B grows memory (M_W > M_B), or ranks can
         # fill up with forwards whose B never fits.
-        b_growth = tuple(max(0.0, growth) for growth in self.growth["B"])
-        self.reserve = {"F": tuple(f + b for f, b in zip(costs.mem_b, b_growth)), "B": self.growth["B"]}
-        self.limit = costs.memory_limit
-        self.count = {"F": [0] * p, "B": [0] * p, "W": [0] * p}
-        self.clock = [0.0] * p
-        self.first_start = [0.0] * p
-        self.memory = [0.0] * p
-        self.end_f: list[list[float]] = [[] for _ in range(p)]
-        self.end_b: list[list[float]] = [[] for _ in range(p)]
-        self.kinds: list[list[str]] = [[] for _ in range(p)]
+        self.reserve = (
+            tuple(f + max(0.0, growth) for f, growth in zip(costs.mem_b, b_growth)),
+            b_growth,
+        )
+        self.forwards = [0] * p
+        self.backwards = [0] * p
+        self.weights = [0] * p
+        self.clock = state.clock
         self.wakeups: list[tuple[float, int]] = [(0.0, rank) for rank in range(p)]
 
-    def plan(self) -> list[list[str]]:
-        """Schedule every op; return each rank's sequence of kinds (raises :class:`_NoRoom` if stuck)."""
-        done_w = self.count["W"]
+    def plan(self) -> PlanState:
+        """Schedule every op (raises :class:`.planning.Stuck` if stuck)."""
+        done_w = self.weights
         while self.wakeups:
             time, rank = heapq.heappop(self.wakeups)
             if time >= self.clock[rank] and done_w[rank] < self.m:
                 self._decide(rank, time)
         if any(done < self.m for done in done_w):
-            raise _NoRoom
-        return self.kinds
-
-    @property
-    def iteration_time(self) -> float:
-        """Max over ranks of last end − first start; equals ``simulate(...).iteration_time``."""
-        return max(end - start for start, end in zip(self.first_start, self.clock))
+            raise Stuck
+        return self.state
 
     def _forward_arrival(self, rank: int) -> float | None:
-        j = self.count["F"][rank]
+        j = self.forwards[rank]
         if j >= self.m:
             return None
-        if rank == 0:
-            return 0.0
-        ends = self.end_f[rank - 1]
-        return ends[j] + self.comm[rank - 1] if j < len(ends) else None
+        arrival = self.state.forward_arrival(rank, j)
+        return arrival if arrival >= 0 else None
 
     def _backward_arrival(self, rank: int) -> float | None:
-        j = self.count["B"][rank]
-        if j >= self.count["F"][rank]:
+        j = self.backwards[rank]
+        if j >= self.forwards[rank]:
             return None
-        if rank == self.p - 1:
-            return self.end_f[rank][j]
-        ends = self.end_b[rank + 1]
-        return ends[j] + self.comm[rank] if j < len(ends) else None
+        arrival = self.state.backward_arrival(rank, j)
+        return arrival if arrival >= 0 else None
 
     def _next_arrivals(self, rank: int, now: float) -> tuple[float | None, float | None]:
         """The next known input arrival after ``now``, and the earliest one that may still come
         (known, or estimated from a neighbour's next op for inputs not yet produced)."""
+        state = self.state
         known, estimated = [], []
         forward, backward = self._forward_arrival(rank), self._backward_arrival(rank)
         if forward is not None:
             known.append(forward)
-        elif rank > 0 and self.count["F"][rank] < self.m:
-            estimated.append(max(self.clock[rank - 1], now) + self.f[rank - 1] + self.comm[rank - 1])
+        elif rank > 0 and self.forwards[rank] < self.m:
+            estimated.append(max(self.clock[rank - 1], now) + state.f[rank - 1] + state.hop[rank - 1])
         if backward is not None:
             known.append(backward)
-        elif rank < self.p - 1 and self.count["B"][rank] < self.count["F"][rank]:
-            estimated.append(max(self.clock[rank + 1], now) + self.b[rank + 1] + self.comm[rank])
+        elif rank < self.p - 1 and self.backwards[rank] < self.forwards[rank]:
+            estimated.append(max(self.clock[rank + 1], now) + state.b[rank + 1] + state.hop[rank])
         later_known = [time for time in known if time > now]
         later = later_known + [time for time in estimated if time > now]
         return (min(later_known) if later_known else None), (min(later) if later else None)
 
     def _w_needed(self, rank: int, growth: float) -> int | None:
         """W ops to run before an op growing memory by ``growth`` fits; None when they cannot make room."""
-        level, limit = self.memory[rank] + growth, self.limit[rank]
-        if _fits(level, limit):
+        state = self.state
+        level, limit = state.memory[rank] + growth, state.limit[rank]
+        if within_limit(level, limit):
             return 0
-        pending = self.count["B"][rank] - self.count["W"][rank]
-        release = self.release_w[rank]
+        pending = len(state.pending_w[rank])
+        release = state.mem_w[rank]
         if release <= 0:
             return None
         shortfall = (level - limit) / release
         if shortfall > pending:  # also catches an overflow to inf for a vanishing release
             return None
         needed = max(1, math.ceil(shortfall - 1e-12))
-        while needed <= pending and not _fits(level - needed * release, limit):
+        while needed <= pending and not within_limit(level - needed * release, limit):
             needed += 1
         return needed if needed <= pending else None
 
     def _decide(self, rank: int, now: float) -> None:
-        ready = {}
-        for kind, arrival in (("B", self._backward_arrival(rank)), ("F", self._forward_arrival(rank))):
+        ready: dict[int, int] = {}  # 0 forward, 1 backward -> W ops needed first
+        for kind, arrival in ((1, self._backward_arrival(rank)), (0, self._forward_arrival(rank))):
             if arrival is not None and arrival <= now:
                 needed = self._w_needed(rank, self.reserve[kind][rank])
                 if needed is not None:
-                    ready[kind] = (needed, arrival)
+                    ready[kind] = needed
         if ready:
-            kind = "B" if "B" in ready and (self.variant.backward_first or "F" not in ready) else "F"
-            needed, arrival = ready[kind]
-            if needed:
-                self._run(rank, "W", 0.0)
-            else:
-                self._run(rank, kind, arrival)
+            kind = 1 if 1 in ready and (self.variant.backward_first or 0 not in ready) else 0
+            self._run(rank, 2 if ready[kind] else kind)
             return
         known, expected = self._next_arrivals(rank, now)
-        pending_w = self.count["W"][rank] < self.count["B"][rank]
-        if pending_w and (expected is None or expected - now >= self.w[rank] or self.variant.fill_small_gaps):
-            self._run(rank, "W", 0.0)
+        pending_w = self.weights[rank] < self.backwards[rank]
+        if pending_w and (
+            expected is None or expected - now >= self.state.w[rank] or self.variant.fill_small_gaps
+        ):
+            self._run(rank, 2)
         elif known is not None:
             # Only known arrivals schedule a wake-up (so the loop always ends); a neighbour's op
             # wakes the rank for inputs not yet known.
             heapq.heappush(self.wakeups, (known, rank))
 
-    def _run(self, rank: int, kind: str, arrival: float) -> None:
-        """Run the next ``kind`` op at the simulator's time: when the rank is free and its input is in
-        (a W decided while the rank idled thus fills the idle time before it)."""
-        start = max(self.clock[rank], arrival)
-        if not self.kinds[rank]:
-            self.first_start[rank] = start
-        duration = {"F": self.f, "B": self.b, "W": self.w}[kind][rank]
-        end = start + duration
-        self.clock[rank] = end
-        self.count[kind][rank] += 1
-        self.kinds[rank].append(kind)
-        heapq.heappush(self.wakeups, (end, rank))
-        if kind == "F":
-            self.memory[rank] += self.growth["F"][rank]
-            self.end_f[rank].append(end)
+    def _run(self, rank: int, kind: int) -> None:
+        """Run the next op of ``kind`` (0 F, 1 B, 2 W) at the simulator's time (a W decided while
+        the rank idled thus fills the idle time before it), and wake the ranks it concerns."""
+        state = self.state
+        if kind == 0:
+            end = state.put_forward(rank, rank, self.forwards[rank])
+            self.forwards[rank] += 1
             if rank + 1 < self.p:
-                heapq.heappush(self.wakeups, (max(end + self.comm[rank], self.clock[rank + 1]), rank + 1))
-        elif kind == "B":
-            self.memory[rank] += self.growth["B"][rank]
-            self.end_b[rank].append(end)
+                heapq.heappush(self.wakeups, (max(end + state.hop[rank], self.clock[rank + 1]), rank + 1))
+        elif kind == 1:
+            end = state.put_backward(rank, rank, self.backwards[rank])
+            self.backwards[rank] += 1
             if rank > 0:
-                heapq.heappush(self.wakeups, (max(end + self.comm[rank - 1], self.clock[rank - 1]), rank - 1))
+                heapq.heappush(self.wakeups, (max(end + state.hop[rank - 1], self.clock[rank - 1]), rank - 1))
         else:
-            self.memory[rank] -= self.release_w[rank]
-
-
-def _ops(rank: int, kinds: list[str]) -> list[Op]:
-    """Turn a rank's sequence of kinds into ops (each kind takes its microbatches in order)."""
-    make = {"F": F, "B": B, "W": W}
-    counts = {"F": 0, "B": 0, "W": 0}
-    ops = []
-    for kind in kinds:
-        ops.append(make[kind](rank, counts[kind]))
-        counts[kind] += 1
-    return ops
-
-
-@dataclass(frozen=True)
-class _KindPrograms:
-    """A greedy variant's programs as kind sequences, turned into ops only if the variant wins."""
-
-    kinds: list[list[str]]
-
-    def materialise(self) -> list[list[Op]]:
-        """One list of ops per rank."""
-        return [_ops(rank, kinds) for rank, kinds in enumerate(self.kinds)]
+            end = state.put_weight(rank)
+            self.weights[rank] += 1
+        heapq.heappush(self.wakeups, (end, rank))
 
 
 def _capped_1f1b_program(rank: int, stages: int, microbatches: int, warmup: int) -> list[Op]:
@@ -499,7 +416,7 @@ def _capped_1f1b(costs: StageCosts, microbatches: int) -> list[list[Op]]:
         mem_b, mem_w, limit = costs.mem_b[rank], costs.mem_w[rank], costs.memory_limit[rank]
         room = limit - max(mem_b, mem_w)
         cap = p - 1 - rank if mem_b <= 0 or math.isinf(limit) else int(room // mem_b)
-        while cap > 0 and not _fits(cap * mem_b + max(mem_b, mem_w), limit):
+        while cap > 0 and not within_limit(cap * mem_b + max(mem_b, mem_w), limit):
             cap -= 1
         # A rank may not warm up further than the rank before it, or the two wait on each other.
         warmup = max(0, min(cap, p - 1 - rank, microbatches, previous))
@@ -508,54 +425,40 @@ def _capped_1f1b(costs: StageCosts, microbatches: int) -> list[list[Op]]:
     return programs
 
 
-def check_memory_feasible(costs: StageCosts) -> None:
-    """Raise :class:`ScheduleError` when some rank's limit cannot hold even one microbatch."""
-    for rank in range(costs.placement.num_ranks):
-        need = max(costs.mem_b[rank], costs.mem_w[rank])
-        limit = costs.memory_limit[rank]
-        if not _fits(need, limit):
-            raise ScheduleError(
-                f"memory limit {limit:g} on rank {rank} is below the {need:g} that one microbatch needs "
-                f"there (M_B of that stage); raise the memory limit to at least {need:g}"
-            )
-
-
-def _memory_fits(programs: list[list[Op]], costs: StageCosts) -> bool:
-    """Whether every rank's activation memory stays within its limit (summed as the simulator does)."""
-    for rank, program in enumerate(programs):
-        level, limit = 0.0, costs.memory_limit[rank]
-        for op in program:
-            level += costs.memory_delta(op)
-            if not _fits(level, limit):
-                return False
-    return True
-
-
-def _candidates(costs: StageCosts, microbatches: int, variants: tuple[Variant | ListVariant, ...]):
-    """Yield ``(label, iteration time, programs)`` for each greedy variant that succeeds and each
-    fallback that fits the limit; a greedy variant's programs are a lazy :class:`_KindPrograms`.
-
-    The greedy planner times its ops with the simulator's arithmetic, so its iteration time is
-    exact; the fallbacks are simulated.
-    """
-    placement = costs.placement
-    p = placement.num_ranks
-    for variant in variants:
+def _planner_candidate(costs: StageCosts, microbatches: int, variant: Variant | ListVariant) -> Candidate:
+    def run(bound: float) -> Planned | None:
         planner = variant.planner(costs, microbatches)
         try:
-            programs = planner.plan()
-        except _NoRoom:
-            continue
-        yield variant.label, planner.iteration_time, _KindPrograms(programs)
-    fallbacks = [
-        (label, [zb_h_program(rank, p, microbatches, depth) for rank in range(p)])
-        for label, depth in (("zb-h1", 1), ("zb-h2", 2))
-    ]
-    fallbacks.append(("1f1b-split", _capped_1f1b(costs, microbatches)))
-    for label, programs in fallbacks:
-        if _memory_fits(programs, costs):
-            timeline = simulate(Schedule(label, placement, microbatches, programs), costs)
-            yield label, timeline.iteration_time, programs
+            return Planned.of(planner.plan())
+        except Stuck:
+            return None
+
+    return Candidate("list" if isinstance(variant, ListVariant) else "greedy", variant.label, run)
+
+
+def _candidates(
+    costs: StageCosts, microbatches: int, variants: tuple[Variant | ListVariant, ...]
+) -> Iterator[Candidate]:
+    """The planners' variants, then the handcrafted ZB-H1, ZB-H2 and the memory-capped 1F1B with
+    split backward (each skipped when it exceeds the limit)."""
+    p = costs.placement.num_ranks
+    for variant in variants:
+        yield _planner_candidate(costs, microbatches, variant)
+    for label, depth in (("zb-h1", 1), ("zb-h2", 2)):
+        yield fixed_candidate(
+            "handcrafted", label, costs, microbatches, partial(_handcrafted, p, microbatches, depth)
+        )
+    yield fixed_candidate(
+        "handcrafted",
+        "1f1b-split",
+        costs,
+        microbatches,
+        lambda: as_plan_ops(_capped_1f1b(costs, microbatches)),
+    )
+
+
+def _handcrafted(p: int, microbatches: int, depth: int) -> list[list[PlanOp]]:
+    return as_plan_ops([zb_h_program(rank, p, microbatches, depth) for rank in range(p)])
 
 
 def build(
@@ -567,27 +470,18 @@ def build(
 ) -> Schedule:
     """The best zero-bubble schedule the §3.1 heuristic finds under ``costs.memory_limit``.
 
-    Among all candidates (see the module docstring) the one with the shortest iteration time wins.
-    ``meta`` records its label (``variant``), its simulated ``iteration_time``, how many candidates
-    were compared and the per-rank ``memory_limit`` (None = unlimited).  ``variants`` restricts the
-    search (the fallbacks always take part).  Raises :class:`ScheduleError` when the limit cannot
-    hold one microbatch on some rank.
+    Among all candidates (see the module docstring) the one with the shortest iteration time wins;
+    the search stops early when a candidate meets the analytic lower bound.  ``meta`` follows
+    :func:`.planning.schedule_meta` (``variant`` names the winner).  ``variants`` restricts the
+    planners' variants (the fallbacks always take part).  Raises :class:`ScheduleError` when the
+    limit cannot hold one microbatch on some rank.
     """
     if chunks != 1:
         raise ScheduleError(f"zb-auto runs one stage per rank; it cannot take chunks={chunks}")
     placement = Placement.loop(stages)
     stage_costs = costs.resolve(placement)
-    check_memory_feasible(stage_costs)
-    candidates = list(_candidates(stage_costs, microbatches, variants))
+    check_one_microbatch_fits(stage_costs, "zb-auto")
+    floor = lower_bound(stages, microbatches, costs, placement=placement)
     # The capped 1F1B fits every feasible limit, so there is always at least one candidate.
-    label, _, programs = min(candidates, key=lambda candidate: candidate[1])
-    if isinstance(programs, _KindPrograms):
-        programs = programs.materialise()
-    timeline = simulate(Schedule("zb-auto", placement, microbatches, programs), stage_costs)
-    meta = {
-        "variant": label,
-        "iteration_time": timeline.iteration_time,
-        "candidates": len(candidates),
-        "memory_limit": [None if math.isinf(limit) else limit for limit in stage_costs.memory_limit],
-    }
-    return Schedule("zb-auto", placement, microbatches, programs, meta)
+    candidates = _candidates(stage_costs, microbatches, variants)
+    return search("zb-auto", stage_costs, microbatches, candidates, OP_BUDGET, floor)

@@ -24,7 +24,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from ..bounds import lower_bound
-from ..costs import CostModel, StageCosts
+from ..costs import MEMORY_TOLERANCE, CostModel, StageCosts
 from ..ir import B, F, Kind, Op, Placement, Schedule, ScheduleError, W, check_positive
 from ..simulate import Timeline
 from ..validate import validate_schedule
@@ -35,7 +35,7 @@ PairIndex = dict[tuple[int, int, int], int]
 
 _INCUMBENT_BUILDERS = ("zb-auto", "zb-h1", "zb-h2", "1f1b")
 _RELATIVE_GAP = 1e-6
-_MEMORY_TOLERANCE = 1e-9
+_MEMORY_TOLERANCE = MEMORY_TOLERANCE  # the one memory rule (costs.within_limit)
 _WINDOW_ROUNDS = 20
 _MAX_PAIRS = 100_000
 _HIGHS_STATUS = {0: "optimal", 1: "time_limit", 2: "infeasible", 3: "unbounded", 4: "error"}
