@@ -46,10 +46,11 @@ W_MEMORY_FRACTION = 1.0
 """The activation memory a microbatch keeps from its B to its W, as a fraction of what its F kept
 (``M_W / M_B``), used to plan when no ``costs`` are given.  Between B and W the runtime keeps, for
 every ``nn.Linear``, its input and its output gradient (:mod:`.wgrad`): a transformer block keeps
-16·s·b·h elements against at least 17·s·b·h for F (fraction ≤ 0.95), a Linear–GELU–Linear block
-exactly as much as F (1.0).  Planning with 1.0 therefore bounds every schedule's peak by the
-simulator's figure for such models; a stack of bare ``nn.Linear`` layers keeps up to twice what
-F kept — pass ``costs=CostModel(mem_w=2.0)`` for it.  Measured: ``docs/guide.md`` (memory)."""
+16·s·b·h elements against 17·s·b·h + 2.5·a·s²·b for F (fraction < 0.95), a Linear–GELU–Linear
+block 10/9 of F, a stack of bare ``nn.Linear`` layers up to twice.  1.0 is also the largest
+fraction every builder accepts (zb-v needs W to free at least what B adds).  Measured peaks per
+schedule (flat in m, within 11 % of the simulator's bound for MLP blocks):
+``docs/guide.md`` § Memory; give ``costs`` with your own ``mem_b``/``mem_w`` to plan exactly."""
 
 
 def default_costs() -> CostModel:
