@@ -83,7 +83,8 @@ def mlp_blocks(seed: int) -> list[nn.Module]:
     """``BLOCKS`` Linear–GELU–Linear blocks (a transformer MLP without the residual)."""
     torch.manual_seed(seed)
     return [
-        nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)) for _ in range(BLOCKS)
+        nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+        for _ in range(BLOCKS)
     ]
 
 

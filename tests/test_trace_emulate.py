@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from _dist import rich_batch, rich_layers, run_ranks, token_loss
 from zerobubble.runtime.emulate import tiny_layers, wait_until
-from zerobubble.runtime.trace import build_timeline, measured_costs
 from zerobubble.runtime.pipeline import default_costs
+from zerobubble.runtime.trace import build_timeline, measured_costs
 from zerobubble.schedule import CostModel, Kind, build_schedule, dependencies, simulate
 
 EMULATED = CostModel(f=10.0, b=10.0, w=6.0)  # milliseconds per rank-stage
@@ -96,7 +96,9 @@ def trace_dir(tmp_path_factory):
 @pytest.mark.parametrize("name", ["zb-v", "1f1b"])
 def test_recorded_timeline_has_every_op_once_in_program_order(trace_dir, name):
     result = _recorded(trace_dir)[name]
-    expected = [[str(op) for op in program] for program in build_schedule(name, 2, 4, costs=default_costs()).programs]
+    expected = [
+        [str(op) for op in program] for program in build_schedule(name, 2, 4, costs=default_costs()).programs
+    ]
     assert result["programs"] == expected
     assert len(result["timelines"]) == 3, "three recorded steps"
     for start, end, issued in result["timelines"]:

@@ -269,7 +269,7 @@ class Pipeline:
                 "use pipe.evaluate(inputs, targets) for a forward-only pass"
             )
         split_inputs, targets_mb = self._split_batch(inputs, targets, "step")
-        losses = self._guarded(lambda: self._run_program(split_inputs, targets_mb, loss_scale or 1.0))
+        losses = self._guarded("step", lambda: self._run_program(split_inputs, targets_mb, loss_scale or 1.0))
         return self._mean_loss(losses) if self._last else None
 
     @torch.no_grad()
@@ -287,7 +287,7 @@ class Pipeline:
         modes = [(module, module.training) for module in self.module.modules()]
         self.module.eval()
         try:
-            losses = self._guarded(lambda: self._evaluate(split_inputs, targets_mb))
+            losses = self._guarded("evaluate", lambda: self._evaluate(split_inputs, targets_mb))
         finally:
             for module, training in modes:
                 module.training = training
@@ -315,13 +315,13 @@ class Pipeline:
                 "its channels may hold that step's messages — build a new Pipeline (and reload a checkpoint)"
             )
 
-    def _guarded(self, work: Callable[[], Any]) -> Any:
+    def _guarded(self, call: str, work: Callable[[], Any]) -> Any:
         """Run communicating work; on failure tell the peers (once) and mark the Pipeline unusable."""
         try:
             return work()
         except BaseException as error:
             if not isinstance(error, PeerFailure) and self._monitor.failure is None:
-                self._monitor.post(f"rank {self.rank} failed: {type(error).__name__}: {error}")
+                self._monitor.post(f"rank {self.rank} failed in {call}(): {type(error).__name__}: {error}")
             self._failure = self._monitor.failure or f"{type(error).__name__}: {error}"
             raise
 
@@ -424,7 +424,7 @@ class Pipeline:
             optimizer = self._empty_optimizer()
         if unscale is not None:
             self._unscale(float(unscale))
-        self._guarded(lambda: self._optimizer.step(optimizer, max_norm))
+        self._guarded("optimizer_step", lambda: self._optimizer.step(optimizer, max_norm))
 
     def _empty_optimizer(self) -> torch.optim.Optimizer:
         """A stand-in optimizer for a rank without parameters (it still joins the norm reduction)."""
@@ -448,7 +448,7 @@ class Pipeline:
         :meth:`evaluate` call it themselves).  Waits honour the Pipeline's ``timeout``.
         """
         self._check_usable("synchronize")
-        self._guarded(self._optimizer.close)
+        self._guarded("synchronize", self._optimizer.close)
 
     @property
     def optimizer_stats(self) -> OptimizerStats:
