@@ -191,7 +191,7 @@ def test_train_rejects_a_batch_that_does_not_split(capsys):
     ],
 )
 def test_train_validates_its_flags_before_starting_ranks(capsys, monkeypatch, flags, message):
-    import zerobubble.runtime.launch as launch
+    from zerobubble.runtime import launch
 
     def no_ranks(*args, **kwargs):
         raise AssertionError("ranks were started")

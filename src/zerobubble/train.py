@@ -145,9 +145,8 @@ def check_config(config: TrainConfig) -> Schedule:
             f"{config.microbatches} microbatches; use a multiple of {split}"
         )
     model = config.model  # validates the model size
-    schedule = build_schedule(
-        config.schedule, config.pipeline_ranks, config.microbatches, costs=_costs(config), chunks=config.chunks
-    )
+    ranks, costs = config.pipeline_ranks, _costs(config)
+    schedule = build_schedule(config.schedule, ranks, config.microbatches, costs=costs, chunks=config.chunks)
     if model.n_layers + 2 < schedule.num_stages:
         raise ValueError(
             f"{config.schedule} on {config.pipeline_ranks} ranks needs {schedule.num_stages} chunks but the "
