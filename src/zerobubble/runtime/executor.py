@@ -110,7 +110,7 @@ class Executor:
         self.seed = seed
         self._keep = True  # False in forward-only steps: nothing is kept for a backward
         self._reported = False
-        self._cuda = any(p.is_cuda for state in stages.values() for p in state.module.parameters())
+        self._cuda = comm.device.type == "cuda"  # F ops then save and restore the CUDA RNG too
 
     def compile(self) -> None:
         """Bind every op of this rank's program to its handler (call again after changing ``handlers``)."""

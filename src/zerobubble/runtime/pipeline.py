@@ -99,6 +99,15 @@ class Pipeline:
     Only this rank's layers are referenced after construction (moved to its device); the others
     are freed once the caller drops ``layers``.  Linear layers of a schedule with W ops compute
     their weight gradients in W (:mod:`.wgrad`); their type and parameter names do not change.
+    Without ``costs`` the schedule is planned with :func:`default_costs` (W keeps M_B until it runs).
+
+    Safety (see ``docs/guide.md`` and ``docs/failure-semantics.md``): at construction every rank's
+    layers, parameters and schedule are compared (:mod:`.consistency`), data-parallel replicas and
+    parameters tied across ranks start equal, and tied gradients are summed after every step.  The
+    forward of each (step, stage, microbatch) draws from its own RNG stream rooted at ``seed`` (rank
+    0's ``torch.initial_seed()`` when None).  A failure on one rank stops every peer within a
+    fraction of a second with its rank, op and error; the Pipeline then refuses further steps.
+    :meth:`evaluate` runs a forward-only pass.
     """
 
     def __init__(
@@ -120,6 +129,7 @@ class Pipeline:
         seed: int | None = None,
     ):
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
+        self.device = local_device(backend)  # before the first collective (NCCL needs the device)
         self.timeout = timeout
         self._failure: str | None = None
         self._placeholder: torch.optim.Optimizer | None = None
@@ -130,7 +140,6 @@ class Pipeline:
         group = self.group = self.layout.pipeline_group
         self.rank = self.layout.pipeline_rank
         self.world_size = self.layout.pipeline_size
-        self.device = local_device(backend)
         self._monitor = PeerMonitor(self._agreement.key, self.rank, timeout)
         self.module = nn.Module()
         stages = self._place(named, bounds)
@@ -141,8 +150,9 @@ class Pipeline:
             broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
         with self.layout.replicated(directed_pairs(self.schedule)):
             comm = Comm(self.schedule, group, self.device, timeout, static_shapes, monitor=self._monitor)
-        assert loss_fn is not None  # checked in _plan
-        self._executor = Executor(self.schedule, self.rank, stages, comm, loss_fn, self._agreement.seed)
+        self._executor = Executor(
+            self.schedule, self.rank, stages, comm, _checked(loss_fn), self._agreement.seed
+        )
         if emulate is not None:  # each op lasts its modelled duration (ms), see .emulate
             from .emulate import install_emulation
 
@@ -167,8 +177,7 @@ class Pipeline:
         bounds: list[int] = []
         ties: list[list[tuple[int, str]]] = []
         try:
-            if loss_fn is None:
-                raise PipelineError("Pipeline needs a loss_fn(output, target) returning a scalar tensor")
+            _checked(loss_fn)
             size = pipeline_size_of(dist.get_world_size(group), data_parallel)
             self.schedule, self.timeline = _resolve_schedule(schedule, size, microbatches, chunks, costs)
             named = _named_layers(layers)
@@ -544,6 +553,12 @@ def _resolve_schedule(
         raise PipelineError(
             f"schedule {getattr(schedule, 'name', schedule)!r} cannot run: {error}"
         ) from error
+
+
+def _checked(loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Callable[[Any, Any], torch.Tensor]:
+    if loss_fn is None:
+        raise PipelineError("Pipeline needs a loss_fn(output, target) returning a scalar tensor")
+    return loss_fn
 
 
 def _stage_of(layer: int, bounds: list[int]) -> int:
