@@ -173,12 +173,13 @@ def tied_cases(schedules: list[str]) -> dict:
         for inputs, targets in batches:
             ref_optimizer.zero_grad()
             token_loss(reference(inputs), targets).backward()
-            ref_optimizer.step()
             pipe.step(inputs, targets)
             if first_grads is None:
                 grads = dict(reference.named_parameters(remove_duplicate=False))
                 first_grads = max(_relative(p.grad, grads[n].grad) for n, p in pipe.named_parameters())
-            pipe.optimizer_step(optimizer)
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)  # counts the tied weight once
+            ref_optimizer.step()
+            pipe.optimizer_step(optimizer, max_norm=0.5)
             optimizer.zero_grad(set_to_none=True)
         state = pipe.state_dict()
         wanted = reference.state_dict()
@@ -186,6 +187,7 @@ def tied_cases(schedules: list[str]) -> dict:
             "grads": first_grads,
             "params": max(_relative(v, wanted[k]) for k, v in state.items()),
             "state_keys": sorted(state),
+            "clipped": pipe.optimizer_stats.clipped,
             "tied_copy": next(
                 (float(p.detach().double().sum()) for n, p in pipe.named_parameters() if n in TIED_NAMES),
                 None,

@@ -319,10 +319,18 @@ class ReversibleStep:
         """Whether the recorded step can be rolled back (False: take it only once it is final)."""
         return self._record is not None and self._record.reversible
 
-    def grads(self) -> list[torch.Tensor]:
-        """The recorded gradient tensors (those that exist), in param-group order."""
+    def grads(self, exclude: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        """The recorded gradient tensors (those that exist), in param-group order.
+
+        ``exclude`` holds the ``id`` of parameters whose gradients to leave out.
+        """
         record = self._require_record()
-        return [g for group in record.grads for g in group if g is not None]
+        return [
+            g
+            for grads, group in zip(record.grads, self.optimizer.param_groups)
+            for g, p in zip(grads, group["params"])
+            if g is not None and id(p) not in exclude
+        ]
 
     def record(self) -> None:
         """Capture the step the optimizer would take now; replaces any earlier record."""
@@ -505,6 +513,9 @@ class PostValidator:
     chain, e.g. ``lambda t, op: dist.all_reduce(t, op=op, group=tp_or_sharded_dp_group)`` when the
     rank's gradients are sharded.
 
+    ``norm_excludes`` — optional — are parameters whose gradients another rank counts in the norm
+    (a copy of a parameter tied across ranks: its gradient is the same on every holder).
+
     ``wait(work, what)`` — optional — waits for one of its transfers (the Pipeline passes one that
     honours its timeout and stops when a peer reports an error); plain ``work.wait()`` otherwise.
 
@@ -526,8 +537,10 @@ class PostValidator:
         device: torch.device | str | None = None,
         tag: int = DEFAULT_TAG,
         wait: Callable[[Any, str], None] | None = None,
+        norm_excludes: Sequence[torch.Tensor] = (),
     ) -> None:
         self._check_settings(max_norm, norm_type, prev_rank, next_rank)
+        self._excluded = frozenset(id(p) for p in norm_excludes)
         self._wait: Callable[[Any, str], None] = wait or (lambda work, what: work.wait())
         self.optimizer = optimizer
         self.max_norm = None if max_norm is None else float(max_norm)
@@ -636,7 +649,7 @@ class PostValidator:
     @torch.no_grad()
     def _local_state(self) -> torch.Tensor:
         """``[sum of |g|_p^p (max for p = inf), non-finite flag]`` of this rank, float64."""
-        grads = self._step.grads()
+        grads = self._step.grads(self._excluded)
         if not grads:
             return torch.zeros(2, dtype=torch.float64, device=self.device)
         norms = torch.stack(
@@ -779,8 +792,10 @@ class PipelineOptimizer:
         post_validation: bool,
         device: torch.device,
         wait: Callable[[Any, str], None] | None = None,
+        norm_excludes: Sequence[torch.Tensor] = (),
     ):
         self.wait = wait
+        self.norm_excludes = tuple(norm_excludes)
         position = list(chain).index(rank)
         self.prev_rank = chain[position - 1] if position > 0 else None
         self.next_rank = chain[position + 1] if position + 1 < len(chain) else None
@@ -805,6 +820,7 @@ class PipelineOptimizer:
                 post_validation=self.post_validation,
                 device=self.device,
                 wait=self.wait,
+                norm_excludes=self.norm_excludes,
             )
         else:
             validator.finish()  # the previous step settles under its own max_norm

@@ -476,6 +476,8 @@ class Pipeline:
             post_validation,
             self.device,
             wait=self._monitor.wait,
+            # a tied parameter's summed gradient is counted once, by the holder of its first layer
+            norm_excludes=[t.param for t in self._tied if t.source != layout.global_rank(self.rank)],
         )
         self._averager: GradientAverager | None = None
         after: dict[int, Callable[[], None]] = {}
