@@ -11,10 +11,11 @@ import pytest
 
 from _dist import run_ranks
 from _safety import behaviour_cases, construction_cases, failure_cases, precision_cases, tied_cases
+from zerobubble.schedule import REGISTRY
 
 pytestmark = pytest.mark.multiprocess
 
-SPLIT_SCHEDULES = ["1f1b", "zb-h1", "zb-2p", "zb-v", "v-half", "v-min"]
+SCHEDULES = [name for name in REGISTRY if name != "zb-ilp"]
 
 
 def _seconds(message: str) -> float:
@@ -26,17 +27,17 @@ def _seconds(message: str) -> float:
 
 @functools.cache
 def _precision() -> list[dict]:
-    return run_ranks(precision_cases, 2, SPLIT_SCHEDULES, timeout=240)
+    return run_ranks(precision_cases, 2, SCHEDULES, timeout=240)
 
 
-@pytest.mark.parametrize("name", SPLIT_SCHEDULES)
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_autocast_bf16_matches_the_unpipelined_autocast_gradients(name):
     for results in _precision():
         error, dtypes = results[f"autocast {name}"]
         assert error <= 2e-2 and dtypes == ["torch.float32"], (error, dtypes)
 
 
-@pytest.mark.parametrize("name", SPLIT_SCHEDULES)
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_bf16_weights_match_the_unpipelined_bf16_gradients(name):
     for results in _precision():
         assert results[f"bf16 {name}"] <= 3e-2

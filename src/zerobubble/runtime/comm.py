@@ -133,7 +133,7 @@ class Comm:
         monitor: PeerMonitor | None = None,
     ):
         self.rank = dist.get_rank(group)
-        self.monitor = monitor or PeerMonitor("comm", self.rank, timeout)
+        self.monitor = monitor or PeerMonitor(None, self.rank, timeout)  # no notices: deadlines only
         self.device = device
         self.timeout = timeout
         self.static_shapes = static_shapes

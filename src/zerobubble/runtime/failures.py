@@ -21,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,16 +40,17 @@ class PeerFailure(PipelineError):
 class PeerMonitor:
     """Posts this rank's error notice and watches for the others' while waiting.
 
-    ``key`` names the pipeline in the shared store (the same on every rank of one Pipeline);
-    ``rank`` is this rank's pipeline rank; ``timeout`` bounds every :meth:`wait`.  Without a store
-    (a process group created without one) notices are not exchanged and waits only time out.
+    ``key`` names the pipeline in the shared store (the same on every rank of one Pipeline, and
+    new for every Pipeline); ``rank`` is this rank's pipeline rank; ``timeout`` bounds every
+    :meth:`wait`.  With ``key=None``, or without a store (a process group created without one),
+    notices are not exchanged and waits only time out.
     """
 
-    def __init__(self, key: str, rank: int, timeout: float):
+    def __init__(self, key: str | None, rank: int, timeout: float):
         self.key = f"zerobubble/{key}/error"
         self.rank = rank
         self.timeout = timeout
-        self._store = _shared_store()
+        self._store = _shared_store() if key is not None else None
         self.failure: str | None = None  # set once this rank has failed or learnt of a failure
         self._waiter: _Waiter | None = None
 
@@ -80,6 +82,7 @@ class PeerMonitor:
         """Wait for ``work`` until it completes, a peer posts an error, or the timeout expires."""
         if self._waiter is None:
             self._waiter = _Waiter()
+            weakref.finalize(self, self._waiter.close)  # the thread ends with its monitor
         done, errors = self._waiter.submit(work)
         deadline = time.monotonic() + self.timeout
         while not done.wait(CHECK_INTERVAL):
@@ -106,8 +109,14 @@ class _Waiter:
     """
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Any, threading.Event, list[BaseException]]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Any, threading.Event, list[BaseException]] | None] = (
+            queue.SimpleQueue()
+        )
         threading.Thread(target=self._run, name="zerobubble-wait", daemon=True).start()
+
+    def close(self) -> None:
+        """Let the thread end once the waits queued before are over."""
+        self._jobs.put(None)
 
     def submit(self, work: Any) -> tuple[threading.Event, list[BaseException]]:
         """Queue ``work``; the event is set once its ``wait()`` returned (errors in the list)."""
@@ -116,8 +125,8 @@ class _Waiter:
         return done, errors
 
     def _run(self) -> None:
-        while True:
-            work, done, errors = self._jobs.get()
+        while (job := self._jobs.get()) is not None:
+            work, done, errors = job
             try:
                 work.wait()
             except BaseException as error:  # handed to the caller
