@@ -131,6 +131,8 @@ class _Waiter:
                 work.wait()
             except BaseException as error:  # handed to the caller
                 errors.append(error)
+            # hold no Work while idle: one outliving its process group aborts the process at exit
+            job = work = None
             done.set()
 
 
