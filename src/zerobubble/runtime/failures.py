@@ -18,11 +18,13 @@ waited for.  See ``docs/failure-semantics.md``.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -86,12 +88,16 @@ class PeerMonitor:
         done, errors = self._waiter.submit(work)
         deadline = time.monotonic() + self.timeout
         while not done.wait(CHECK_INTERVAL):
-            self.check()
-            if time.monotonic() >= deadline:
-                raise PipelineError(
-                    f"rank {self.rank}: waiting for {_text(what)} failed (timeout {self.timeout:g} s) — "
-                    "the peer is stalled or stopped without an error notice"
-                )
+            try:
+                self.check()
+                if time.monotonic() >= deadline:
+                    raise PipelineError(
+                        f"rank {self.rank}: waiting for {_text(what)} failed (timeout {self.timeout:g} s) — "
+                        "the peer is stalled or stopped without an error notice"
+                    )
+            except PipelineError:
+                _abandon(work, done)
+                raise
         if errors:
             self.check()  # a peer's notice explains a closed channel better than gloo does
             error = errors[0]
@@ -134,6 +140,18 @@ class _Waiter:
             # hold no Work while idle: one outliving its process group aborts the process at exit
             job = work = None
             done.set()
+
+
+def _abandon(work: Any, done: threading.Event) -> None:
+    """Release the helper thread from a wait nobody needs any more.
+
+    A second ``wait`` with a tiny timeout makes gloo close the channel, which ends the helper's
+    blocking ``wait`` with an error; the channel is dead, but so is the failed step.  A thread
+    left inside ``wait`` would abort the process when it exits (the Work outlives its group).
+    """
+    with contextlib.suppress(RuntimeError):
+        work.wait(timedelta(milliseconds=1))
+    done.wait(1.0)
 
 
 def _text(what: str | Callable[[], str]) -> str:
