@@ -197,3 +197,33 @@ def test_small_input_cases_get_clear_errors_or_work():
     layer_error = second["layer error"]
     assert "boom from a layer" in layer_error and "check that the outputs" not in layer_error
     assert "rank 1 failed" in first["layer error"] and "boom from a layer" in first["layer error"]
+
+
+# -- the B/W split under autocast, one process --------------------------------------------------------
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_deferred_linear_under_autocast_gives_autograd_gradients_in_the_parameter_dtype(defer):
+    import torch
+    from torch import nn
+
+    from zerobubble.runtime.wgrad import WeightGradStore, install_deferral
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    reference = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    reference.load_state_dict(model.state_dict())
+    inputs = torch.randn(5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference(inputs).float().pow(2).mean().backward()
+    store = WeightGradStore()
+    install_deferral([model], store)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(inputs).float().pow(2).mean()
+        store.begin((0, 0), defer)
+        loss.backward()
+        store.end()
+        store.flush((0, 0))
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        assert param.grad.dtype == torch.float32
+        assert torch.equal(param.grad, expected.grad)
