@@ -323,6 +323,7 @@ class Comm:
         self.monitor.wait(work, what)
 
     def _failure(self, what: str, error: Exception) -> PipelineError:
+        self.monitor.explain()  # a peer's error notice says more than a closed channel
         return PipelineError(
             f"rank {self.rank}: {what} failed (timeout {self.timeout:g} s) — "
             f"a peer rank probably died or stopped with an error ({type(error).__name__}: {error})"

@@ -80,6 +80,17 @@ class PeerMonitor:
         self.failure = self.failure or message
         raise PeerFailure(f"rank {self.rank} stopped because {message}")
 
+    def explain(self) -> None:
+        """Raise :class:`PeerFailure` if a peer posted a notice, now or within a moment.
+
+        Called when a channel fails: a peer that gave up on a wait closes its channels right away
+        and posts its notice just after, so a closed channel is blamed on a dead peer only when no
+        notice follows within :data:`CHECK_INTERVAL` · 3.
+        """
+        self.check()
+        time.sleep(3 * CHECK_INTERVAL)
+        self.check()
+
     def wait(self, work: Any, what: str | Callable[[], str]) -> None:
         """Wait for ``work`` until it completes, a peer posts an error, or the timeout expires."""
         if self._waiter is None:
@@ -99,7 +110,7 @@ class PeerMonitor:
                 _abandon(work, done)
                 raise
         if errors:
-            self.check()  # a peer's notice explains a closed channel better than gloo does
+            self.explain()
             error = errors[0]
             raise PipelineError(
                 f"rank {self.rank}: waiting for {_text(what)} failed — a peer rank probably died "
