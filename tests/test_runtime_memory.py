@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from _dist import run_ranks
-from _memory import peak_memory
+from zerobubble.runtime.memory import peak_memory
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,21 +1,27 @@
-"""Measuring the activation memory the runtime keeps, op by op (for tests/test_runtime_memory.py).
+"""Measuring the activation memory a Pipeline keeps, op by op, on any device.
 
 :class:`ActivationMeter` counts the bytes of every distinct tensor storage that a step keeps for
-later ops: tensors autograd saved for the backward (through saved-tensor hooks), the executor's
-kept stage inputs/outputs and hand-overs, and the W stores' deferred entries.  Parameters are not
-activations and are left out.  It reads the total after every op (it is the Pipeline's recorder)
-and keeps the peak.
+later ops: tensors autograd saved for the backward (seen through saved-tensor hooks), the
+executor's kept stage inputs/outputs and hand-overs, and the W stores' deferred tensors.
+Parameters and the caller's batch are not activations and are left out.  It reads the total after
+every op (it is the Pipeline's recorder) and keeps the peak.
+
+:func:`peak_memory` (a rank worker) and :func:`memory_table` measure every schedule on 2 local
+ranks with Linear–GELU–Linear blocks; ``python benchmarks/memory.py`` prints the table and
+``tests/test_runtime_memory.py`` checks it against the simulator's bound.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerobubble.runtime.launch import init_distributed
+from .launch import init_distributed, launch
 
 WIDTH, ROWS, BLOCKS = 16, 4, 8
 
@@ -55,16 +61,13 @@ class ActivationMeter:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def live_bytes(self) -> int:
+        """Bytes of the distinct activation storages alive now."""
         executor = self.pipe._executor
         tensors = [held.tensor for held in list(self.held)]
         for state in executor.stages.values():
-            for inputs, outputs in state.saved.values():
-                tensors += [*inputs, *outputs]
-            for entries in state.store._pending.values():
-                for entry in entries:
-                    tensors += [t for t in entry if isinstance(t, torch.Tensor)]
-        for message in executor._handoff.values():
-            tensors += list(message)
+            tensors += _tensors_in(state.saved)
+            tensors += _tensors_in(vars(state.store))  # whatever the W store keeps for its W ops
+        tensors += _tensors_in(executor._handoff)
         storages = {}
         for tensor in tensors:
             storage = tensor.untyped_storage()
@@ -79,6 +82,21 @@ class ActivationMeter:
         pass
 
 
+def _tensors_in(value: Any, depth: int = 5) -> list[torch.Tensor]:
+    """Tensors inside nested dicts, lists and tuples (a few levels deep)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, dict):
+        items: Iterator[Any] = iter(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = iter(value)
+    else:
+        return []
+    return [tensor for item in items for tensor in _tensors_in(item, depth - 1)]
+
+
 def mlp_blocks(seed: int) -> list[nn.Module]:
     """``BLOCKS`` Linear–GELU–Linear blocks (a transformer MLP without the residual)."""
     torch.manual_seed(seed)
@@ -91,7 +109,8 @@ def mlp_blocks(seed: int) -> list[nn.Module]:
 def peak_memory(cases: list[tuple[str, int]]) -> dict:
     """Peak live activation bytes of each ``(schedule, microbatches)`` on this rank (second step)."""
     init_distributed(backend="gloo", timeout=60)
-    from zerobubble import Pipeline
+
+    from .pipeline import Pipeline
 
     results = {}
     for name, m in cases:
@@ -107,3 +126,24 @@ def peak_memory(cases: list[tuple[str, int]]) -> dict:
         predicted = pipe.timeline.peak_memory[pipe.rank]
         results[(name, m)] = {"peak": meter.peak, "predicted": predicted, "blocks_per_stage": BLOCKS / stages}
     return results
+
+
+def memory_table(schedules: Sequence[str], counts: Sequence[int] = (8, 16, 32), ranks: int = 2) -> list[str]:
+    """Markdown table: each schedule's measured peak per rank over the simulator's bound, per m.
+
+    The bound is the simulated peak (units of M_B) times the bytes of one M_B, taken from 1F1B's
+    measured peak on rank 0 at the smallest m.
+    """
+    cases = [("1f1b", counts[0])] + [(name, m) for name in schedules for m in counts]
+    per_rank = launch(peak_memory, ranks, (cases,), threads=1)
+    first = per_rank[0][("1f1b", counts[0])]
+    unit = first["peak"] / first["predicted"]
+    header = "| schedule | " + " | ".join(f"m = {m}: peak / bound per rank" for m in counts) + " |"
+    lines = [header, "|---" * (len(counts) + 1) + "|"]
+    for name in schedules:
+        cells = []
+        for m in counts:
+            ratios = [r[(name, m)]["peak"] / (r[(name, m)]["predicted"] * unit) for r in per_rank]
+            cells.append(" ".join(f"{ratio:.3f}" for ratio in ratios))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
