@@ -36,12 +36,17 @@ class _Held:
 
 
 class ActivationMeter:
-    """Recorder + saved-tensor hooks measuring the live activation bytes of one Pipeline."""
+    """Recorder + saved-tensor hooks measuring the live activation bytes of one Pipeline.
+
+    Use: ``meter = ActivationMeter(pipe, (inputs, targets)); pipe.recorder = meter``, then run
+    ``pipe.step`` inside ``with meter.hooks():``; ``meter.peak`` is the largest total seen after
+    an op, in bytes.  It walks every kept tensor after every op: a measuring tool, not for training.
+    """
 
     def __init__(self, pipe, batch: tuple[torch.Tensor, ...]):
         self.pipe = pipe
         # parameters and the caller's batch are not activations of the step
-        self.params = {t.untyped_storage().data_ptr() for t in [*pipe.parameters(), *batch]}
+        self.excluded = {t.untyped_storage().data_ptr() for t in [*pipe.parameters(), *batch]}
         self.held: weakref.WeakSet = weakref.WeakSet()
         self.peak = 0
 
@@ -49,7 +54,7 @@ class ActivationMeter:
         """Context manager to wrap ``pipe.step`` in."""
 
         def pack(tensor):
-            if tensor.untyped_storage().data_ptr() in self.params:
+            if tensor.untyped_storage().data_ptr() in self.excluded:
                 return tensor
             held = _Held(tensor)
             self.held.add(held)
@@ -66,20 +71,28 @@ class ActivationMeter:
         tensors = [held.tensor for held in list(self.held)]
         for state in executor.stages.values():
             tensors += _tensors_in(state.saved)
-            tensors += _tensors_in(vars(state.store))  # whatever the W store keeps for its W ops
+            tensors += _tensors_in(_attributes(state.store))  # whatever the W store keeps for W
         tensors += _tensors_in(executor._handoff)
         storages = {}
         for tensor in tensors:
             storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self.params:
+            if storage.data_ptr() not in self.excluded:
                 storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values())
 
     def op(self, op, start, end) -> None:
+        """Recorder hook: called after every op; updates the peak."""
         self.peak = max(self.peak, self.live_bytes())
 
     def wait(self, key, start, end) -> None:
-        pass
+        """Recorder hook for transfer waits (nothing to measure)."""
+
+
+def _attributes(value: Any) -> dict[str, Any]:
+    """An object's attributes, whether in ``__dict__`` or in ``__slots__``."""
+    names = [name for cls in type(value).__mro__ for name in getattr(cls, "__slots__", ())]
+    found = {name: getattr(value, name) for name in names if hasattr(value, name)}
+    return {**getattr(value, "__dict__", {}), **found}
 
 
 def _tensors_in(value: Any, depth: int = 5) -> list[torch.Tensor]:
