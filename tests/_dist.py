@@ -249,9 +249,10 @@ def _error_case(case: str) -> str:
             pipe = Pipeline(rich_layers(0), schedule="1f1b", microbatches=4, **options)
             pipe.step(inputs, targets)
             if rank == 1:
-                time.sleep(5)
-                if case == "killed_rank":
+                if case == "killed_rank":  # dies while rank 0 waits (within its 2 s timeout)
+                    time.sleep(0.5)
                     os._exit(3)
+                time.sleep(5)
             started = time.monotonic()
             try:
                 pipe.step(inputs, targets)

@@ -177,6 +177,30 @@ def test_train_rejects_a_batch_that_does_not_split(capsys):
     assert err.count("\n") == 1 and "does not split into" in err and "4 microbatches" in err
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ranks", "0"], "ranks must be a positive integer, got 0"),
+        (["--steps", "-1"], "steps must be a positive integer, got -1"),
+        (["--steps", "0"], "steps must be a positive integer, got 0"),
+        (["--microbatches", "0"], "microbatches must be a positive integer, got 0"),
+        (["--schedule", "nope"], "unknown schedule 'nope'"),
+        (["--ranks", "3", "--data-parallel", "2"], "does not divide ranks=3"),
+        (["--schedule", "zb-v", "--layers", "1"], "needs 4 chunks but the model has 3 layers"),
+        (["--timeout", "0"], "timeout must be positive"),
+    ],
+)
+def test_train_validates_its_flags_before_starting_ranks(capsys, monkeypatch, flags, message):
+    from zerobubble.runtime import launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch, "launch", no_ranks)
+    code, _, err = run(capsys, "train", *flags)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
 def test_show_writes_a_picture_and_prints_text(capsys, tmp_path):
     path = tmp_path / "zbh1.svg"
     code, out, _ = run(capsys, "show", "--schedule", "zb-h1", "-p", "4", "-m", "8", "--output", str(path))

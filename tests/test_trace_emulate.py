@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from _dist import rich_batch, rich_layers, run_ranks, token_loss
 from zerobubble.runtime.emulate import tiny_layers, wait_until
+from zerobubble.runtime.pipeline import default_costs
 from zerobubble.runtime.trace import build_timeline, measured_costs
 from zerobubble.schedule import CostModel, Kind, build_schedule, dependencies, simulate
 
@@ -95,7 +96,9 @@ def trace_dir(tmp_path_factory):
 @pytest.mark.parametrize("name", ["zb-v", "1f1b"])
 def test_recorded_timeline_has_every_op_once_in_program_order(trace_dir, name):
     result = _recorded(trace_dir)[name]
-    expected = [[str(op) for op in program] for program in build_schedule(name, 2, 4).programs]
+    expected = [
+        [str(op) for op in program] for program in build_schedule(name, 2, 4, costs=default_costs()).programs
+    ]
     assert result["programs"] == expected
     assert len(result["timelines"]) == 3, "three recorded steps"
     for start, end, issued in result["timelines"]:
@@ -119,7 +122,7 @@ def test_write_trace_files_and_chrome_events(trace_dir):
         trace = json.load(handle)
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     ops = [e for e in complete if e.get("cat") != "wait"]
-    assert len(ops) == sum(len(p) for p in build_schedule("zb-v", 2, 4).programs)
+    assert len(ops) == sum(len(p) for p in build_schedule("zb-v", 2, 4, costs=default_costs()).programs)
     for event in complete:
         assert {"ph", "ts", "dur", "pid", "tid", "name"} <= set(event)
         assert event["dur"] >= 0 and event["ts"] >= 0

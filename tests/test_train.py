@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from zerobubble.models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
-from zerobubble.runtime import PipelineError
 from zerobubble.train import TrainConfig, run_training
 
 
@@ -89,7 +88,7 @@ def test_data_parallel_training_clips_and_reports_the_optimizer_outcomes():
 
 
 def test_train_config_rejects_a_data_parallel_size_that_does_not_divide_the_ranks():
-    with pytest.raises(PipelineError, match="does not divide ranks=3"):
+    with pytest.raises(ValueError, match="does not divide ranks=3"):
         run_training(TrainConfig(ranks=3, data_parallel=2, progress=False))
-    with pytest.raises(PipelineError, match="2 replicas"):
+    with pytest.raises(ValueError, match="2 replicas"):
         run_training(TrainConfig(ranks=2, data_parallel=2, batch_size=12, microbatches=4, progress=False))

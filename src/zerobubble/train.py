@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
-from .schedule import transformer_costs
+from .schedule import Schedule, build_schedule, transformer_costs
 
 
 @dataclass(frozen=True)
@@ -115,30 +115,62 @@ class TrainSummary:
         ]
 
 
-def run_training(config: TrainConfig) -> TrainSummary:
-    """Train as ``config`` says and return rank 0's summary (spawning local ranks if needed)."""
-    from .runtime import PipelineError
-    from .runtime.launch import launch, under_launcher
+def check_config(config: TrainConfig) -> Schedule:
+    """Raise a one-line ``ValueError`` for any setting that cannot train, before a rank starts.
 
-    if config.data_parallel < 1 or config.ranks % config.data_parallel:
-        raise PipelineError(
-            f"data_parallel={config.data_parallel} does not divide ranks={config.ranks}; ranks counts every "
-            "process (pipeline ranks × data_parallel)"
+    Counts must be positive, the data-parallel degree must divide the ranks, the batch must split
+    into replicas × microbatches, the model size must be valid and the schedule must build for
+    this many pipeline ranks and microbatches (with enough layers for its chunks).  Returns that
+    schedule (the spawned ranks run it rather than building it again).
+    """
+    for name in ("ranks", "steps", "microbatches", "batch_size", "data_parallel"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if not config.timeout > 0:
+        raise ValueError(f"timeout must be positive (seconds), got {config.timeout!r}")
+    if not config.lr > 0:
+        raise ValueError(f"lr must be positive, got {config.lr!r}")
+    if config.max_norm is not None and not config.max_norm > 0:
+        raise ValueError(f"max-norm must be positive, got {config.max_norm!r}")
+    if config.ranks % config.data_parallel:
+        raise ValueError(
+            f"data-parallel {config.data_parallel} does not divide ranks={config.ranks}; ranks counts every "
+            "process (pipeline ranks × data-parallel)"
         )
     split = config.microbatches * config.data_parallel
     if config.batch_size % split:
-        raise PipelineError(
+        raise ValueError(
             f"batch size {config.batch_size} does not split into {config.data_parallel} replicas × "
             f"{config.microbatches} microbatches; use a multiple of {split}"
         )
-    _ = config.model  # validates the model size before any rank starts
+    model = config.model  # validates the model size
+    ranks, costs = config.pipeline_ranks, _costs(config)
+    schedule = build_schedule(config.schedule, ranks, config.microbatches, costs=costs, chunks=config.chunks)
+    if model.n_layers + 2 < schedule.num_stages:
+        raise ValueError(
+            f"{config.schedule} on {config.pipeline_ranks} ranks needs {schedule.num_stages} chunks but the "
+            f"model has {model.n_layers + 2} layers (blocks + embedding + head); use --layers "
+            f"{schedule.num_stages - 2} or more"
+        )
+    return schedule
+
+
+def run_training(config: TrainConfig) -> TrainSummary:
+    """Train as ``config`` says and return rank 0's summary (spawning local ranks if needed).
+
+    The settings are checked first (:func:`check_config`), so a bad one is a one-line error.
+    """
+    from .runtime.launch import launch, under_launcher
+
+    schedule = check_config(config)
     if under_launcher():
-        return _train_rank(config)
+        return _train_rank(config, schedule)
     threads = max(1, (os.cpu_count() or 1) // config.ranks)
-    return launch(_train_rank, config.ranks, (config,), threads=threads)[0]
+    return launch(_train_rank, config.ranks, (config, schedule), threads=threads)[0]
 
 
-def _train_rank(config: TrainConfig) -> TrainSummary:
+def _train_rank(config: TrainConfig, schedule: Schedule) -> TrainSummary:
     from .runtime.launch import init_distributed
     from .runtime.pipeline import Pipeline
 
@@ -146,10 +178,8 @@ def _train_rank(config: TrainConfig) -> TrainSummary:
     torch.manual_seed(config.seed)
     pipe = Pipeline(
         gpt_layers(config.model),
-        schedule=config.schedule,
-        microbatches=config.microbatches,
+        schedule=schedule,
         loss_fn=lm_loss,
-        chunks=config.chunks,
         costs=_costs(config),
         timeout=config.timeout,
         data_parallel=config.data_parallel,

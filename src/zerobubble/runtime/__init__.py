@@ -4,6 +4,9 @@
 * :mod:`.comm` — asynchronous point-to-point transfers, one ordered channel per direction;
 * :mod:`.executor` — runs one rank's program through a dispatch table over op kinds;
 * :mod:`.pipeline` — the user-facing :class:`Pipeline`;
+* :mod:`.consistency` — what the ranks agree on at construction; parameters tied across ranks;
+* :mod:`.failures` — error notices between ranks and waits with a deadline;
+* :mod:`.memory` — measuring the activation memory a step keeps;
 * :mod:`.launch` — starts local ranks when the script was not run under ``torchrun``.
 """
 

@@ -12,8 +12,10 @@ with ``static_shapes=False``) each message is preceded by a small int64 header w
 shapes; afterwards the shapes are cached and the receiver posts its buffers ahead of time
 (``lookahead`` messages per channel), so transfers overlap compute.
 
-Every wait has a timeout: a dead or failed peer makes the survivors raise :class:`PipelineError`
-instead of hanging.
+Every wait goes through a :class:`~.failures.PeerMonitor`: it ends when the transfer completes,
+when a peer posts an error notice (the survivors then raise at once with the failing rank's op and
+error) or at the timeout — never a hang.  ``forward_only`` steps (evaluation) exchange only the
+activations, always with shape headers, and leave the training shapes cached.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from ..schedule.ir import Kind, Schedule
 from . import PipelineError
+from .failures import PeerMonitor
 
 MessageKey = tuple[int, int, int]
 """``(direction, boundary, microbatch)``: direction 0 = activations of stage ``boundary`` going to
@@ -115,7 +118,8 @@ class Comm:
 
     ``group`` is the pipeline's process group (its rank ``i`` runs ``schedule.programs[i]``).
     Creating a Comm is collective: every rank of the world (``new_group`` needs all of them) must
-    create one for the same schedule, in the same order as other Comms.
+    create one for the same schedule, in the same order as other Comms.  ``monitor`` carries every
+    wait (deadline and peers' error notices).
     """
 
     def __init__(
@@ -126,14 +130,15 @@ class Comm:
         timeout: float,
         static_shapes: bool = True,
         lookahead: int = 2,
+        monitor: PeerMonitor | None = None,
     ):
         self.rank = dist.get_rank(group)
+        self.monitor = monitor or PeerMonitor(None, self.rank, timeout)  # no notices: deadlines only
         self.device = device
         self.timeout = timeout
         self.static_shapes = static_shapes
         self.lookahead = lookahead
         self.recorder = None
-        self._wait_timeout = timedelta(seconds=timeout)
         self._groups = self._connect(directed_pairs(schedule), group)
         self._handshake(sorted(self._groups))
         self._incoming = {
@@ -145,6 +150,7 @@ class Comm:
         self._posted: dict[MessageKey, _Pending] = {}
         self._sends: deque[tuple[list, tuple[torch.Tensor, ...]]] = deque()
         self._headers = True
+        self._keep_shapes = True  # False in forward-only steps: evaluation shapes are not cached
 
     def _connect(
         self, pairs: list[tuple[int, int]], group
@@ -186,10 +192,18 @@ class Comm:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def start_step(self, first: bool) -> None:
-        """Prepare the channels for a step; post the first receives when shapes are known."""
-        self._headers = first or not self.static_shapes
-        self._queues = {src: deque(keys) for src, keys in self._incoming.items()}
+    def start_step(self, first: bool, forward_only: bool = False) -> None:
+        """Prepare the channels for a step; post the first receives when shapes are known.
+
+        A ``forward_only`` step (evaluation) carries only the activations, each with its header,
+        and does not touch the shapes cached for training.
+        """
+        self._headers = first or not self.static_shapes or forward_only
+        self._keep_shapes = not forward_only
+        self._queues = {
+            src: deque(key for key in keys if not (forward_only and key[0] == 1))
+            for src, keys in self._incoming.items()
+        }
         self._posted.clear()
         if not self._headers:
             for src in self._queues:
@@ -218,7 +232,8 @@ class Comm:
         group, peer = self._groups[(self.rank, dst)]
         tensors = tuple(t.contiguous() for t in tensors)
         if self._headers:
-            self._shapes[key[:2]] = [(tuple(t.shape), t.dtype) for t in tensors]
+            if self._keep_shapes:
+                self._shapes[key[:2]] = [(tuple(t.shape), t.dtype) for t in tensors]
             header = torch.tensor(encode_header(tensors), dtype=torch.int64, device=self.device)
             tensors = (header, *tensors)
         else:
@@ -299,17 +314,16 @@ class Comm:
             raise self._failure(f"posting the receive of {what}", error) from error
         self._wait(work, what)
         specs = decode_header(header.tolist())
-        self._shapes[key[:2]] = specs
+        if self._keep_shapes:
+            self._shapes[key[:2]] = specs
         return specs
 
     def _wait(self, work, what: str | Callable[[], str]) -> None:
-        """Wait for ``work`` up to the timeout; ``what`` (or what it returns) names it in the error."""
-        try:
-            work.wait(self._wait_timeout)
-        except RuntimeError as error:
-            raise self._failure(f"waiting for {what if isinstance(what, str) else what()}", error) from error
+        """Wait for ``work`` (see :class:`~.failures.PeerMonitor`); ``what`` names it in the error."""
+        self.monitor.wait(work, what)
 
     def _failure(self, what: str, error: Exception) -> PipelineError:
+        self.monitor.explain()  # a peer's error notice says more than a closed channel
         return PipelineError(
             f"rank {self.rank}: {what} failed (timeout {self.timeout:g} s) — "
             f"a peer rank probably died or stopped with an error ({type(error).__name__}: {error})"

@@ -106,14 +106,8 @@ def create_layout(group: Any, data_parallel: int, timeout: float) -> ParallelLay
 
     Every rank of the world must call this in the same order as its other group creations.
     """
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise PipelineError(f"data_parallel must be a positive integer, got {data_parallel!r}")
     size = dist.get_world_size(group)
-    if size % data_parallel:
-        raise PipelineError(
-            f"data_parallel={data_parallel} does not divide the {size} ranks of the process group; "
-            f"start a multiple of {data_parallel} ranks (pipeline size × data_parallel)"
-        )
+    pipeline_size_of(size, data_parallel)
     span = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
     pipeline_size = size // data_parallel
     dp_index, pipeline_rank = divmod(dist.get_rank(group), pipeline_size)
@@ -139,6 +133,18 @@ def create_layout(group: Any, data_parallel: int, timeout: float) -> ParallelLay
         control_group,
         setup,
     )
+
+
+def pipeline_size_of(size: int, data_parallel: Any) -> int:
+    """Ranks per pipeline replica when ``size`` ranks run ``data_parallel`` replicas (checked)."""
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise PipelineError(f"data_parallel must be a positive integer, got {data_parallel!r}")
+    if size % data_parallel:
+        raise PipelineError(
+            f"data_parallel={data_parallel} does not divide the {size} ranks of the process group; "
+            f"start a multiple of {data_parallel} ranks (pipeline size × data_parallel)"
+        )
+    return size // data_parallel
 
 
 def _own_group(rank_lists: list[list[int]], layout: ParallelLayout, timeout: timedelta) -> Any:
@@ -176,10 +182,17 @@ class GradientAverager:
     Parameters whose ``.grad`` is None are left alone (they are None on every replica alike).
     """
 
-    def __init__(self, chunks: Mapping[int, Sequence[nn.Parameter]], group: Any, size: int):
+    def __init__(
+        self,
+        chunks: Mapping[int, Sequence[nn.Parameter]],
+        group: Any,
+        size: int,
+        wait: Callable[[Any, str], None] | None = None,
+    ):
         self.chunks = {stage: list(params) for stage, params in chunks.items()}
         self.group = group
         self.size = size
+        self._wait = wait or (lambda work, what: work.wait())
         self._inflight: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
 
     @torch.no_grad()
@@ -199,7 +212,7 @@ class GradientAverager:
         """Wait for the posted reductions and store the averaged gradients in place."""
         inflight, self._inflight = self._inflight, []
         for work, flat, grads in inflight:
-            work.wait()
+            self._wait(work, "the data-parallel gradient average")
             flat.div_(self.size)
             for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
                 grad.copy_(piece.view_as(grad))

@@ -18,10 +18,19 @@ Tensors between two chunks of the same rank (the tip of a V) are handed over in 
 communication.  What a microbatch keeps alive follows the schedule: F keeps the stage's inputs and
 outputs (and autograd's saved tensors); B frees all of them except what the deferred W needs (held
 by the stage's :class:`WeightGradStore`), W frees the rest.
+
+Randomness: the forward of stage ``s`` on microbatch ``j`` of step ``t`` draws from its own
+generator state, seeded from ``(seed, t, s, j)`` (:func:`forward_seed`), and the caller's RNG state
+is restored afterwards; dropout masks are therefore independent across stages and ranks and the
+same whichever schedule of the placement runs.
+
+A failure inside a step is reported to the peers (:meth:`~.failures.PeerMonitor.post`) with this
+rank, the op and the original error, before it propagates; the peers raise at once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,7 +41,10 @@ from torch import nn
 from ..schedule.ir import Kind, Op, Schedule
 from . import PipelineError
 from .comm import Comm
+from .failures import PeerFailure
 from .wgrad import WeightGradStore
+
+_MISMATCH_WORDS = ("shape", "size", "dtype", "mat1", "mat2", "Expected", "expected", "must match")
 
 
 class StageState:
@@ -58,11 +70,18 @@ class Executor:
     """Executes ``schedule.programs[rank]`` over this rank's ``stages`` (stage index → StageState).
 
     ``loss_fn(output, target)`` runs after the last stage; each microbatch's loss is scaled by
-    ``1/m`` before its backward so the accumulated gradients are those of the mean loss.
+    ``loss_scale/m`` before its backward so the accumulated gradients are those of the mean loss
+    (times ``loss_scale``).  ``seed`` is the root of the per-(step, stage, microbatch) RNG streams.
     """
 
     def __init__(
-        self, schedule: Schedule, rank: int, stages: dict[int, StageState], comm: Comm, loss_fn: Callable
+        self,
+        schedule: Schedule,
+        rank: int,
+        stages: dict[int, StageState],
+        comm: Comm,
+        loss_fn: Callable,
+        seed: int = 0,
     ):
         self.schedule = schedule
         self.rank = rank
@@ -88,6 +107,10 @@ class Executor:
         self.program: list[tuple[Op, Callable[[StageState, int], None], StageState, int]] = []
         self.compile()
         self._steps = 0
+        self.seed = seed
+        self._keep = True  # False in forward-only steps: nothing is kept for a backward
+        self._reported = False
+        self._cuda = comm.device.type == "cuda"  # F ops then save and restore the CUDA RNG too
 
     def compile(self) -> None:
         """Bind every op of this rank's program to its handler (call again after changing ``handlers``)."""
@@ -97,29 +120,69 @@ class Executor:
         ]
 
     def run_step(
-        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]
+        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any], loss_scale: float = 1.0
     ) -> list[torch.Tensor]:
         """Run the program once; ``inputs``/``targets`` are per-microbatch (empty where unused).
 
-        Returns the detached per-microbatch losses on the rank of the last stage, else ``[]``.
+        Each microbatch's loss is multiplied by ``loss_scale / m`` before its backward.  Returns the
+        detached (unscaled) per-microbatch losses on the rank of the last stage, else ``[]``.
         """
         self._inputs, self._targets, self._losses = inputs, targets, []
+        self._scale = loss_scale / self.schedule.microbatches
+        self._reported, entry = False, None
         try:
             self.comm.start_step(first=self._steps == 0)
             recorder = self.recorder
             if recorder is None:
-                for _, handler, state, microbatch in self.program:
-                    handler(state, microbatch)
+                for entry in self.program:
+                    entry[1](entry[2], entry[3])
             else:
                 self._run_recorded(recorder)
+            entry = None
             self.comm.finish_step()
-        except BaseException:
+        except BaseException as error:
+            self._report(error, entry[0] if entry is not None else None)
             self._abort()
             raise
         finally:
             self._inputs = self._targets = ()
         self._steps += 1
         return self._losses
+
+    def run_forward(
+        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]
+    ) -> list[torch.Tensor]:
+        """Run only the forward ops of the program, keeping nothing for a backward (evaluation).
+
+        The caller disables autograd and sets eval mode; the RNG streams are those of the next
+        training step (dropout is off in eval mode anyway).  Returns the per-microbatch losses on
+        the rank of the last stage, else ``[]``.
+        """
+        self._inputs, self._targets, self._losses, self._keep = inputs, targets, [], False
+        self._reported, op = False, None
+        try:
+            self.comm.start_step(first=True, forward_only=True)
+            for op, _, state, microbatch in self.program:
+                if op.kind is Kind.F:
+                    self._forward(state, microbatch)
+            op = None
+            self.comm.finish_step()
+        except BaseException as error:
+            self._report(error, op)
+            self._abort()
+            raise
+        finally:
+            self._inputs = self._targets = ()
+            self._keep = True
+        return self._losses
+
+    def _report(self, error: BaseException, op: Op | None) -> None:
+        """Post this rank's failure to the peers (not when it only echoes a peer's)."""
+        if isinstance(error, PeerFailure) or self._reported:
+            return
+        self._reported = True
+        where = f"op {op} (stage {op.stage}, microbatch {op.microbatch})" if op is not None else "a step"
+        self.comm.monitor.post(f"rank {self.rank} failed in {where}: {type(error).__name__}: {error}")
 
     def _run_recorded(self, recorder: Any) -> None:
         begin = getattr(recorder, "begin_step", None)
@@ -129,7 +192,11 @@ class Executor:
         record = recorder.op
         for op, handler, state, microbatch in self.program:
             started = clock()
-            handler(state, microbatch)
+            try:
+                handler(state, microbatch)
+            except BaseException as error:
+                self._report(error, op)
+                raise
             record(op, started, clock())
 
     def _abort(self) -> None:
@@ -169,20 +236,36 @@ class Executor:
         self, state: StageState, j: int, inputs: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         """Run the stage's forward (and the loss on the last stage); keep what B needs; return the outputs."""
+        saved_rng = self._enter_stream(state.index, j)
         try:
             outputs = state.module(*inputs)
         except Exception as error:
             raise PipelineError(self._forward_failure(state, j, inputs, error)) from error
+        finally:
+            self._leave_stream(saved_rng)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if state.last:
             outputs = (self._loss(state, outputs, j),)
-        state.saved[j] = (inputs, outputs)
+        if self._keep:
+            state.saved[j] = (inputs, outputs)
         return outputs
+
+    def _enter_stream(self, stage: int, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Seed the RNG for F(stage, j) of this step; return the caller's state to restore."""
+        saved = (torch.get_rng_state(), torch.cuda.get_rng_state() if self._cuda else None)
+        seed = forward_seed(self.seed, self._steps, stage, j)
+        torch.manual_seed(seed)  # seeds the CUDA generators too
+        return saved
+
+    def _leave_stream(self, saved: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(saved[0])
+        if saved[1] is not None:
+            torch.cuda.set_rng_state(saved[1])
 
     def send_forward(self, state: StageState, j: int, outputs: tuple[torch.Tensor, ...]) -> None:
         """Pass F's outputs to the next stage (nothing to pass from the last stage)."""
         if not state.last:
-            self._pass_on(state, (0, state.index, j), tuple(t.detach() for t in outputs), forward=True)
+            self._pass_on(state, (0, state.index, j), _detached(state, outputs), forward=True)
 
     def receive_backward(self, state: StageState, j: int) -> tuple[torch.Tensor, ...] | None:
         """The gradient of the stage's outputs for microbatch ``j`` (None on the last stage: the loss)."""
@@ -256,12 +339,29 @@ class Executor:
         if state.first:
             return f"{where} with the batch inputs [{shapes}]: {cause}"
         previous = state.index - 1
-        return (
-            f"{where} with inputs [{shapes}] from stage {previous} "
-            f"(rank {self._placement.rank_of(previous)}): "
-            f"{cause} — check that the outputs of stage {previous} match what stage {state.index} expects"
-        )
+        source = f"stage {previous} (rank {self._placement.rank_of(previous)})"
+        message = f"{where} with inputs [{shapes}] from {source}: {cause}"
+        if any(word in str(error) for word in _MISMATCH_WORDS):  # only then is the hand-over suspect
+            message += f" — check that the outputs of stage {previous} match what stage {state.index} expects"
+        return message
 
 
 def _floating(tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point()]
+
+
+def _detached(state: StageState, outputs: tuple) -> tuple[torch.Tensor, ...]:
+    """The stage's outputs cut from its graph; only tensors can cross a stage boundary."""
+    for position, value in enumerate(outputs):
+        if not isinstance(value, torch.Tensor):
+            raise PipelineError(
+                f"stage {state.index} ({state.name}) returns a {type(value).__name__} as output {position}; "
+                "only tensors can pass between stages — return tensors only (encode other values as tensors)"
+            )
+    return tuple(t.detach() for t in outputs)
+
+
+def forward_seed(seed: int, step: int, stage: int, microbatch: int) -> int:
+    """The RNG seed of F(stage, microbatch) in step ``step``: a hash of the four numbers (63 bits)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{stage}/{microbatch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

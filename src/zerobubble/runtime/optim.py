@@ -319,10 +319,18 @@ class ReversibleStep:
         """Whether the recorded step can be rolled back (False: take it only once it is final)."""
         return self._record is not None and self._record.reversible
 
-    def grads(self) -> list[torch.Tensor]:
-        """The recorded gradient tensors (those that exist), in param-group order."""
+    def grads(self, exclude: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        """The recorded gradient tensors (those that exist), in param-group order.
+
+        ``exclude`` holds the ``id`` of parameters whose gradients to leave out.
+        """
         record = self._require_record()
-        return [g for group in record.grads for g in group if g is not None]
+        return [
+            g
+            for grads, group in zip(record.grads, self.optimizer.param_groups)
+            for g, p in zip(grads, group["params"])
+            if g is not None and id(p) not in exclude
+        ]
 
     def record(self) -> None:
         """Capture the step the optimizer would take now; replaces any earlier record."""
@@ -505,6 +513,12 @@ class PostValidator:
     chain, e.g. ``lambda t, op: dist.all_reduce(t, op=op, group=tp_or_sharded_dp_group)`` when the
     rank's gradients are sharded.
 
+    ``norm_excludes`` — optional — are parameters whose gradients another rank counts in the norm
+    (a copy of a parameter tied across ranks: its gradient is the same on every holder).
+
+    ``wait(work, what)`` — optional — waits for one of its transfers (the Pipeline passes one that
+    honours its timeout and stops when a peer reports an error); plain ``work.wait()`` otherwise.
+
     Counters: ``steps``, ``steps_rolled_back``, ``steps_skipped``, ``steps_deferred``,
     ``steps_clipped``.
     """
@@ -522,8 +536,12 @@ class PostValidator:
         extra_reduce: ExtraReduce | None = None,
         device: torch.device | str | None = None,
         tag: int = DEFAULT_TAG,
+        wait: Callable[[Any, str], None] | None = None,
+        norm_excludes: Sequence[torch.Tensor] = (),
     ) -> None:
         self._check_settings(max_norm, norm_type, prev_rank, next_rank)
+        self._excluded = frozenset(id(p) for p in norm_excludes)
+        self._wait: Callable[[Any, str], None] = wait or (lambda work, what: work.wait())
         self.optimizer = optimizer
         self.max_norm = None if max_norm is None else float(max_norm)
         self.norm_type = float(norm_type)
@@ -566,7 +584,8 @@ class PostValidator:
         if self.extra_reduce is not None:
             self.extra_reduce(local, self._reduce_op)
         if not self.post_validation:
-            dist.all_reduce(local, op=self._reduce_op, group=self.group)
+            work = dist.all_reduce(local, op=self._reduce_op, group=self.group, async_op=True)
+            self._wait(work, "the gradient norm's all-reduce")
             self._settle(local, stepped=False, deferred=False)
             return
         partial = self._combine_with_previous(local)
@@ -588,7 +607,7 @@ class PostValidator:
         if pending is None:
             return self.last_outcome
         self._pending = None
-        pending.work.wait()
+        self._wait(pending.work, f"the validated gradient norm from rank {self.next_rank}")
         if self.prev_rank is not None:
             self._send(pending.full, self.prev_rank)
         return self._settle(pending.full, stepped=pending.stepped, deferred=pending.deferred)
@@ -630,7 +649,7 @@ class PostValidator:
     @torch.no_grad()
     def _local_state(self) -> torch.Tensor:
         """``[sum of |g|_p^p (max for p = inf), non-finite flag]`` of this rank, float64."""
-        grads = self._step.grads()
+        grads = self._step.grads(self._excluded)
         if not grads:
             return torch.zeros(2, dtype=torch.float64, device=self.device)
         norms = torch.stack(
@@ -647,7 +666,7 @@ class PostValidator:
         work = dist.irecv(received, self.prev_rank, group=self.group, tag=self.tag)
         if work is None:  # torch returns None when this rank is not in the group
             raise PipelineError(f"rank {self.prev_rank} is not in this pipeline's process group")
-        work.wait()
+        self._wait(work, f"the partial gradient norm from rank {self.prev_rank}")
         if math.isinf(self.norm_type):
             return torch.maximum(received, local)
         return received + local
@@ -707,7 +726,7 @@ class PostValidator:
 
     def _wait_sends(self) -> None:
         for work, _ in self._sends:
-            work.wait()
+            self._wait(work, "a gradient-norm message to be sent")
         self._sends.clear()
 
 
@@ -766,8 +785,17 @@ class PipelineOptimizer:
     """
 
     def __init__(
-        self, chain: Sequence[int], rank: int, group: Any, post_validation: bool, device: torch.device
+        self,
+        chain: Sequence[int],
+        rank: int,
+        group: Any,
+        post_validation: bool,
+        device: torch.device,
+        wait: Callable[[Any, str], None] | None = None,
+        norm_excludes: Sequence[torch.Tensor] = (),
     ):
+        self.wait = wait
+        self.norm_excludes = tuple(norm_excludes)
         position = list(chain).index(rank)
         self.prev_rank = chain[position - 1] if position > 0 else None
         self.next_rank = chain[position + 1] if position + 1 < len(chain) else None
@@ -791,6 +819,8 @@ class PipelineOptimizer:
                 group=self.group,
                 post_validation=self.post_validation,
                 device=self.device,
+                wait=self.wait,
+                norm_excludes=self.norm_excludes,
             )
         else:
             validator.finish()  # the previous step settles under its own max_norm

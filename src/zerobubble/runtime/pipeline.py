@@ -26,6 +26,7 @@ from torch import nn
 from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, validate_schedule
 from . import PipelineError
 from .comm import Comm, directed_pairs
+from .consistency import TiedParameter, agree, broadcast_replicas, find_ties, fingerprint
 from .data_parallel import (
     GradientAverager,
     chunk_parameters,
@@ -33,11 +34,28 @@ from .data_parallel import (
     first_forward,
     hook_program,
     last_gradient_ops,
+    pipeline_size_of,
 )
 from .executor import Executor, StageState
+from .failures import PeerFailure, PeerMonitor
 from .launch import init_distributed, local_device
 from .optim import OptimizerStats, PipelineOptimizer, validation_chain
 from .wgrad import WeightGradStore, install_deferral
+
+W_MEMORY_FRACTION = 1.0
+"""The activation memory a microbatch keeps from its B to its W, as a fraction of what its F kept
+(``M_W / M_B``), used to plan when no ``costs`` are given.  Between B and W the runtime keeps, for
+every ``nn.Linear``, its input and its output gradient (:mod:`.wgrad`): a transformer block keeps
+16·s·b·h elements against 17·s·b·h + 2.5·a·s²·b for F (fraction < 0.95), a Linear–GELU–Linear
+block 10/9 of F, a stack of bare ``nn.Linear`` layers up to twice.  1.0 is also the largest
+fraction every builder accepts (zb-v needs W to free at least what B adds).  Measured peaks per
+schedule (flat in m, within 11 % of the simulator's bound for MLP blocks):
+``docs/guide.md`` § Memory; give ``costs`` with your own ``mem_b``/``mem_w`` to plan exactly."""
+
+
+def default_costs() -> CostModel:
+    """The cost model a Pipeline plans with when the caller gives none (unit times, see above)."""
+    return CostModel(mem_w=W_MEMORY_FRACTION)
 
 
 class StageModule(nn.Module):
@@ -81,6 +99,15 @@ class Pipeline:
     Only this rank's layers are referenced after construction (moved to its device); the others
     are freed once the caller drops ``layers``.  Linear layers of a schedule with W ops compute
     their weight gradients in W (:mod:`.wgrad`); their type and parameter names do not change.
+    Without ``costs`` the schedule is planned with :func:`default_costs` (W keeps M_B until it runs).
+
+    Safety (see ``docs/guide.md`` and ``docs/failure-semantics.md``): at construction every rank's
+    layers, parameters and schedule are compared (:mod:`.consistency`), data-parallel replicas and
+    parameters tied across ranks start equal, and tied gradients are summed after every step.  The
+    forward of each (step, stage, microbatch) draws from its own RNG stream rooted at ``seed`` (rank
+    0's ``torch.initial_seed()`` when None).  A failure on one rank stops every peer within a
+    fraction of a second with its rank, op and error; the Pipeline then refuses further steps.
+    :meth:`evaluate` runs a forward-only pass.
     """
 
     def __init__(
@@ -99,24 +126,33 @@ class Pipeline:
         emulate: CostModel | None = None,
         data_parallel: int = 1,
         post_validation: bool = True,
+        seed: int | None = None,
     ):
-        if loss_fn is None:
-            raise PipelineError("Pipeline needs a loss_fn(output, target) returning a scalar tensor")
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
+        self.device = local_device(backend)  # before the first collective (NCCL needs the device)
+        self.timeout = timeout
+        self._failure: str | None = None
+        self._placeholder: torch.optim.Optimizer | None = None
+        named, bounds, ties = self._plan(
+            layers, schedule, microbatches, loss_fn, chunks, partition, costs, group, data_parallel, seed
+        )
         self.layout = create_layout(group, data_parallel, timeout)  # collective: new_group
         group = self.group = self.layout.pipeline_group
         self.rank = self.layout.pipeline_rank
         self.world_size = self.layout.pipeline_size
-        self.device = local_device(backend)
-        self.schedule, self.timeline = _resolve_schedule(
-            schedule, self.world_size, microbatches, chunks, costs
-        )
+        self._monitor = PeerMonitor(self._agreement.key, self.rank, timeout)
         self.module = nn.Module()
-        stages = self._place(_named_layers(layers), partition)
+        stages = self._place(named, bounds)
         self.stages = tuple(sorted(stages))
+        self._tied = self._tie(ties, bounds)
+        self._aliases = {name: tie[0][1] for tie in ties for _, name in tie[1:]}
+        if self.layout.data_parallel > 1:  # replicas start from replica 0's weights, as DDP does
+            broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
         with self.layout.replicated(directed_pairs(self.schedule)):
-            comm = Comm(self.schedule, group, self.device, timeout, static_shapes)
-        self._executor = Executor(self.schedule, self.rank, stages, comm, loss_fn)
+            comm = Comm(self.schedule, group, self.device, timeout, static_shapes, monitor=self._monitor)
+        self._executor = Executor(
+            self.schedule, self.rank, stages, comm, _checked(loss_fn), self._agreement.seed
+        )
         if emulate is not None:  # each op lasts its modelled duration (ms), see .emulate
             from .emulate import install_emulation
 
@@ -128,11 +164,35 @@ class Pipeline:
         self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
         self._init_optimization(post_validation)
 
-    def _place(
-        self, named: list[tuple[str, nn.Module]], partition: Sequence[int] | None
-    ) -> dict[int, StageState]:
+    def _plan(
+        self, layers, schedule, microbatches, loss_fn, chunks, partition, costs, group, data_parallel, seed
+    ) -> tuple[list[tuple[str, nn.Module]], list[int], list[list[tuple[int, str]]]]:
+        """Resolve the schedule and the cut points, then agree with every rank on them (collective).
+
+        A rank whose arguments are wrong still joins the exchange, so its peers raise naming it
+        instead of waiting for it.
+        """
+        problem, mine = None, None
+        named: list[tuple[str, nn.Module]] = []
+        bounds: list[int] = []
+        ties: list[list[tuple[int, str]]] = []
+        try:
+            _checked(loss_fn)
+            size = pipeline_size_of(dist.get_world_size(group), data_parallel)
+            self.schedule, self.timeline = _resolve_schedule(schedule, size, microbatches, chunks, costs)
+            named = _named_layers(layers)
+            bounds = _partition_bounds(len(named), self.schedule.num_stages, partition)
+            ties = find_ties(named)
+            mine = fingerprint(named, self.schedule, bounds, data_parallel, ties)
+        except PipelineError as error:
+            problem = error
+        self._agreement = agree(mine, None if problem is None else str(problem), seed, group)
+        if problem is not None:
+            raise problem
+        return named, bounds, ties
+
+    def _place(self, named: list[tuple[str, nn.Module]], bounds: list[int]) -> dict[int, StageState]:
         """Cut the layers into chunks and keep this rank's, registered under their original names."""
-        bounds = _partition_bounds(len(named), self.schedule.num_stages, partition)
         stages = {}
         for index in self.schedule.placement.stages_of(self.rank):
             chunk = named[bounds[index] : bounds[index + 1]]
@@ -152,6 +212,29 @@ class Pipeline:
             )
         return stages
 
+    def _tie(self, ties: list[list[tuple[int, str]]], bounds: list[int]) -> list[TiedParameter]:
+        """Groups for the ties spanning several ranks (collective: every replica, every tie, in order)."""
+        placement, layout, tied = self.schedule.placement, self.layout, []
+        for uses in ties:
+            holders = sorted({placement.rank_of(_stage_of(index, bounds)) for index, _ in uses})
+            if len(holders) < 2:
+                continue  # one rank holds every use: autograd accumulates into the one Parameter
+            source = placement.rank_of(_stage_of(uses[0][0], bounds))
+            for replica in range(layout.data_parallel):
+                ranks = [layout.global_rank(rank, replica) for rank in holders]
+                created = dist.new_group(ranks, timeout=layout.setup_timeout)
+                if replica == layout.dp_index and self.rank in holders:
+                    local = next(
+                        name
+                        for index, name in uses
+                        if self.rank == placement.rank_of(_stage_of(index, bounds))
+                    )
+                    param = self.module.get_parameter(local)
+                    tied.append(TiedParameter(uses[0][1], param, created, layout.global_rank(source)))
+        for tie in tied:
+            tie.broadcast_value()
+        return tied
+
     # -- training ----------------------------------------------------------------------------------
 
     @property
@@ -169,7 +252,9 @@ class Pipeline:
         self._executor.recorder = recorder
         self._executor.comm.recorder = recorder
 
-    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
+    def step(
+        self, inputs: Any = None, targets: Any = None, loss_scale: float | None = None
+    ) -> torch.Tensor | None:
         """Forward and backward of one batch, split into microbatches, in the schedule's order.
 
         ``inputs`` (a tensor or tuple of tensors) is used where the first stage lives, ``targets``
@@ -182,17 +267,72 @@ class Pipeline:
         global batch) and the returned loss is the global batch's mean.  A pending optimizer step
         (:meth:`optimizer_step`) is settled just before this rank's first forward reads the
         parameters.
+
+        ``loss_scale`` multiplies the loss before the backward (loss scaling for fp16); pass the
+        same factor as ``unscale`` to :meth:`optimizer_step`.  The returned loss is unscaled.
         """
+        self._check_usable("step")
+        if not torch.is_grad_enabled():
+            raise PipelineError(
+                "step() runs a backward, but autograd is disabled here (torch.no_grad or inference_mode); "
+                "use pipe.evaluate(inputs, targets) for a forward-only pass"
+            )
+        split_inputs, targets_mb = self._split_batch(inputs, targets, "step")
+        losses = self._guarded("step", lambda: self._run_program(split_inputs, targets_mb, loss_scale or 1.0))
+        return self._mean_loss(losses) if self._last else None
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
+        """The mean loss of a batch, forward only: no graph, no ``.grad`` change, eval mode meanwhile.
+
+        Call it on every rank, like :meth:`step` (inputs where the first stage lives, targets
+        where the last one does); it returns the mean microbatch loss on the last stage's rank
+        (over the global batch with data parallelism), None elsewhere.  A pending optimizer step is
+        settled first.  The batch may differ in size from the training batches (it still splits into
+        the schedule's microbatches).  Works inside ``torch.no_grad()``.
+        """
+        self._check_usable("evaluate")
+        split_inputs, targets_mb = self._split_batch(inputs, targets, "evaluate")
+        modes = [(module, module.training) for module in self.module.modules()]
+        self.module.eval()
+        try:
+            losses = self._guarded("evaluate", lambda: self._evaluate(split_inputs, targets_mb))
+        finally:
+            for module, training in modes:
+                module.training = training
+        return self._mean_loss(losses) if self._last else None
+
+    def _evaluate(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]) -> list:
+        self._optimizer.finish()  # the parameters must be final before they are read
+        return self._executor.run_forward(inputs, targets)
+
+    def _split_batch(self, inputs: Any, targets: Any, call: str) -> tuple[list, list]:
         m = self.schedule.microbatches
         split_inputs = _split(inputs, m, "inputs", self.device)
         split_targets = _split(targets, m, "targets", self.device)
         if self._first and split_inputs is None:
-            raise PipelineError(f"rank {self.rank} holds the first stage: pass the batch inputs to step()")
+            raise PipelineError(f"rank {self.rank} holds the first stage: pass the batch inputs to {call}()")
         if self._last and split_targets is None:
-            raise PipelineError(f"rank {self.rank} holds the last stage: pass the targets to step()")
-        targets_mb = [t[0] if len(t) == 1 else t for t in split_targets] if split_targets else ()
-        losses = self._run_program(split_inputs or (), targets_mb)
-        return self._mean_loss(losses) if self._last else None
+            raise PipelineError(f"rank {self.rank} holds the last stage: pass the targets to {call}()")
+        targets_mb = [t[0] if len(t) == 1 else t for t in split_targets] if split_targets else []
+        return split_inputs or [], targets_mb
+
+    def _check_usable(self, call: str) -> None:
+        if self._failure is not None:
+            raise PipelineError(
+                f"this Pipeline cannot run {call}() any more: an earlier step failed ({self._failure}); "
+                "its channels may hold that step's messages — build a new Pipeline (and reload a checkpoint)"
+            )
+
+    def _guarded(self, call: str, work: Callable[[], Any]) -> Any:
+        """Run communicating work; on failure tell the peers (once) and mark the Pipeline unusable."""
+        try:
+            return work()
+        except BaseException as error:
+            if not isinstance(error, PeerFailure) and self._monitor.failure is None:
+                self._monitor.post(f"rank {self.rank} failed in {call}(): {type(error).__name__}: {error}")
+            self._failure = self._monitor.failure or f"{type(error).__name__}: {error}"
+            raise
 
     # -- parameters ----------------------------------------------------------------------------------
 
@@ -205,16 +345,27 @@ class Pipeline:
         return self.module.named_parameters()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers under the names they have in ``layers``."""
-        return self.module.state_dict()
+        """This rank's parameters and buffers under the names they have in ``layers``.
+
+        A pending optimizer step is settled first (on every rank, like :meth:`synchronize`).  A
+        parameter shared by several layers (tied) appears once, under the name it has in the first
+        of them, and only on the rank holding that layer.
+        """
+        self.synchronize()
+        return {k: v for k, v in self.module.state_dict().items() if k not in self._aliases}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> Any:
         """Load this rank's entries of a (whole-model or per-rank) state dict.
 
-        Keys of layers this rank does not hold are ignored, so the full model's checkpoint works.
+        Keys of layers this rank does not hold are ignored, so the full model's checkpoint works; a
+        tied parameter is read under its first name when its other names are absent.
         """
         local = set(self.module.state_dict())
-        return self.module.load_state_dict({k: v for k, v in state_dict.items() if k in local}, strict=strict)
+        wanted = {k: v for k, v in state_dict.items() if k in local}
+        for alias, canonical in self._aliases.items():
+            if alias in local and alias not in wanted and canonical in state_dict:
+                wanted[alias] = state_dict[canonical]
+        return self.module.load_state_dict(wanted, strict=strict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of this rank's parameters."""
@@ -250,7 +401,12 @@ class Pipeline:
         ``self.layout.dp_index`` (group rank ``dp_index · p + rank``)."""
         return self.layout.data_parallel
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float | None = None) -> None:
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float | None = None,
+        unscale: float | None = None,
+    ) -> None:
         """Clip the gradients to ``max_norm`` over the whole model and step, or skip on Inf/NaN.
 
         Call it on every rank after :meth:`step`, where ``optimizer.step()`` would be; ``optimizer``
@@ -263,16 +419,45 @@ class Pipeline:
         pipeline runs here.  ``post_validation=False`` steps after one all-reduce of the norm.
         ``zero_grad(set_to_none=True)`` may follow at once; gradients must not be changed in place
         before the step is settled.  Counters: :attr:`optimizer_stats`.
+
+        ``unscale`` divides this rank's gradients by the ``loss_scale`` given to :meth:`step` first
+        (what ``GradScaler.unscale_`` does); an overflow then shows as a skipped step on every rank.
+        ``optimizer`` may be None on a rank that holds no parameters.
         """
-        self._optimizer.step(optimizer, max_norm)
+        self._check_usable("optimizer_step")
+        if optimizer is None:
+            if any(True for _ in self.parameters()):
+                raise PipelineError(
+                    f"rank {self.rank} holds parameters: pass an optimizer over pipe.parameters()"
+                )
+            optimizer = self._empty_optimizer()
+        if unscale is not None:
+            self._unscale(float(unscale))
+        self._guarded("optimizer_step", lambda: self._optimizer.step(optimizer, max_norm))
+
+    def _empty_optimizer(self) -> torch.optim.Optimizer:
+        """A stand-in optimizer for a rank without parameters (it still joins the norm reduction)."""
+        if self._placeholder is None:
+            self._placeholder = torch.optim.SGD([torch.zeros(0, requires_grad=True)], lr=0.0)
+        return self._placeholder
+
+    @torch.no_grad()
+    def _unscale(self, scale: float) -> None:
+        if not scale > 0.0:
+            raise PipelineError(f"unscale must be a positive loss scale, got {scale!r}")
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad.div_(scale)
 
     def synchronize(self) -> None:
         """Settle a pending optimizer step now (collective over the pipeline: every rank calls it).
 
         Afterwards parameters and optimizer state are final — call it before reading them outside
-        the training loop (checkpoints, ``state_dict``, evaluation, the end of training).
+        the training loop (checkpoints, evaluation, the end of training; :meth:`state_dict` and
+        :meth:`evaluate` call it themselves).  Waits honour the Pipeline's ``timeout``.
         """
-        self._optimizer.close()
+        self._check_usable("synchronize")
+        self._guarded("synchronize", self._optimizer.close)
 
     @property
     def optimizer_stats(self) -> OptimizerStats:
@@ -285,14 +470,23 @@ class Pipeline:
         finish_times = [ends[-1] if ends else 0.0 for ends in self.timeline.end]
         chain = [layout.global_rank(rank) for rank in validation_chain(finish_times)]
         self._optimizer = PipelineOptimizer(
-            chain, layout.global_rank(self.rank), layout.control_group, post_validation, self.device
+            chain,
+            layout.global_rank(self.rank),
+            layout.control_group,
+            post_validation,
+            self.device,
+            wait=self._monitor.wait,
+            # a tied parameter's summed gradient is counted once, by the holder of its first layer
+            norm_excludes=[t.param for t in self._tied if t.source != layout.global_rank(self.rank)],
         )
         self._averager: GradientAverager | None = None
         after: dict[int, Callable[[], None]] = {}
         if layout.data_parallel > 1:
             last_ops = last_gradient_ops(program)
             chunks = chunk_parameters(self._executor.stages, last_ops)
-            self._averager = GradientAverager(chunks, layout.dp_group, layout.data_parallel)
+            self._averager = GradientAverager(
+                chunks, layout.dp_group, layout.data_parallel, wait=self._monitor.wait
+            )
             after = {
                 position: functools.partial(self._averager.start, stage)
                 for stage, position in last_ops.items()
@@ -301,27 +495,31 @@ class Pipeline:
         self._hooked_program: list | None = None
 
     def _run_program(
-        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]
+        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any], loss_scale: float = 1.0
     ) -> list[torch.Tensor]:
-        """Run the executor's program with the Pipeline's hooks; average gradients over the replicas."""
+        """Run the executor's program with the Pipeline's hooks; average gradients over the replicas,
+        sum those of tied parameters over their holders."""
         executor = self._executor
         if executor.program is not self._hooked_program:  # first step, or compile() rebuilt it
             executor.program = self._hooked_program = hook_program(executor.program, *self._hooks)
         try:
-            losses = executor.run_step(inputs, targets)
+            losses = executor.run_step(inputs, targets, loss_scale)
         except BaseException:
             if self._averager is not None:
                 self._averager.discard()
             raise
         if self._averager is not None:
             self._averager.finish()
+        for tie in self._tied:
+            tie.sum_gradients(self._monitor.wait)
         return losses
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The step's mean loss, over the global batch when there are several replicas."""
-        mean = torch.stack(losses).mean()
+        mean = torch.stack(losses).float().mean()
         if self.layout.data_parallel > 1:
-            dist.all_reduce(mean, group=self.layout.dp_group)
+            work = dist.all_reduce(mean, group=self.layout.dp_group, async_op=True)
+            self._monitor.wait(work, "the data-parallel loss average")
             mean /= self.layout.data_parallel
         return mean
 
@@ -333,6 +531,7 @@ def _resolve_schedule(
     chunks: int | None,
     costs: CostModel | None,
 ) -> tuple[Schedule, Any]:
+    costs = costs if costs is not None else default_costs()
     try:
         if isinstance(schedule, str):
             built = build_schedule(
@@ -356,6 +555,17 @@ def _resolve_schedule(
         raise PipelineError(
             f"schedule {getattr(schedule, 'name', schedule)!r} cannot run: {error}"
         ) from error
+
+
+def _checked(loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Callable[[Any, Any], torch.Tensor]:
+    if loss_fn is None:
+        raise PipelineError("Pipeline needs a loss_fn(output, target) returning a scalar tensor")
+    return loss_fn
+
+
+def _stage_of(layer: int, bounds: list[int]) -> int:
+    """The chunk (virtual stage) holding layer ``layer`` given the chunks' start indices."""
+    return next(stage for stage in range(len(bounds) - 1) if layer < bounds[stage + 1])
 
 
 def _named_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -401,8 +611,20 @@ def _split(
 ) -> list[tuple[torch.Tensor, ...]] | None:
     if batch is None:
         return None
+    if isinstance(batch, Mapping):
+        raise PipelineError(
+            f"the {what} are a dict ({', '.join(map(str, batch))}); the pipeline passes tensors "
+            "positionally — pass a tuple of tensors (e.g. tuple(batch.values())) and let the first "
+            "layer take them in that order"
+        )
     tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
-    for tensor in tensors:
+    for position, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise PipelineError(
+                f"the {what} hold a {type(tensor).__name__} at position {position}; pass tensors only"
+            )
+        if tensor.dim() > 0 and tensor.shape[0] == 0:
+            raise PipelineError(f"the {what} batch is empty (size 0 along dimension 0)")
         if tensor.dim() == 0 or tensor.shape[0] % microbatches:
             size = tensor.shape[0] if tensor.dim() else "a scalar"
             raise PipelineError(

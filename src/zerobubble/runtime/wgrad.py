@@ -60,7 +60,9 @@ class WeightGradStore:
         with torch.no_grad():
             for linear, inputs, grad_output in self._pending.pop(key, ()):
                 grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-                _accumulate_product(linear.weight, grad_2d, inputs.reshape(-1, inputs.shape[-1]))
+                # under autocast the forward ran in grad_output's dtype: compute W in it too
+                inputs_2d = inputs.reshape(-1, inputs.shape[-1]).to(grad_2d.dtype)
+                _accumulate_product(linear.weight, grad_2d, inputs_2d)
                 if linear.bias is not None:
                     _accumulate(linear.bias, grad_2d.sum(0))
 
@@ -75,18 +77,25 @@ class WeightGradStore:
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad``, the gradient kept in the parameter's dtype (as autograd does)."""
     if param.grad is None:
-        param.grad = grad
+        param.grad = grad.to(param.dtype)
     else:
         param.grad.add_(grad)
 
 
 def _accumulate_product(param: torch.Tensor, grad_2d: torch.Tensor, inputs_2d: torch.Tensor) -> None:
-    """``param.grad += grad_2d^T @ inputs_2d`` as one GEMM (no temporary weight-sized gradient)."""
+    """``param.grad += grad_2d^T @ inputs_2d`` as one GEMM (no temporary weight-sized gradient).
+
+    Under autocast the product is computed in the activations' dtype (bf16, say) and converted to
+    the parameter's dtype, like autograd's backward of autocast's cast.
+    """
     if param.grad is None:
-        param.grad = grad_2d.t().mm(inputs_2d)
-    else:
+        param.grad = grad_2d.t().mm(inputs_2d).to(param.dtype)
+    elif param.grad.dtype == grad_2d.dtype:
         param.grad.addmm_(grad_2d.t(), inputs_2d)
+    else:
+        param.grad.add_(grad_2d.t().mm(inputs_2d))
 
 
 class DeferredLinear(torch.autograd.Function):
@@ -103,14 +112,14 @@ class DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         inputs, weight = ctx.saved_tensors
-        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        # under autocast the forward computed in grad_output's dtype (bf16/fp16): so does the backward
+        grad_input = grad_output.matmul(weight.to(grad_output.dtype)) if ctx.needs_input_grad[0] else None
         if ctx.store.deferring:
             ctx.store.put(ctx.linear, inputs, grad_output)
             return grad_input, None, None, None, None
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_weight = (
-            grad_2d.t().mm(inputs.reshape(-1, inputs.shape[-1])) if ctx.needs_input_grad[1] else None
-        )
+        inputs_2d = inputs.reshape(-1, inputs.shape[-1]).to(grad_2d.dtype)
+        grad_weight = grad_2d.t().mm(inputs_2d) if ctx.needs_input_grad[1] else None
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias, None, None
 
