@@ -288,7 +288,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
     elif args.benchmark == "wgrad":
         tables = [
-            bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate)
+            bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate, args.device, args.splits)
             for accumulate in (True, False)
         ]
     else:
@@ -317,6 +317,14 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     wgrad.add_argument("--rows", nargs="+", type=int, default=[8, 32, 128, 512], help="microbatch rows")
     wgrad.add_argument("--repeats", type=int, default=15)
     wgrad.add_argument("--threads", type=int, default=1)
+    wgrad.add_argument("--device", default="cpu", help="cpu, or cuda (needs a GPU)")
+    wgrad.add_argument(
+        "--splits",
+        nargs="+",
+        default=["fast paths", "generic only", "torch pipelining"],
+        choices=["fast paths", "generic only", "torch pipelining"],
+        help="which splits to measure",
+    )
     emulate = kinds.add_parser("emulate", help="emulated compute: measured vs predicted iteration time")
     emulate.add_argument("--ranks", nargs="+", type=int, default=[4, 8])
     emulate.add_argument("--steps", type=int, default=4)

@@ -1,0 +1,80 @@
+"""The autograd function that runs a :class:`~.rules.SplitRule` and the forward installed for it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .rules import SplitRule
+from .store import WeightGradStore, accumulate
+
+_ARGS = 4  # x, rule, module, store: the parameters follow
+
+
+class SplitFunction(torch.autograd.Function):
+    """A module's forward whose backward computes the input gradient and defers the parameters'.
+
+    The (possibly autocast-cast) parameters are inputs of the function, so its output requires grad
+    even when ``x`` does not (a first stage); in a deferring backward their gradients are None here
+    and the W op later adds them into the module's own parameters.
+    """
+
+    @staticmethod
+    def forward(ctx, x, rule, module, store, *params):  # type: ignore[override]
+        out, saved = rule.forward(module, x, params)
+        ctx.save_for_backward(*saved)
+        ctx.rule, ctx.module, ctx.store = rule, module, store
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        rule: SplitRule = ctx.rule
+        needed = ctx.needs_input_grad[_ARGS:]
+        if rule.weights_in_b:
+            grad_x, grads = rule.all_grads(ctx.module, saved, grad_output, ctx.needs_input_grad[0], needed)
+            if ctx.store.deferring:
+                ctx.store.put(functools.partial(_add_grads, ctx.module, rule.param_names(ctx.module), grads))
+                grads = [None for _ in needed]
+            return (grad_x, None, None, None, *grads)
+        grad_x = rule.input_grad(ctx.module, saved, grad_output) if ctx.needs_input_grad[0] else None
+        if ctx.store.deferring:
+            ctx.store.put(functools.partial(rule.accumulate, ctx.module, saved, grad_output, needed))
+            return (grad_x, None, None, None, *(None for _ in needed))
+        return (grad_x, None, None, None, *rule.weight_grads(ctx.module, saved, grad_output, needed))
+
+
+def _add_grads(module: nn.Module, names: tuple[str, ...], grads: list[torch.Tensor | None]) -> None:
+    for name, grad in zip(names, grads):
+        if grad is not None:
+            accumulate(getattr(module, name), grad)
+
+
+def fast_forward(
+    rule: SplitRule, store: WeightGradStore, generic: Callable[..., Any]
+) -> Callable[[nn.Module, torch.Tensor], Any]:
+    """The forward installed on a module that ``rule`` covers (``generic`` under autocast if the rule says so)."""
+    names_of = rule.param_names
+
+    def forward(module: nn.Module, x: torch.Tensor) -> Any:
+        params = [getattr(module, name) for name in names_of(module)]
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
+            return type(module).forward(module, x)
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and rule.autocast != "keep":
+            if rule.autocast == "generic":
+                return generic(module, x)
+            # an op autocast runs in lower precision: cast as autocast would, then run without it;
+            # B and W then compute in the saved tensors' dtype and W casts into the parameter's dtype
+            dtype = torch.get_autocast_dtype(device)
+            x = x.to(dtype) if x.is_floating_point() else x
+            params = [p.to(dtype) for p in params]
+            with torch.autocast(device, enabled=False):
+                return SplitFunction.apply(x, rule, module, store, *params)
+        return SplitFunction.apply(x, rule, module, store, *params)
+
+    return forward
