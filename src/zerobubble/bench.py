@@ -467,6 +467,162 @@ def _split_times(
     return _median(fused), _median(split_b), _median(split_w)
 
 
+# -- 2b. real models through the split: the share of W in each stage's backward -------------------
+
+SPLIT_MODELS = ("gpt2", "llama", "convnet", "checkpointed")
+"""Models the B/W split is checked on: transformers GPT-2 and Llama, a BatchNorm conv net, and
+transformer blocks under activation checkpointing (``use_reentrant=False``)."""
+
+
+@dataclass
+class SplitModel:
+    """Layers of a model, its loss and one batch (inputs, targets) to pipeline."""
+
+    layers: list[nn.Module]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+
+def split_model(name: str, width: int = 16, batch: int = 8, seq: int = 8, seed: int = 0) -> SplitModel:
+    """``name`` (one of :data:`SPLIT_MODELS`) with random weights (``seed``) and a random batch.
+
+    Two blocks between an embedding and a head (4 layers, enough for 2 ranks × 2 chunks); ``width``
+    is the hidden size (channels for the conv net), ``seq`` the sequence length (image side).
+    GPT-2 and Llama need ``transformers`` (random configs: nothing is downloaded).
+    """
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    vocab = 32
+    tokens = torch.randint(vocab, (batch, seq), generator=generator)
+    targets = torch.randint(vocab, (batch, seq), generator=generator)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        from .hf import gpt2_layers
+
+        config = GPT2Config(
+            vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=2, n_head=2, tie_word_embeddings=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return SplitModel(gpt2_layers(GPT2LMHeadModel(config)), lm_loss, tokens, targets)
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from .hf import llama_layers
+
+        config = LlamaConfig(
+            vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=seq,
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        return SplitModel(llama_layers(LlamaForCausalLM(config)), lm_loss, tokens, targets)
+    if name == "convnet":
+        images = torch.randn(batch, 3, seq, seq, generator=generator)
+        labels = torch.randint(10, (batch,), generator=generator)
+        layers = [_conv_bn(3, width), _conv_bn(width, width), _conv_bn(width, width), _ConvHead(width, 10)]
+        return SplitModel(layers, F.cross_entropy, images, labels)
+    if name == "checkpointed":
+        config = GPTConfig(vocab=vocab, seq_len=seq, dim=width, heads=2, n_layers=2)
+        embedding, *blocks, head = gpt_layers(config)
+        return SplitModel([embedding, *(_Checkpointed(b) for b in blocks), head], lm_loss, tokens, targets)
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(SPLIT_MODELS)}")
+
+
+def _conv_bn(channels_in: int, channels_out: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(channels_in, channels_out, 3, padding=1), nn.BatchNorm2d(channels_out), nn.ReLU()
+    )
+
+
+class _ConvHead(nn.Module):
+    """Global average pooling and a linear classifier."""
+
+    def __init__(self, channels: int, classes: int):
+        super().__init__()
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+class _Checkpointed(nn.Module):
+    """A block whose activations are recomputed in the backward (``use_reentrant=False``)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def w_shares(
+    models: Sequence[str] = SPLIT_MODELS,
+    width: int = 256,
+    seq: int = 64,
+    microbatches: int = 8,
+    steps: int = 3,
+    schedule: str = "zb-h1",
+) -> Table:
+    """Measured ``T_W / (T_B + T_W)`` per stage of each model on 2 ranks (``Pipeline(trace=True)``).
+
+    A stage whose parameters all get their gradients in B shows a share near 0; a Linear-dominated
+    stage near 0.5 (W is as many FLOPs as the input gradient).  Sums over the last recorded step.
+    """
+    results = launch(_w_share_rank, 2, (list(models), width, seq, microbatches, steps, schedule), threads=1)[0]
+    table = Table(
+        f"W share of the backward per stage: {schedule}, 2 CPU ranks, {microbatches} microbatches, "
+        f"width {width}, sequence {seq}",
+        ["model", "stage 0", "stage 1", "T_B + T_W per microbatch, stage 0 / 1 (ms)"],
+    )
+    for name, (shares, totals) in results.items():
+        table.rows.append(
+            [name, *(f"{share:.3f}" for share in shares), " / ".join(f"{t * 1e3:.1f}" for t in totals)]
+        )
+    table.notes.append(
+        "W share = sum of measured W op times / sum of B and W op times of the stage, last of "
+        f"{steps} steps (1 thread per rank; the machine may be shared, so times are indicative)."
+    )
+    return table
+
+
+def _w_share_rank(
+    models: list[str], width: int, seq: int, microbatches: int, steps: int, schedule: str
+) -> dict[str, tuple[list[float], list[float]]]:
+    init_distributed(backend="gloo", timeout=120)
+    shares = {}
+    for name in models:
+        model = split_model(name, width=width, batch=2 * microbatches, seq=seq)
+        pipe = Pipeline(
+            model.layers, schedule=schedule, microbatches=microbatches, loss_fn=model.loss_fn, trace=True
+        )
+        for _ in range(steps):
+            pipe.step(model.inputs, model.targets)
+            pipe.zero_grad()
+        timelines = pipe.measured_timelines()
+        if timelines is not None:
+            shares[name] = _stage_w_share(timelines[-1], microbatches)
+    return shares
+
+
+def _stage_w_share(timeline: Any, microbatches: int) -> tuple[list[float], list[float]]:
+    """Per stage: W share, and ``(T_B + T_W)`` per microbatch, from one measured step."""
+    from .schedule.ir import Kind
+
+    times: dict[int, dict[Kind, float]] = {}
+    for rank, program in enumerate(timeline.schedule.programs):
+        for op, start, end in zip(program, timeline.start[rank], timeline.end[rank]):
+            per_kind = times.setdefault(op.stage, {})
+            per_kind[op.kind] = per_kind.get(op.kind, 0.0) + end - start
+    stages = sorted(times)
+    backward = [times[s].get(Kind.B, 0.0) + times[s].get(Kind.W, 0.0) for s in stages]
+    shares = [times[s].get(Kind.W, 0.0) / total if total else 0.0 for s, total in zip(stages, backward)]
+    return shares, [total / microbatches for total in backward]
+
+
 # -- 3. emulated pipelines ---------------------------------------------------------------------------
 
 EMULATED_COSTS = CostModel(f=10.0, b=10.0, w=7.0)

@@ -291,6 +291,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate, args.device, args.splits)
             for accumulate in (True, False)
         ]
+        if args.models:
+            tables.append(bench.w_shares(args.models, args.width, args.seq))
     else:
         f, b, w = args.costs
         tables = [
@@ -325,6 +327,14 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["fast paths", "generic only", "torch pipelining"],
         help="which splits to measure",
     )
+    wgrad.add_argument(
+        "--models",
+        nargs="*",
+        choices=["gpt2", "llama", "convnet", "checkpointed"],
+        help="also measure the W share per stage of these models on 2 ranks (gpt2, llama need transformers)",
+    )
+    wgrad.add_argument("--width", type=int, default=256, help="hidden size of --models")
+    wgrad.add_argument("--seq", type=int, default=64, help="sequence length (image side) of --models")
     emulate = kinds.add_parser("emulate", help="emulated compute: measured vs predicted iteration time")
     emulate.add_argument("--ranks", nargs="+", type=int, default=[4, 8])
     emulate.add_argument("--steps", type=int, default=4)
