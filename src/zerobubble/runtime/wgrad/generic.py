@@ -18,12 +18,12 @@ custom autograd functions or owned by child modules all get their gradient; a fa
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .fast import SplitFunction
@@ -58,22 +58,56 @@ class LocalGraph:
         outputs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
         if not self.store.deferring:
             # every leaf at once, fast-path children's parameters included (they are not in leaves)
-            torch.autograd.backward(outputs, out_grads)
+            run_engine(outputs, out_grads, (), keep_graph=False, accumulate=True)
             return (*(x.grad for x in self.inputs), *(None for _ in self.leaves))
         input_grads: Sequence[torch.Tensor | None] = ()
-        if self.inputs:
-            keep = bool(self.leaves)  # the W op walks the same graph again
-            input_grads = torch.autograd.grad(
-                outputs, self.inputs, out_grads, retain_graph=keep, allow_unused=True
-            )
+        if self.inputs:  # keep the graph: the W op walks it again
+            input_grads = run_engine(outputs, out_grads, self.inputs, keep_graph=bool(self.leaves))
         if self.leaves:
-            self.store.put(functools.partial(_weight_pass, outputs, out_grads, self.leaves))
+            self.store.shared(WeightPass).add(outputs, out_grads, self.leaves)
         return (*input_grads, *(None for _ in self.leaves))
 
 
-def _weight_pass(outputs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
-    """The W op of one local graph: accumulate into the leaves' ``.grad``; the graph is freed."""
-    torch.autograd.backward(outputs, grads, inputs=leaves)
+class WeightPass:
+    """The generic part of one W op: every local graph of the microbatch in one autograd call.
+
+    Accumulates into the leaves' ``.grad`` and frees the graphs.  One call instead of one per
+    layer saves the engine's fixed cost per call, which dominates for small microbatches.
+    """
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.leaves: dict[int, torch.Tensor] = {}
+
+    def add(self, outputs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
+        """Queue one local graph's outputs, their gradients and the leaves W computes."""
+        self.outputs += outputs
+        self.grads += grads
+        for leaf in leaves:
+            self.leaves.setdefault(id(leaf), leaf)
+
+    def __call__(self) -> None:
+        outputs, grads, leaves = self.outputs, self.grads, list(self.leaves.values())
+        self.outputs, self.grads, self.leaves = [], [], {}
+        run_engine(outputs, grads, leaves, keep_graph=False, accumulate=True)
+
+
+def run_engine(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    keep_graph: bool,
+    accumulate: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """One autograd engine run: ``torch.autograd.grad`` (or ``backward`` if ``accumulate``) minus
+    its Python argument checks, which cost about 100 µs a call — more than a small layer's
+    backward.  The gradients come from autograd itself, so they already match their outputs.
+    ``inputs`` empty with ``accumulate``: every leaf, as ``backward()`` without ``inputs``.
+    """
+    return Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+        tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate
+    )
 
 
 class Bridge(torch.autograd.Function):
@@ -106,19 +140,24 @@ def generic_forward(store: WeightGradStore) -> Callable[..., Any]:
             or torch._C._autograd._top_saved_tensors_default_hooks(False)
         ):
             return original(module, *args, **kwargs)
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = _flatten(args, kwargs)
         outer, local_inputs = [], []
         for index, item in enumerate(flat):
             if isinstance(item, torch.Tensor) and item.requires_grad:
                 outer.append(item)
                 flat[index] = item.detach().requires_grad_()
                 local_inputs.append(flat[index])
-        local_args, local_kwargs = tree_unflatten(flat, spec)
+        local_args, local_kwargs = _unflatten(flat, spec)
         store.local_depth += 1
         try:
             result = original(module, *local_args, **local_kwargs)
         finally:
             store.local_depth -= 1
+        if isinstance(result, torch.Tensor):  # the common case, without a tree walk
+            if not result.requires_grad:
+                return result
+            leaves = reachable_leaves([result], local_inputs)
+            return Bridge.apply(LocalGraph(store, [result], local_inputs, leaves), *outer, *leaves)[0]
         out_flat, out_spec = tree_flatten(result)
         positions = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not positions:
@@ -131,6 +170,17 @@ def generic_forward(store: WeightGradStore) -> Callable[..., Any]:
         return tree_unflatten(out_flat, out_spec)
 
     return forward
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """The call's arguments as a flat list; plain positional calls skip the (slower) tree walk."""
+    if not kwargs and not any(isinstance(a, (tuple, list, dict)) for a in args):
+        return list(args), None
+    return tree_flatten((args, kwargs))
+
+
+def _unflatten(flat: list[Any], spec: Any) -> tuple[tuple, dict]:
+    return (tuple(flat), {}) if spec is None else tree_unflatten(flat, spec)
 
 
 def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -> list[torch.Tensor]:

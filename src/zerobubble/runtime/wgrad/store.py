@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+Work = TypeVar("Work", bound=Callable[[], None])
 
 
 class WeightGradStore:
@@ -19,6 +22,7 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self._pending: dict[tuple[int, int], list[Callable[[], None]]] = {}
+        self._shared: dict[tuple[int, int], dict[type, Callable[[], None]]] = {}
         self._key: tuple[int, int] | None = None
         self.deferring = False
         self.local_depth = 0  # generic local graphs being built right now (see .generic)
@@ -39,12 +43,28 @@ class WeightGradStore:
             raise RuntimeError("WeightGradStore.put outside begin()/end(): no backward is deferring")
         self._pending.setdefault(self._key, []).append(work)
 
+    def shared(self, kind: type[Work]) -> Work:
+        """The one ``kind()`` work item of the current key, created and queued on first use.
+
+        Lets many layers pool their W work into one call (the generic split runs one autograd
+        call per W op instead of one per layer).
+        """
+        if self._key is None:
+            raise RuntimeError("WeightGradStore.shared outside begin()/end(): no backward is deferring")
+        per_key = self._shared.setdefault(self._key, {})
+        work = per_key.get(kind)
+        if work is None:
+            work = per_key[kind] = kind()
+            self.put(work)
+        return work  # type: ignore[return-value]
+
     def flush(self, key: tuple[int, int]) -> None:
         """Run the W op of ``key``: accumulate every deferred weight gradient into ``.grad``.
 
         A key without deferred work (a stage without parameters) is a no-op.
         """
         # no_grad: saved inputs may require grad; a W op must not build a graph into .grad
+        self._shared.pop(key, None)
         with torch.no_grad():
             for work in self._pending.pop(key, ()):
                 work()
@@ -56,6 +76,7 @@ class WeightGradStore:
     def clear(self) -> None:
         """Drop every deferred entry (after a failed step)."""
         self._pending.clear()
+        self._shared.clear()
         self.end()
 
 
