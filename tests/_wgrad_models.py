@@ -45,7 +45,11 @@ def model_cases(models: list[str], schedules: list[str], microbatches: int) -> d
             model = split_model(name, batch=2 * microbatches)
             try:
                 pipe = Pipeline(
-                    model.layers, schedule=schedule, microbatches=microbatches, loss_fn=model.loss_fn, timeout=90
+                    model.layers,
+                    schedule=schedule,
+                    microbatches=microbatches,
+                    loss_fn=model.loss_fn,
+                    timeout=90,
                 )
             except PipelineError as error:
                 if isinstance(error.__cause__, ScheduleError):

@@ -305,7 +305,9 @@ def test_a_registered_rule_is_used_and_subclasses_that_override_forward_are_not(
 
 def test_w_frees_what_b_kept():
     torch.manual_seed(6)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), Custom(nn.Linear(WIDTH, WIDTH)), nn.LayerNorm(WIDTH))
+    model = nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.Tanh(), Custom(nn.Linear(WIDTH, WIDTH)), nn.LayerNorm(WIDTH)
+    )
     kept = []
     for module in (model[0], model[2].inner, model[3]):  # inner: inside the generic local graph
         module.register_forward_hook(lambda m, args, out: kept.append(weakref.ref(args[0])))

@@ -349,9 +349,9 @@ def wgrad_split_cost(
                     ]
                 )
     table.notes.append(
-        f"Median of {repeats} repeats after one warm-up (CPU: thread CPU time, so load from other "
-        f"processes does not count; glibc keeps freed memory, as a caching allocator would); the goals at ≥ 32 rows: ≤ 1.05 for fast "
-        "paths, ≤ 1.15 for the generic split. Conv rows are 8×8 images."
+        f"Median of {repeats} repeats after one warm-up. CPU: thread CPU time (load from other "
+        "processes does not count), glibc keeps freed memory as a caching allocator would. Goals at "
+        "≥ 32 rows: ≤ 1.05 for fast paths, ≤ 1.15 for the generic split. Conv rows are 8×8 images."
     )
     return table
 
@@ -501,22 +501,22 @@ def split_model(name: str, width: int = 16, batch: int = 8, seq: int = 8, seed: 
 
         from .hf import gpt2_layers
 
-        config = GPT2Config(
+        gpt2 = GPT2Config(
             vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=2, n_head=2, tie_word_embeddings=False,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
-        return SplitModel(gpt2_layers(GPT2LMHeadModel(config)), lm_loss, tokens, targets)
+        return SplitModel(gpt2_layers(GPT2LMHeadModel(gpt2)), lm_loss, tokens, targets)
     if name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
         from .hf import llama_layers
 
-        config = LlamaConfig(
+        llama = LlamaConfig(
             vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=seq,
             tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
         )  # fmt: skip
-        return SplitModel(llama_layers(LlamaForCausalLM(config)), lm_loss, tokens, targets)
+        return SplitModel(llama_layers(LlamaForCausalLM(llama)), lm_loss, tokens, targets)
     if name == "convnet":
         images = torch.randn(batch, 3, seq, seq, generator=generator)
         labels = torch.randint(10, (batch,), generator=generator)
@@ -564,7 +564,7 @@ def w_shares(
     width: int = 256,
     seq: int = 64,
     microbatches: int = 8,
-    steps: int = 3,
+    steps: int = 5,
     schedule: str = "zb-h1",
 ) -> Table:
     """Measured ``T_W / (T_B + T_W)`` per stage of each model on 2 ranks (``Pipeline(trace=True)``).
@@ -572,7 +572,9 @@ def w_shares(
     A stage whose parameters all get their gradients in B shows a share near 0; a Linear-dominated
     stage near 0.5 (W is as many FLOPs as the input gradient).  Sums over the last recorded step.
     """
-    results = launch(_w_share_rank, 2, (list(models), width, seq, microbatches, steps, schedule), threads=1)[0]
+    results = launch(_w_share_rank, 2, (list(models), width, seq, microbatches, steps, schedule), threads=1)[
+        0
+    ]
     table = Table(
         f"W share of the backward per stage: {schedule}, 2 CPU ranks, {microbatches} microbatches, "
         f"width {width}, sequence {seq}",
@@ -583,8 +585,8 @@ def w_shares(
             [name, *(f"{share:.3f}" for share in shares), " / ".join(f"{t * 1e3:.1f}" for t in totals)]
         )
     table.notes.append(
-        "W share = sum of measured W op times / sum of B and W op times of the stage, last of "
-        f"{steps} steps (1 thread per rank; the machine may be shared, so times are indicative)."
+        "W share = sum of measured W op times / sum of B and W op times of the stage over steps 2.."
+        f"{steps} (1 thread per rank, wall-clock op times: load on a shared machine adds noise)."
     )
     return table
 
@@ -595,7 +597,8 @@ def _w_share_rank(
     init_distributed(backend="gloo", timeout=120)
     shares = {}
     for name in models:
-        model = split_model(name, width=width, batch=2 * microbatches, seq=seq)
+        side = min(seq, 16)  # conv net images: 16×16 (at 64×64 a microbatch takes half a second)
+        model = split_model(name, width=width, batch=2 * microbatches, seq=side if name == "convnet" else seq)
         pipe = Pipeline(
             model.layers, schedule=schedule, microbatches=microbatches, loss_fn=model.loss_fn, trace=True
         )
@@ -604,23 +607,24 @@ def _w_share_rank(
             pipe.zero_grad()
         timelines = pipe.measured_timelines()
         if timelines is not None:
-            shares[name] = _stage_w_share(timelines[-1], microbatches)
+            shares[name] = _stage_w_share(timelines[1:] or timelines, microbatches)
     return shares
 
 
-def _stage_w_share(timeline: Any, microbatches: int) -> tuple[list[float], list[float]]:
-    """Per stage: W share, and ``(T_B + T_W)`` per microbatch, from one measured step."""
+def _stage_w_share(timelines: Sequence[Any], microbatches: int) -> tuple[list[float], list[float]]:
+    """Per stage: W share, and ``(T_B + T_W)`` per microbatch, summed over measured steps."""
     from .schedule.ir import Kind
 
     times: dict[int, dict[Kind, float]] = {}
-    for rank, program in enumerate(timeline.schedule.programs):
-        for op, start, end in zip(program, timeline.start[rank], timeline.end[rank]):
-            per_kind = times.setdefault(op.stage, {})
-            per_kind[op.kind] = per_kind.get(op.kind, 0.0) + end - start
+    for timeline in timelines:
+        for rank, program in enumerate(timeline.schedule.programs):
+            for op, start, end in zip(program, timeline.start[rank], timeline.end[rank]):
+                per_kind = times.setdefault(op.stage, {})
+                per_kind[op.kind] = per_kind.get(op.kind, 0.0) + end - start
     stages = sorted(times)
     backward = [times[s].get(Kind.B, 0.0) + times[s].get(Kind.W, 0.0) for s in stages]
     shares = [times[s].get(Kind.W, 0.0) / total if total else 0.0 for s, total in zip(stages, backward)]
-    return shares, [total / microbatches for total in backward]
+    return shares, [total / (microbatches * len(timelines)) for total in backward]
 
 
 # -- 3. emulated pipelines ---------------------------------------------------------------------------

@@ -288,7 +288,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         )
     elif args.benchmark == "wgrad":
         tables = [
-            bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate, args.device, args.splits)
+            bench.wgrad_split_cost(
+                args.rows, args.repeats, args.threads, accumulate, args.device, args.splits
+            )
             for accumulate in (True, False)
         ]
         if args.models:

@@ -27,7 +27,7 @@ def _hidden(output: Any) -> torch.Tensor:
 class GPT2Embedding(nn.Module):
     """Token and position embeddings of a ``GPT2Model`` (its ``wte``, ``wpe`` and dropout)."""
 
-    def __init__(self, transformer: nn.Module):
+    def __init__(self, transformer: Any):
         super().__init__()
         self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
 
@@ -58,7 +58,7 @@ class LMHead(nn.Module):
         return self.head(self.norm(hidden))
 
 
-def gpt2_layers(model: nn.Module) -> list[nn.Module]:
+def gpt2_layers(model: Any) -> list[nn.Module]:
     """``GPT2LMHeadModel`` → ``[embedding, block 0, …, block n−1, head]``.
 
     Untie the head from the token embedding first (``tie_word_embeddings=False``) when the two
@@ -72,7 +72,7 @@ def gpt2_layers(model: nn.Module) -> list[nn.Module]:
 class LlamaEmbedding(nn.Module):
     """Token embedding and the rotary tables: ``tokens → (hidden, cos, sin)``."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: Any):
         super().__init__()
         self.embed_tokens, self.rotary_emb = model.embed_tokens, model.rotary_emb
 
@@ -96,7 +96,11 @@ class LlamaLayer(nn.Module):
         return _hidden(self.layer(hidden, position_embeddings=(cos, sin))), cos, sin
 
 
-def llama_layers(model: nn.Module) -> list[nn.Module]:
+def llama_layers(model: Any) -> list[nn.Module]:
     """``LlamaForCausalLM`` → ``[embedding, decoder layer 0, …, decoder layer n−1, head]``."""
     inner = model.model
-    return [LlamaEmbedding(inner), *(LlamaLayer(layer) for layer in inner.layers), LMHead(inner.norm, model.lm_head)]
+    return [
+        LlamaEmbedding(inner),
+        *(LlamaLayer(layer) for layer in inner.layers),
+        LMHead(inner.norm, model.lm_head),
+    ]

@@ -24,14 +24,14 @@ class SplitFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, rule, module, store, *params):  # type: ignore[override]
+    def forward(ctx, x, rule, module, store, *params):
         out, saved = rule.forward(module, x, params)
         ctx.save_for_backward(*saved)
         ctx.rule, ctx.module, ctx.store = rule, module, store
         return out
 
     @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
+    def backward(ctx, grad_output):
         saved = ctx.saved_tensors
         rule: SplitRule = ctx.rule
         needed = ctx.needs_input_grad[_ARGS:]
@@ -57,7 +57,7 @@ def _add_grads(module: nn.Module, names: tuple[str, ...], grads: list[torch.Tens
 def fast_forward(
     rule: SplitRule, store: WeightGradStore, generic: Callable[..., Any]
 ) -> Callable[[nn.Module, torch.Tensor], Any]:
-    """The forward installed on a module that ``rule`` covers (``generic`` under autocast if the rule says so)."""
+    """The forward installed on a module ``rule`` covers (``generic`` under autocast, if the rule says so)."""
     names_of = rule.param_names
 
     def forward(module: nn.Module, x: torch.Tensor) -> Any:

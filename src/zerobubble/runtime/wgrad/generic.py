@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .fast import SplitFunction
 from .store import WeightGradStore
 
-_SPLIT_NODE = SplitFunction._backward_cls  # type: ignore[attr-defined]
+_SPLIT_NODE = SplitFunction._backward_cls
 
 
 class LocalGraph:
@@ -105,7 +105,7 @@ def run_engine(
     backward.  The gradients come from autograd itself, so they already match their outputs.
     ``inputs`` empty with ``accumulate``: every leaf, as ``backward()`` without ``inputs``.
     """
-    return Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+    return Variable._execution_engine.run_backward(
         tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate
     )
 
@@ -114,13 +114,13 @@ class Bridge(torch.autograd.Function):
     """Joins a local graph to the stage's graph; its backward is :meth:`LocalGraph.backward`."""
 
     @staticmethod
-    def forward(ctx, local, *inputs):  # type: ignore[override]
+    def forward(ctx, local, *inputs):
         ctx.local = local
         ctx.set_materialize_grads(False)
         return tuple(out.detach() for out in local.outputs)
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         local, ctx.local = ctx.local, None
         return (None, *local.backward(grads))
 

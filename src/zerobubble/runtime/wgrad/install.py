@@ -86,4 +86,4 @@ def remove_deferral(deferral: Deferral) -> None:
 
 def _set_forward(module: nn.Module, forward) -> None:
     # an instance attribute shadows the class's forward: type and state_dict names stay the same
-    module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+    module.forward = types.MethodType(forward, module)

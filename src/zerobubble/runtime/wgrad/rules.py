@@ -169,12 +169,11 @@ class ConvRule(_MaskedRule):
 
     def _backward(self, module, saved, grad_output, mask):
         x, weight = saved
-        bias_sizes = [weight.shape[0]] if module.bias is not None else None  # type: ignore[union-attr]
+        bias_sizes = [weight.shape[0]] if module.bias is not None else None
         return torch.ops.aten.convolution_backward(
             grad_output, x, weight, bias_sizes, module.stride, module.padding, module.dilation,
             False, [0] * self.dims, module.groups, mask,
         )  # fmt: skip
-
 
 
 class EmbeddingRule(SplitRule):
@@ -215,7 +214,6 @@ class LayerNormRule(_MaskedRule):
         )
 
 
-
 class GroupNormRule(_MaskedRule):
     """``nn.GroupNorm`` with an affine part: ``native_group_norm``; parameter gradients from B's kernel."""
 
@@ -237,7 +235,6 @@ class GroupNormRule(_MaskedRule):
         return torch.ops.aten.native_group_norm_backward(
             grad_output.contiguous(), x, mean, rstd, weight, n, c, hxw, module.num_groups, mask
         )
-
 
 
 class BatchNormRule(_MaskedRule):
@@ -275,7 +272,6 @@ class BatchNormRule(_MaskedRule):
         return torch.ops.aten.native_batch_norm_backward(
             grad_output, x, weight, running_mean, running_var, save_mean, save_invstd, train, module.eps, mask
         )
-
 
 
 class FastPaths:
@@ -333,4 +329,3 @@ def default_fast_paths() -> FastPaths:
     for module_type, rule in builtin.items():
         paths.register(module_type, rule)
     return paths
-

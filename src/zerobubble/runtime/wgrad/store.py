@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,7 +22,7 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self._pending: dict[tuple[int, int], list[Callable[[], None]]] = {}
-        self._shared: dict[tuple[int, int], dict[type, Callable[[], None]]] = {}
+        self._shared: dict[tuple[int, int], dict[Callable[[], Any], Any]] = {}
         self._key: tuple[int, int] | None = None
         self.deferring = False
         self.local_depth = 0  # generic local graphs being built right now (see .generic)
@@ -43,7 +43,7 @@ class WeightGradStore:
             raise RuntimeError("WeightGradStore.put outside begin()/end(): no backward is deferring")
         self._pending.setdefault(self._key, []).append(work)
 
-    def shared(self, kind: type[Work]) -> Work:
+    def shared(self, kind: Callable[[], Work]) -> Work:
         """The one ``kind()`` work item of the current key, created and queued on first use.
 
         Lets many layers pool their W work into one call (the generic split runs one autograd
@@ -56,7 +56,7 @@ class WeightGradStore:
         if work is None:
             work = per_key[kind] = kind()
             self.put(work)
-        return work  # type: ignore[return-value]
+        return work
 
     def flush(self, key: tuple[int, int]) -> None:
         """Run the W op of ``key``: accumulate every deferred weight gradient into ``.grad``.
