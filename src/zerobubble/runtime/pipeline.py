@@ -37,7 +37,7 @@ from .data_parallel import (
 from .executor import Executor, StageState
 from .launch import init_distributed, local_device
 from .optim import OptimizerStats, PipelineOptimizer, validation_chain
-from .wgrad import WeightGradStore, install_deferral
+from .wgrad import FastPaths, WeightGradStore, install_deferral
 
 
 class StageModule(nn.Module):
@@ -79,8 +79,9 @@ class Pipeline:
     plain synchronous step.
 
     Only this rank's layers are referenced after construction (moved to its device); the others
-    are freed once the caller drops ``layers``.  Linear layers of a schedule with W ops compute
-    their weight gradients in W (:mod:`.wgrad`); their type and parameter names do not change.
+    are freed once the caller drops ``layers``.  With a schedule that has W ops every parameter
+    gets its gradient in W (:mod:`.wgrad`; ``fast_paths`` adds split rules for your own layer
+    types); module types and parameter names do not change.
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class Pipeline:
         emulate: CostModel | None = None,
         data_parallel: int = 1,
         post_validation: bool = True,
+        fast_paths: FastPaths | None = None,
     ):
         if loss_fn is None:
             raise PipelineError("Pipeline needs a loss_fn(output, target) returning a scalar tensor")
@@ -112,7 +114,7 @@ class Pipeline:
             schedule, self.world_size, microbatches, chunks, costs
         )
         self.module = nn.Module()
-        stages = self._place(_named_layers(layers), partition)
+        stages = self._place(_named_layers(layers), partition, fast_paths)
         self.stages = tuple(sorted(stages))
         with self.layout.replicated(directed_pairs(self.schedule)):
             comm = Comm(self.schedule, group, self.device, timeout, static_shapes)
@@ -129,7 +131,10 @@ class Pipeline:
         self._init_optimization(post_validation)
 
     def _place(
-        self, named: list[tuple[str, nn.Module]], partition: Sequence[int] | None
+        self,
+        named: list[tuple[str, nn.Module]],
+        partition: Sequence[int] | None,
+        fast_paths: FastPaths | None,
     ) -> dict[int, StageState]:
         """Cut the layers into chunks and keep this rank's, registered under their original names."""
         bounds = _partition_bounds(len(named), self.schedule.num_stages, partition)
@@ -141,7 +146,7 @@ class Pipeline:
             layers = [layer for _, layer in chunk]
             store = WeightGradStore()
             if self.schedule.splits_backward:
-                install_deferral(layers, store)
+                install_deferral(layers, store, fast_paths)
             stages[index] = StageState(
                 index,
                 StageModule(layers),
