@@ -56,6 +56,7 @@ def model_cases(models: list[str], schedules: list[str], microbatches: int) -> d
                     results[name, schedule] = {"skipped": str(error)}
                     continue
                 raise
+            touched = _watch_b_ops(pipe)
             loss = pipe.step(model.inputs, model.targets)
             grads = {
                 n: ((p.grad - expected["grads"][n]).norm().item(), expected["grads"][n].norm().item())
@@ -77,5 +78,29 @@ def model_cases(models: list[str], schedules: list[str], microbatches: int) -> d
                 ),
                 "parameters": len(expected["grads"]),
                 "w_ops": sum(op.kind.name == "W" for op in pipe.schedule.programs[pipe.rank]),
+                "b_ops": sum(op.kind.name == "B" for op in pipe.schedule.programs[pipe.rank]),
+                "grads_touched_in_b": sorted(touched),
             }
     return results
+
+
+def _watch_b_ops(pipe) -> set[str]:
+    """Names of parameters whose ``.grad`` a B op created or changed (filled in during the step)."""
+    from zerobubble.schedule.ir import Kind
+
+    executor, touched = pipe._executor, set()
+    names = {id(p): n for n, p in pipe.named_parameters()}
+    original = executor.handlers[Kind.B]
+
+    def state_of(params):
+        return [None if p.grad is None else (p.grad.data_ptr(), p.grad._version) for p in params]
+
+    def watched_b(state, j):
+        params = list(state.module.parameters())
+        before = state_of(params)
+        original(state, j)
+        touched.update(names[id(p)] for p, a, b in zip(params, before, state_of(params)) if a != b)
+
+    executor.handlers[Kind.B] = watched_b
+    executor.compile()
+    return touched

@@ -4,6 +4,7 @@ every buffer equal one process over the same microbatches.
 Models (:func:`zerobubble.bench.split_model`): transformers GPT-2 (``Conv1D`` projections) and Llama
 (RMSNorm through the generic split; rotary tables cross stage boundaries as a tuple), a conv net with
 BatchNorm (running statistics compared too) and transformer blocks under activation checkpointing.
+Every B op is watched: no parameter's ``.grad`` may change in B (all of it waits for W).
 All cases run in one spawn; each parametrized test reads its case from the shared result.
 """
 
@@ -45,5 +46,7 @@ def test_pipeline_matches_one_process(results, model, schedule):
         for name, (error, norm) in r["buffers"].items():
             assert error <= RELATIVE * norm + ABSOLUTE, f"buffer {name}: {error:.3g} vs {norm:.3g}"
         assert r["int_buffers_equal"], "num_batches_tracked differs from one process"
+    for r in per_rank:
+        assert r["grads_touched_in_b"] == [], f"B ops computed gradients W should: {r['grads_touched_in_b']}"
     if model == "convnet":
         assert any(r["buffers"] for r in per_rank), "the conv net's running statistics were compared"
