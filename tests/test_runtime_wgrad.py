@@ -68,6 +68,7 @@ class Mixed(nn.Module):
         self.embed = nn.Embedding(11, WIDTH, padding_idx=0)
         self.fc = nn.Linear(WIDTH, WIDTH)
         self.norm = nn.LayerNorm(WIDTH)
+        self.rms = nn.RMSNorm(WIDTH)
         self.conv = nn.Conv1d(WIDTH, WIDTH, 3, padding=1)
         self.group = nn.GroupNorm(2, WIDTH)
         self.batch = nn.BatchNorm1d(WIDTH)
@@ -78,7 +79,7 @@ class Mixed(nn.Module):
         self.head.weight = self.embed.weight  # tied
 
     def forward(self, tokens):
-        x = self.norm(torch.relu(self.fc(self.embed(tokens))))
+        x = self.rms(self.norm(torch.relu(self.fc(self.embed(tokens)))))
         y = self.cumulative(self.batch(self.group(self.conv(x.transpose(1, 2))))).transpose(1, 2)
         z = self.image(x.unsqueeze(1)).flatten(1, 3).reshape_as(x)
         return self.head(self.custom(x + y + z))
@@ -116,7 +117,7 @@ def test_every_parameter_waits_for_w_and_w_matches_autograd():
     deferral = install_deferral([model], store)
     assert deferral.summary() == {
         "fast Embedding": 1, "fast Linear": 3, "fast LayerNorm": 1, "fast Conv1d": 1, "fast GroupNorm": 1,
-        "fast BatchNorm1d": 2, "fast Conv2d": 1, "generic Custom": 1,
+        "fast BatchNorm1d": 2, "fast Conv2d": 1, "fast RMSNorm": 1, "generic Custom": 1,
     }  # fmt: skip
     _split_backward(model, store, [model(tokens).square().mean() for tokens in batches])
     early = [name for name, p in model.named_parameters() if p.grad is not None]

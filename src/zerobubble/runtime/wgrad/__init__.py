@@ -6,7 +6,8 @@ nobody waits for, so the schedule may postpone it into a bubble.  :func:`install
 every module of a stage, with no change to the model:
 
 * **fast paths** (:mod:`.rules`): closed-form splits for ``nn.Linear``, transformers' ``Conv1D``,
-  ``Conv1d/2d/3d``, ``Embedding`` and the affine parts of ``LayerNorm``/``GroupNorm``/``BatchNorm``;
+  ``Conv1d/2d/3d``, ``Embedding`` and the affine parts of ``LayerNorm``/``GroupNorm``/``BatchNorm``/
+  ``RMSNorm`` (torch's and transformers' Llama, Mistral, Qwen2);
   B calls the backward kernel for the input only and W the one for the parameters, so the split
   costs about what the fused backward does.  :class:`FastPaths` registers rules for other types.
 * **the generic split** (:mod:`.generic`): any other module owning parameters runs on a local

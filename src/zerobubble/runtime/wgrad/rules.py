@@ -281,6 +281,52 @@ class BatchNormRule(_MaskedRule):
         )
 
 
+class RMSNormRule(SplitRule):
+    """RMS norm with a weight: ``nn.RMSNorm``, and the ``*RMSNorm`` classes of transformers models.
+
+    Computes like both (in float32 for lower-precision inputs, cast back, times the weight);
+    B and W use the closed-form gradients of ``w · x / rms(x)``.  ``eps_attribute`` names the
+    module's epsilon (``"eps"`` for torch, ``"variance_epsilon"`` for transformers), ``last_dims``
+    how many trailing dimensions are normalised (None: ``module.normalized_shape``'s length).
+    """
+
+    def __init__(self, eps_attribute: str = "eps", last_dims: int | None = None):
+        self.eps_attribute = eps_attribute
+        self.last_dims = last_dims
+
+    def param_names(self, module):
+        return ("weight",)
+
+    def _dims(self, module: nn.Module) -> tuple[int, ...]:
+        count = self.last_dims if self.last_dims is not None else len(module.normalized_shape)  # type: ignore[arg-type]
+        return tuple(range(-count, 0))
+
+    def forward(self, module, x, params):
+        eps = getattr(module, self.eps_attribute)
+        if eps is None:  # torch's default: the float32 machine epsilon
+            eps = torch.finfo(torch.float32).eps
+        h = x.float()
+        rstd = torch.rsqrt(h.pow(2).mean(self._dims(module), keepdim=True) + eps)
+        normalized = (h * rstd).to(x.dtype)
+        return params[0] * normalized, (x, rstd, normalized, params[0])
+
+    def input_grad(self, module, saved, grad_output):
+        x, rstd, _, weight = saved
+        assert x is not None and rstd is not None and weight is not None
+        h = x.float()
+        grad_normalized = (grad_output * weight).float()
+        dims = self._dims(module)
+        size = math.prod(h.shape[d] for d in dims)
+        dot = (grad_normalized * h).sum(dims, keepdim=True)
+        return (rstd * grad_normalized - h * rstd.pow(3) * dot / size).to(x.dtype)
+
+    def weight_grads(self, module, saved, grad_output, needed):
+        normalized, weight = saved[2], saved[3]
+        assert normalized is not None and weight is not None
+        product = grad_output * normalized
+        return [product.reshape(-1, *weight.shape).sum(0) if needed[0] else None]
+
+
 class FastPaths:
     """Which :class:`SplitRule` each module type uses; :func:`default_fast_paths` holds the built-ins.
 
@@ -317,8 +363,12 @@ class FastPaths:
         return paths
 
 
+_TRANSFORMERS_RMS_NORMS = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2")]
+"""transformers models whose ``*RMSNorm`` computes ``weight * (x·rsqrt(mean(x²)+eps)).to(dtype)``."""
+
+
 def default_fast_paths() -> FastPaths:
-    """A new registry with the built-in rules (Linear, Conv1D, Conv1d/2d/3d, Embedding, norms)."""
+    """A new registry with the built-in rules (Linear, Conv1D, Conv1d/2d/3d, Embedding, norms, RMS norms)."""
     paths = FastPaths()
     builtin: Mapping[type[nn.Module] | str, SplitRule] = {
         nn.Linear: MatmulRule(weight_is_out_by_in=True),
@@ -332,6 +382,13 @@ def default_fast_paths() -> FastPaths:
         nn.BatchNorm1d: BatchNormRule(),
         nn.BatchNorm2d: BatchNormRule(),
         nn.BatchNorm3d: BatchNormRule(),
+        nn.RMSNorm: RMSNormRule(),
+        **{
+            f"transformers.models.{family}.modeling_{family}.{name}RMSNorm": RMSNormRule(
+                "variance_epsilon", 1
+            )
+            for family, name in _TRANSFORMERS_RMS_NORMS
+        },
     }
     for module_type, rule in builtin.items():
         paths.register(module_type, rule)
