@@ -70,7 +70,7 @@ def train(args: argparse.Namespace) -> None:
         report = pipe.write_trace(args.trace)
         timelines = pipe.measured_timelines()
         if timelines is not None:
-            print(f"trace written to {args.trace}: {report}")
+            print("\n".join(report.lines()))
             print("W share of each stage's backward:", _w_shares(timelines[-1]))
 
 
