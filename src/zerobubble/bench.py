@@ -572,33 +572,66 @@ def w_shares(
     steps: int = 5,
     schedule: str = "zb-h1",
 ) -> Table:
-    """Measured ``T_W / (T_B + T_W)`` per stage of each model on 2 ranks (``Pipeline(trace=True)``).
+    """Measured ``T_W / (T_B + T_W)`` per stage of each model on 2 ranks.
 
     A stage whose parameters all get their gradients in B shows a share near 0; a Linear-dominated
-    stage near 0.5 (W is as many FLOPs as the input gradient).  Sums over the last recorded step.
+    stage near 0.5 (W is as many FLOPs as the input gradient).  Two measurements: the op times of
+    ``Pipeline(trace=True)`` (wall clock), and the same ops timed by each rank's thread CPU time,
+    which load from other processes does not inflate.
     """
-    results = launch(_w_share_rank, 2, (list(models), width, seq, microbatches, steps, schedule), threads=1)[
-        0
-    ]
+    arguments = (list(models), width, seq, microbatches, steps, schedule)
+    results = launch(_w_share_rank, 2, arguments, threads=1)[0]
     table = Table(
         f"W share of the backward per stage: {schedule}, 2 CPU ranks, {microbatches} microbatches, "
         f"width {width}, sequence {seq}",
-        ["model", "stage 0", "stage 1", "T_B + T_W per microbatch, stage 0 / 1 (ms)"],
+        [
+            "model",
+            "stage 0 (trace=True)",
+            "stage 1 (trace=True)",
+            "stage 0 (CPU time)",
+            "stage 1 (CPU time)",
+            "T_B + T_W per microbatch, stage 0 / 1 (ms)",
+        ],
     )
-    for name, (shares, totals) in results.items():
+    for name, (shares, totals, cpu_shares) in results.items():
         table.rows.append(
-            [name, *(f"{share:.3f}" for share in shares), " / ".join(f"{t * 1e3:.1f}" for t in totals)]
+            [
+                name,
+                *(f"{share:.3f}" for share in shares),
+                *(f"{share:.3f}" for share in cpu_shares),
+                " / ".join(f"{t * 1e3:.1f}" for t in totals),
+            ]
         )
     table.notes.append(
-        "W share = sum of measured W op times / sum of B and W op times of the stage over steps 2.."
-        f"{steps} (1 thread per rank, wall-clock op times: load on a shared machine adds noise)."
+        f"W share = sum of W op times / sum of B and W op times of the stage over steps 2..{steps}, "
+        "1 thread per rank. trace=True: wall-clock op times recorded by Pipeline(trace=True), which "
+        f"load from other processes on a shared machine makes noisy; CPU time: {steps - 1} more steps "
+        "with each op timed by its rank's thread CPU time."
     )
     return table
 
 
+class _CpuTimeRecorder:
+    """A Pipeline recorder timing each op by the rank's thread CPU time, summed per (stage, kind)."""
+
+    clock = staticmethod(time.thread_time)
+
+    def __init__(self) -> None:
+        self.totals: dict[tuple[int, Any], float] = {}
+
+    def op(self, op: Any, start: float, end: float) -> None:
+        key = (op.stage, op.kind)
+        self.totals[key] = self.totals.get(key, 0.0) + end - start
+
+    def wait(self, key: Any, start: float, end: float) -> None:
+        """Transfer waits are not compute: ignored."""
+
+
 def _w_share_rank(
     models: list[str], width: int, seq: int, microbatches: int, steps: int, schedule: str
-) -> dict[str, tuple[list[float], list[float]]]:
+) -> dict[str, Any]:
+    from .schedule.ir import Kind
+
     init_distributed(backend="gloo", timeout=120)
     shares = {}
     for name in models:
@@ -611,8 +644,17 @@ def _w_share_rank(
             pipe.step(model.inputs, model.targets)
             pipe.zero_grad()
         timelines = pipe.measured_timelines()
+        cpu = _CpuTimeRecorder()
+        pipe.recorder = cpu
+        for _ in range(steps - 1):
+            pipe.step(model.inputs, model.targets)
+            pipe.zero_grad()
+        local = [(cpu.totals.get((s, Kind.B), 0.0), cpu.totals.get((s, Kind.W), 0.0)) for s in pipe.stages]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
         if timelines is not None:
-            shares[name] = _stage_w_share(timelines[1:] or timelines, microbatches)
+            cpu_shares = [w / (b + w) if b + w else 0.0 for rank in gathered for b, w in rank]
+            shares[name] = (*_stage_w_share(timelines[1:] or timelines, microbatches), cpu_shares)
     return shares
 
 
