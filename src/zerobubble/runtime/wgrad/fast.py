@@ -28,24 +28,31 @@ class SplitFunction(torch.autograd.Function):
         out, saved = rule.forward(module, x, params)
         ctx.save_for_backward(*saved)
         ctx.rule, ctx.module, ctx.store = rule, module, store
+        ctx.no_grads = (None,) * (_ARGS - 1 + len(params))  # the deferring backward's tail
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved = ctx.saved_tensors
-        rule: SplitRule = ctx.rule
-        needed = ctx.needs_input_grad[_ARGS:]
+        # attributes of ctx are C++ properties building new tuples: read each once (per-layer cost)
+        saved, needs, rule, module, store = (
+            ctx.saved_tensors,
+            ctx.needs_input_grad,
+            ctx.rule,
+            ctx.module,
+            ctx.store,
+        )
+        needed = needs[_ARGS:]
         if rule.weights_in_b:
-            grad_x, grads = rule.all_grads(ctx.module, saved, grad_output, ctx.needs_input_grad[0], needed)
-            if ctx.store.deferring:
-                ctx.store.put(functools.partial(_add_grads, ctx.module, rule.param_names(ctx.module), grads))
-                grads = [None for _ in needed]
+            grad_x, grads = rule.all_grads(module, saved, grad_output, needs[0], needed)
+            if store.deferring:
+                store.put(functools.partial(_add_grads, module, rule.param_names(module), grads))
+                return (grad_x, *ctx.no_grads)
             return (grad_x, None, None, None, *grads)
-        grad_x = rule.input_grad(ctx.module, saved, grad_output) if ctx.needs_input_grad[0] else None
-        if ctx.store.deferring:
-            ctx.store.put(functools.partial(rule.accumulate, ctx.module, saved, grad_output, needed))
-            return (grad_x, None, None, None, *(None for _ in needed))
-        return (grad_x, None, None, None, *rule.weight_grads(ctx.module, saved, grad_output, needed))
+        grad_x = rule.input_grad(module, saved, grad_output) if needs[0] else None
+        if store.deferring:
+            store.put(functools.partial(rule.accumulate, module, saved, grad_output, needed))
+            return (grad_x, *ctx.no_grads)
+        return (grad_x, None, None, None, *rule.weight_grads(module, saved, grad_output, needed))
 
 
 def _add_grads(module: nn.Module, names: tuple[str, ...], grads: list[torch.Tensor | None]) -> None:
