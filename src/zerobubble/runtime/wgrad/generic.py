@@ -7,8 +7,8 @@ inputs, and each node computes only the outputs those paths need (the output mas
 backward kernels), so no parameter gradient is computed.  The local graph is kept (retained) and
 the W op runs autograd again from the same outputs with the parameters as its only inputs — now
 only the nodes on paths to parameters run, each computing only the parameter side.  A kernel both
-paths pass through (a layer norm, an ``addmm``) thus runs once per side with complementary masks,
-which costs about what the fused kernel does.
+paths pass through (an ``addmm``, a convolution) thus runs once per side with complementary masks,
+which usually costs about what the fused kernel does (not always: see ``docs/wgrad.md``).
 
 The parameters are found by walking the local graph from the outputs to its leaves (every leaf
 that requires grad and is not a local input), so shared parameters, parameters used through
