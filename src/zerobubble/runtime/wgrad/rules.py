@@ -202,9 +202,9 @@ class EmbeddingRule(SplitRule):
 class LayerNormRule(_MaskedRule):
     """``nn.LayerNorm`` with an affine part: ``native_layer_norm``; parameter gradients from B's kernel.
 
-    The CPU kernel computing only the input gradient is slower than the one computing all three
-    (246 against 94 µs at 512 × 256, measured), and the parameter gradients are two reductions of
-    the same terms, so B computes everything (:attr:`SplitRule.weights_in_b`) and W adds them.
+    The two masked CPU kernels together cost about 1.2 times the full one (each recomputes the
+    normalised input; ``benchmarks/wgrad_overhead.py``) and the parameter gradients are two small
+    reductions, so B computes everything (:attr:`SplitRule.weights_in_b`) and W adds them.
     """
 
     weights_in_b = True
