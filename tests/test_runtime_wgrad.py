@@ -361,3 +361,53 @@ def test_bench_wgrad_measures_every_split():
         for split in ("fast paths", "generic only", "torch pipelining")
     ]
     assert all(float(row[-1]) > 0 for row in table.rows)
+
+
+LAYERS = {  # layer, input shape, the split it takes
+    "conv1d groups dilation stride": (
+        lambda: nn.Conv1d(4, 6, 3, stride=2, dilation=2, groups=2),
+        (2, 4, 11),
+        "fast",
+    ),
+    "conv3d no bias": (lambda: nn.Conv3d(2, 3, 2, padding=1, bias=False), (2, 2, 3, 4, 3), "fast"),
+    "conv2d padding='same'": (lambda: nn.Conv2d(2, 3, 3, padding="same"), (2, 2, 5, 5), "generic"),
+    "conv2d reflect padding": (
+        lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"),
+        (2, 2, 5, 5),
+        "generic",
+    ),
+    "batchnorm3d": (lambda: nn.BatchNorm3d(3), (2, 3, 2, 3, 2), "fast"),
+    "groupnorm 4d": (lambda: nn.GroupNorm(3, 6), (2, 6, 3, 3), "fast"),
+    "layernorm 2 dims no bias": (lambda: nn.LayerNorm((3, 4), bias=False), (2, 5, 3, 4), "fast"),
+    "linear no bias 4d": (lambda: nn.Linear(4, 3, bias=False), (2, 2, 5, 4), "fast"),
+    "embedding scale_grad_by_freq": (lambda: nn.Embedding(7, 4, scale_grad_by_freq=True), None, "fast"),
+    "embedding max_norm": (lambda: nn.Embedding(7, 4, max_norm=1.0), None, "generic"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_each_layer_configuration_splits_exactly(name):
+    make, shape, split = LAYERS[name]
+    torch.manual_seed(7)
+    layer = make()
+    reference = copy.deepcopy(layer)
+    if shape is None:
+        inputs = [torch.tensor([[1, 2, 2], [6, 1, 2]])]
+    else:
+        inputs = [torch.randn(*shape, requires_grad=True) for _ in range(2)]
+    references = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    for x in references:
+        reference(x).sin().sum().backward()
+    store = WeightGradStore()
+    deferral = install_deferral([layer], store)
+    assert deferral.summary() == {f"{split} {type(layer).__name__}": 1}
+    _split_backward(layer, store, [layer(x).sin().sum() for x in inputs])
+    assert all(p.grad is None for p in layer.parameters())
+    for x, expected in zip(inputs, references):
+        if x.requires_grad:
+            torch.testing.assert_close(x.grad, expected.grad, rtol=1e-5, atol=1e-6)
+    store.flush((0, 1))
+    store.flush((0, 0))
+    _assert_grads_equal(layer, reference)
+    for (buffer_name, buffer), (_, expected) in zip(layer.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(buffer, expected, rtol=1e-6, atol=0, msg=buffer_name)
