@@ -325,6 +325,20 @@ def test_w_frees_what_b_kept():
     assert all(ref() is None for ref in kept), "W must free what B kept for it"
 
 
+def test_a_fast_path_layer_called_with_keywords_takes_the_generic_split():
+    torch.manual_seed(8)
+    layer = nn.Linear(3, 2)
+    reference = copy.deepcopy(layer)
+    x = torch.randn(4, 3)
+    reference(input=x).sum().backward()
+    store = WeightGradStore()
+    install_deferral([layer], store)
+    _split_backward(layer, store, [layer(input=x).sum()])
+    assert layer.weight.grad is None
+    store.flush((0, 0))
+    _assert_grads_equal(layer, reference)
+
+
 def test_no_grad_forward_and_frozen_parameters_bypass_the_store():
     layer, frozen = nn.Linear(3, 3), nn.LayerNorm(3)
     frozen.requires_grad_(False)

@@ -61,13 +61,18 @@ def _add_grads(module: nn.Module, names: tuple[str, ...], grads: list[torch.Tens
             accumulate(getattr(module, name), grad)
 
 
-def fast_forward(
-    rule: SplitRule, store: WeightGradStore, generic: Callable[..., Any]
-) -> Callable[[nn.Module, torch.Tensor], Any]:
-    """The forward installed on a module ``rule`` covers (``generic`` under autocast, if the rule says so)."""
+def fast_forward(rule: SplitRule, store: WeightGradStore, generic: Callable[..., Any]) -> Callable[..., Any]:
+    """The forward installed on a module ``rule`` covers.
+
+    Calls the rule with one positional tensor; any other call (keywords, extra arguments) and, if
+    the rule says so, calls under autocast take ``generic``.
+    """
     names_of = rule.param_names
 
-    def forward(module: nn.Module, x: torch.Tensor) -> Any:
+    def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            return generic(module, *args, **kwargs)
+        x = args[0]
         params = [getattr(module, name) for name in names_of(module)]
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
             return type(module).forward(module, x)
