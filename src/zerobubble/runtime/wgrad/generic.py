@@ -101,8 +101,8 @@ def run_engine(
     accumulate: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
     """One autograd engine run: ``torch.autograd.grad`` (or ``backward`` if ``accumulate``) minus
-    its Python argument checks, which cost about 100 µs a call — more than a small layer's
-    backward.  The gradients come from autograd itself, so they already match their outputs.
+    its Python argument handling, which costs more than a small layer's backward.  The gradients
+    come from autograd itself, so they already match their outputs.
     ``inputs`` empty with ``accumulate``: every leaf, as ``backward()`` without ``inputs``.
     """
     return Variable._execution_engine.run_backward(
