@@ -14,6 +14,7 @@ machine it ran on (:func:`machine_description`).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import platform
@@ -302,36 +303,73 @@ def _comparison_table(model: str, m: int, rows: int, times: dict[str, list[float
 
 
 def wgrad_split_cost(
-    rows_list: Sequence[int] = (8, 32, 128, 512), repeats: int = 15, threads: int = 1, accumulate: bool = True
+    rows_list: Sequence[int] = (8, 32, 128, 512),
+    repeats: int = 15,
+    threads: int = 1,
+    accumulate: bool = True,
+    device: str = "cpu",
+    modes: Sequence[str] = ("fast paths", "generic only", "torch pipelining"),
 ) -> Table:
-    """``T_B + T_W`` of the deferred split against the fused backward, per stage and microbatch size.
+    """``T_B + T_W`` of the B/W split against the fused backward, per stage, split and microbatch size.
 
-    Stages: 4 × (Linear(1024) + ReLU) of the MLP, and one GPT block (width 256, ``rows`` tokens).
-    Fused and split backwards alternate within each repeat; medians are reported.  With
-    ``accumulate`` weight gradients add into existing ``.grad`` tensors (every microbatch of a step
-    but the first); without, ``.grad`` is reset before each repeat (a step's first microbatch).
+    Stages: 4 × (Linear(1024) + ReLU) of the MLP, one GPT block (width 256, ``rows`` tokens) and two
+    Conv2d(32, 3×3) + BatchNorm2d + ReLU blocks (``rows`` images of 8×8).  Splits: ``fast paths``
+    (the default registry), ``generic only`` (an empty registry: every module through the generic
+    split) and ``torch pipelining`` (``stage_backward_input``/``stage_backward_weight`` of
+    ``torch.distributed.pipelining``, for reference).  Fused and split backwards alternate within
+    each repeat; medians are reported.  With ``accumulate`` gradients add into existing ``.grad``
+    tensors (every microbatch of a step but the first); without, ``.grad`` is reset before each
+    repeat (a step's first microbatch).
     """
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
     torch.set_num_threads(threads)
+    if device == "cpu":
+        _keep_freed_memory()
     regime = "accumulating into .grad" if accumulate else "fresh .grad (first microbatch)"
+    where = f"{threads} thread" if device == "cpu" else device
     table = Table(
-        f"B/W split cost (single process, {threads} thread, {regime})",
-        ["stage", "rows", "fused backward (ms)", "T_B (ms)", "T_W (ms)", "(T_B+T_W)/fused"],
+        f"B/W split cost (single process, {where}, {regime})",
+        ["stage", "split", "rows", "fused backward (ms)", "T_B (ms)", "T_W (ms)", "(T_B+T_W)/fused"],
     )
     for label, make, shape in _split_stages():
-        for rows in rows_list:
-            fused, split_b, split_w = _split_times(make, shape(rows), repeats, accumulate)
-            table.rows.append(
-                [
-                    label,
-                    str(rows),
-                    f"{fused * 1e3:.3f}",
-                    f"{split_b * 1e3:.3f}",
-                    f"{split_w * 1e3:.3f}",
-                    f"{(split_b + split_w) / fused:.3f}",
-                ]
-            )
-    table.notes.append(f"Median of {repeats} repeats after one warm-up; the goal is ≤ 1.05 for ≥ 32 rows.")
+        for mode in modes:
+            for rows in rows_list:
+                fused, split_b, split_w, ratio = _split_times(
+                    make, shape(rows), repeats, accumulate, mode, torch.device(device)
+                )
+                table.rows.append(
+                    [
+                        label,
+                        mode,
+                        str(rows),
+                        f"{fused * 1e3:.3f}",
+                        f"{split_b * 1e3:.3f}",
+                        f"{split_w * 1e3:.3f}",
+                        f"{ratio:.3f}",
+                    ]
+                )
+    table.notes.append(
+        f"Medians of {repeats} repeats after one warm-up; the ratio is the median of each repeat's "
+        "ratio (fused and split measured back to back). CPU: thread CPU time (load from other "
+        "processes does not count), glibc keeps freed memory as a caching allocator would. Goals at "
+        "≥ 32 rows: ≤ 1.05 for fast paths, ≤ 1.15 for the generic split. Conv rows are 8×8 images."
+    )
     return table
+
+
+def _keep_freed_memory() -> None:
+    """Tell glibc's malloc to keep freed memory for reuse, as a caching allocator (CUDA's) does.
+
+    Otherwise whether a fresh ``.grad`` costs page faults depends on which backward happened to
+    free or trim memory last, and that order differs between the fused and the split backward.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: do not return the heap's top to the system
+    libc.mallopt(-3, 1 << 25)  # M_MMAP_THRESHOLD (its maximum): serve tensors below 32 MiB from the heap
 
 
 def _split_stages():
@@ -342,36 +380,85 @@ def _split_stages():
         torch.manual_seed(0)
         return Block(GPTConfig(vocab=16, seq_len=512, dim=256, heads=4, n_layers=1))
 
+    def conv() -> nn.Module:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for _ in range(2):
+            layers += [nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU()]
+        return nn.Sequential(*layers)
+
     return [
         ("MLP 4×Linear(1024)", mlp, lambda rows: (rows, 1024)),
         ("GPT block d=256", block, lambda rows: (1, rows, 256)),
+        ("2×(Conv2d+BatchNorm2d) c=32", conv, lambda rows: (rows, 32, 8, 8)),
     ]
 
 
-def _split_times(
-    make: Callable[[], nn.Module], shape: tuple[int, ...], repeats: int, accumulate: bool
-) -> tuple[float, float, float]:
-    from .runtime.wgrad import WeightGradStore, install_deferral
+class _SplitBackward:
+    """One way of running a split backward: ``input_pass(out, grad)`` then ``weight_pass()``."""
 
-    fused_module, split_module = make(), make()
-    store = WeightGradStore()
-    install_deferral([split_module], store)
-    x = torch.randn(*shape, requires_grad=True)
+    def __init__(self, module: nn.Module, mode: str, x: torch.Tensor):
+        from .runtime.wgrad import FastPaths, WeightGradStore, install_deferral
+
+        self.module, self.mode, self.x = module, mode, x
+        self.store = WeightGradStore()
+        self._groups: Any = None
+        if mode != "torch pipelining":
+            install_deferral([module], self.store, None if mode == "fast paths" else FastPaths())
+
+    def input_pass(self, out: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.mode == "torch pipelining":
+            from torch.distributed.pipelining._backward import stage_backward_input
+
+            _, self._groups = stage_backward_input([out], [grad], [self.x], self.module.parameters())
+            return
+        self.store.begin((0, 0), True)
+        out.backward(grad)
+        self.store.end()
+
+    def weight_pass(self) -> None:
+        if self.mode == "torch pipelining":
+            from torch.distributed.pipelining._backward import stage_backward_weight
+
+            stage_backward_weight(self.module.parameters(), self._groups)
+            return
+        self.store.flush((0, 0))
+
+
+def _split_times(
+    make: Callable[[], nn.Module],
+    shape: tuple[int, ...],
+    repeats: int,
+    accumulate: bool,
+    mode: str,
+    device: torch.device,
+) -> tuple[float, float, float, float]:
+    """Medians of the fused backward, T_B and T_W (seconds) and of the per-repeat (T_B+T_W)/fused."""
+    fused_module, split_module = make().to(device), make().to(device)
+    x = torch.randn(*shape, device=device, requires_grad=True)
+    split = _SplitBackward(split_module, mode, x)
+    # CPU: the thread's CPU time (the torch ops of one thread run on it, backward included), which
+    # other processes on a shared machine do not inflate; CUDA: wall time around synchronisations
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
     fused, split_b, split_w = [], [], []
     for repeat in range(repeats + 1):
         out = fused_module(x)
         grad = torch.ones_like(out)
-        started = time.perf_counter()
+        sync()
+        started = clock()
         out.backward(grad)
-        elapsed_fused = time.perf_counter() - started
+        sync()
+        elapsed_fused = clock() - started
         out = split_module(x)
-        store.begin((0, 0), True)
-        started = time.perf_counter()
-        out.backward(grad)
-        middle = time.perf_counter()
-        store.end()
-        store.flush((0, 0))
-        ended = time.perf_counter()
+        sync()
+        started = clock()
+        split.input_pass(out, grad)
+        sync()
+        middle = clock()
+        split.weight_pass()
+        sync()
+        ended = clock()
         if repeat:  # the first repeat warms up (and creates the .grad tensors later repeats accumulate into)
             fused.append(elapsed_fused)
             split_b.append(middle - started)
@@ -380,7 +467,216 @@ def _split_times(
             fused_module.zero_grad(set_to_none=True)
             split_module.zero_grad(set_to_none=True)
         x.grad = None
-    return _median(fused), _median(split_b), _median(split_w)
+    # the ratio of each repeat's adjacent measurements: drift in the machine's speed cancels out
+    ratios = [(b + w) / f for f, b, w in zip(fused, split_b, split_w)]
+    return _median(fused), _median(split_b), _median(split_w), _median(ratios)
+
+
+# -- 2b. real models through the split: the share of W in each stage's backward -------------------
+
+SPLIT_MODELS = ("gpt2", "llama", "convnet", "checkpointed")
+"""Models the B/W split is checked on: transformers GPT-2 and Llama, a BatchNorm conv net, and
+transformer blocks under activation checkpointing (``use_reentrant=False``)."""
+
+
+@dataclass
+class SplitModel:
+    """Layers of a model, its loss and one batch (inputs, targets) to pipeline."""
+
+    layers: list[nn.Module]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+
+def split_model(name: str, width: int = 16, batch: int = 8, seq: int = 8, seed: int = 0) -> SplitModel:
+    """``name`` (one of :data:`SPLIT_MODELS`) with random weights (``seed``) and a random batch.
+
+    Two blocks between an embedding and a head (4 layers, enough for 2 ranks × 2 chunks); ``width``
+    is the hidden size (channels for the conv net), ``seq`` the sequence length (image side).
+    GPT-2 and Llama need ``transformers`` (random configs: nothing is downloaded).
+    """
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    vocab = 32
+    tokens = torch.randint(vocab, (batch, seq), generator=generator)
+    targets = torch.randint(vocab, (batch, seq), generator=generator)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        from .hf import gpt2_layers
+
+        gpt2 = GPT2Config(
+            vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=2, n_head=2, tie_word_embeddings=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return SplitModel(gpt2_layers(GPT2LMHeadModel(gpt2)), lm_loss, tokens, targets)
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from .hf import llama_layers
+
+        llama = LlamaConfig(
+            vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=seq,
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        return SplitModel(llama_layers(LlamaForCausalLM(llama)), lm_loss, tokens, targets)
+    if name == "convnet":
+        images = torch.randn(batch, 3, seq, seq, generator=generator)
+        labels = torch.randint(10, (batch,), generator=generator)
+        layers = [_conv_bn(3, width), _conv_bn(width, width), _conv_bn(width, width), _ConvHead(width, 10)]
+        return SplitModel(layers, F.cross_entropy, images, labels)
+    if name == "checkpointed":
+        config = GPTConfig(vocab=vocab, seq_len=seq, dim=width, heads=2, n_layers=2)
+        embedding, *blocks, head = gpt_layers(config)
+        return SplitModel([embedding, *(_Checkpointed(b) for b in blocks), head], lm_loss, tokens, targets)
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(SPLIT_MODELS)}")
+
+
+def _conv_bn(channels_in: int, channels_out: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(channels_in, channels_out, 3, padding=1), nn.BatchNorm2d(channels_out), nn.ReLU()
+    )
+
+
+class _ConvHead(nn.Module):
+    """Global average pooling, a learned per-channel scale and a linear classifier.
+
+    The scale is the head's own parameter, so the head takes the generic split (around its
+    fast-path ``fc``): the real-model tests cover that path too.
+    """
+
+    def __init__(self, channels: int, classes: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(channels))
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.mean(dim=(2, 3)) * self.scale)
+
+
+class _Checkpointed(nn.Module):
+    """A block whose activations are recomputed in the backward (``use_reentrant=False``)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def w_shares(
+    models: Sequence[str] = SPLIT_MODELS,
+    width: int = 256,
+    seq: int = 64,
+    microbatches: int = 8,
+    steps: int = 5,
+    schedule: str = "zb-h1",
+) -> Table:
+    """Measured ``T_W / (T_B + T_W)`` per stage of each model on 2 ranks.
+
+    A stage whose parameters all get their gradients in B shows a share near 0; a Linear-dominated
+    stage near 0.5 (W is as many FLOPs as the input gradient).  Two measurements: the op times of
+    ``Pipeline(trace=True)`` (wall clock), and the same ops timed by each rank's thread CPU time,
+    which load from other processes does not inflate.
+    """
+    arguments = (list(models), width, seq, microbatches, steps, schedule)
+    results = launch(_w_share_rank, 2, arguments, threads=1)[0]
+    table = Table(
+        f"W share of the backward per stage: {schedule}, 2 CPU ranks, {microbatches} microbatches, "
+        f"width {width}, sequence {seq}",
+        [
+            "model",
+            "stage 0 (trace=True)",
+            "stage 1 (trace=True)",
+            "stage 0 (CPU time)",
+            "stage 1 (CPU time)",
+            "T_B + T_W per microbatch, stage 0 / 1 (ms)",
+        ],
+    )
+    for name, (shares, totals, cpu_shares) in results.items():
+        table.rows.append(
+            [
+                name,
+                *(f"{share:.3f}" for share in shares),
+                *(f"{share:.3f}" for share in cpu_shares),
+                " / ".join(f"{t * 1e3:.1f}" for t in totals),
+            ]
+        )
+    table.notes.append(
+        f"W share = sum of W op times / sum of B and W op times of the stage over steps 2..{steps}, "
+        "1 thread per rank. trace=True: wall-clock op times recorded by Pipeline(trace=True), which "
+        f"load from other processes on a shared machine makes noisy; CPU time: {steps - 1} more steps "
+        "with each op timed by its rank's thread CPU time."
+    )
+    return table
+
+
+class _CpuTimeRecorder:
+    """A Pipeline recorder timing each op by the rank's thread CPU time, summed per (stage, kind)."""
+
+    clock = staticmethod(time.thread_time)
+
+    def __init__(self) -> None:
+        self.totals: dict[tuple[int, Any], float] = {}
+
+    def op(self, op: Any, start: float, end: float) -> None:
+        key = (op.stage, op.kind)
+        self.totals[key] = self.totals.get(key, 0.0) + end - start
+
+    def wait(self, key: Any, start: float, end: float) -> None:
+        """Transfer waits are not compute: ignored."""
+
+
+def _w_share_rank(
+    models: list[str], width: int, seq: int, microbatches: int, steps: int, schedule: str
+) -> dict[str, Any]:
+    from .schedule.ir import Kind
+
+    init_distributed(backend="gloo", timeout=120)
+    shares = {}
+    for name in models:
+        side = min(seq, 16)  # conv net images: 16×16 (at 64×64 a microbatch takes half a second)
+        model = split_model(name, width=width, batch=2 * microbatches, seq=side if name == "convnet" else seq)
+        pipe = Pipeline(
+            model.layers, schedule=schedule, microbatches=microbatches, loss_fn=model.loss_fn, trace=True
+        )
+        for _ in range(steps):
+            pipe.step(model.inputs, model.targets)
+            pipe.zero_grad()
+        timelines = pipe.measured_timelines()
+        cpu = _CpuTimeRecorder()
+        pipe.recorder = cpu
+        for _ in range(steps - 1):
+            pipe.step(model.inputs, model.targets)
+            pipe.zero_grad()
+        local = [(cpu.totals.get((s, Kind.B), 0.0), cpu.totals.get((s, Kind.W), 0.0)) for s in pipe.stages]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        if timelines is not None:
+            cpu_shares = [w / (b + w) if b + w else 0.0 for rank in gathered for b, w in rank]
+            shares[name] = (*_stage_w_share(timelines[1:] or timelines, microbatches), cpu_shares)
+    return shares
+
+
+def _stage_w_share(timelines: Sequence[Any], microbatches: int) -> tuple[list[float], list[float]]:
+    """Per stage: W share, and ``(T_B + T_W)`` per microbatch, summed over measured steps."""
+    from .schedule.ir import Kind
+
+    times: dict[int, dict[Kind, float]] = {}
+    for timeline in timelines:
+        for rank, program in enumerate(timeline.schedule.programs):
+            for op, start, end in zip(program, timeline.start[rank], timeline.end[rank]):
+                per_kind = times.setdefault(op.stage, {})
+                per_kind[op.kind] = per_kind.get(op.kind, 0.0) + end - start
+    stages = sorted(times)
+    backward = [times[s].get(Kind.B, 0.0) + times[s].get(Kind.W, 0.0) for s in stages]
+    shares = [times[s].get(Kind.W, 0.0) / total if total else 0.0 for s, total in zip(stages, backward)]
+    return shares, [total / (microbatches * len(timelines)) for total in backward]
 
 
 # -- 3. emulated pipelines ---------------------------------------------------------------------------

@@ -292,9 +292,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             tables.append(bench.schedulers_against_authors())
     elif args.benchmark == "wgrad":
         tables = [
-            bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate)
+            bench.wgrad_split_cost(
+                args.rows, args.repeats, args.threads, accumulate, args.device, args.splits
+            )
             for accumulate in (True, False)
         ]
+        if args.models:
+            tables.append(bench.w_shares(args.models, args.width, args.seq))
     else:
         f, b, w = args.costs
         tables = [
@@ -329,6 +333,22 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     wgrad.add_argument("--rows", nargs="+", type=int, default=[8, 32, 128, 512], help="microbatch rows")
     wgrad.add_argument("--repeats", type=int, default=15)
     wgrad.add_argument("--threads", type=int, default=1)
+    wgrad.add_argument("--device", default="cpu", help="cpu, or cuda (needs a GPU)")
+    wgrad.add_argument(
+        "--splits",
+        nargs="+",
+        default=["fast paths", "generic only", "torch pipelining"],
+        choices=["fast paths", "generic only", "torch pipelining"],
+        help="which splits to measure",
+    )
+    wgrad.add_argument(
+        "--models",
+        nargs="*",
+        choices=["gpt2", "llama", "convnet", "checkpointed"],
+        help="also measure the W share per stage of these models on 2 ranks (gpt2, llama need transformers)",
+    )
+    wgrad.add_argument("--width", type=int, default=256, help="hidden size of --models")
+    wgrad.add_argument("--seq", type=int, default=64, help="sequence length (image side) of --models")
     emulate = kinds.add_parser("emulate", help="emulated compute: measured vs predicted iteration time")
     emulate.add_argument("--ranks", nargs="+", type=int, default=[4, 8])
     emulate.add_argument("--steps", type=int, default=4)

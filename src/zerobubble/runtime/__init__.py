@@ -1,6 +1,6 @@
 """The torch runtime: executes any :class:`~zerobubble.schedule.Schedule` on ``torch.distributed``.
 
-* :mod:`.wgrad` — the B/W split of ``nn.Linear`` (weight gradients deferred to the W op);
+* :mod:`.wgrad` — the B/W split of every parameter (fast paths and a generic split; gradients in W);
 * :mod:`.comm` — asynchronous point-to-point transfers, one ordered channel per direction;
 * :mod:`.executor` — runs one rank's program through a dispatch table over op kinds;
 * :mod:`.pipeline` — the user-facing :class:`Pipeline`;

@@ -40,17 +40,17 @@ from .executor import Executor, StageState
 from .failures import PeerFailure, PeerMonitor
 from .launch import init_distributed, local_device
 from .optim import OptimizerStats, PipelineOptimizer, validation_chain
-from .wgrad import WeightGradStore, install_deferral
+from .wgrad import FastPaths, WeightGradStore, install_deferral
 
 W_MEMORY_FRACTION = 1.0
 """The activation memory a microbatch keeps from its B to its W, as a fraction of what its F kept
-(``M_W / M_B``), used to plan when no ``costs`` are given.  Between B and W the runtime keeps, for
-every ``nn.Linear``, its input and its output gradient (:mod:`.wgrad`): a transformer block keeps
-16·s·b·h elements against 17·s·b·h + 2.5·a·s²·b for F (fraction < 0.95), a Linear–GELU–Linear
-block 10/9 of F, a stack of bare ``nn.Linear`` layers up to twice.  1.0 is also the largest
-fraction every builder accepts (zb-v needs W to free at least what B adds).  Measured peaks per
-schedule (flat in m, within 11 % of the simulator's bound for MLP blocks):
-``docs/guide.md`` § Memory; give ``costs`` with your own ``mem_b``/``mem_w`` to plan exactly."""
+(``M_W / M_B``), used to plan when no ``costs`` are given.  Between B and W the runtime keeps what
+each layer's weight gradient needs (:mod:`.wgrad`): a fast-path layer its input and its output
+gradient, a generically split layer its local graph.  A transformer block keeps 16·s·b·h elements
+against 17·s·b·h + 2.5·a·s²·b for F (fraction < 0.95), a Linear–GELU–Linear block 10/9 of F.
+1.0 is also the largest fraction every builder accepts (zb-v needs W to free at least what B adds).
+Measured peaks per schedule: ``docs/guide.md`` § Memory; give ``costs`` with your own
+``mem_b``/``mem_w`` to plan exactly."""
 
 
 def default_costs() -> CostModel:
@@ -97,9 +97,10 @@ class Pipeline:
     plain synchronous step.
 
     Only this rank's layers are referenced after construction (moved to its device); the others
-    are freed once the caller drops ``layers``.  Linear layers of a schedule with W ops compute
-    their weight gradients in W (:mod:`.wgrad`); their type and parameter names do not change.
-    Without ``costs`` the schedule is planned with :func:`default_costs` (W keeps M_B until it runs).
+    are freed once the caller drops ``layers``.  With a schedule that has W ops every parameter
+    gets its gradient in W (:mod:`.wgrad`; ``fast_paths`` adds split rules for your own layer
+    types); module types and parameter names do not change.  Without ``costs`` the schedule is
+    planned with :func:`default_costs` (W keeps M_B until it runs).
 
     Safety (see ``docs/guide.md`` and ``docs/failure-semantics.md``): at construction every rank's
     layers, parameters and schedule are compared (:mod:`.consistency`), data-parallel replicas and
@@ -127,6 +128,7 @@ class Pipeline:
         data_parallel: int = 1,
         post_validation: bool = True,
         seed: int | None = None,
+        fast_paths: FastPaths | None = None,
     ):
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
         self.device = local_device(backend)  # before the first collective (NCCL needs the device)
@@ -142,7 +144,7 @@ class Pipeline:
         self.world_size = self.layout.pipeline_size
         self._monitor = PeerMonitor(self._agreement.key, self.rank, timeout)
         self.module = nn.Module()
-        stages = self._place(named, bounds)
+        stages = self._place(named, bounds, fast_paths)
         self.stages = tuple(sorted(stages))
         self._tied = self._tie(ties, bounds)
         self._aliases = {name: tie[0][1] for tie in ties for _, name in tie[1:]}
@@ -191,7 +193,9 @@ class Pipeline:
             raise problem
         return named, bounds, ties
 
-    def _place(self, named: list[tuple[str, nn.Module]], bounds: list[int]) -> dict[int, StageState]:
+    def _place(
+        self, named: list[tuple[str, nn.Module]], bounds: list[int], fast_paths: FastPaths | None
+    ) -> dict[int, StageState]:
         """Cut the layers into chunks and keep this rank's, registered under their original names."""
         stages = {}
         for index in self.schedule.placement.stages_of(self.rank):
@@ -201,7 +205,7 @@ class Pipeline:
             layers = [layer for _, layer in chunk]
             store = WeightGradStore()
             if self.schedule.splits_backward:
-                install_deferral(layers, store)
+                install_deferral(layers, store, fast_paths)
             stages[index] = StageState(
                 index,
                 StageModule(layers),

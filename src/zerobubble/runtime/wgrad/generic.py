@@ -1,0 +1,217 @@
+"""The generic split: any module whose parameters have no fast path.
+
+In F the module runs on detached copies of its tensor arguments, so its autograd graph is its own
+(the *local graph*), joined to the stage's graph by one :class:`Bridge` node.  In B the bridge asks
+autograd for the gradients of the local inputs only: the engine runs only the nodes on paths to the
+inputs, and each node computes only the outputs those paths need (the output masks of the aten
+backward kernels), so no parameter gradient is computed.  The local graph is kept (retained) and
+the W op runs autograd again from the same outputs with the parameters as its only inputs — now
+only the nodes on paths to parameters run, each computing only the parameter side.  A kernel both
+paths pass through (an ``addmm``, a convolution) thus runs once per side with complementary masks,
+which usually costs about what the fused kernel does (not always: see ``docs/wgrad.md``).
+
+The parameters are found by walking the local graph from the outputs to its leaves (every leaf
+that requires grad and is not a local input), so shared parameters, parameters used through
+custom autograd functions or owned by child modules all get their gradient; a fast-path child
+(:class:`~.fast.SplitFunction` node) defers its own parameters, so the walk does not collect them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .fast import SplitFunction
+from .store import WeightGradStore
+
+_SPLIT_NODE = SplitFunction._backward_cls
+
+
+class LocalGraph:
+    """One call's local graph: differentiable outputs, local inputs, leaves that get W gradients."""
+
+    __slots__ = ("inputs", "leaves", "outputs", "store")
+
+    def __init__(
+        self,
+        store: WeightGradStore,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        leaves: list[torch.Tensor],
+    ):
+        self.store = store
+        self.outputs = outputs
+        self.inputs = inputs
+        self.leaves = leaves
+
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """B (deferring) or BW: gradients of the local inputs, then of the leaves (None if deferred)."""
+        pairs = [(out, grad) for out, grad in zip(self.outputs, grads) if grad is not None]
+        self.outputs = []  # the W closure holds what it needs; the bridge node keeps nothing
+        if not pairs:
+            return (None,) * (len(self.inputs) + len(self.leaves))
+        outputs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        if not self.store.deferring:
+            # every leaf at once, fast-path children's parameters included (they are not in leaves)
+            run_engine(outputs, out_grads, (), keep_graph=False, accumulate=True)
+            return (*(x.grad for x in self.inputs), *(None for _ in self.leaves))
+        input_grads: Sequence[torch.Tensor | None] = ()
+        if self.inputs:  # keep the graph: the W op walks it again
+            input_grads = run_engine(outputs, out_grads, self.inputs, keep_graph=bool(self.leaves))
+        if self.leaves:
+            self.store.shared(WeightPass).add(outputs, out_grads, self.leaves)
+        return (*input_grads, *(None for _ in self.leaves))
+
+
+class WeightPass:
+    """The generic part of one W op: every local graph of the microbatch in one autograd call.
+
+    Accumulates into the leaves' ``.grad`` and frees the graphs.  One call instead of one per
+    layer saves the engine's fixed cost per call, which dominates for small microbatches.
+    """
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.leaves: dict[int, torch.Tensor] = {}
+
+    def add(self, outputs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
+        """Queue one local graph's outputs, their gradients and the leaves W computes."""
+        self.outputs += outputs
+        self.grads += grads
+        for leaf in leaves:
+            self.leaves.setdefault(id(leaf), leaf)
+
+    def __call__(self) -> None:
+        outputs, grads, leaves = self.outputs, self.grads, list(self.leaves.values())
+        self.outputs, self.grads, self.leaves = [], [], {}
+        run_engine(outputs, grads, leaves, keep_graph=False, accumulate=True)
+
+
+def run_engine(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    keep_graph: bool,
+    accumulate: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """One autograd engine run: ``torch.autograd.grad`` (or ``backward`` if ``accumulate``) minus
+    its Python argument handling, which costs more than a small layer's backward.  The gradients
+    come from autograd itself, so they already match their outputs.
+    ``inputs`` empty with ``accumulate``: every leaf, as ``backward()`` without ``inputs``.
+    """
+    return Variable._execution_engine.run_backward(
+        tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate
+    )
+
+
+class Bridge(torch.autograd.Function):
+    """Joins a local graph to the stage's graph; its backward is :meth:`LocalGraph.backward`."""
+
+    @staticmethod
+    def forward(ctx, local, *inputs):
+        ctx.local = local
+        ctx.set_materialize_grads(False)
+        return tuple(out.detach() for out in local.outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        local, ctx.local = ctx.local, None
+        return (None, *local.backward(grads))
+
+
+def generic_forward(store: WeightGradStore) -> Callable[..., Any]:
+    """The forward installed on a module split generically (also the fallback of fast paths)."""
+
+    def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        original = type(module).forward
+        # under saved-tensor hooks (checkpointing, offloading) the local graph would be recomputed
+        # once per autograd call: the module keeps plain autograd there (gradients in B)
+        # inside another module's local graph (a fast path falling back under autocast) that
+        # graph's walk already collects this module's parameters
+        if (
+            store.local_depth
+            or not torch.is_grad_enabled()
+            or torch._C._autograd._top_saved_tensors_default_hooks(False)
+        ):
+            return original(module, *args, **kwargs)
+        flat, spec = _flatten(args, kwargs)
+        outer, local_inputs = [], []
+        for index, item in enumerate(flat):
+            if isinstance(item, torch.Tensor) and item.requires_grad:
+                outer.append(item)
+                flat[index] = item.detach().requires_grad_()
+                local_inputs.append(flat[index])
+        local_args, local_kwargs = _unflatten(flat, spec)
+        store.local_depth += 1
+        try:
+            result = original(module, *local_args, **local_kwargs)
+        finally:
+            store.local_depth -= 1
+        if isinstance(result, torch.Tensor):  # the common case, without a tree walk
+            if not result.requires_grad:
+                return result
+            leaves = reachable_leaves([result], local_inputs)
+            return Bridge.apply(LocalGraph(store, [result], local_inputs, leaves), *outer, *leaves)[0]
+        out_flat, out_spec = tree_flatten(result)
+        positions = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not positions:
+            return result
+        outputs = [out_flat[i] for i in positions]
+        leaves = reachable_leaves(outputs, local_inputs)
+        bridged = Bridge.apply(LocalGraph(store, outputs, local_inputs, leaves), *outer, *leaves)
+        for position, tensor in zip(positions, bridged):
+            out_flat[position] = tensor
+        return tree_unflatten(out_flat, out_spec)
+
+    return forward
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """The call's arguments as a flat list; plain positional calls skip the (slower) tree walk."""
+    if not kwargs and not any(isinstance(a, (tuple, list, dict)) for a in args):
+        return list(args), None
+    return tree_flatten((args, kwargs))
+
+
+def _unflatten(flat: list[Any], spec: Any) -> tuple[tuple, dict]:
+    return (tuple(flat), {}) if spec is None else tree_unflatten(flat, spec)
+
+
+def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaf tensors requiring grad that ``outputs`` depend on, other than ``exclude``.
+
+    A fast-path node's parameter edges are not followed: that node defers its own parameters.
+    """
+    excluded = {id(t) for t in exclude}
+    leaves: list[torch.Tensor] = []
+    found: set[int] = set()
+    seen: set[Any] = set()
+    stack = []
+    for out in outputs:
+        if out.grad_fn is not None:
+            stack.append(out.grad_fn)
+        elif id(out) not in excluded and id(out) not in found:  # a leaf returned as it is
+            found.add(id(out))
+            leaves.append(out)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:  # an AccumulateGrad node
+            if id(variable) not in excluded and id(variable) not in found:
+                found.add(id(variable))
+                leaves.append(variable)
+            continue
+        edges = node.next_functions
+        if isinstance(node, _SPLIT_NODE):
+            edges = edges[:1]  # only the input; its parameters are deferred by the node itself
+        stack.extend(next_node for next_node, _ in edges if next_node is not None)
+    return leaves

@@ -1,0 +1,89 @@
+"""Choosing the split of every module of a stage: a fast path, the generic split, or none."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable
+
+from torch import nn
+
+from .fast import fast_forward
+from .generic import generic_forward
+from .rules import FastPaths, default_fast_paths
+from .store import WeightGradStore
+
+
+class Deferral:
+    """What :func:`install_deferral` changed; :meth:`remove` restores the modules' own forwards."""
+
+    def __init__(self) -> None:
+        self.fast: list[nn.Module] = []
+        self.generic: list[nn.Module] = []
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """Every module whose forward was replaced (fast paths first)."""
+        return self.fast + self.generic
+
+    def summary(self) -> dict[str, int]:
+        """``{"fast Linear": 4, "generic MyLayer": 1, ...}``: how each module type is split."""
+        counts: dict[str, int] = {}
+        for kind, modules in (("fast", self.fast), ("generic", self.generic)):
+            for module in modules:
+                key = f"{kind} {type(module).__name__}"
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def remove(self) -> None:
+        """Undo the installation: the modules use their class's forward again."""
+        for module in self.modules:
+            module.__dict__.pop("forward", None)
+        self.fast, self.generic = [], []
+
+
+def install_deferral(
+    modules: Iterable[nn.Module], store: WeightGradStore, fast_paths: FastPaths | None = None
+) -> Deferral:
+    """Split the backward of every parameter under ``modules``: B computes input gradients, W the rest.
+
+    A module with a rule in ``fast_paths`` (default: :func:`default_fast_paths`) gets that rule; any
+    other module owning parameters gets the generic split, which also covers the parameters of its
+    descendants that have no fast path.  Only instance ``forward`` attributes change: types,
+    parameters and state_dict names stay.  Modules that already have an instance ``forward`` are
+    left alone (their parameters get their gradients in B).
+    """
+    paths = default_fast_paths() if fast_paths is None else fast_paths
+    deferral = Deferral()
+    generic = generic_forward(store)
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, covered: bool) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if "forward" not in module.__dict__:
+            rule = paths.rule_for(module)
+            if rule is not None:
+                _set_forward(module, fast_forward(rule, store, generic))
+                deferral.fast.append(module)
+                return
+            if not covered and any(p is not None for p in module._parameters.values()):
+                _set_forward(module, generic)
+                deferral.generic.append(module)
+                covered = True  # its local graph holds the parameters of its plain descendants
+        for child in module.children():
+            visit(child, covered)
+
+    for module in modules:
+        visit(module, covered=False)
+    return deferral
+
+
+def remove_deferral(deferral: Deferral) -> None:
+    """Undo :func:`install_deferral` (the same as ``deferral.remove()``)."""
+    deferral.remove()
+
+
+def _set_forward(module: nn.Module, forward) -> None:
+    # an instance attribute shadows the class's forward: type and state_dict names stay the same
+    module.forward = types.MethodType(forward, module)

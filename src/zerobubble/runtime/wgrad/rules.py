@@ -1,0 +1,395 @@
+"""Fast paths: closed-form B/W splits for common layer types, and the registry that picks them.
+
+A :class:`SplitRule` says how one module type computes its forward, the gradient of its input (the
+B op) and the gradients of its own parameters (the W op), using the same aten kernels plain autograd
+would call — each backward kernel once, with an output mask for the part it computes.  Rules take
+one input tensor and return one output tensor; everything else goes through the generic split
+(:mod:`.generic`).  See ``docs/wgrad.md`` for how to write and register one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .store import accumulate, accumulate_product
+
+Tensors = tuple[torch.Tensor | None, ...]
+
+
+class SplitRule:
+    """How one module type splits its backward into B (input gradient) and W (parameter gradients).
+
+    Subclasses implement :meth:`forward`, :meth:`input_grad` and :meth:`weight_grads`; they may
+    override :meth:`applies` (configurations the rule does not cover go to the generic split),
+    :meth:`param_names` and :meth:`accumulate` (e.g. one GEMM into an existing ``.grad``).
+
+    ``autocast`` says what happens under :func:`torch.autocast`: ``"cast"`` — the op is one autocast
+    runs in lower precision (matmul, convolution), so its input and parameters are cast to the
+    autocast dtype first; ``"keep"`` — autocast does not touch the op; ``"generic"`` — the module
+    uses the generic split while autocast is on (it then follows autocast's own policy exactly).
+    """
+
+    autocast = "generic"
+    weights_in_b = False
+    """True when the parameter gradients are by-products of the input gradient's kernel (batch and
+    group norm reduce the same sums for both): B then computes them in the same call and W only
+    adds them into ``.grad`` — splitting the kernel would run its reductions twice."""
+
+    def applies(self, module: nn.Module) -> bool:
+        """Whether this module's configuration is covered (else the generic split handles it)."""
+        return True
+
+    def param_names(self, module: nn.Module) -> tuple[str, ...]:
+        """Names of the module's own parameters the rule computes gradients for (present ones only)."""
+        return tuple(name for name in ("weight", "bias") if getattr(module, name, None) is not None)
+
+    def forward(
+        self, module: nn.Module, x: torch.Tensor, params: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, Tensors]:
+        """The output, and the tensors B and W need (saved with ``save_for_backward``)."""
+        raise NotImplementedError
+
+    def input_grad(self, module: nn.Module, saved: Tensors, grad_output: torch.Tensor) -> torch.Tensor:
+        """The gradient of the input (the B op's work)."""
+        raise NotImplementedError
+
+    def weight_grads(
+        self, module: nn.Module, saved: Tensors, grad_output: torch.Tensor, needed: Sequence[bool]
+    ) -> list[torch.Tensor | None]:
+        """One gradient per :meth:`param_names` entry (None where not ``needed``): the W op's work."""
+        raise NotImplementedError
+
+    def all_grads(
+        self,
+        module: nn.Module,
+        saved: Tensors,
+        grad_output: torch.Tensor,
+        input_needed: bool,
+        needed: Sequence[bool],
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """Input and parameter gradients in one go (used when :attr:`weights_in_b`)."""
+        grad_x = self.input_grad(module, saved, grad_output) if input_needed else None
+        return grad_x, self.weight_grads(module, saved, grad_output, needed)
+
+    def accumulate(
+        self, module: nn.Module, saved: Tensors, grad_output: torch.Tensor, needed: Sequence[bool]
+    ) -> None:
+        """The deferred W op: add the parameter gradients into ``.grad`` (in the parameter's dtype)."""
+        names = self.param_names(module)
+        for name, grad in zip(names, self.weight_grads(module, saved, grad_output, needed)):
+            if grad is not None:
+                accumulate(getattr(module, name), grad)
+
+
+class MatmulRule(SplitRule):
+    """``nn.Linear`` (``x @ W^T + b``) or transformers' ``Conv1D`` (``x @ W + b``, ``transposed=False``)."""
+
+    autocast = "cast"
+
+    def __init__(self, weight_is_out_by_in: bool):
+        self.out_by_in = weight_is_out_by_in
+
+    def forward(self, module, x, params):
+        weight, bias = params[0], params[1] if len(params) > 1 else None
+        if self.out_by_in:
+            out = F.linear(x, weight, bias)
+        else:  # the computation of transformers.pytorch_utils.Conv1D
+            flat = x.reshape(-1, x.shape[-1])
+            product = flat.mm(weight) if bias is None else torch.addmm(bias, flat, weight)
+            out = product.view(*x.shape[:-1], weight.shape[1])
+        return out, (x, weight)
+
+    def input_grad(self, module, saved, grad_output):
+        weight = saved[1]
+        assert weight is not None
+        return grad_output.matmul(weight if self.out_by_in else weight.t())
+
+    def _factors(self, saved: Tensors, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(left, right)`` with ``weight gradient = left @ right``."""
+        x = saved[0]
+        assert x is not None
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        x_2d = x.reshape(-1, x.shape[-1])
+        return (grad_2d.t(), x_2d) if self.out_by_in else (x_2d.t(), grad_2d)
+
+    def weight_grads(self, module, saved, grad_output, needed):
+        left, right = self._factors(saved, grad_output)
+        grads: list[torch.Tensor | None] = [left.mm(right) if needed[0] else None]
+        if len(needed) > 1:
+            grads.append(grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if needed[1] else None)
+        return grads
+
+    def accumulate(self, module, saved, grad_output, needed):
+        if needed[0]:
+            accumulate_product(module.weight, *self._factors(saved, grad_output))
+        if len(needed) > 1 and needed[1]:
+            accumulate(module.bias, grad_output.reshape(-1, grad_output.shape[-1]).sum(0))
+
+
+class _MaskedRule(SplitRule):
+    """A rule whose backward is one aten kernel taking an ``[input, weight, bias]`` output mask."""
+
+    def _backward(self, module, saved, grad_output, mask) -> Sequence[torch.Tensor | None]:
+        raise NotImplementedError
+
+    def input_grad(self, module, saved, grad_output):
+        return self._backward(module, saved, grad_output, [True, False, False])[0]
+
+    def weight_grads(self, module, saved, grad_output, needed):
+        mask = [False, needed[0], len(needed) > 1 and needed[1]]
+        return list(self._backward(module, saved, grad_output, mask)[1 : 1 + len(needed)])
+
+    def all_grads(self, module, saved, grad_output, input_needed, needed):
+        mask = [input_needed, needed[0], len(needed) > 1 and needed[1]]
+        grads = self._backward(module, saved, grad_output, mask)
+        return grads[0], list(grads[1 : 1 + len(needed)])
+
+
+class ConvRule(_MaskedRule):
+    """``nn.Conv1d/2d/3d`` with numeric padding and ``padding_mode='zeros'``: ``convolution_backward``."""
+
+    autocast = "cast"
+
+    def __init__(self, dims: int):
+        self.dims = dims
+        self.conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+
+    def applies(self, module):
+        return module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+    def forward(self, module, x, params):
+        weight, bias = params[0], params[1] if len(params) > 1 else None
+        out = self.conv(x, weight, bias, module.stride, module.padding, module.dilation, module.groups)
+        return out, (x, weight)
+
+    def _backward(self, module, saved, grad_output, mask):
+        x, weight = saved
+        bias_sizes = [weight.shape[0]] if module.bias is not None else None
+        return torch.ops.aten.convolution_backward(
+            grad_output, x, weight, bias_sizes, module.stride, module.padding, module.dilation,
+            False, [0] * self.dims, module.groups, mask,
+        )  # fmt: skip
+
+
+class EmbeddingRule(SplitRule):
+    """``nn.Embedding`` (dense, no ``max_norm``): no input gradient; W is ``embedding_dense_backward``."""
+
+    autocast = "keep"
+
+    def applies(self, module):
+        return module.max_norm is None and not module.sparse
+
+    def forward(self, module, x, params):
+        out = F.embedding(x, params[0], module.padding_idx, None, 2.0, module.scale_grad_by_freq, False)
+        return out, (x,)
+
+    def input_grad(self, module, saved, grad_output):
+        raise AssertionError("an embedding's input is an index tensor: it has no gradient")
+
+    def weight_grads(self, module, saved, grad_output, needed):
+        padding = -1 if module.padding_idx is None else module.padding_idx
+        grad = torch.ops.aten.embedding_dense_backward(
+            grad_output, saved[0], module.num_embeddings, padding, module.scale_grad_by_freq
+        )
+        return [grad if needed[0] else None]
+
+
+class LayerNormRule(_MaskedRule):
+    """``nn.LayerNorm`` with an affine part: ``native_layer_norm``; parameter gradients from B's kernel.
+
+    The two masked CPU kernels together cost about 1.2 times the full one (each recomputes the
+    normalised input; ``benchmarks/wgrad_overhead.py``) and the parameter gradients are two small
+    reductions, so B computes everything (:attr:`SplitRule.weights_in_b`) and W adds them.
+    """
+
+    weights_in_b = True
+
+    def forward(self, module, x, params):
+        weight, bias = params[0], params[1] if len(params) > 1 else None
+        out, mean, rstd = torch.native_layer_norm(x, module.normalized_shape, weight, bias, module.eps)
+        return out, (x, weight, bias, mean, rstd)
+
+    def _backward(self, module, saved, grad_output, mask):
+        x, weight, bias, mean, rstd = saved
+        return torch.ops.aten.native_layer_norm_backward(
+            grad_output, x, module.normalized_shape, mean, rstd, weight, bias, mask
+        )
+
+
+class GroupNormRule(_MaskedRule):
+    """``nn.GroupNorm`` with an affine part: ``native_group_norm``; parameter gradients from B's kernel."""
+
+    weights_in_b = True
+
+    def forward(self, module, x, params):
+        weight, bias = params[0], params[1] if len(params) > 1 else None
+        x = x.contiguous()
+        n, c, hxw = x.shape[0], x.shape[1], math.prod(x.shape[2:])
+        out, mean, rstd = torch.ops.aten.native_group_norm(
+            x, weight, bias, n, c, hxw, module.num_groups, module.eps
+        )
+        return out, (x, weight, mean, rstd)
+
+    def _backward(self, module, saved, grad_output, mask):
+        x, weight, mean, rstd = saved
+        assert x is not None
+        n, c, hxw = x.shape[0], x.shape[1], math.prod(x.shape[2:])
+        return torch.ops.aten.native_group_norm_backward(
+            grad_output.contiguous(), x, mean, rstd, weight, n, c, hxw, module.num_groups, mask
+        )
+
+
+class BatchNormRule(_MaskedRule):
+    """``nn.BatchNorm1d/2d/3d`` with an affine part: ``native_batch_norm`` and its backward.
+
+    The parameter gradients come out of the input gradient's reductions, so B computes them
+    (see :attr:`SplitRule.weights_in_b`) and W adds them.  The forward follows ``nn.BatchNorm``'s
+    (running statistics, ``num_batches_tracked``, cumulative average when ``momentum is None``),
+    so the running statistics are those the module itself would keep.
+    """
+
+    weights_in_b = True
+
+    def forward(self, module, x, params):
+        weight, bias = params[0], params[1] if len(params) > 1 else None
+        module._check_input_dim(x)
+        factor = 0.0 if module.momentum is None else module.momentum
+        if module.training and module.track_running_stats and module.num_batches_tracked is not None:
+            module.num_batches_tracked.add_(1)
+            factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
+        train = module.training or (module.running_mean is None and module.running_var is None)
+        use_running = not module.training or module.track_running_stats
+        running_mean = module.running_mean if use_running else None
+        running_var = module.running_var if use_running else None
+        out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
+            x, weight, bias, running_mean, running_var, train, factor, module.eps
+        )
+        # eval mode normalises with the running statistics (unchanged until B and W); training does not
+        stats = (None, None) if train else (running_mean, running_var)
+        return out, (x, weight, *stats, save_mean, save_invstd)
+
+    def _backward(self, module, saved, grad_output, mask):
+        x, weight, running_mean, running_var, save_mean, save_invstd = saved
+        train = running_mean is None
+        return torch.ops.aten.native_batch_norm_backward(
+            grad_output, x, weight, running_mean, running_var, save_mean, save_invstd, train, module.eps, mask
+        )
+
+
+class RMSNormRule(SplitRule):
+    """RMS norm with a weight: ``nn.RMSNorm``, and the ``*RMSNorm`` classes of transformers models.
+
+    Computes like both (in float32 for lower-precision inputs, cast back, times the weight);
+    B and W use the closed-form gradients of ``w · x / rms(x)``.  ``eps_attribute`` names the
+    module's epsilon (``"eps"`` for torch, ``"variance_epsilon"`` for transformers), ``last_dims``
+    how many trailing dimensions are normalised (None: ``module.normalized_shape``'s length).
+    """
+
+    def __init__(self, eps_attribute: str = "eps", last_dims: int | None = None):
+        self.eps_attribute = eps_attribute
+        self.last_dims = last_dims
+
+    def param_names(self, module):
+        return ("weight",)
+
+    def _dims(self, module: nn.Module) -> tuple[int, ...]:
+        count = self.last_dims if self.last_dims is not None else len(module.normalized_shape)  # type: ignore[arg-type]
+        return tuple(range(-count, 0))
+
+    def forward(self, module, x, params):
+        eps = getattr(module, self.eps_attribute)
+        if eps is None:  # torch's default: the float32 machine epsilon
+            eps = torch.finfo(torch.float32).eps
+        h = x.float()
+        rstd = torch.rsqrt(h.pow(2).mean(self._dims(module), keepdim=True) + eps)
+        normalized = (h * rstd).to(x.dtype)
+        return params[0] * normalized, (x, rstd, normalized, params[0])
+
+    def input_grad(self, module, saved, grad_output):
+        x, rstd, _, weight = saved
+        assert x is not None and rstd is not None and weight is not None
+        h = x.float()
+        grad_normalized = (grad_output * weight).float()
+        dims = self._dims(module)
+        size = math.prod(h.shape[d] for d in dims)
+        dot = (grad_normalized * h).sum(dims, keepdim=True)
+        return (rstd * grad_normalized - h * rstd.pow(3) * dot / size).to(x.dtype)
+
+    def weight_grads(self, module, saved, grad_output, needed):
+        normalized, weight = saved[2], saved[3]
+        assert normalized is not None and weight is not None
+        product = grad_output * normalized
+        return [product.reshape(-1, *weight.shape).sum(0) if needed[0] else None]
+
+
+class FastPaths:
+    """Which :class:`SplitRule` each module type uses; :func:`default_fast_paths` holds the built-ins.
+
+    A rule registered for a class applies to its subclasses too, unless a subclass overrides
+    ``forward`` (then the generic split handles it).  Classes of optional libraries are registered
+    by qualified name (``"transformers.pytorch_utils.Conv1D"``) so nothing is imported for them.
+    """
+
+    def __init__(self) -> None:
+        self._by_type: dict[type, SplitRule] = {}
+        self._by_name: dict[str, SplitRule] = {}
+
+    def register(self, module_type: type[nn.Module] | str, rule: SplitRule) -> None:
+        """Use ``rule`` for ``module_type`` (a class, or its ``"module.QualName"``); replaces any rule."""
+        if isinstance(module_type, str):
+            self._by_name[module_type] = rule
+        else:
+            self._by_type[module_type] = rule
+
+    def rule_for(self, module: nn.Module) -> SplitRule | None:
+        """The rule for ``module``, or None (then the generic split or plain autograd handles it)."""
+        for cls in type(module).__mro__:
+            rule = self._by_type.get(cls) or self._by_name.get(f"{cls.__module__}.{cls.__qualname__}")
+            if rule is not None:
+                same_forward = type(module).forward is cls.forward  # type: ignore[attr-defined]
+                return rule if same_forward and rule.applies(module) else None
+        return None
+
+    def copy(self) -> FastPaths:
+        """An independent registry with the same rules (to extend without changing this one)."""
+        paths = FastPaths()
+        paths._by_type.update(self._by_type)
+        paths._by_name.update(self._by_name)
+        return paths
+
+
+_TRANSFORMERS_RMS_NORMS = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2")]
+"""transformers models whose ``*RMSNorm`` computes ``weight * (x·rsqrt(mean(x²)+eps)).to(dtype)``."""
+
+
+def default_fast_paths() -> FastPaths:
+    """A new registry with the built-in rules (Linear, Conv1D, Conv1d/2d/3d, Embedding, norms, RMS norms)."""
+    paths = FastPaths()
+    builtin: Mapping[type[nn.Module] | str, SplitRule] = {
+        nn.Linear: MatmulRule(weight_is_out_by_in=True),
+        "transformers.pytorch_utils.Conv1D": MatmulRule(weight_is_out_by_in=False),
+        nn.Conv1d: ConvRule(1),
+        nn.Conv2d: ConvRule(2),
+        nn.Conv3d: ConvRule(3),
+        nn.Embedding: EmbeddingRule(),
+        nn.LayerNorm: LayerNormRule(),
+        nn.GroupNorm: GroupNormRule(),
+        nn.BatchNorm1d: BatchNormRule(),
+        nn.BatchNorm2d: BatchNormRule(),
+        nn.BatchNorm3d: BatchNormRule(),
+        nn.RMSNorm: RMSNormRule(),
+        **{
+            f"transformers.models.{family}.modeling_{family}.{name}RMSNorm": RMSNormRule(
+                "variance_epsilon", 1
+            )
+            for family, name in _TRANSFORMERS_RMS_NORMS
+        },
+    }
+    for module_type, rule in builtin.items():
+        paths.register(module_type, rule)
+    return paths

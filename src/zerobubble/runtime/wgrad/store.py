@@ -1,0 +1,102 @@
+"""The per-stage store of deferred weight-gradient work, and how W adds into ``.grad``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+Work = TypeVar("Work", bound=Callable[[], None])
+
+
+class WeightGradStore:
+    """Deferred weight-gradient work of one stage, keyed by ``(stage, microbatch)``.
+
+    Between :meth:`begin` and :meth:`end` (one B op) every split layer's backward either hands a
+    closure computing its weight gradients to :meth:`put` (``defer=True``, a B op) or returns the
+    weight gradients to autograd at once (``defer=False``, a fused BW op).  :meth:`flush` (the W op)
+    runs the closures of one key, in the order B queued them, and drops them — with them the
+    tensors they held.  One store belongs to one stage object, never to the process.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[int, int], list[Callable[[], None]]] = {}
+        self._shared: dict[tuple[int, int], dict[Callable[[], Any], Any]] = {}
+        self._key: tuple[int, int] | None = None
+        self.deferring = False
+        self.local_depth = 0  # generic local graphs being built right now (see .generic)
+
+    def begin(self, key: tuple[int, int], defer: bool) -> None:
+        """Start the backward of ``key``; ``defer`` says whether weight gradients wait for W."""
+        self._key = key
+        self.deferring = defer
+
+    def end(self) -> None:
+        """Finish the backward started by :meth:`begin`."""
+        self._key = None
+        self.deferring = False
+
+    def put(self, work: Callable[[], None]) -> None:
+        """Queue ``work`` (adds weight gradients into ``.grad`` when called) for the current key."""
+        if self._key is None:
+            raise RuntimeError("WeightGradStore.put outside begin()/end(): no backward is deferring")
+        self._pending.setdefault(self._key, []).append(work)
+
+    def shared(self, kind: Callable[[], Work]) -> Work:
+        """The one ``kind()`` work item of the current key, created and queued on first use.
+
+        Lets many layers pool their W work into one call (the generic split runs one autograd
+        call per W op instead of one per layer).
+        """
+        if self._key is None:
+            raise RuntimeError("WeightGradStore.shared outside begin()/end(): no backward is deferring")
+        per_key = self._shared.setdefault(self._key, {})
+        work = per_key.get(kind)
+        if work is None:
+            work = per_key[kind] = kind()
+            self.put(work)
+        return work
+
+    def flush(self, key: tuple[int, int]) -> None:
+        """Run the W op of ``key``: accumulate every deferred weight gradient into ``.grad``.
+
+        A key without deferred work (a stage without parameters) is a no-op.
+        """
+        # no_grad: saved inputs may require grad; a W op must not build a graph into .grad
+        self._shared.pop(key, None)
+        with torch.no_grad():
+            for work in self._pending.pop(key, ()):
+                work()
+
+    def pending_keys(self) -> list[tuple[int, int]]:
+        """Keys whose W has not run yet (empty after a complete step)."""
+        return list(self._pending)
+
+    def clear(self) -> None:
+        """Drop every deferred entry (after a failed step)."""
+        self._pending.clear()
+        self._shared.clear()
+        self.end()
+
+
+def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` as a plain backward would do it, in the parameter's dtype.
+
+    Under autocast ``grad`` may be computed in the saved tensors' lower precision; it is cast once.
+    """
+    if grad.dtype != param.dtype:
+        grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def accumulate_product(param: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """``param.grad += left @ right``, as one GEMM into the existing gradient when dtypes allow."""
+    grad = param.grad
+    if grad is not None and grad.dtype == left.dtype == right.dtype:
+        grad.addmm_(left, right)
+    else:
+        accumulate(param, left.mm(right))
