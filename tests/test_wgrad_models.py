@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import available_schedules, run_ranks
+from _dist import RUNTIME_SCHEDULES, run_ranks
 from _wgrad_models import model_cases
 from zerobubble.bench import SPLIT_MODELS
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiprocess
 RELATIVE = 1e-5
 ABSOLUTE = 1e-6  # floor for gradients that are zero in exact arithmetic (e.g. GPT-2's key biases)
 MICROBATCHES = 4
-SCHEDULES = available_schedules()
+SCHEDULES = RUNTIME_SCHEDULES
 
 
 @pytest.fixture(scope="module")
