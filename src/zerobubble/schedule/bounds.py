@@ -1,38 +1,14 @@
 """Analytic lower bounds on the iteration time and the makespan of any schedule.
 
 The bounds hold for every schedule of a placement under a cost model and its memory limit, whatever
-its builder: fused or split backward, any order.  They are cheap (O(S²) arithmetic) so a planner
-can rank candidates by their distance to the bound, and the integer program of
-:mod:`~zerobubble.schedule.builders.zb_ilp` uses them as a cut and as its proven bound's floor.
+its builder.  Per rank: the warm-up idle before the first backward can arrive (less the forwards
+that fit in memory meanwhile), the cool-down idle after the last forward (less the backward work
+already in memory), and the turnaround chains from each of its stages; the iteration time is at
+least the maximum over ranks.  They cost O(S²) arithmetic, so planners rank candidates by their
+distance to the bound and stop a search that meets it; the integer program of
+:mod:`~zerobubble.schedule.builders.zb_ilp` uses them as a cut.
 
-Iteration time (max over ranks of its last end minus its first start, docs/concepts.md).  Let rank
-``r`` start at ``t0`` and hold ``work_r`` of compute.  These facts bound its span:
-
-* **Warm-up.**  The first backward op on ``r`` (of some stage ``s``) cannot start before the
-  dependency chain of one microbatch has gone from ``F(s)`` up to the last stage and its input
-  gradient back to ``s``: ``t0 + D_s``.  Until then only forwards can run, and activation memory only
-  grows, so at most ``capF`` of forward work fits (a knapsack of forwards under the memory limit).
-  The rank idles at least ``max(0, min_s D_s − capF)``.
-* **Cool-down.**  After the rank's last forward (of stage ``s``) ends, that microbatch's backward
-  waits ``C_s = D_s − T_F(s)`` for the round trip.  Meanwhile the rank can only run backward and
-  weight-gradient work of microbatches already in flight, whose activations are all in memory, so
-  at most ``capBW_s`` (a knapsack under the memory limit).  The rank idles at least
-  ``max(0, min_s C_s − capBW_s)``, and it still owes that microbatch's B and W.
-* The two idle periods are disjoint unless every forward of the rank fits in memory before its
-  first backward, which the bound checks; otherwise only the larger of them counts.
-* **Turnaround.**  For a stage ``e`` of the rank and any later stage ``t``: every forward of ``t``
-  waits for the forward of ``e`` (so for the rank's first start); stage ``t`` runs its ``m``
-  forwards and ``m`` backwards before its last backward, whose input gradient then travels back to
-  ``e``, where a B and a W still follow.  With ``e = 0`` this is the pipeline's full round trip, which
-  the rank holding stage 0 must span because it also runs the pipeline's first op.
-
-So ``span_r`` is at least the largest of ``work_r + idle`` and the turnaround chains; the iteration
-time is at least the maximum over ranks.  On the paper's Table 5 settings the bound's bubble rate
-equals the published zb-1p one (to its four digits) in every row, and the zb-2p one for 1.5B at
-m = 24 and 28.3B at m = 256: those schedules cannot be improved.
-
-Makespan adds, per rank, the earliest time its first op can start after the pipeline's first op
-(the forward chain from stage 0).
+The argument in full, and where the bound is tight: ``docs/schedulers.md``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
-"""Building-block V schedules (Qi et al., arXiv 2405.15362, "Pipeline Parallelism with Controllable Memory").
+"""Building-block V schedules (arXiv 2405.15362): one microbatch's ops, repeated every interval.
 
-A *building block* fixes when each op of one microbatch runs relative to the microbatch's entry,
-on every rank; microbatch ``j`` repeats the block shifted by ``j`` intervals.  The paper shows that
-the peak activation memory of such a schedule is fixed by the lifespans within the block over the
-interval, and that the bubble comes only from the warm-up and cool-down.
+A building block fixes when each op of one microbatch runs relative to its entry; microbatch ``j``
+repeats it ``j`` intervals later, so the peak memory follows from the lifespans within the block.
+The block is found by modulo scheduling at the real costs (each op at the earliest arrival time
+whose slot modulo the interval is free on its rank; W ops ``late`` or ``eager``); sorting each
+rank's ops by block time gives the programs, which the simulator then compresses.  ``depth`` extra
+intervals of chunk-0 forwards trade memory for a shorter warm-up.
 
-The block is found by **modulo scheduling**: the ops of one microbatch are placed in dependency
-order (the V's forward chain, then the backward chain), each at the earliest time its input has
-arrived (transfer time included) whose slot, taken modulo the interval, is free on its rank.  W ops
-go where they fit after their B (``late`` W: after the whole chain is placed, so the F/B chain gets
-the tight slots; ``eager`` W: right after its B).  Sorting each rank's ops of all microbatches by
-their block times gives the programs; the simulator then runs every op as soon as its inputs and
-its rank allow, which compresses the warm-up and cool-down and never delays an op past its block
-time.  A rank's memory depends only on the order of its ops, and every prefix of the warm-up holds
-a subset of the steady state's live microbatches, so the peak is the steady state's: it is checked
-exactly on the programs before a candidate is simulated.
-
-``depth`` extra intervals of chunk-0 forwards run ahead on every rank (a deeper warm-up): more
-memory, shorter warm-up bubble.
+Why the peak is the steady state's: ``docs/schedulers.md``.
 """
 
 from __future__ import annotations

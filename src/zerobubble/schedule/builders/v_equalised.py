@@ -1,30 +1,13 @@
 """The equalised V planner: fill every rank to the memory limit, equalise, then F, B, W.
 
-A planner for the V placement (rank ``r`` holds the *down* stage ``r`` and the *up* stage
-``2p−1−r``) after the strategy of the ZB-V authors' public heuristic (read for its facts; written
-here on :mod:`.planning`).  With realistic costs it beats our other V planners on every one of the
-paper's Table 5 setups, because it spends the warm-up differently:
+Our implementation, on :mod:`.planning`, of the strategy of the ZB-V authors' public heuristic:
+ranks add down forwards while they would otherwise idle for their first up input (fill), the deeper
+ranks get extra forwards until all hold the same number of activations (equalise), then rounds of
+one backward and one forward per rank with W ops in the gaps and whenever memory blocks the next op
+(steady state), then the remaining W ops (drain).  A second pass lets ranks that idled little take
+a short gap; passes repeat while the iteration time improves.  It is zb-v's first candidate.
 
-1. **Fill.**  Every rank runs microbatch 0's down forward.  Then, from the last rank back, while
-   rank ``r`` would otherwise idle until its first up-forward input arrives (and keeps room for
-   ``r + 1`` more microbatches on both chunks), ranks ``0..r`` each add one more down forward.
-   Then rank ``r`` runs its up forward.
-2. **Equalise.**  For ``r = 1..p−1``: while rank ``r`` holds fewer forwards than rank ``r − 1``, or
-   no more up forwards, ranks ``p−1..r`` add forwards, alternating down and up sweeps.  Afterwards
-   every rank holds about the same number of activations: the deeper ranks, which the fill left
-   with fewer, are brought up to the rest.
-3. **Steady state.**  Rounds of one backward then one forward per rank.  A rank runs the backward
-   of its down stage when that input is already computed (its chain is the older), else of its up
-   stage; down backwards go from the last rank back, up backwards from rank 0 on, so each round's
-   inputs are mostly placed in that same round.  Before each op the rank fills the wait for its
-   input with W ops that fit, and one more for a shorter wait when idling would make it the idlest
-   rank (always before a down backward; before up backwards and forwards only in some variants).
-   W ops also run whenever memory blocks the next op, so at the limit the rhythm is F, B, W.
-4. **Drain.**  The remaining W ops run.
-
-A second pass may then *approve* each rank the idle the first pass gave it: the "idlest so far"
-test counts a rank's own idle against the largest approved one, so ranks that idled little may take
-a short gap now.  Passes repeat while the iteration time improves.
+The four phases step by step: ``docs/schedulers.md``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
-"""V-Half and V-Min: V-shape schedules with controllable activation memory (Qi et al., arXiv 2405.15362).
+"""V-Half and V-Min: V-shape schedules with controllable activation memory (arXiv 2405.15362).
 
-The paper builds a schedule by repeating one *building block* and shows that the block's lifespan
-fixes the peak activation memory.  Its V-shape blocks give, for equal F, B and W times:
+Each rank is limited to ⌊(p+2)/2⌋ (V-Half) or ⌊(p+4)/3⌋ (V-Min) microbatches of M_B.  One search
+(:func:`.planning.search`) compares the authors' squeezed pattern (:mod:`.v_pattern`, so the result
+is never slower than their order), our building blocks modulo-scheduled at the real costs
+(:mod:`.v_blocks`) and the V greedy of :mod:`.zb_v` with lifespan-capped and paced policies; the
+shortest iteration time wins.  A smaller ``costs.memory_limit`` still applies.  ``Schedule.meta``
+records the limit, ``memory_microbatches`` and the winner (``meta["planner"]``).
 
-============  =====================================  ==========================
-schedule      peak activation memory (units of M_B)  bubble rate
-============  =====================================  ==========================
-1F1B          p                                      ≈ p/m
-V-Half        ⌊(p+2)/2⌋                              ≈ p/(2m)  (half of 1F1B's)
-V-Min         ⌊(p+4)/3⌋                              ≈ 2p/(3m) (two thirds)
-============  =====================================  ==========================
-
-With those figures as the limit on every rank, one search (:func:`.planning.search`) compares, in
-this order: the authors' own squeezed pattern (:mod:`.v_pattern`), so the result is never slower
-than their order; our building blocks modulo-scheduled at the real costs (:mod:`.v_blocks`); and
-the V greedy of ZB-V (:mod:`.zb_v`) with policies that cap each rank's chunk-0 lifespan at the
-count a full-throughput V block needs (``lifespan_slack``) or inject microbatches at the blocks'
-steady rhythm (``pace``).  The shortest iteration time wins; the search stops at the analytic lower
-bound or when its op budget is spent (large problems try the pattern only).  A user's own
-``costs.memory_limit`` still applies where it is smaller.  ``Schedule.meta`` records the limit used,
-``memory_microbatches`` and the winner (``meta["planner"]``: ``"pattern"``, ``"block"`` or
-``"greedy"``).
+The paper's memory and bubble figures: ``docs/schedulers.md``.
 """
 
 from __future__ import annotations

@@ -1,42 +1,14 @@
-"""Automatic zero-bubble scheduling under a memory limit (Qi et al., 2024, §3.1).
+"""Automatic zero-bubble scheduling under a memory limit (Qi et al., 2024, §3.1): zb-auto, zb-1p, zb-2p.
 
-One stage per rank, split backward.  A greedy planner builds every rank's program round by round
-while keeping the exact start and end time of every op it places (the same arithmetic as
-:func:`~zerobubble.schedule.simulate.simulate`), so each decision sees the real idle gaps:
+One stage per rank, split backward.  Candidates on the shared planning core (:mod:`.planning`,
+which times every op exactly as the simulator does): the paper's round-based greedy in eight
+variants (warm-up, then one F and one B per round with W ops filling the gaps and whenever memory
+is full, then the drain), an event-driven list scheduler in four variants, and the handcrafted
+ZB-H1/ZB-H2 and a memory-capped split 1F1B when they fit.  The shortest iteration time wins
+(``Schedule.meta["variant"]``); the search stops at the analytic lower bound or its op budget.  A
+schedule exists whenever one microbatch fits on every rank, else :class:`ScheduleError`.
 
-1. **Warm-up.**  Every rank runs microbatch 0's forward; then, from the last rank backwards, each
-   rank adds as many forwards as fit before microbatch 0's B reaches it (and in the memory limit).
-   Each rank keeps at least one forward fewer than the rank before it, so no rank runs ahead of the
-   forwards it can receive.
-2. **Steady state.**  Round ``i`` gives each rank one forward (skipped in some variants when the rank
-   is already two forwards ahead of the next one and the B it waits for is due soon) and then
-   ``B(i)``, last rank first.  Before each F and B the rank fills the wait for its input with W ops:
-   every W that fits in the gap, and one more for a shorter gap when leaving it idle would make this
-   rank the idlest one so far (and, in some variants, always).  W ops also run whenever the memory
-   limit would otherwise be exceeded.
-3. **Drain.**  When forwards and B ops are exhausted the remaining W ops run.
-
-The binary choices (how the warm-up meets the first B, whether B may pre-empt a forward, whether
-short gaps are filled) give eight greedy variants (the one that meets the lower bound on the
-paper's Table 5 rows at p·M_B first).  Four variants of an event-driven list scheduler
-join them (our addition: a free rank runs the most urgent op whose input has arrived, forwards only
-within the memory limit); it adapts to real arrival times and does much better than the round-based
-greedy when the limit is below ``p·M_B`` and throttles the pipeline (on the paper's 1.5B setup at
-0.75·p·M_B: bubble 0.30 instead of 0.59).  The handcrafted ZB-H1 and ZB-H2 and a 1F1B with split
-backward and memory-capped warm-up are candidates too when they fit the limit, so zb-auto is never
-worse than any of them; the candidate with the shortest iteration time wins and
-``Schedule.meta["variant"]`` names it.  The capped 1F1B fits every feasible limit, so a schedule
-always exists once one microbatch (``max(M_B, M_W)`` of the stage) fits on every rank; below that
-the builder raises :class:`ScheduleError`.
-
-Both planners keep only their decisions: the shared planning core (:mod:`.planning`) places and
-times every op exactly as the simulator does, and replays the fixed fallbacks.  The search
-(:func:`.planning.search`) stops as soon as a candidate meets the analytic lower bound or an op
-budget is spent; each variant places ``3·p·m`` ops with amortised O(1) (greedy) or O(log p) (list)
-work per op, so p = 32, m = 256 builds in about a tenth of a second (docs/planning.md).
-
-``M_W ≤ M_B`` is assumed for the guarantee against 1F1B: with ``M_W > M_B`` a split backward needs
-more memory than the fused one, and a limit that fits 1F1B may not fit any split schedule as fast.
+The phases, the variants and the guarantees are described in ``docs/schedulers.md``.
 """
 
 from __future__ import annotations

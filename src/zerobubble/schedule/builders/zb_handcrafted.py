@@ -1,26 +1,10 @@
 """The paper's two handcrafted zero-bubble schedules, ZB-H1 and ZB-H2 (Qi et al., 2024, §2).
 
-Both split the backward into B (input gradient, which the previous stage waits for) and W (weight
-gradient, which nobody waits for) and use W to fill the idle time 1F1B leaves.
-
-* **ZB-H1** keeps 1F1B's warm-up of ``p−1−r`` forwards on rank ``r`` but holds back the first ``r``
-  W ops; they run in the cool-down where 1F1B idles.  Peak memory stays ``p·M_B`` (rank ``i``,
-  1-indexed: ``(p−i+1)·M_B + (i−1)·M_W``) and, with ``T_comm = 0``, the makespan bubble shrinks from
-  ``(p−1)(T_F+T_B+T_W)`` to ``(p−1)(T_F+T_B−T_W)``.
-* **ZB-H2** doubles the warm-up to ``2(p−1−r)`` forwards so the warm-up bubble fills with forwards,
-  and holds back the first ``2r`` W ops for the cool-down.  Peak memory is ``(2p−1)·M_B``; with
-  ``T_comm = 0`` the iteration-time bubble is ``(p−1)(T_F+T_B−2T_W)`` while that is ≥ 0.
-
-Those closed forms hold with ``T_comm = 0`` when ``T_W ≤ min(T_F, T_B)`` (the paper's setting) and
-``m ≥ p`` (ZB-H1) or ``m ≥ 2p−1`` (ZB-H2).  With transfer time ZB-H2's bubble becomes
-``(p−1)(T_F+T_B+2T_comm−2T_W)`` (the figure the paper's Table 5 uses); ZB-H1's grows by at least
-``2(p−1)T_comm`` because its cool-down waits on the transfers.
-
-Small microbatch counts: the warm-up is capped at ``m``.  With ``m ≤ p−1−r`` (ZB-H1) or
-``m ≤ 2(p−1−r)`` (ZB-H2) a rank runs all its forwards first, then all its B ops, and holds back only
-the W ops its threshold asks for (the rest follow their B directly), i.e. the schedule becomes
-GPipe with split backwards; it stays valid for every ``m ≥ 1`` and its peak memory never exceeds the
-figures above.
+Both split the backward into B and W and use W to fill the idle time 1F1B leaves.  ZB-H1 keeps
+1F1B's warm-up and its p·M_B peak, holding back the first ``r`` W ops of rank ``r`` for the
+cool-down; ZB-H2 doubles the warm-up (peak (2p−1)·M_B) and holds back ``2r``.  Their closed-form
+bubbles, the effect of transfer time and the small-``m`` behaviour are derived in
+``docs/schedulers.md``.
 """
 
 from __future__ import annotations

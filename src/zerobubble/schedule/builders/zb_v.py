@@ -1,29 +1,13 @@
-"""ZB-V (Qi et al., 2024, the V-schedule of arXiv 2401.10241): two chunks per rank in a V, split backward.
+"""ZB-V (Qi et al., 2024): two chunks per rank in a V, split backward, searched under p·M_B.
 
-Rank ``r`` holds virtual stage ``r`` (chunk 0, on the way down) and stage ``2p−1−r`` (chunk 1, on the
-way back), so rank 0 computes both the first and the last chunk and the loss is on rank 0.  Every
-chunk costs half a rank-stage's time and memory.  With equal F, B and W times and no transfer time
-the V reaches zero bubble under p·M_B once m ≥ 2p.
+Rank ``r`` holds stage ``r`` (down) and stage ``2p−1−r`` (up), so rank 0 computes the first and the
+last chunk.  With equal F, B and W times and no transfer time the V reaches zero bubble once
+m ≥ 2p.  The schedule is searched rather than fixed: the equalised planner (:mod:`.v_equalised`,
+the authors' strategy), a time-ordered greedy (:class:`_VGreedy`, one run per :class:`VPolicy`) and
+a round planner (:class:`_RoundPlanner`) propose candidates on the shared planning core and the
+shortest iteration time wins.  :mod:`.v_memory` reuses the greedy for V-Half and V-Min.
 
-The schedule is found by search, as the authors do, rather than written out as one fixed pattern,
-so unequal F/B/W times, per-stage costs and transfer time are all handled on their own terms.  Three
-planners, all on the shared planning core (:mod:`.planning`, which times every op exactly as the
-simulator does), propose candidates and the shortest iteration time wins:
-
-* the **equalised planner** (:mod:`.v_equalised`): fill every rank to the memory limit, equalise
-  the ranks' activations, then F, B, W at the limit.  It reproduces the authors' public heuristic
-  and is tried first;
-* a **time-ordered greedy list scheduler** (:class:`_VGreedy`, one run per :class:`VPolicy`): ops
-  are committed in the order of their start times, each rank choosing among its ready ops by the
-  policy's preference, with W ops in the idle gaps and whenever memory blocks a forward;
-* a **round planner** (:class:`_RoundPlanner`): a memory-capped chunk-0 warm-up, then rounds of
-  one backward and one forward per rank, a steady 1F1B-like rhythm that hides transfer time.
-
-A candidate is dropped as soon as one rank's span so far plus its remaining work exceeds the best
-iteration time found; the search stops when a candidate meets the analytic lower bound
-(:func:`~zerobubble.schedule.bounds.lower_bound`) or an op budget is spent, so p = 32, m = 256
-builds in a fraction of a second.  :mod:`.v_memory` reuses the greedy with smaller limits for
-V-Half and V-Min.
+How each planner decides is described in ``docs/schedulers.md``.
 """
 
 from __future__ import annotations
