@@ -105,14 +105,18 @@ class PlanState:
 
     def _start(self, rank: int, arrival: float) -> float:
         clock = self.clock[rank]
-        start = arrival if arrival > clock else clock
+        if arrival <= clock:  # the common case: the input is there, the rank is the constraint
+            if self.first_start[rank] == math.inf:
+                self.first_start[rank] = clock
+            return clock
         if self.first_start[rank] == math.inf:
-            self.first_start[rank] = start
-        elif start > clock:
-            idle = self.idle[rank] + start - clock
+            self.first_start[rank] = arrival
+        else:
+            idle = self.idle[rank] + arrival - clock
             self.idle[rank] = idle
-            self.max_idle = max(self.max_idle, idle)
-        return start
+            if idle > self.max_idle:
+                self.max_idle = idle
+        return arrival
 
     def _grow(self, rank: int, change: float) -> None:
         level = self.memory[rank] + change
@@ -134,11 +138,16 @@ class PlanState:
         if not_before > arrival and not_before > self.clock[rank]:
             arrival = not_before
             self.held_back = True
-        self._grow(rank, self.mem_b[stage])
-        duration = self.f[stage]
-        end = self._start(rank, arrival) + duration
+        # _grow and _start inlined: this and put_backward run for every op of every candidate
+        level = self.memory[rank] + self.mem_b[stage]
+        if level > self.capacity[rank]:
+            raise Stuck
+        self.memory[rank] = level
+        if level > self.peak[rank]:
+            self.peak[rank] = level
+        end = self._start(rank, arrival) + self.f[stage]
         self.clock[rank] = end
-        self.remaining[rank] -= duration
+        self.remaining[rank] -= self.f[stage]
         self.f_end[stage][microbatch] = end
         self.programs[rank].append((FORWARD, stage, microbatch))
         return end
@@ -149,10 +158,9 @@ class PlanState:
         if arrival < 0:
             raise Stuck
         self._grow(rank, self.mem_w[stage] - self.mem_b[stage])
-        duration = self.b[stage]
-        end = self._start(rank, arrival) + duration
+        end = self._start(rank, arrival) + self.b[stage]
         self.clock[rank] = end
-        self.remaining[rank] -= duration
+        self.remaining[rank] -= self.b[stage]
         self.b_end[stage][microbatch] = end
         self.pending_w[rank].append(stage)
         self.pending_mb[rank].append(microbatch)
