@@ -256,6 +256,8 @@ class ReversibleStep:
         self._check_grads_untouched(record)
         if grad_scale is not None:
             _scale_in_place(self.grads(), grad_scale)
+        # Version counters tell which gradients the step itself wrote into (foreach Nesterov SGD
+        # does), so the rollback can restore them; no gradient is copied.
         before = _versions(record.grads)
         record.created_state = [
             [g is not None and _state_is_new(self.optimizer, p) for p, g in zip(group["params"], grads)]
