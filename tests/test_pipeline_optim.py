@@ -39,7 +39,8 @@ from test_post_validation import (
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.data_parallel import hook_program, last_gradient_ops
 from zerobubble.runtime.launch import init_distributed
-from zerobubble.runtime.optim import OptimizerValidationError, check_max_norm, validation_chain
+from zerobubble.runtime.optim import check_max_norm, validation_chain
+from zerobubble.runtime.rollback import OptimizerValidationError
 from zerobubble.schedule import build_schedule
 
 MICROBATCHES = 4

@@ -178,7 +178,7 @@ def run_case(name: str, chain: list[int], post_validation: bool) -> dict:
             if step % 2:
                 my_optimizer.zero_grad(set_to_none=True)
             with counting_distributed_calls(calls):
-                validator.synchronize()
+                validator.finish()
             worst = max(worst, worst_error(mine, my_optimizer, theirs, their_optimizer))
     validator.close()
     worst = max(worst, worst_error(mine, my_optimizer, theirs, their_optimizer))
@@ -187,8 +187,11 @@ def run_case(name: str, chain: list[int], post_validation: bool) -> dict:
         "position": position,
         "calls": calls,
         "counters": {
-            key: getattr(validator, key)
-            for key in ("steps", "steps_rolled_back", "steps_skipped", "steps_deferred", "steps_clipped")
+            "steps": validator.stats.steps,
+            "steps_rolled_back": validator.stats.rolled_back,
+            "steps_skipped": validator.stats.skipped,
+            "steps_deferred": validator.stats.deferred,
+            "steps_clipped": validator.stats.clipped,
         },
     }
 
