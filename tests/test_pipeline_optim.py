@@ -37,7 +37,7 @@ from test_post_validation import (
     worst_error,
 )
 from zerobubble.runtime import PipelineError
-from zerobubble.runtime.data_parallel import hook_program, last_gradient_ops
+from zerobubble.runtime.data_parallel import last_gradient_ops
 from zerobubble.runtime.launch import init_distributed
 from zerobubble.runtime.optim import OptimizerValidationError, check_max_norm, validation_chain
 from zerobubble.schedule import build_schedule
@@ -172,6 +172,25 @@ class GroupRecorder:
         return wrapper
 
 
+class EventNames:
+    """A recorder keeping the names of the runtime events (hooks) of the last step."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def begin_step(self) -> None:
+        self.names = []
+
+    def op(self, op, start, end) -> None:
+        pass
+
+    def wait(self, key, start, end) -> None:
+        pass
+
+    def event(self, name: str, start, end) -> None:
+        self.names.append(name)
+
+
 def run_data_parallel_case() -> dict:
     """DP 2 × PP 2 (zb-v) against one process on the whole batch: loss, gradients, parameters."""
     from zerobubble import Pipeline
@@ -179,6 +198,7 @@ def run_data_parallel_case() -> dict:
     pipe = Pipeline(
         rich_layers(seed=2), schedule="zb-v", microbatches=2, loss_fn=token_loss, timeout=60, data_parallel=2
     )
+    pipe.recorder = events = EventNames()
     layers = rich_layers(seed=2)
     model = nn.Sequential(*layers)
     mine = dict(pipe.named_parameters())
@@ -218,6 +238,7 @@ def run_data_parallel_case() -> dict:
         "pipeline_ranks": pipe.layout.replica_ranks(pipe.layout.dp_index),
         "holds_loss": pipe.holds_loss,
         "stats": pipe.optimizer_stats.clipped,
+        "events": events.names,
     }
 
 
@@ -298,6 +319,10 @@ def test_data_parallel_pipeline_equals_one_process_on_the_whole_batch():
             # one asynchronous reduction per chunk, plus the loss's on the last stage
             assert len(reductions) == r["chunks"] + r["holds_loss"], "one asynchronous reduction per chunk"
             assert len(calls) == r["chunks"] + r["holds_loss"], "plus the loss on the last stage"
+        # the executor's hooks are visible to a recorder: one settle, one all-reduce start per chunk
+        assert r["events"].count("optimizer settle") == 1, r["events"]
+        starts = [name for name in r["events"] if name.startswith("all-reduce start")]
+        assert len(starts) == r["chunks"], r["events"]
 
 
 @pytest.mark.multiprocess
@@ -321,16 +346,6 @@ def test_last_gradient_op_of_each_stage():
         for stage, position in last.items():
             assert program[position].stage == stage and program[position].kind.value in ("W", "BW", "B")
             assert all(op.stage != stage or op.kind.value == "F" for op in program[position + 1 :])
-
-
-def test_hook_program_calls_hooks_around_the_chosen_entries():
-    events = []
-    program = [(f"op{i}", lambda state, j, i=i: events.append(("run", i, j)), None, i) for i in range(3)]
-    hooked = hook_program(program, {1: lambda: events.append("before")}, {1: lambda: events.append("after")})
-    for _, handler, state, j in hooked:
-        handler(state, j)
-    assert events == [("run", 0, 0), "before", ("run", 1, 1), "after", ("run", 2, 2)]
-    assert program[1][1] is not hooked[1][1] and program[0] is hooked[0]
 
 
 def test_max_norm_must_be_positive():
