@@ -265,23 +265,23 @@ def rank_worker(world: int) -> dict:
 # -- the tests ---------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _outcomes(world: int) -> list[dict]:
-    return run_ranks(rank_worker, world, world)
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+def outcomes(request) -> list[dict]:
+    """Every rank's results of :func:`rank_worker` on ``request.param`` ranks."""
+    return run_ranks(rank_worker, request.param, request.param)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_step_equals_clip_and_step_on_the_whole_model(world):
-    for rank, results in enumerate(_outcomes(world)):
+def test_every_step_equals_clip_and_step_on_the_whole_model(outcomes):
+    for rank, results in enumerate(outcomes):
         for case in [*CASES, "adamw-synchronous"]:
             assert results[case]["worst"] <= TOLERANCE, f"rank {rank} {case}: {results[case]['worst']:.3g}"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
-def test_counters_show_rollbacks_skips_and_clipping_where_expected(world):
-    per_rank = _outcomes(world)
+def test_counters_show_rollbacks_skips_and_clipping_where_expected(outcomes):
+    world = len(outcomes)
+    per_rank = outcomes
     for results in per_rank:
         for case in [*CASES, "adamw-synchronous"]:
             position = world - 1 if case == "adamw-synchronous" else results[case]["position"]
@@ -291,9 +291,8 @@ def test_counters_show_rollbacks_skips_and_clipping_where_expected(world):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
-def test_post_validation_issues_no_collective_between_backward_and_step(world):
-    for results in _outcomes(world):
+def test_post_validation_issues_no_collective_between_backward_and_step(outcomes):
+    for results in outcomes:
         for case in CASES:
             calls = results[case]["calls"]
             assert not set(calls) & set(COLLECTIVES), calls
@@ -303,8 +302,9 @@ def test_post_validation_issues_no_collective_between_backward_and_step(world):
 
 
 @pytest.mark.multiprocess
-def test_data_parallel_pipeline_equals_one_process_on_the_whole_batch():
-    per_rank = [results["data-parallel"] for results in _outcomes(4)]
+@pytest.mark.parametrize("outcomes", [4], ids=["4-ranks"], indirect=True)
+def test_data_parallel_pipeline_equals_one_process_on_the_whole_batch(outcomes):
+    per_rank = [results["data-parallel"] for results in outcomes]
     assert [r["pipeline_ranks"] for r in per_rank] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["dp_ranks"] for r in per_rank] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     losses = [e for r in per_rank for e in r["loss_errors"]]
@@ -326,8 +326,9 @@ def test_data_parallel_pipeline_equals_one_process_on_the_whole_batch():
 
 
 @pytest.mark.multiprocess
-def test_data_parallel_that_does_not_divide_the_ranks_is_refused():
-    for results in _outcomes(4):
+@pytest.mark.parametrize("outcomes", [4], ids=["4-ranks"], indirect=True)
+def test_data_parallel_that_does_not_divide_the_ranks_is_refused(outcomes):
+    for results in outcomes:
         assert "data_parallel=3 does not divide the 4 ranks" in results["bad-data-parallel"]
 
 
