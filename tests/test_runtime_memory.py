@@ -38,8 +38,8 @@ def test_peak_activation_memory_is_bounded_by_default(name, peaks):
             bound = result["predicted"] * unit
             assert result["peak"] <= SLACK * bound, (name, m, rank, result["peak"], bound)
     for rank in range(2):
-        peaks = [peaks[(name, m)][rank]["peak"] for m in COUNTS]
-        assert max(peaks) <= 1.01 * peaks[0], (name, rank, peaks)
+        by_count = [peaks[(name, m)][rank]["peak"] for m in COUNTS]
+        assert max(by_count) <= 1.01 * by_count[0], (name, rank, by_count)
 
 
 def test_the_meter_sees_memory_grow_where_it_should(peaks):

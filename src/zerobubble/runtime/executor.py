@@ -1,6 +1,6 @@
 """Runs one rank's program of a :class:`~zerobubble.schedule.Schedule` for one training step.
 
-The program is compiled once into a list of ``(step, handler, stage, microbatch)`` entries, one
+The program is compiled once into a list of ``(op or hook, handler, stage, microbatch)`` entries, one
 handler per op kind (the ``handlers`` dispatch table, as in DeepSpeed's pipeline engine), so the
 per-op cost of the loop is one call; replacing a handler and calling :meth:`Executor.compile` changes
 what an op kind does (e.g. an emulation that sleeps for the modelled duration).  Runtime actions that
