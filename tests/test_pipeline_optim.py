@@ -37,7 +37,7 @@ from test_post_validation import (
     worst_error,
 )
 from zerobubble.runtime import PipelineError
-from zerobubble.runtime.data_parallel import hook_program, last_gradient_ops
+from zerobubble.runtime.data_parallel import last_gradient_ops
 from zerobubble.runtime.launch import init_distributed
 from zerobubble.runtime.optim import check_max_norm, validation_chain
 from zerobubble.runtime.rollback import OptimizerValidationError
@@ -173,6 +173,25 @@ class GroupRecorder:
         return wrapper
 
 
+class EventNames:
+    """A recorder keeping the names of the runtime events (hooks) of the last step."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def begin_step(self) -> None:
+        self.names = []
+
+    def op(self, op, start, end) -> None:
+        pass
+
+    def wait(self, key, start, end) -> None:
+        pass
+
+    def event(self, name: str, start, end) -> None:
+        self.names.append(name)
+
+
 def run_data_parallel_case() -> dict:
     """DP 2 × PP 2 (zb-v) against one process on the whole batch: loss, gradients, parameters."""
     from zerobubble import Pipeline
@@ -180,6 +199,7 @@ def run_data_parallel_case() -> dict:
     pipe = Pipeline(
         rich_layers(seed=2), schedule="zb-v", microbatches=2, loss_fn=token_loss, timeout=60, data_parallel=2
     )
+    pipe.recorder = events = EventNames()
     layers = rich_layers(seed=2)
     model = nn.Sequential(*layers)
     mine = dict(pipe.named_parameters())
@@ -219,6 +239,7 @@ def run_data_parallel_case() -> dict:
         "pipeline_ranks": pipe.layout.replica_ranks(pipe.layout.dp_index),
         "holds_loss": pipe.holds_loss,
         "stats": pipe.optimizer_stats.clipped,
+        "events": events.names,
     }
 
 
@@ -245,23 +266,23 @@ def rank_worker(world: int) -> dict:
 # -- the tests ---------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _outcomes(world: int) -> list[dict]:
-    return run_ranks(rank_worker, world, world)
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+def outcomes(request) -> list[dict]:
+    """Every rank's results of :func:`rank_worker` on ``request.param`` ranks."""
+    return run_ranks(rank_worker, request.param, request.param)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_step_equals_clip_and_step_on_the_whole_model(world):
-    for rank, results in enumerate(_outcomes(world)):
+def test_every_step_equals_clip_and_step_on_the_whole_model(outcomes):
+    for rank, results in enumerate(outcomes):
         for case in [*CASES, "adamw-synchronous"]:
             assert results[case]["worst"] <= TOLERANCE, f"rank {rank} {case}: {results[case]['worst']:.3g}"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
-def test_counters_show_rollbacks_skips_and_clipping_where_expected(world):
-    per_rank = _outcomes(world)
+def test_counters_show_rollbacks_skips_and_clipping_where_expected(outcomes):
+    world = len(outcomes)
+    per_rank = outcomes
     for results in per_rank:
         for case in [*CASES, "adamw-synchronous"]:
             position = world - 1 if case == "adamw-synchronous" else results[case]["position"]
@@ -271,9 +292,8 @@ def test_counters_show_rollbacks_skips_and_clipping_where_expected(world):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
-def test_post_validation_issues_no_collective_between_backward_and_step(world):
-    for results in _outcomes(world):
+def test_post_validation_issues_no_collective_between_backward_and_step(outcomes):
+    for results in outcomes:
         for case in CASES:
             calls = results[case]["calls"]
             assert not set(calls) & set(COLLECTIVES), calls
@@ -283,8 +303,9 @@ def test_post_validation_issues_no_collective_between_backward_and_step(world):
 
 
 @pytest.mark.multiprocess
-def test_data_parallel_pipeline_equals_one_process_on_the_whole_batch():
-    per_rank = [results["data-parallel"] for results in _outcomes(4)]
+@pytest.mark.parametrize("outcomes", [4], ids=["4-ranks"], indirect=True)
+def test_data_parallel_pipeline_equals_one_process_on_the_whole_batch(outcomes):
+    per_rank = [results["data-parallel"] for results in outcomes]
     assert [r["pipeline_ranks"] for r in per_rank] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["dp_ranks"] for r in per_rank] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     losses = [e for r in per_rank for e in r["loss_errors"]]
@@ -299,11 +320,16 @@ def test_data_parallel_pipeline_equals_one_process_on_the_whole_batch():
             # one asynchronous reduction per chunk, plus the loss's on the last stage
             assert len(reductions) == r["chunks"] + r["holds_loss"], "one asynchronous reduction per chunk"
             assert len(calls) == r["chunks"] + r["holds_loss"], "plus the loss on the last stage"
+        # the executor's hooks are visible to a recorder: one settle, one all-reduce start per chunk
+        assert r["events"].count("optimizer settle") == 1, r["events"]
+        starts = [name for name in r["events"] if name.startswith("all-reduce start")]
+        assert len(starts) == r["chunks"], r["events"]
 
 
 @pytest.mark.multiprocess
-def test_data_parallel_that_does_not_divide_the_ranks_is_refused():
-    for results in _outcomes(4):
+@pytest.mark.parametrize("outcomes", [4], ids=["4-ranks"], indirect=True)
+def test_data_parallel_that_does_not_divide_the_ranks_is_refused(outcomes):
+    for results in outcomes:
         assert "data_parallel=3 does not divide the 4 ranks" in results["bad-data-parallel"]
 
 
@@ -322,16 +348,6 @@ def test_last_gradient_op_of_each_stage():
         for stage, position in last.items():
             assert program[position].stage == stage and program[position].kind.value in ("W", "BW", "B")
             assert all(op.stage != stage or op.kind.value == "F" for op in program[position + 1 :])
-
-
-def test_hook_program_calls_hooks_around_the_chosen_entries():
-    events = []
-    program = [(f"op{i}", lambda state, j, i=i: events.append(("run", i, j)), None, i) for i in range(3)]
-    hooked = hook_program(program, {1: lambda: events.append("before")}, {1: lambda: events.append("after")})
-    for _, handler, state, j in hooked:
-        handler(state, j)
-    assert events == [("run", 0, 0), "before", ("run", 1, 1), "after", ("run", 2, 2)]
-    assert program[1][1] is not hooked[1][1] and program[0] is hooked[0]
 
 
 def test_max_norm_must_be_positive():

@@ -4,8 +4,6 @@ under the Python API's defaults (no ``costs``)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from _dist import run_ranks
@@ -19,33 +17,33 @@ COUNTS = (8, 16, 32)
 SLACK = 1.15
 
 
-@functools.cache
-def _peaks() -> dict:
+@pytest.fixture(scope="module")
+def peaks() -> dict:
     cases = [(name, m) for name in BOUNDED for m in COUNTS] + [("gpipe", 8), ("gpipe", 16)]
     per_rank = run_ranks(peak_memory, 2, cases, timeout=300)
     return {case: [rank[case] for rank in per_rank] for case in cases}
 
 
-def _unit() -> float:
+def _unit(peaks) -> float:
     """Bytes of one rank-stage's M_B: 1F1B's measured peak on rank 0 over its simulated peak."""
-    first = _peaks()[("1f1b", 8)][0]
+    first = peaks[("1f1b", 8)][0]
     return first["peak"] / first["predicted"]
 
 
 @pytest.mark.parametrize("name", BOUNDED)
-def test_peak_activation_memory_is_bounded_by_default(name):
-    unit = _unit()
+def test_peak_activation_memory_is_bounded_by_default(name, peaks):
+    unit = _unit(peaks)
     for m in COUNTS:
-        for rank, result in enumerate(_peaks()[(name, m)]):
+        for rank, result in enumerate(peaks[(name, m)]):
             bound = result["predicted"] * unit
             assert result["peak"] <= SLACK * bound, (name, m, rank, result["peak"], bound)
     for rank in range(2):
-        peaks = [_peaks()[(name, m)][rank]["peak"] for m in COUNTS]
-        assert max(peaks) <= 1.01 * peaks[0], (name, rank, peaks)
+        by_count = [peaks[(name, m)][rank]["peak"] for m in COUNTS]
+        assert max(by_count) <= 1.01 * by_count[0], (name, rank, by_count)
 
 
-def test_the_meter_sees_memory_grow_where_it_should():
+def test_the_meter_sees_memory_grow_where_it_should(peaks):
     """GPipe keeps every microbatch: its measured peak doubles with m (the meter is not blind)."""
     for rank in range(2):
-        small, large = (_peaks()[("gpipe", m)][rank]["peak"] for m in (8, 16))
+        small, large = (peaks[("gpipe", m)][rank]["peak"] for m in (8, 16))
         assert large >= 1.9 * small

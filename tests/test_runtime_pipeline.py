@@ -7,8 +7,6 @@ reads its case from that shared result.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -40,15 +38,26 @@ def _cases(world: int) -> list[tuple]:
     return cases + EXTRA_CASES[world]
 
 
-@functools.cache
 def _results(world: int) -> dict[tuple, list[dict]]:
     cases = _cases(world)
     per_rank = run_ranks(gradient_cases, world, cases)
     return {case: [rank_result[index] for rank_result in per_rank] for index, case in enumerate(cases)}
 
 
-def _check_case(world: int, case: tuple) -> None:
-    ranks = _results(world)[case]
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[tuple, list[dict]]:
+    """Every rank's result of every 2-rank case (:func:`_cases`), by case."""
+    return _results(2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[tuple, list[dict]]:
+    """Every rank's result of every 4-rank case (:func:`_cases`), by case."""
+    return _results(4)
+
+
+def _check_case(results: dict[tuple, list[dict]], case: tuple) -> None:
+    ranks = results[case]
     expected_names = {name for name, _ in torch.nn.Sequential(*rich_layers(0)).named_parameters()}
     seen = [name for rank in ranks for name in rank["grads"]]
     assert sorted(seen) == sorted(expected_names), "every parameter lives on exactly one rank"
@@ -82,15 +91,15 @@ def _planned(world: int) -> list[tuple]:
 
 
 @pytest.mark.parametrize("case", _planned(2), ids=_ids)
-def test_two_ranks_match_single_process(case):
-    _check_case(2, case)
-    for other in _results(2):
+def test_two_ranks_match_single_process(case, two_ranks):
+    _check_case(two_ranks, case)
+    for other in two_ranks:
         if other[0] == case[0] and other[1] != case[1] and other[2:] == (None, None) and len(case) == 4:
-            _check_case(2, other)
+            _check_case(two_ranks, other)
 
 
 @pytest.mark.parametrize("case", _planned(4), ids=_ids)
-def test_four_ranks_match_single_process(case):
+def test_four_ranks_match_single_process(case, four_ranks):
     if case[0] == "interleaved-1f1b":
         case = (case[0], 4, None, None)
-    _check_case(4, case)
+    _check_case(four_ranks, case)

@@ -4,7 +4,6 @@ the small input cases (issue 11).  Each group of checks runs in one spawn."""
 
 from __future__ import annotations
 
-import functools
 import re
 
 import pytest
@@ -25,26 +24,26 @@ def _seconds(message: str) -> float:
 # -- mixed precision -------------------------------------------------------------------------------
 
 
-@functools.cache
-def _precision() -> list[dict]:
+@pytest.fixture(scope="module")
+def precision() -> list[dict]:
     return run_ranks(precision_cases, 2, SCHEDULES, timeout=240)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_autocast_bf16_matches_the_unpipelined_autocast_gradients(name):
-    for results in _precision():
+def test_autocast_bf16_matches_the_unpipelined_autocast_gradients(name, precision):
+    for results in precision:
         error, dtypes = results[f"autocast {name}"]
         assert error <= 2e-2 and dtypes == ["torch.float32"], (error, dtypes)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_bf16_weights_match_the_unpipelined_bf16_gradients(name):
-    for results in _precision():
+def test_bf16_weights_match_the_unpipelined_bf16_gradients(name, precision):
+    for results in precision:
         assert results[f"bf16 {name}"] <= 3e-2
 
 
-def test_loss_scaling_composes_with_the_optimizer_step():
-    for results in _precision():
+def test_loss_scaling_composes_with_the_optimizer_step(precision):
+    for results in precision:
         scaling = results["loss scaling"]
         assert scaling["scaled vs unscaled"] <= 1e-6
         assert scaling["overflow skipped"] == 1 and scaling["overflow unchanged"]
@@ -53,14 +52,14 @@ def test_loss_scaling_composes_with_the_optimizer_step():
 # -- tied weights --------------------------------------------------------------------------------
 
 
-@functools.cache
-def _tied() -> list[dict]:
+@pytest.fixture(scope="module")
+def tied() -> list[dict]:
     return run_ranks(tied_cases, 2, ["1f1b", "zb-h1", "zb-v"], timeout=240)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
-def test_tied_embedding_and_head_train_like_the_unpipelined_model(name):
-    first, second = (results[name] for results in _tied())
+def test_tied_embedding_and_head_train_like_the_unpipelined_model(name, tied):
+    first, second = (results[name] for results in tied)
     for result in (first, second):
         assert result["grads"] <= 1e-5 and result["params"] <= 1e-5, result
         assert result["clipped"] == 3, "the global norm (tied weight counted once) is clipped"
@@ -81,8 +80,8 @@ CONSTRUCTION = [
 ]
 
 
-@functools.cache
-def _construction() -> list[dict]:
+@pytest.fixture(scope="module")
+def construction() -> list[dict]:
     return run_ranks(construction_cases, 2, CONSTRUCTION, timeout=180)
 
 
@@ -97,33 +96,33 @@ def _construction() -> list[dict]:
         ("microbatches", "rank 1 differs from rank 0 in its"),
     ],
 )
-def test_ranks_that_disagree_stop_at_construction(case, expected):
-    for results in _construction():
+def test_ranks_that_disagree_stop_at_construction(case, expected, construction):
+    for results in construction:
         assert expected in results[case] and _seconds(results[case]) < 3, results[case]
 
 
-def test_a_bad_argument_on_one_rank_is_named_on_the_others():
-    first, second = (results["bad argument on one rank"] for results in _construction())
+def test_a_bad_argument_on_one_rank_is_named_on_the_others(construction):
+    first, second = (results["bad argument on one rank"] for results in construction)
     assert "rank 1 could not build its part of the pipeline" in first and "nope" in first
     assert "nope" in second
 
 
-def test_data_parallel_replicas_start_from_the_same_weights():
-    first, second = (results["data-parallel broadcast"] for results in _construction())
+def test_data_parallel_replicas_start_from_the_same_weights(construction):
+    first, second = (results["data-parallel broadcast"] for results in construction)
     assert first == second
 
 
 # -- errors travel ---------------------------------------------------------------------------------
 
 
-@functools.cache
-def _failures(world: int) -> list[dict]:
-    return run_ranks(failure_cases, world, world, timeout=120)
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+def failures(request) -> list[dict]:
+    """Every rank's outcomes of :func:`_safety.failure_cases` on ``request.param`` ranks."""
+    return run_ranks(failure_cases, request.param, request.param, timeout=120)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_failing_rank_that_stays_alive_stops_every_peer_within_seconds(world):
-    results = _failures(world)
+def test_a_failing_rank_that_stays_alive_stops_every_peer_within_seconds(failures):
+    results, world = failures, len(failures)
     last = world - 1
     assert "CUDA out of memory (simulated)" in results[last]["step"]
     for result in results[:last]:
@@ -134,9 +133,8 @@ def test_a_failing_rank_that_stays_alive_stops_every_peer_within_seconds(world):
         assert "cannot run step() any more" in result["again"]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_an_optimizer_error_reaches_every_rank(world):
-    results = _failures(world)
+def test_an_optimizer_error_reaches_every_rank(failures):
+    results, world = failures, len(failures)
     for result in results[: world - 1]:
         message = result["optimizer"]
         assert _seconds(message) < 3 and "optimizer state corrupted (simulated)" in message, message
@@ -144,51 +142,52 @@ def test_an_optimizer_error_reaches_every_rank(world):
     assert "optimizer state corrupted (simulated)" in results[world - 1]["optimizer"]
 
 
-def test_synchronize_waits_no_longer_than_the_timeout():
-    message = _failures(2)[0]["stalled optimizer"]
+@pytest.mark.parametrize("failures", [2], ids=["2-ranks"], indirect=True)
+def test_synchronize_waits_no_longer_than_the_timeout(failures):
+    message = failures[0]["stalled optimizer"]
     assert 1.0 <= _seconds(message) < 3 and "timeout 1.5 s" in message, message
 
 
 # -- evaluation, RNG, checkpoints, small cases -------------------------------------------------------
 
 
-@functools.cache
-def _behaviour() -> list[dict]:
+@pytest.fixture(scope="module")
+def behaviour() -> list[dict]:
     return run_ranks(behaviour_cases, 2, timeout=240)
 
 
-def test_each_stage_draws_its_own_dropout_masks():
-    first, second = (results["masks"] for results in _behaviour())
+def test_each_stage_draws_its_own_dropout_masks(behaviour):
+    first, second = (results["masks"] for results in behaviour)
     for name in first:
         assert first[name] != second[name], name
 
 
-def test_schedules_of_the_same_placement_give_identical_results_with_dropout():
-    for results in _behaviour():
+def test_schedules_of_the_same_placement_give_identical_results_with_dropout(behaviour):
+    for results in behaviour:
         for pair, difference in results["same placement"].items():
             assert difference <= 1e-6, (pair, difference)
 
 
-def test_evaluate_is_forward_only_in_eval_mode_under_no_grad():
-    first, second = (results["evaluate"] for results in _behaviour())
+def test_evaluate_is_forward_only_in_eval_mode_under_no_grad(behaviour):
+    first, second = (results["evaluate"] for results in behaviour)
     assert first["loss error"] is not None and first["loss error"] <= 1e-5  # zb-v: the loss is on rank 0
     assert second["loss error"] is None
     for result in (first, second):
         assert result["grads unchanged"] and result["training restored"]
 
 
-def test_step_under_no_grad_says_to_use_evaluate():
-    for results in _behaviour():
+def test_step_under_no_grad_says_to_use_evaluate(behaviour):
+    for results in behaviour:
         assert "use pipe.evaluate" in results["step under no_grad"]
 
 
-def test_state_dict_settles_a_pending_clipped_step():
-    for results in _behaviour():
+def test_state_dict_settles_a_pending_clipped_step(behaviour):
+    for results in behaviour:
         assert results["state after clipped step"]["error"] <= 1e-5
 
 
-def test_small_input_cases_get_clear_errors_or_work():
-    first, second = (results["small cases"] for results in _behaviour())
+def test_small_input_cases_get_clear_errors_or_work(behaviour):
+    first, second = (results["small cases"] for results in behaviour)
     assert "are a dict (x)" in first["dict inputs"]
     for result in (first, second):
         assert "batch is empty" in result["empty batch"]

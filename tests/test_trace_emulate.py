@@ -6,7 +6,6 @@ zb-h1 and 1f1b with emulated millisecond costs.  Each test reads its part of the
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -77,25 +76,27 @@ def _emulate_worker(m: int) -> dict:
     return out
 
 
-@functools.cache
-def _recorded(directory: str) -> dict:
-    return run_ranks(_record_worker, 2, directory)[0]
-
-
-@functools.cache
-def _emulated() -> dict:
-    return run_ranks(_emulate_worker, 4, EMULATED_M)[0]
-
-
 @pytest.fixture(scope="module")
 def trace_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("traces"))
 
 
+@pytest.fixture(scope="module")
+def recorded(trace_dir) -> dict:
+    """Rank 0's result of :func:`_record_worker` (its trace files are in ``trace_dir``)."""
+    return run_ranks(_record_worker, 2, trace_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def emulated() -> dict:
+    """Rank 0's result of :func:`_emulate_worker`."""
+    return run_ranks(_emulate_worker, 4, EMULATED_M)[0]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["zb-v", "1f1b"])
-def test_recorded_timeline_has_every_op_once_in_program_order(trace_dir, name):
-    result = _recorded(trace_dir)[name]
+def test_recorded_timeline_has_every_op_once_in_program_order(recorded, name):
+    result = recorded[name]
     expected = [
         [str(op) for op in program] for program in build_schedule(name, 2, 4, costs=default_costs()).programs
     ]
@@ -113,29 +114,31 @@ def test_recorded_timeline_has_every_op_once_in_program_order(trace_dir, name):
 
 
 @pytest.mark.multiprocess
-def test_write_trace_files_and_chrome_events(trace_dir):
-    report = _recorded(trace_dir)["zb-v"]["report"]
+def test_write_trace_files_and_chrome_events(recorded, trace_dir):
+    report = recorded["zb-v"]["report"]
     names = sorted(os.path.basename(path) for path in report.files)
     assert names == ["predicted.json", "summary.json", "timeline.png", "trace.json"]
     assert 0.0 <= report.measured_bubble_rate < 1.0 and 0.0 <= report.predicted_bubble_rate < 1.0
     with open(os.path.join(trace_dir, "zb-v", "trace.json")) as handle:
         trace = json.load(handle)
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    ops = [e for e in complete if e.get("cat") != "wait"]
+    ops = [e for e in complete if e.get("cat") not in ("wait", "runtime")]
     assert len(ops) == sum(len(p) for p in build_schedule("zb-v", 2, 4, costs=default_costs()).programs)
     for event in complete:
         assert {"ph", "ts", "dur", "pid", "tid", "name"} <= set(event)
         assert event["dur"] >= 0 and event["ts"] >= 0
     assert any(e.get("cat") == "wait" for e in complete), "transfer waits are in the trace"
+    settles = [e["tid"] for e in complete if e.get("cat") == "runtime" and e["name"] == "optimizer settle"]
+    assert sorted(settles) == [0, 1], "each rank's optimizer settle is in the trace"
     assert os.path.getsize(os.path.join(trace_dir, "zb-v", "timeline.png")) > 1000
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["zb-h1", "1f1b"])
-def test_emulated_run_follows_schedule_and_prediction(name):
+def test_emulated_run_follows_schedule_and_prediction(name, emulated):
     schedule = build_schedule(name, 4, EMULATED_M)
     predicted = simulate(schedule, EMULATED).iteration_time / 1e3
-    steps = _emulated()[name]
+    steps = emulated[name]
     assert steps, "recorded steps came back"
     for start, end, clock_error in steps:
         ends = {}

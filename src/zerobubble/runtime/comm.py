@@ -7,7 +7,9 @@ unambiguous without tags — which NCCL ignores anyway — and a receive posted 
 transfer going the other way.
 
 A message is the tuple of tensors crossing one stage boundary for one microbatch: activations
-forward (``direction 0``), input gradients backward (``direction 1``).  On the first step (always,
+forward (``direction 0``), input gradients backward (``direction 1``), named by a
+:class:`~zerobubble.schedule.channels.MessageKey`; which messages cross which channel in which order
+is the schedule layer's :mod:`~zerobubble.schedule.channels`.  On the first step (always,
 with ``static_shapes=False``) each message is preceded by a small int64 header with the dtypes and
 shapes; afterwards the shapes are cached and the receiver posts its buffers ahead of time
 (``lookahead`` messages per channel), so transfers overlap compute.
@@ -20,7 +22,7 @@ activations, always with shape headers, and leave the training shapes cached.
 
 from __future__ import annotations
 
-import time
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -28,13 +30,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..schedule.ir import Kind, Schedule
+from ..schedule.channels import GRADIENTS, MessageKey, channel_messages, directed_pairs
+from ..schedule.ir import Schedule
 from . import PipelineError
 from .failures import PeerMonitor
+from .recorder import Recorder
 
-MessageKey = tuple[int, int, int]
-"""``(direction, boundary, microbatch)``: direction 0 = activations of stage ``boundary`` going to
-``boundary + 1``, 1 = the input gradient of stage ``boundary + 1`` going back to ``boundary``."""
+logger = logging.getLogger(__name__)
 
 _DTYPES = (
     torch.float32,
@@ -80,29 +82,6 @@ def decode_header(header: Sequence[int]) -> list[TensorSpec]:
     return specs
 
 
-def channel_messages(schedule: Schedule, src: int, dst: int) -> list[MessageKey]:
-    """The messages rank ``src`` sends to rank ``dst`` in one step, in the order it sends them."""
-    placement, last = schedule.placement, schedule.num_stages - 1
-    messages = []
-    for op in schedule.programs[src]:
-        s, j = op.stage, op.microbatch
-        if op.kind is Kind.F and s < last and placement.rank_of(s + 1) == dst:
-            messages.append((0, s, j))
-        elif op.computes_input_grad and s > 0 and placement.rank_of(s - 1) == dst:
-            messages.append((1, s - 1, j))
-    return messages
-
-
-def directed_pairs(schedule: Schedule) -> list[tuple[int, int]]:
-    """Every ``(src, dst)`` pair of ranks that exchange tensors, in a fixed order."""
-    pairs = set()
-    for s in range(schedule.num_stages - 1):
-        a, b = schedule.placement.rank_of(s), schedule.placement.rank_of(s + 1)
-        if a != b:
-            pairs.update({(a, b), (b, a)})
-    return sorted(pairs)
-
-
 class _Pending:
     """One message whose receive is posted: its works and the buffers they fill."""
 
@@ -138,14 +117,21 @@ class Comm:
         self.timeout = timeout
         self.static_shapes = static_shapes
         self.lookahead = lookahead
-        self.recorder = None
+        self.recorder: Recorder | None = None
         self._groups = self._connect(directed_pairs(schedule), group)
         self._handshake(sorted(self._groups))
         self._incoming = {
             src: channel_messages(schedule, src, self.rank) for src, dst in self._groups if dst == self.rank
         }
+        logger.debug(
+            "rank %d: channels to %s and from %s connected (%d messages in per step)",
+            self.rank,
+            sorted(dst for src, dst in self._groups if src == self.rank),
+            sorted(self._incoming),
+            sum(len(keys) for keys in self._incoming.values()),
+        )
         self._source = {key: src for src, keys in self._incoming.items() for key in keys}
-        self._shapes: dict[tuple[int, int], list[TensorSpec]] = {}
+        self._shapes: dict[tuple[int, int], list[TensorSpec]] = {}  # (direction, boundary) -> specs
         self._queues: dict[int, deque[MessageKey]] = {}
         self._posted: dict[MessageKey, _Pending] = {}
         self._sends: deque[tuple[list, tuple[torch.Tensor, ...]]] = deque()
@@ -201,7 +187,7 @@ class Comm:
         self._headers = first or not self.static_shapes or forward_only
         self._keep_shapes = not forward_only
         self._queues = {
-            src: deque(key for key in keys if not (forward_only and key[0] == 1))
+            src: deque(key for key in keys if not (forward_only and key.direction == GRADIENTS))
             for src, keys in self._incoming.items()
         }
         self._posted.clear()
@@ -233,7 +219,7 @@ class Comm:
         tensors = tuple(t.contiguous() for t in tensors)
         if self._headers:
             if self._keep_shapes:
-                self._shapes[key[:2]] = [(tuple(t.shape), t.dtype) for t in tensors]
+                self._shapes[key.direction, key.boundary] = [(tuple(t.shape), t.dtype) for t in tensors]
             header = torch.tensor(encode_header(tensors), dtype=torch.int64, device=self.device)
             tensors = (header, *tensors)
         else:
@@ -251,11 +237,11 @@ class Comm:
             sends.popleft()
 
     def _check_shapes(self, key: MessageKey, tensors: tuple[torch.Tensor, ...]) -> None:
-        expected = self._shapes.get(key[:2])
+        expected = self._shapes.get((key.direction, key.boundary))
         actual = [(tuple(t.shape), t.dtype) for t in tensors]
         if expected != actual:
-            direction, s, j = key
-            what = "activations" if direction == 0 else "input gradients"
+            s, j = key.boundary, key.microbatch
+            what = "activations" if key.direction != GRADIENTS else "input gradients"
             raise PipelineError(
                 f"the {what} passed between stages {s} and {s + 1} (microbatch {j}) changed from "
                 f"{_describe(expected)} on the first step to {_describe(actual)}; the pipeline caches "
@@ -279,7 +265,7 @@ class Comm:
             for work in pending.works:
                 self._wait(work, lambda: _describe_key(key, src))
         else:
-            clock = getattr(recorder, "clock", time.perf_counter)
+            clock = recorder.clock
             started = clock()
             for work in pending.works:
                 self._wait(work, lambda: _describe_key(key, src))
@@ -297,7 +283,7 @@ class Comm:
             if self._headers:
                 specs = self._receive_header(key, src, group, peer)
             else:
-                specs = self._shapes[key[:2]]
+                specs = self._shapes[key.direction, key.boundary]
             buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
             try:
                 works = [dist.irecv(b, peer, group=group) for b in buffers]
@@ -315,7 +301,7 @@ class Comm:
         self._wait(work, what)
         specs = decode_header(header.tolist())
         if self._keep_shapes:
-            self._shapes[key[:2]] = specs
+            self._shapes[key.direction, key.boundary] = specs
         return specs
 
     def _wait(self, work, what: str | Callable[[], str]) -> None:
@@ -337,7 +323,7 @@ def _describe(specs: list[TensorSpec] | None) -> str:
 
 
 def _describe_key(key: MessageKey, src: int) -> str:
-    direction, s, j = key
-    if direction == 0:
+    s, j = key.boundary, key.microbatch
+    if key.direction != GRADIENTS:
         return f"the activations of stage {s} for stage {s + 1} (microbatch {j}) from rank {src}"
     return f"the input gradient of stage {s + 1} for stage {s} (microbatch {j}) from rank {src}"

@@ -1,4 +1,4 @@
-"""Data parallelism across pipeline replicas, and the per-op hooks the Pipeline runs.
+"""Data parallelism across pipeline replicas: the process-group layout and the gradient averager.
 
 Layout
 ------
@@ -77,7 +77,7 @@ class ParallelLayout:
         Before the body, the ranks of this rank's replica make, as non-members, the ``new_group``
         calls of every earlier replica's body; after it, those of every later one.  The body must
         create exactly one group per pair of ``channels``, in that order (what
-        :class:`~.comm.Comm` does with :func:`~.comm.directed_pairs`); this is checked.
+        :class:`~.comm.Comm` does with :func:`~zerobubble.schedule.channels.directed_pairs`); this is checked.
         """
         if self.data_parallel == 1:
             yield
@@ -222,44 +222,7 @@ class GradientAverager:
         self._inflight.clear()
 
 
-# -- hooks around program entries ----------------------------------------------------------------------
-
-
-ProgramEntry = tuple[Op, Callable[[Any, int], None], Any, int]
-
-
-def hook_program(
-    program: Sequence[ProgramEntry],
-    before: Mapping[int, Callable[[], None]],
-    after: Mapping[int, Callable[[], None]],
-) -> list[ProgramEntry]:
-    """A copy of an executor program whose entries at the given positions call a hook before / after.
-
-    The executor runs ``handler(state, microbatch)`` for each entry; wrapping the handler lets the
-    Pipeline act at a precise point of the step (finish the previous optimizer step before the
-    first forward, start a chunk's gradient reduction after its last W) without touching the loop.
-    """
-    hooked = list(program)
-    for position in set(before) | set(after):
-        op, handler, state, microbatch = hooked[position]
-        hooked[position] = (
-            op,
-            _wrapped(handler, before.get(position), after.get(position)),
-            state,
-            microbatch,
-        )
-    return hooked
-
-
-def _wrapped(handler, first: Callable[[], None] | None, then: Callable[[], None] | None):
-    def run(state: Any, microbatch: int) -> None:
-        if first is not None:
-            first()
-        handler(state, microbatch)
-        if then is not None:
-            then()
-
-    return run
+# -- where the Pipeline hooks into a program ------------------------------------------------------
 
 
 def first_forward(program: Sequence[Op]) -> int:

@@ -1,13 +1,14 @@
 """Runs one rank's program of a :class:`~zerobubble.schedule.Schedule` for one training step.
 
-The program is compiled once into a list of ``(op, handler, stage, microbatch)`` entries, one
+The program is compiled once into a list of ``(op or hook, handler, stage, microbatch)`` entries, one
 handler per op kind (the ``handlers`` dispatch table, as in DeepSpeed's pipeline engine), so the
 per-op cost of the loop is one call; replacing a handler and calling :meth:`Executor.compile` changes
-what an op kind does (e.g. an emulation that sleeps for the modelled duration).  A *recorder* — any
-object with ``op(op, start, end)`` and ``wait(key, start, end)`` — may be attached to time every op
-and every transfer wait; without one the loop reads no clock.  A recorder may also provide
-``clock()`` (whose values it then receives instead of ``time.perf_counter()`` seconds, e.g. CUDA
-events) and ``begin_step()`` (called before each step's first op).
+what an op kind does (e.g. an emulation that sleeps for the modelled duration).  Runtime actions that
+are not ops of the schedule — the optimizer settle before the first forward, a chunk's data-parallel
+all-reduce after its last weight-gradient op — are :class:`Hook` entries of the same list, placed by
+:meth:`Executor.add_hook` (as torch's pipelining puts ``REDUCE_GRAD`` in its instruction stream), so
+they survive a recompile and show in traces.  A :class:`~.recorder.Recorder` may be attached to time
+every op, hook and transfer wait; without one the loop reads no clock.
 
 Each handler is a receive, a compute and a send, exposed as separate methods
 (:meth:`Executor.receive_forward`, :meth:`Executor.compute_forward`, :meth:`Executor.send_forward`
@@ -31,17 +32,18 @@ rank, the op and the original error, before it propagates; the peers raise at on
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..schedule.channels import ACTIVATIONS, GRADIENTS, MessageKey
 from ..schedule.ir import Kind, Op, Schedule
 from . import PipelineError
 from .comm import Comm
 from .failures import PeerFailure
+from .recorder import Recorder
 from .wgrad import WeightGradStore
 
 _MISMATCH_WORDS = ("shape", "size", "dtype", "mat1", "mat2", "Expected", "expected", "must match")
@@ -66,6 +68,31 @@ class StageState:
         self.prev_local = False
 
 
+class Hook:
+    """A named runtime action run at a fixed point of a rank's program; not an op of the schedule.
+
+    It occupies its own program entry (``handler(state, microbatch)`` ignores both arguments), so
+    the plain loop runs it like an op and a recorder sees it as an ``event`` named :attr:`name`.
+    """
+
+    __slots__ = ("action", "name")
+
+    def __init__(self, name: str, action: Callable[[], None]):
+        self.name = name
+        self.action = action
+
+    def run(self, state: Any, microbatch: int) -> None:
+        """Run the action (the program-entry calling convention)."""
+        self.action()
+
+    def __repr__(self) -> str:
+        return f"Hook({self.name!r})"
+
+
+ProgramEntry = tuple[Op | Hook, Callable[[Any, int], None], Any, int]
+"""``(op or hook, handler, stage state or None, microbatch)``: one step of the compiled program."""
+
+
 class Executor:
     """Executes ``schedule.programs[rank]`` over this rank's ``stages`` (stage index → StageState).
 
@@ -88,12 +115,12 @@ class Executor:
         self.stages = stages
         self.comm = comm
         self.loss_fn = loss_fn
-        self.recorder: Any = None
+        self.recorder: Recorder | None = None
         self._placement = schedule.placement
         for index, state in stages.items():
             state.next_local = index + 1 in stages
             state.prev_local = index - 1 in stages
-        self._handoff: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self._handoff: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self._inputs: Sequence[tuple[torch.Tensor, ...]] = ()
         self._targets: Sequence[Any] = ()
         self._losses: list[torch.Tensor] = []
@@ -104,7 +131,9 @@ class Executor:
             Kind.BW: self._backward_fused,
             Kind.W: self.compute_weight,
         }
-        self.program: list[tuple[Op, Callable[[StageState, int], None], StageState, int]] = []
+        self.program: list[ProgramEntry] = []
+        self._before: dict[int, list[Hook]] = {}
+        self._after: dict[int, list[Hook]] = {}
         self.compile()
         self._steps = 0
         self.seed = seed
@@ -113,11 +142,23 @@ class Executor:
         self._cuda = comm.device.type == "cuda"  # F ops then save and restore the CUDA RNG too
 
     def compile(self) -> None:
-        """Bind every op of this rank's program to its handler (call again after changing ``handlers``)."""
-        self.program = [
-            (op, self.handlers[op.kind], self.stages[op.stage], op.microbatch)
-            for op in self.schedule.programs[self.rank]
-        ]
+        """Bind every op of this rank's program to its handler and place the hooks around them.
+
+        Call again after changing ``handlers``; the hooks added so far are kept.
+        """
+        program: list[ProgramEntry] = []
+        for position, op in enumerate(self.schedule.programs[self.rank]):
+            program += [(hook, hook.run, None, 0) for hook in self._before.get(position, ())]
+            program.append((op, self.handlers[op.kind], self.stages[op.stage], op.microbatch))
+            program += [(hook, hook.run, None, 0) for hook in self._after.get(position, ())]
+        self.program = program
+
+    def add_hook(self, position: int, hook: Hook, after: bool = False) -> None:
+        """Run ``hook`` just before (or ``after``) the op at ``position`` of this rank's program."""
+        if not 0 <= position < len(self.schedule.programs[self.rank]):
+            raise PipelineError(f"no op at position {position} of rank {self.rank}'s program")
+        (self._after if after else self._before).setdefault(position, []).append(hook)
+        self.compile()
 
     def run_step(
         self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any], loss_scale: float = 1.0
@@ -163,7 +204,7 @@ class Executor:
         try:
             self.comm.start_step(first=True, forward_only=True)
             for op, _, state, microbatch in self.program:
-                if op.kind is Kind.F:
+                if isinstance(op, Op) and op.kind is Kind.F:  # hooks are training-only
                     self._forward(state, microbatch)
             op = None
             self.comm.finish_step()
@@ -176,20 +217,20 @@ class Executor:
             self._keep = True
         return self._losses
 
-    def _report(self, error: BaseException, op: Op | None) -> None:
+    def _report(self, error: BaseException, op: Op | Hook | None) -> None:
         """Post this rank's failure to the peers (not when it only echoes a peer's)."""
         if isinstance(error, PeerFailure) or self._reported:
             return
         self._reported = True
-        where = f"op {op} (stage {op.stage}, microbatch {op.microbatch})" if op is not None else "a step"
+        if isinstance(op, Hook):
+            where = f"the {op.name}"
+        else:
+            where = f"op {op} (stage {op.stage}, microbatch {op.microbatch})" if op is not None else "a step"
         self.comm.monitor.post(f"rank {self.rank} failed in {where}: {type(error).__name__}: {error}")
 
-    def _run_recorded(self, recorder: Any) -> None:
-        begin = getattr(recorder, "begin_step", None)
-        if begin is not None:
-            begin()
-        clock = getattr(recorder, "clock", time.perf_counter)
-        record = recorder.op
+    def _run_recorded(self, recorder: Recorder) -> None:
+        recorder.begin_step()
+        clock, record, event = recorder.clock, recorder.op, recorder.event
         for op, handler, state, microbatch in self.program:
             started = clock()
             try:
@@ -197,7 +238,10 @@ class Executor:
             except BaseException as error:
                 self._report(error, op)
                 raise
-            record(op, started, clock())
+            if state is None:  # a hook's entry (only hooks have no stage)
+                event(op.name, started, clock())  # type: ignore[union-attr]
+            else:
+                record(op, started, clock())  # type: ignore[arg-type]
 
     def _abort(self) -> None:
         self.comm.abort_step()
@@ -265,13 +309,13 @@ class Executor:
     def send_forward(self, state: StageState, j: int, outputs: tuple[torch.Tensor, ...]) -> None:
         """Pass F's outputs to the next stage (nothing to pass from the last stage)."""
         if not state.last:
-            self._pass_on(state, (0, state.index, j), _detached(state, outputs), forward=True)
+            self._pass_on(state, MessageKey(ACTIVATIONS, state.index, j), _detached(state, outputs), True)
 
     def receive_backward(self, state: StageState, j: int) -> tuple[torch.Tensor, ...] | None:
         """The gradient of the stage's outputs for microbatch ``j`` (None on the last stage: the loss)."""
         if state.last:
             return None
-        key = (1, state.index, j)
+        key = MessageKey(GRADIENTS, state.index, j)
         return self._handoff.pop(key) if state.next_local else self.comm.recv(key)
 
     def compute_backward(
@@ -297,14 +341,14 @@ class Executor:
     def send_backward(self, state: StageState, j: int, input_grads: tuple[torch.Tensor, ...]) -> None:
         """Pass B's input gradients to the previous stage (nothing to pass from the first stage)."""
         if not state.first:
-            self._pass_on(state, (1, state.index - 1, j), input_grads, forward=False)
+            self._pass_on(state, MessageKey(GRADIENTS, state.index - 1, j), input_grads, False)
 
     # -- helpers -----------------------------------------------------------------------------------
 
     def _stage_inputs(self, state: StageState, j: int) -> tuple[torch.Tensor, ...]:
         if state.first:
             return self._inputs[j]
-        key = (0, state.index - 1, j)
+        key = MessageKey(ACTIVATIONS, state.index - 1, j)
         received = self._handoff.pop(key) if state.prev_local else self.comm.recv(key)
         return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in received)
 
@@ -321,7 +365,7 @@ class Executor:
         return loss
 
     def _pass_on(
-        self, state: StageState, key: tuple[int, int, int], tensors: tuple[torch.Tensor, ...], forward: bool
+        self, state: StageState, key: MessageKey, tensors: tuple[torch.Tensor, ...], forward: bool
     ) -> None:
         local = state.next_local if forward else state.prev_local
         if local:

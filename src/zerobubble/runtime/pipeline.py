@@ -16,6 +16,7 @@ schedule's placement, and only this rank's chunks are kept.  Parameter names sta
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,23 +25,26 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, validate_schedule
+from ..schedule.channels import directed_pairs
 from . import PipelineError
-from .comm import Comm, directed_pairs
+from .comm import Comm
 from .consistency import TiedParameter, agree, broadcast_replicas, find_ties, fingerprint
 from .data_parallel import (
     GradientAverager,
     chunk_parameters,
     create_layout,
     first_forward,
-    hook_program,
     last_gradient_ops,
     pipeline_size_of,
 )
-from .executor import Executor, StageState
+from .executor import Executor, Hook, StageState
 from .failures import PeerFailure, PeerMonitor
 from .launch import init_distributed, local_device
 from .optim import OptimizerStats, PipelineOptimizer, validation_chain
+from .recorder import OpRecorder, StepRecorder, as_recorder
 from .wgrad import FastPaths, WeightGradStore, install_deferral
+
+logger = logging.getLogger(__name__)
 
 W_MEMORY_FRACTION = 1.0
 """The activation memory a microbatch keeps from its B to its W, as a fraction of what its F kept
@@ -135,8 +139,17 @@ class Pipeline:
         self.timeout = timeout
         self._failure: str | None = None
         self._placeholder: torch.optim.Optimizer | None = None
+        self._recorder: OpRecorder | None = None
         named, bounds, ties = self._plan(
             layers, schedule, microbatches, loss_fn, chunks, partition, costs, group, data_parallel, seed
+        )
+        logger.info(
+            "schedule %s: %d ranks, %d microbatches, %d chunks per rank, layers cut at %s",
+            self.schedule.name,
+            self.schedule.num_ranks,
+            self.schedule.microbatches,
+            self.schedule.chunks,
+            bounds[1:-1],
         )
         self.layout = create_layout(group, data_parallel, timeout)  # collective: new_group
         group = self.group = self.layout.pipeline_group
@@ -248,13 +261,19 @@ class Pipeline:
 
     @property
     def recorder(self) -> Any:
-        """An optional object timing every op (``op(op, start, end)``) and wait (``wait(key, ...)``)."""
-        return self._executor.recorder
+        """An optional :class:`~.recorder.Recorder` timing every op, runtime event and transfer wait.
+
+        It needs at least ``op(op, start, end)`` and ``wait(key, start, end)``; the rest of the
+        protocol (``clock``, ``begin_step``, ``event``) defaults when missing.
+        """
+        return self._recorder
 
     @recorder.setter
-    def recorder(self, recorder: Any) -> None:
-        self._executor.recorder = recorder
-        self._executor.comm.recorder = recorder
+    def recorder(self, recorder: OpRecorder | None) -> None:
+        complete = as_recorder(recorder)
+        self._recorder = recorder
+        self._executor.recorder = complete
+        self._executor.comm.recorder = complete
 
     def step(
         self, inputs: Any = None, targets: Any = None, loss_scale: float | None = None
@@ -307,7 +326,7 @@ class Pipeline:
         return self._mean_loss(losses) if self._last else None
 
     def _evaluate(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]) -> list:
-        self._optimizer.finish()  # the parameters must be final before they are read
+        self._settle()  # the parameters must be final before they are read
         return self._executor.run_forward(inputs, targets)
 
     def _split_batch(self, inputs: Any, targets: Any, call: str) -> tuple[list, list]:
@@ -380,22 +399,33 @@ class Pipeline:
     def measured_timelines(self) -> list[Any] | None:
         """The recorded steps as :class:`~.trace.MeasuredTimeline` objects on rank 0, None elsewhere.
 
-        Collective (every rank calls it); needs ``trace=True`` or another recorder with ``seconds()``.
+        Collective (every rank calls it); needs ``trace=True`` or another
+        :class:`~.recorder.StepRecorder`.
         """
         from .trace import gather_timelines
 
-        if not hasattr(self.recorder, "seconds"):
+        recorder = self.recorder
+        if not isinstance(recorder, StepRecorder):
             raise PipelineError("no timeline was recorded: build the Pipeline with trace=True")
-        return gather_timelines(self.recorder, self.schedule, self.group, self.device)
+        return gather_timelines(recorder, self.schedule, self.group, self.device)
 
     def write_trace(self, directory: Any) -> Any:
         """Write the recorded timeline, the prediction and a picture to ``directory`` (collective).
 
-        See :func:`~.trace.write_trace`; returns its report on rank 0, None elsewhere.
+        See :func:`~.trace.write_trace`; the pipeline's first step is left out when later ones were
+        recorded (it also sends shape headers and allocates).  Returns the report on rank 0, None
+        elsewhere.
         """
         from .trace import write_trace
 
-        return write_trace(self, directory)
+        timelines = self.measured_timelines()
+        if timelines is None:
+            return None
+        if not timelines:
+            raise PipelineError("no step was recorded: run pipe.step() with trace=True before write_trace")
+        if len(timelines) > 1 and self.recorder.keeps_first_step:
+            timelines = timelines[1:]
+        return write_trace(timelines, directory, self.layout)
 
     # -- optimizer step and data parallelism --------------------------------------------------------
 
@@ -483,31 +513,37 @@ class Pipeline:
             # a tied parameter's summed gradient is counted once, by the holder of its first layer
             norm_excludes=[t.param for t in self._tied if t.source != layout.global_rank(self.rank)],
         )
+        executor = self._executor
+        # the parameters are first read by the first forward: the pending step must be settled then
+        executor.add_hook(first_forward(program), Hook("optimizer settle", self._settle))
         self._averager: GradientAverager | None = None
-        after: dict[int, Callable[[], None]] = {}
         if layout.data_parallel > 1:
             last_ops = last_gradient_ops(program)
-            chunks = chunk_parameters(self._executor.stages, last_ops)
+            chunks = chunk_parameters(executor.stages, last_ops)
             self._averager = GradientAverager(
                 chunks, layout.dp_group, layout.data_parallel, wait=self._monitor.wait
             )
-            after = {
-                position: functools.partial(self._averager.start, stage)
-                for stage, position in last_ops.items()
-            }
-        self._hooks = ({first_forward(program): self._optimizer.finish}, after)
-        self._hooked_program: list | None = None
+            for stage, position in last_ops.items():  # a chunk's gradients are final after this op
+                start = functools.partial(self._averager.start, stage)
+                executor.add_hook(position, Hook(f"all-reduce start (stage {stage})", start), after=True)
+
+    def _settle(self) -> None:
+        """Settle the pending optimizer step (confirm it or roll it back); log a rollback."""
+        if not logger.isEnabledFor(logging.INFO):
+            self._optimizer.finish()
+            return
+        rolled_back = self._optimizer.stats.rolled_back
+        self._optimizer.finish()
+        if self._optimizer.stats.rolled_back > rolled_back:
+            logger.info("rank %d: the optimistic optimizer step was rolled back", self.rank)
 
     def _run_program(
         self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any], loss_scale: float = 1.0
     ) -> list[torch.Tensor]:
-        """Run the executor's program with the Pipeline's hooks; average gradients over the replicas,
-        sum those of tied parameters over their holders."""
-        executor = self._executor
-        if executor.program is not self._hooked_program:  # first step, or compile() rebuilt it
-            executor.program = self._hooked_program = hook_program(executor.program, *self._hooks)
+        """Run the executor's program (its hooks settle the optimizer and start the reductions);
+        average gradients over the replicas, sum those of tied parameters over their holders."""
         try:
-            losses = executor.run_step(inputs, targets, loss_scale)
+            losses = self._executor.run_step(inputs, targets, loss_scale)
         except BaseException:
             if self._averager is not None:
                 self._averager.discard()

@@ -1,10 +1,12 @@
 """Recorded timelines: the real start and end of every op and transfer wait on every rank.
 
 A :class:`TraceRecorder` attached to a pipeline (``Pipeline(..., trace=True)``) keeps, for the last
-few steps, one ``(start, end)`` pair per op of the rank's program and one ``(key, start, end)`` per
-transfer wait — two clock reads and an append per op, cheap enough to leave on.  On the CPU the clock
-is ``time.perf_counter``; on a GPU it records CUDA events on the current stream (converted to
-seconds only when the trace is gathered), so an op's interval is when the device ran it.
+few steps, one ``(start, end)`` pair per op of the rank's program, one ``(key, start, end)`` per
+transfer wait and one ``(name, start, end)`` per runtime event (``"optimizer settle"``,
+``"all-reduce start (stage s)"``) — two clock reads and an append per op, cheap enough to leave
+on.  On the CPU the clock is ``time.perf_counter``; on a GPU it records CUDA events on the current
+stream (converted to seconds only when the trace is gathered), so an op's interval is when the
+device ran it.
 
 :func:`gather_timeline` (collective) aligns the ranks' clocks and returns, on rank 0, a
 :class:`MeasuredTimeline`: the same interface as the simulator's Timeline (``schedule``,
@@ -39,31 +41,41 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import CostModel, Kind, Schedule, simulate
+from ..schedule.channels import MessageKey, sent_message
 from ..schedule.export import to_chrome_trace
+from ..schedule.ir import Op
 from ..schedule.render import render_comparison
-from ..schedule.simulate import RecordedSpans
+from ..schedule.simulate import RecordedSpans, time_bounds
+from . import PipelineError
+from .data_parallel import ParallelLayout
+from .recorder import RecorderDefaults, StepRecorder
 
 Interval = tuple[float, float]
+Wait = tuple[MessageKey, float, float]
+Event = tuple[str, float, float]
+StepRecord = tuple[list[Interval], list[Wait], list[Event]]
+"""One rank's step in seconds: op intervals (program order), transfer waits, runtime events."""
 _PING_PONGS = 8
 
 
-class TraceRecorder:
-    """Records the op and wait intervals of the last ``keep`` steps of one rank.
+class TraceRecorder(RecorderDefaults):
+    """Records the op, wait and runtime-event intervals of the last ``keep`` steps of one rank.
 
-    The executor calls :meth:`begin_step` before a step, :meth:`clock` around every op and wait,
-    :meth:`op` after every op and :meth:`wait` after every transfer wait (the recorder protocol of
-    :mod:`.executor`).  ``device`` selects the clock: CUDA events on a CUDA device, else
-    ``time.perf_counter``.
+    The executor calls :meth:`begin_step` before a step, :meth:`clock` around every op, event and
+    wait, :meth:`op` after every op, :meth:`event` after every hook and :meth:`wait` after every
+    transfer wait (the :class:`~.recorder.Recorder` protocol).  ``device`` selects the clock: CUDA
+    events on a CUDA device, else ``time.perf_counter``.
     """
 
     def __init__(self, device: torch.device | str = "cpu", keep: int = 8):
         self.cuda = torch.device(device).type == "cuda"
-        self.steps: deque[tuple[list, list]] = deque(maxlen=keep)
+        self.steps: deque[tuple[list, list, list]] = deque(maxlen=keep)
         self._ops: list = []
         self._waits: list = []
+        self._events: list = []
         self._anchor: tuple[Any, float] | None = None
         self.begun = 0
-        self.clock = self._cuda_clock if self.cuda else time.perf_counter
+        self.clock = self._cuda_clock if self.cuda else time.perf_counter  # type: ignore[method-assign]
         """The current time (``perf_counter`` seconds; a recorded CUDA event on a GPU)."""
 
     def _cuda_clock(self) -> Any:
@@ -77,8 +89,8 @@ class TraceRecorder:
             anchor = self._cuda_clock()
             anchor.synchronize()
             self._anchor = (anchor, time.perf_counter())
-        self._ops, self._waits = [], []
-        self.steps.append((self._ops, self._waits))
+        self._ops, self._waits, self._events = [], [], []
+        self.steps.append((self._ops, self._waits, self._events))
         self.begun += 1
 
     @property
@@ -86,18 +98,22 @@ class TraceRecorder:
         """True while the oldest kept step is the pipeline's first (it also exchanges shape headers)."""
         return self.begun <= (self.steps.maxlen or self.begun)
 
-    def op(self, op: Any, start: Any, end: Any) -> None:
+    def op(self, op: Op, start: Any, end: Any) -> None:
         """One op ran from ``start`` to ``end``."""
         self._ops.append((start, end))
 
-    def wait(self, key: Any, start: Any, end: Any) -> None:
+    def wait(self, key: MessageKey, start: Any, end: Any) -> None:
         """The rank waited for message ``key`` from ``start`` to ``end``."""
         self._waits.append((key, start, end))
 
-    def seconds(self) -> list[tuple[list[Interval], list[tuple[Any, float, float]]]]:
-        """The kept steps as ``perf_counter`` seconds: ``[(op intervals, waits)]``, oldest first."""
+    def event(self, name: str, start: Any, end: Any) -> None:
+        """The runtime action ``name`` (a hook of the executor) ran from ``start`` to ``end``."""
+        self._events.append((name, start, end))
+
+    def seconds(self) -> list[StepRecord]:
+        """The kept steps as ``perf_counter`` seconds: ``[(op intervals, waits, events)]``, oldest first."""
         if not self.cuda:
-            return [(list(ops), list(waits)) for ops, waits in self.steps]
+            return [(list(ops), list(waits), list(events)) for ops, waits, events in self.steps]
         torch.cuda.synchronize()
         anchor, host = self._anchor  # type: ignore[misc]
 
@@ -108,8 +124,9 @@ class TraceRecorder:
             (
                 [(convert(a), convert(b)) for a, b in ops],
                 [(key, convert(a), convert(b)) for key, a, b in waits],
+                [(name, convert(a), convert(b)) for name, a, b in events],
             )
-            for ops, waits in self.steps
+            for ops, waits, events in self.steps
         ]
 
 
@@ -119,14 +136,16 @@ class MeasuredTimeline(RecordedSpans):
 
     ``start[r][i]``/``end[r][i]`` belong to ``schedule.programs[r][i]``; ``issued[r][i]`` is when the
     executor called the op (before any transfer wait inside it); ``waits[r]`` lists
-    ``(message key, start, end)``; ``clock_error[r]`` bounds rank ``r``'s alignment error (seconds).
+    ``(message key, start, end)``, ``events[r]`` the runtime events ``(name, start, end)`` (optimizer
+    settle, all-reduce start); ``clock_error[r]`` bounds rank ``r``'s alignment error (seconds).
     The makespan depends on the clock alignment; the iteration time (each rank's own span) does not.
     The ideal is the measured busy time of the busiest rank.
     """
 
     issued: tuple[tuple[float, ...], ...] = ()
-    waits: tuple[tuple[tuple[Any, float, float], ...], ...] = ()
+    waits: tuple[tuple[Wait, ...], ...] = ()
     clock_error: tuple[float, ...] = ()
+    events: tuple[tuple[Event, ...], ...] = ()
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-ready dict (times in seconds)."""
@@ -145,13 +164,14 @@ class MeasuredTimeline(RecordedSpans):
 
 
 def build_timeline(
-    schedule: Schedule, per_rank: Sequence[tuple[list[Interval], list]], clock_error: Sequence[float] = ()
+    schedule: Schedule, per_rank: Sequence[Sequence[list]], clock_error: Sequence[float] = ()
 ) -> MeasuredTimeline:
-    """A :class:`MeasuredTimeline` from each rank's ``(op intervals, waits)`` on one clock."""
-    starts, ends, issued, waits = [], [], [], []
-    for rank, (ops, rank_waits) in enumerate(per_rank):
+    """A :class:`MeasuredTimeline` from each rank's ``(op intervals, waits[, events])`` on one clock."""
+    starts, ends, issued, waits, events = [], [], [], [], []
+    for rank, record in enumerate(per_rank):
+        ops, rank_waits = record[0], record[1]
         if len(ops) != len(schedule.programs[rank]):
-            raise ValueError(
+            raise PipelineError(
                 f"rank {rank} recorded {len(ops)} ops but its program has {len(schedule.programs[rank])}; "
                 "record a whole step"
             )
@@ -159,8 +179,15 @@ def build_timeline(
         ends.append(tuple(b for _, b in ops))
         issued.append(tuple(a for a, _ in ops))
         waits.append(tuple(rank_waits))
+        events.append(tuple(record[2]) if len(record) > 2 else ())
     return MeasuredTimeline(
-        schedule, tuple(starts), tuple(ends), tuple(issued), tuple(waits), tuple(clock_error)
+        schedule,
+        tuple(starts),
+        tuple(ends),
+        tuple(issued),
+        tuple(waits),
+        tuple(clock_error),
+        tuple(events),
     )
 
 
@@ -177,11 +204,15 @@ def _ready_times(ops: list[Interval], waits: list[tuple[Any, float, float]]) -> 
     return ready
 
 
-def shift_steps(steps: list, offset: float) -> list:
+def shift_steps(steps: Sequence[Sequence[list]], offset: float) -> list[StepRecord]:
     """Steps of :meth:`TraceRecorder.seconds` moved by ``offset`` seconds (onto rank 0's clock)."""
     return [
-        ([(a + offset, b + offset) for a, b in ops], [(key, a + offset, b + offset) for key, a, b in waits])
-        for ops, waits in steps
+        (
+            [(a + offset, b + offset) for a, b in step[0]],
+            [(key, a + offset, b + offset) for key, a, b in step[1]],
+            [(name, a + offset, b + offset) for name, a, b in (step[2] if len(step) > 2 else ())],
+        )
+        for step in steps
     ]
 
 
@@ -213,7 +244,7 @@ def clock_offset(group: dist.ProcessGroup | None, device: torch.device) -> tuple
 
 
 def gather_timelines(
-    recorder: TraceRecorder, schedule: Schedule, group: dist.ProcessGroup | None, device: torch.device
+    recorder: StepRecorder, schedule: Schedule, group: dist.ProcessGroup | None, device: torch.device
 ) -> list[MeasuredTimeline] | None:
     """Every kept step as a :class:`MeasuredTimeline` on rank 0 (``None`` elsewhere). Collective."""
     offset, error = clock_offset(group, device)
@@ -269,13 +300,12 @@ def transfer_latencies(timeline: MeasuredTimeline) -> list[float]:
     posted the send, so this is the one-way latency of a small message plus the wake-up.
     """
     schedule = timeline.schedule
-    produced = {}
+    produced: dict[tuple[int, ...], float] = {}
     for rank, program in enumerate(schedule.programs):
         for op, end in zip(program, timeline.end[rank]):
-            if op.kind is Kind.F:
-                produced[(0, op.stage, op.microbatch)] = end
-            elif op.kind in (Kind.B, Kind.BW):
-                produced[(1, op.stage - 1, op.microbatch)] = end
+            message = sent_message(op, schedule.num_stages)
+            if message is not None:
+                produced[message] = end
     latencies = []
     for waits in timeline.waits:
         for key, start, end in waits:
@@ -308,29 +338,29 @@ class TraceReport:
         ]
 
 
-def write_trace(pipe: Any, directory: str | Path, image: str = "timeline.png") -> TraceReport | None:
-    """Write the recorded steps of ``pipe`` (a Pipeline built with ``trace=True``) to ``directory``.
+def write_trace(
+    timelines: Sequence[MeasuredTimeline],
+    directory: str | Path,
+    layout: ParallelLayout | None = None,
+    image: str = "timeline.png",
+) -> TraceReport:
+    """Write recorded steps to ``directory``: the median one next to the simulator's prediction.
 
-    Collective: every rank calls it; rank 0 writes ``trace.json`` (Chrome trace of the median step
-    — the pipeline's first step is left out when later ones were recorded —
-    transfer waits included), ``predicted.json`` (the simulator's prediction for the measured
-    costs), ``summary.json`` and ``image`` (measured above predicted), and returns a
-    :class:`TraceReport`; other ranks return ``None``.  With data parallelism the rank 0 of every
-    replica's pipeline writes into ``directory/replica<d>``.
+    ``timelines`` are the steps to summarise (:meth:`~.pipeline.Pipeline.write_trace` passes the
+    gathered ones without the pipeline's first step).  Writes ``trace.json`` (Chrome trace of the
+    median step, transfer waits and runtime events included), ``predicted.json`` (the simulator's
+    prediction for the measured costs), ``summary.json`` and ``image`` (measured above predicted),
+    and returns a :class:`TraceReport`.  With a data-parallel ``layout`` the files go into
+    ``directory/replica<d>`` (every replica's rank 0 writes its own pipeline's trace).
     """
-    timelines = pipe.measured_timelines()
-    if timelines is None:
-        return None
     if not timelines:
-        raise ValueError("no step was recorded: run pipe.step() with trace=True before write_trace")
-    if len(timelines) > 1 and getattr(pipe.recorder, "keeps_first_step", False):
-        timelines = timelines[1:]  # the first step also sends shape headers and allocates: not typical
+        raise PipelineError("no step was recorded: run pipe.step() with trace=True before write_trace")
     measured = median_timeline(timelines)
-    predicted = simulate(measured.schedule, measured_costs(timelines))
+    costs = measured_costs(timelines)
+    predicted = simulate(measured.schedule, costs)
     folder = Path(directory)
-    replica = getattr(getattr(pipe, "layout", None), "dp_index", 0)
-    if getattr(getattr(pipe, "layout", None), "data_parallel", 1) > 1:
-        folder = folder / f"replica{replica}"  # every data-parallel replica writes its own pipeline's trace
+    if layout is not None and layout.data_parallel > 1:
+        folder = folder / f"replica{layout.dp_index}"
     folder.mkdir(parents=True, exist_ok=True)
     files = {
         "trace.json": measured_chrome_trace(measured),
@@ -339,7 +369,7 @@ def write_trace(pipe: Any, directory: str | Path, image: str = "timeline.png") -
             {
                 "measured": measured.summary(),
                 "predicted": predicted.summary(),
-                "costs_seconds": measured_costs(timelines).to_dict(),
+                "costs_seconds": costs.to_dict(),
             },
             indent=2,
         ),
@@ -358,33 +388,37 @@ def write_trace(pipe: Any, directory: str | Path, image: str = "timeline.png") -
 
 
 def measured_chrome_trace(timeline: MeasuredTimeline) -> str:
-    """Chrome trace JSON (µs) of a measured step: the ops, plus every transfer wait as a ``wait`` event."""
+    """Chrome trace JSON (µs) of a measured step: the ops, every transfer wait as a ``wait`` event
+    and every runtime event (optimizer settle, all-reduce start) as a ``runtime`` event."""
     trace = json.loads(to_chrome_trace(timeline, time_unit_us=1e6))
-    t0 = min(s[0] for s in timeline.start if s)
+    t0 = time_bounds(timeline)[0]
+    events = trace["traceEvents"]
     for rank, waits in enumerate(timeline.waits):
         for key, a, b in waits:
-            direction, boundary, microbatch = key
-            route = (
-                f"act {boundary}->{boundary + 1}" if direction == 0 else f"grad {boundary + 1}->{boundary}"
-            )
-            trace["traceEvents"].append(
-                {
-                    "name": f"wait {route} mb {microbatch}",
-                    "cat": "wait",
-                    "ph": "X",
-                    "ts": round((a - t0) * 1e6, 3),
-                    "dur": round((b - a) * 1e6, 3),
-                    "pid": 0,
-                    "tid": rank,
-                    "args": {"key": list(key)},
-                }
-            )
+            events.append(_span(f"wait {MessageKey(*key).describe()}", "wait", rank, a - t0, b - a))
+            events[-1]["args"] = {"key": list(key)}
+    for rank, runtime_events in enumerate(timeline.events):
+        for name, a, b in runtime_events:
+            events.append(_span(name, "runtime", rank, a - t0, b - a))
     earliest = min((e["ts"] for e in trace["traceEvents"] if "ts" in e), default=0.0)
     if earliest < 0:  # a rank's first wait begins before the first op's inputs arrive
         for event in trace["traceEvents"]:
             if "ts" in event:
                 event["ts"] = round(event["ts"] - earliest, 3)
     return json.dumps(trace)
+
+
+def _span(name: str, category: str, rank: int, start: float, duration: float) -> dict[str, Any]:
+    """A Chrome-trace complete event on rank ``rank``'s row (times in seconds from the origin)."""
+    return {
+        "name": name,
+        "cat": category,
+        "ph": "X",
+        "ts": round(start * 1e6, 3),
+        "dur": round(duration * 1e6, 3),
+        "pid": 0,
+        "tid": rank,
+    }
 
 
 __all__ = [

@@ -46,9 +46,14 @@ class OpTimes(Protocol):
     trace writer take any such object.
     """
 
-    schedule: Schedule
-    start: tuple[tuple[float, ...], ...]
-    end: tuple[tuple[float, ...], ...]
+    @property
+    def schedule(self) -> Schedule: ...
+
+    @property
+    def start(self) -> tuple[tuple[float, ...], ...]: ...
+
+    @property
+    def end(self) -> tuple[tuple[float, ...], ...]: ...
 
 
 def time_bounds(timeline: OpTimes) -> tuple[float, float]:
