@@ -66,6 +66,11 @@ class Pipeline:
     Pipeline.  With ``static_shapes`` the tensors crossing stage boundaries keep the shapes of the
     first step, which lets receives be posted ahead of time.
 
+    ``schedule="auto"`` chooses the schedule, chunk count and partition from measurement
+    (:mod:`.auto`): rank 0 profiles the layers on the first microbatch of ``example`` (one batch,
+    ``(inputs, targets)``), plans under ``memory_limit`` bytes per rank (``"24GiB"``, or ``"80%"`` of
+    a GPU's memory) and broadcasts the plan; :attr:`plan` then says what was chosen and why.
+
     ``trace=True`` records the start and end of every op and transfer wait of the last steps
     (:mod:`.trace`); :meth:`write_trace` then writes the measured timeline next to the simulator's
     prediction.  ``emulate=costs`` (a CostModel in milliseconds) stretches every op to its modelled
@@ -99,20 +104,42 @@ class Pipeline:
         emulate: CostModel | None = None,
         data_parallel: int = 1,
         post_validation: bool = True,
+        memory_limit: str | float | None = None,
+        example: Any = None,
     ):
         if loss_fn is None:
             raise PipelineError("Pipeline needs a loss_fn(output, target) returning a scalar tensor")
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
         self.layout = create_layout(group, data_parallel, timeout)  # collective: new_group
-        group = self.group = self.layout.pipeline_group
+        outer, group = group, self.layout.pipeline_group
+        self.group = group
         self.rank = self.layout.pipeline_rank
         self.world_size = self.layout.pipeline_size
         self.device = local_device(backend)
+        named = _named_layers(layers)
+        self.plan: Any = None  # the Plan of schedule="auto", and the ModelProfile it came from
+        self.profile: Any = None
+        if isinstance(schedule, str) and schedule == "auto":  # profile, plan once, broadcast: .auto
+            from .auto import plan_for_pipeline
+
+            self.plan, self.profile = plan_for_pipeline(
+                named,
+                example,
+                loss_fn,
+                outer,
+                self.world_size,
+                microbatches or 8,
+                memory_limit,
+                post_validation,
+                self.device,
+            )
+            schedule, partition, costs = self.plan.schedule, self.plan.partition, self.plan.costs
+            microbatches = chunks = None
         self.schedule, self.timeline = _resolve_schedule(
             schedule, self.world_size, microbatches, chunks, costs
         )
         self.module = nn.Module()
-        stages = self._place(_named_layers(layers), partition)
+        stages = self._place(named, partition)
         self.stages = tuple(sorted(stages))
         with self.layout.replicated(directed_pairs(self.schedule)):
             comm = Comm(self.schedule, group, self.device, timeout, static_shapes)
