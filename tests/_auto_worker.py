@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from _dist import reference, relative_error, rich_batch, rich_layers, token_loss
-
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.launch import init_distributed
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from _auto_worker import auto_cases
 from _dist import run_ranks
 
