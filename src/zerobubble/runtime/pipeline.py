@@ -160,6 +160,7 @@ class Pipeline:
     ) -> dict[int, StageState]:
         """Cut the layers into chunks and keep this rank's, registered under their original names."""
         bounds = _partition_bounds(len(named), self.schedule.num_stages, partition)
+        self.layer_bounds = tuple(bounds)  # chunk s holds layers [bounds[s], bounds[s + 1])
         stages = {}
         for index in self.schedule.placement.stages_of(self.rank):
             chunk = named[bounds[index] : bounds[index + 1]]

@@ -3,7 +3,8 @@
 :func:`profile_layers` runs every layer on one microbatch, a copy at a time (the model itself, its
 gradients and the random-number state are left as they were), and records per layer:
 
-* ``T_F``, ``T_B`` and ``T_W`` (medians over ``repeats`` after a warm-up) with the runtime's own B/W
+* ``T_F``, ``T_B`` and ``T_W`` (medians over ``repeats`` sweeps through all layers, each timed run
+  after a warm-up) with the runtime's own B/W
   split: B runs with the weight gradients deferred into a :class:`~.wgrad.WeightGradStore` and W
   flushes them, exactly as the executor's B and W ops do (:func:`split_backward` is the one place
   that knows this API; a layer whose weight gradients are not deferred shows ``T_W = 0``);
@@ -25,6 +26,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -57,29 +59,35 @@ def profile_layers(
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     target_device = torch.device(device) if device is not None else _device_of(named)
-    values = _as_tuple(inputs, target_device)
+    first = _as_tuple(inputs, target_device)
+    optimizer_factor = optimizer_bytes_per_parameter_byte
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    measured = []
+    sweeps: list[list[LayerProfile]] = []
     try:
-        for index, (name, layer) in enumerate(named):
-            last = index == len(named) - 1
-            loss = (loss_fn, _to_device(targets, target_device)) if last and loss_fn is not None else None
-            profile, values = _profile_layer(
-                name, layer, values, loss, target_device, repeats, optimizer_bytes_per_parameter_byte
-            )
-            measured.append(profile)
+        # every sweep times each layer once (after a warm-up): a burst of load from elsewhere then
+        # hits one sample of many layers instead of every sample of one layer
+        for _ in range(repeats):
+            values = first
+            sweep = []
+            for index, (name, layer) in enumerate(named):
+                last = index == len(named) - 1
+                loss = (loss_fn, _to_device(targets, target_device)) if last and loss_fn is not None else None
+                profile, values = _profile_layer(name, layer, values, loss, target_device, optimizer_factor)
+                sweep.append(profile)
+            sweeps.append(sweep)
     finally:
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+    measured = [_median_profile([sweep[index] for sweep in sweeps]) for index in range(len(named))]
     latency, bandwidth = comm
     return ModelProfile(
         tuple(measured),
         comm_latency=latency,
         comm_bandwidth=bandwidth,
         microbatch_size=_batch_size(inputs),
-        source=f"profile_layers on {target_device}, median of {repeats}",
+        source=f"profile_layers on {target_device}, median of {repeats} sweeps",
         meta={"torch": torch.__version__, "device": str(target_device)},
     )
 
@@ -120,18 +128,14 @@ def _profile_layer(
     values: tuple[torch.Tensor, ...],
     loss: tuple[Loss, Any] | None,
     device: torch.device,
-    repeats: int,
     optimizer_factor: float,
 ) -> tuple[LayerProfile, tuple[torch.Tensor, ...]]:
-    """Time and size one layer (on a copy); returns its profile and its detached outputs."""
+    """Time and size one layer once (on a copy, after a warm-up); its profile and detached outputs."""
     module = copy.deepcopy(layer).to(device)
     store = WeightGradStore()
     install_deferral([module], store)
     parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    forwards, backwards, weights = [], [], []
-    saved_bytes = kept_bytes = 0.0
-    outputs: tuple[torch.Tensor, ...] = ()
-    for repeat in range(repeats + 1):  # the first run warms up and creates the .grad tensors
+    for _ in range(2):  # the first run warms up and creates the .grad tensors the second adds into
         inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
         saved: list[torch.Tensor] = []
 
@@ -149,17 +153,13 @@ def _profile_layer(
         activations = [t for t in (*saved, *outputs) if t.untyped_storage().data_ptr() not in parameters]
         saved_bytes = float(_storage_bytes(activations))
         b, w, kept_bytes = split_backward(module, tensors, grads, store) if tensors else (0.0, 0.0, 0.0)
-        if repeat:
-            forwards.append(forward)
-            backwards.append(b)
-            weights.append(w)
     parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     profile = LayerProfile(
         name=name,
-        forward=statistics.median(forwards),
-        backward_input=statistics.median(backwards),
-        backward_weight=statistics.median(weights),
+        forward=forward,
+        backward_input=b,
+        backward_weight=w,
         activation_bytes=saved_bytes,
         weight_input_bytes=kept_bytes,
         parameter_bytes=float(parameter_bytes),
@@ -168,6 +168,16 @@ def _profile_layer(
         output_bytes=float(sum(t.numel() * t.element_size() for t in outputs)),
     )
     return profile, tuple(t.detach() for t in outputs)
+
+
+def _median_profile(samples: list[LayerProfile]) -> LayerProfile:
+    """One layer's samples with the median of each time (bytes do not vary between samples)."""
+    return replace(
+        samples[0],
+        forward=statistics.median(s.forward for s in samples),
+        backward_input=statistics.median(s.backward_input for s in samples),
+        backward_weight=statistics.median(s.backward_weight for s in samples),
+    )
 
 
 def _backward_roots(
@@ -267,3 +277,50 @@ def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def profile_gpt(
+    config: Any,
+    microbatch_size: int,
+    repeats: int = 5,
+    seed: int = 0,
+    transfer: bool = True,
+    threads: int = 1,
+) -> ModelProfile:
+    """Profile the built-in GPT (:mod:`zerobubble.models`) at ``microbatch_size`` sequences.
+
+    With ``transfer`` two local gloo ranks are started: both time the transfer
+    (:func:`measure_transfer`), rank 0 profiles the layers; without it, this process profiles and
+    ``T_comm`` is 0.  ``threads`` is the intra-op thread count (that of the ranks that will train).
+    """
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch size must be at least 1, got {microbatch_size}")
+    if not transfer:
+        torch.set_num_threads(threads)
+        return _profile_gpt_here(config, microbatch_size, repeats, seed, (0.0, 0.0))
+    from .launch import launch
+
+    return launch(_profile_gpt_rank, 2, (config, microbatch_size, repeats, seed), threads=threads)[0]
+
+
+def _profile_gpt_rank(config: Any, microbatch_size: int, repeats: int, seed: int) -> ModelProfile | None:
+    from .launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=120)
+    comm = measure_transfer(None, torch.device("cpu"))
+    profile = (
+        _profile_gpt_here(config, microbatch_size, repeats, seed, comm) if dist.get_rank() == 0 else None
+    )
+    dist.barrier()
+    return profile
+
+
+def _profile_gpt_here(
+    config: Any, microbatch_size: int, repeats: int, seed: int, comm: tuple[float, float]
+) -> ModelProfile:
+    from ..models import MarkovCorpus, gpt_layers, lm_loss
+
+    torch.manual_seed(seed)
+    layers = gpt_layers(config)
+    inputs, targets = MarkovCorpus(config.vocab, config.seq_len, seed=seed).batch(microbatch_size)
+    return profile_layers(layers, inputs, targets, lm_loss, repeats=repeats, comm=comm)

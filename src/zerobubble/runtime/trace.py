@@ -340,6 +340,7 @@ def write_trace(pipe: Any, directory: str | Path, image: str = "timeline.png") -
                 "measured": measured.summary(),
                 "predicted": predicted.summary(),
                 "costs_seconds": measured_costs(timelines).to_dict(),
+                **_planning_inputs(pipe, timelines),
             },
             indent=2,
         ),
@@ -355,6 +356,17 @@ def write_trace(pipe: Any, directory: str | Path, image: str = "timeline.png") -
         len(timelines),
         tuple(str(folder / name) for name in (*files, image)),
     )
+
+
+def _planning_inputs(pipe: Any, timelines: Sequence[MeasuredTimeline]) -> dict[str, Any]:
+    """What ``zerobubble plan --trace`` re-plans from: layer bounds, transfer latency, the layer profile."""
+    latencies = [x for t in timelines for x in transfer_latencies(t)]
+    profile = getattr(pipe, "profile", None)
+    return {
+        "layer_bounds": list(getattr(pipe, "layer_bounds", ())),
+        "transfer_latency": sorted(latencies)[len(latencies) // 2] if latencies else 0.0,
+        "layer_profile": profile.to_dict() if profile is not None else None,
+    }
 
 
 def measured_chrome_trace(timeline: MeasuredTimeline) -> str:

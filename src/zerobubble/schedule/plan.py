@@ -625,6 +625,57 @@ def _nothing_fits(candidates: Sequence[Candidate], budget: float | None, ranks: 
     )
 
 
-def with_costs(profile: ModelProfile, **changes: Any) -> ModelProfile:
-    """A copy of ``profile`` with some fields changed (e.g. ``comm_latency``)."""
-    return replace(profile, **changes)
+def profile_from_trace(summary: Mapping[str, Any]) -> ModelProfile:
+    """A profile from a recorded run's ``summary.json`` (:func:`zerobubble.runtime.trace.write_trace`).
+
+    The trace measured F, B and W per virtual stage.  When the run recorded its layer profile
+    (``schedule="auto"``) and layer bounds, each layer keeps its profiled share of its stage and is
+    scaled so that the stage's sums equal the measured ones (a fused BW is split in the profile's
+    B : W ratio); memory comes from the profile.  Otherwise every recorded stage becomes one layer
+    with the measured times and no memory figures (a budget then bounds static bytes only, which are
+    unknown: 0).  ``T_comm`` is the run's median measured transfer latency.
+    """
+    try:
+        measured = summary["costs_seconds"]
+        f, b, w = (list(measured[key]) for key in ("f", "b", "w"))
+    except (KeyError, TypeError):
+        raise ScheduleError(
+            "not a trace summary: summary.json lacks costs_seconds; record one with "
+            "'zerobubble train --trace DIR'"
+        ) from None
+    latency = float(summary.get("transfer_latency") or 0.0)
+    bounds = list(summary.get("layer_bounds") or ())
+    recorded = summary.get("layer_profile")
+    if not recorded or len(bounds) != len(f) + 1:
+        layers = tuple(LayerProfile(f"stage {s}", f[s], b[s], w[s]) for s in range(len(f)))
+        return ModelProfile(layers, comm_latency=latency, source="trace (per stage)")
+    profile = ModelProfile.from_dict(recorded)
+    scaled: list[LayerProfile] = []
+    for stage in range(len(f)):
+        group = profile.layers[bounds[stage] : bounds[stage + 1]]
+        scaled.extend(_rescaled(group, f[stage], b[stage], w[stage]))
+    return replace(
+        profile, layers=tuple(scaled), comm_latency=latency, comm_bandwidth=0.0, source="trace (per layer)"
+    )
+
+
+def _rescaled(group: Sequence[LayerProfile], f: float, b: float, w: float) -> list[LayerProfile]:
+    """``group``'s layers with F, B, W scaled to the measured stage sums (the split kept as profiled)."""
+    total_f = math.fsum(layer.forward for layer in group)
+    total_b = math.fsum(layer.backward_input for layer in group)
+    total_w = math.fsum(layer.backward_weight for layer in group)
+    if w == 0.0 and total_w > 0.0:  # a fused BW was measured: split it as the profile does
+        b, w = b * total_b / (total_b + total_w), b * total_w / (total_b + total_w)
+
+    def share(value: float, total: float, own: float) -> float:
+        return value * own / total if total > 0 else value / len(group)
+
+    return [
+        replace(
+            layer,
+            forward=share(f, total_f, layer.forward),
+            backward_input=share(b, total_b, layer.backward_input),
+            backward_weight=share(w, total_w, layer.backward_weight),
+        )
+        for layer in group
+    ]
