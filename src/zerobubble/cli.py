@@ -287,6 +287,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         tables = bench.compare_pipelines(
             args.models, args.microbatches, rounds=args.rounds, steps_per_round=args.steps_per_round
         )
+    elif args.benchmark == "plan":
+        tables = bench.plan_benchmark(
+            args.ranks, args.microbatches, rounds=args.rounds, steps_per_round=args.steps_per_round
+        )
     elif args.benchmark == "wgrad":
         tables = [
             bench.wgrad_split_cost(args.rows, args.repeats, args.threads, accumulate)
@@ -314,6 +318,11 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     pipelines.add_argument("--microbatches", type=int, default=8)
     pipelines.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
     pipelines.add_argument("--steps-per-round", type=int, default=2)
+    plan = kinds.add_parser("plan", help='schedule="auto" vs even-split zb-v and torch ZBV; auto on the MLP')
+    plan.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    plan.add_argument("--microbatches", type=int, default=8)
+    plan.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
+    plan.add_argument("--steps-per-round", type=int, default=2)
     wgrad = kinds.add_parser("wgrad", help="T_B + T_W of the B/W split against the fused backward")
     wgrad.add_argument("--rows", nargs="+", type=int, default=[8, 32, 128, 512], help="microbatch rows")
     wgrad.add_argument("--repeats", type=int, default=15)
