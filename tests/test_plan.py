@@ -171,3 +171,14 @@ def test_profile_round_trips_through_json(tmp_path):
     path.write_text("{}")
     with pytest.raises(ScheduleError, match="not a layer profile"):
         ModelProfile.load(path)
+
+
+def test_fewer_chunks_win_a_near_tie():
+    from zerobubble.schedule.plan import Candidate, _choose
+
+    vshape = Candidate("zb-v", 2, (1, 2, 3), period=1.00, peak_bytes=(1.0,), fits=True)
+    single = Candidate("zb-2p", 1, (2,), period=1.015, peak_bytes=(2.0,), fits=True)
+    slower = Candidate("1f1b", 1, (2,), period=1.10, peak_bytes=(1.0,), fits=True)
+    assert _choose([vshape, single, slower], tie_margin=0.02) is single
+    assert _choose([vshape, single, slower], tie_margin=0.0) is vshape
+    assert _choose([vshape, slower], tie_margin=0.02) is vshape
