@@ -42,3 +42,35 @@ def test_budget_too_small_is_refused_on_every_rank(results):
 def test_auto_needs_an_example_batch(results):
     for r in results:
         assert "pass example=(inputs, targets)" in r["no_example"]
+
+
+def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
+    import json
+
+    from zerobubble.cli import main
+    from zerobubble.train import TrainConfig, run_training
+
+    config = TrainConfig(
+        schedule="auto",
+        memory_limit="1GiB",
+        ranks=2,
+        steps=3,
+        microbatches=4,
+        batch_size=8,
+        seq_len=8,
+        vocab=16,
+        dim=16,
+        heads=2,
+        layers=2,
+        progress=False,
+        timeout=60,
+        trace=str(tmp_path),
+    )
+    summary = run_training(config)
+    assert summary.schedule != "auto" and len(summary.losses) == 3
+    assert any(line.startswith("auto plan: ") for line in summary.lines())
+    recorded = json.loads((tmp_path / "summary.json").read_text())
+    assert recorded["layer_profile"] is not None and recorded["layer_bounds"][-1] == 4
+    assert main(["plan", "--trace", str(tmp_path), "--ranks", "2", "-m", "4", "--json"]) == 0
+    replanned = json.loads(capsys.readouterr().out)
+    assert replanned["predicted_iteration_time"] > 0 and len(replanned["peak_bytes"]) == 2
