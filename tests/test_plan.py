@@ -182,3 +182,18 @@ def test_fewer_chunks_win_a_near_tie():
     assert _choose([vshape, single, slower], tie_margin=0.02) is single
     assert _choose([vshape, single, slower], tie_margin=0.0) is vshape
     assert _choose([vshape, slower], tie_margin=0.02) is vshape
+
+
+def test_fused_schedules_are_predicted_with_the_measured_fused_backward():
+    from dataclasses import replace
+
+    profile = lm_profile()
+    slow = replace(
+        profile, layers=tuple(replace(layer, backward_fused=2 * layer.fused) for layer in profile.layers)
+    )
+    period = {}
+    for name, candidate_profile in (("split", profile), ("slow fused", slow)):
+        result = plan(candidate_profile, 2, 8, schedules=["1f1b", "zb-h1"])
+        period[name] = {c.schedule: c.period for c in result.candidates}
+    assert period["slow fused"]["1f1b"] > 1.3 * period["split"]["1f1b"]  # 1F1B runs BW ops
+    assert period["slow fused"]["zb-h1"] == period["split"]["zb-h1"]  # ZB-H1 runs B and W

@@ -90,6 +90,7 @@ def test_profile_layers_measures_the_split_and_leaves_the_model_alone():
     assert norm.weight_input_bytes == 0.0  # LayerNorm's weight gradient is computed in B
     assert linear.weight_input_bytes >= 8 * 16 * 4  # W keeps the input (and the output gradient)
     assert linear.backward_weight > 0.0 and head.backward_weight > 0.0
+    assert linear.backward_fused > 0.0 and relu.backward_fused == 0.0  # no W: the fused backward is B
     assert linear.parameter_bytes == (16 * 32 + 32) * 4
     assert linear.static_bytes == 4 * linear.parameter_bytes  # parameters, gradients, Adam's two moments
     assert linear.output_bytes == 8 * 32 * 4 and head.output_bytes == 8 * 4 * 4

@@ -583,7 +583,9 @@ def _plan_rank(model: str, m: int, rows: int, rounds: int, steps: int, warmup: i
     predicted = {}
     for label, pipe in pipes.items():
         bounds = pipe.layer_bounds
-        costs = stage_costs(auto.profile, bounds[1:-1], len(bounds) - 1)
+        costs = stage_costs(
+            auto.profile, bounds[1:-1], len(bounds) - 1, fused=not pipe.schedule.splits_backward
+        )
         predicted[label] = simulate(pipe.schedule, costs).makespan
     return {"times": times, "predicted": predicted, "reason": auto.plan.reason}
 

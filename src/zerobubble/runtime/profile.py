@@ -6,8 +6,9 @@ gradients and the random-number state are left as they were), and records per la
 * ``T_F``, ``T_B`` and ``T_W`` (medians over ``repeats`` sweeps through all layers, each timed run
   after a warm-up) with the runtime's own B/W
   split: B runs with the weight gradients deferred into a :class:`~.wgrad.WeightGradStore` and W
-  flushes them, exactly as the executor's B and W ops do (:func:`split_backward` is the one place
-  that knows this API; a layer whose weight gradients are not deferred shows ``T_W = 0``);
+  flushes them, exactly as the executor's B and W ops do (:func:`split_backward` and
+  :func:`fused_backward` are the one place that knows this API; a layer whose weight gradients are not
+  deferred shows ``T_W = 0``); and the fused backward ``T_BW`` that 1F1B-style schedules run;
 * the activation bytes a forward keeps for its B — every tensor autograd saves (seen by
   ``torch.autograd.graph.saved_tensors_hooks``, parameters excluded) and the layer's outputs, each
   storage counted once — and the bytes B keeps for W (what the store holds);
@@ -117,6 +118,19 @@ def split_backward(
     return middle - started, ended - middle, kept
 
 
+def fused_backward(
+    tensors: list[torch.Tensor], grads: list[torch.Tensor] | None, store: WeightGradStore
+) -> float:
+    """The executor's fused BW of one microbatch (``store.begin(key, defer=False)``): its time."""
+    started = _now(tensors[0].device)
+    store.begin((0, 1), False)
+    try:
+        torch.autograd.backward(tensors, grads)
+    finally:
+        store.end()
+    return _now(tensors[0].device) - started
+
+
 def _deferred_bytes(store: WeightGradStore, key: tuple[int, int]) -> float:
     """Bytes of the tensors the store keeps for the W of ``key`` (0 for a store it cannot read)."""
     pending = getattr(store, "_pending", {}).get(key, ())
@@ -155,6 +169,7 @@ def _profile_layer(
         activations = [t for t in (*saved, *outputs) if t.untyped_storage().data_ptr() not in parameters]
         saved_bytes = float(_storage_bytes(activations))
         b, w, kept_bytes = split_backward(module, tensors, grads, store) if tensors else (0.0, 0.0, 0.0)
+    fused = _fused_backward_time(module, values, loss, store) if w > 0 else 0.0
     parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     profile = LayerProfile(
@@ -168,8 +183,20 @@ def _profile_layer(
         gradient_bytes=float(trainable),
         optimizer_bytes=float(trainable * optimizer_factor),
         output_bytes=float(sum(t.numel() * t.element_size() for t in outputs)),
+        backward_fused=fused,
     )
     return profile, tuple(t.detach() for t in outputs)
+
+
+def _fused_backward_time(
+    module: nn.Module, values: tuple[torch.Tensor, ...], loss: tuple[Loss, Any] | None, store: WeightGradStore
+) -> float:
+    """One forward, then the fused backward (BW) of 1F1B timed: weight gradients computed in B."""
+    inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
+    result = module(*inputs)
+    outputs = result if isinstance(result, tuple) else (result,)
+    tensors, grads = _backward_roots(outputs, loss[0](result, loss[1]) if loss is not None else None)
+    return fused_backward(tensors, grads, store) if tensors else 0.0
 
 
 def _median_profile(samples: list[LayerProfile]) -> LayerProfile:
@@ -179,6 +206,7 @@ def _median_profile(samples: list[LayerProfile]) -> LayerProfile:
         forward=statistics.median(s.forward for s in samples),
         backward_input=statistics.median(s.backward_input for s in samples),
         backward_weight=statistics.median(s.backward_weight for s in samples),
+        backward_fused=statistics.median(s.backward_fused for s in samples),
     )
 
 

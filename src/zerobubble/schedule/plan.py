@@ -108,7 +108,8 @@ class LayerProfile:
 
     ``activation_bytes`` is what F keeps alive until B (saved tensors); ``weight_input_bytes`` what B
     keeps until W (0 for a layer without deferred weight gradients); ``output_bytes`` what crosses a
-    cut placed right after this layer.
+    cut placed right after this layer.  ``backward_fused`` is the time of the fused backward (BW) that
+    1F1B, GPipe and interleaved 1F1B run, 0 when not measured (then ``T_B + T_W`` stands for it).
     """
 
     name: str
@@ -121,6 +122,12 @@ class LayerProfile:
     gradient_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     output_bytes: float = 0.0
+    backward_fused: float = 0.0
+
+    @property
+    def fused(self) -> float:
+        """The fused backward's time: measured, or ``T_B + T_W``."""
+        return self.backward_fused if self.backward_fused > 0 else self.backward_input + self.backward_weight
 
     @property
     def work(self) -> float:
@@ -190,13 +197,17 @@ class ModelProfile:
 
 
 def stage_costs(
-    profile: ModelProfile, cuts: Sequence[int], stages: int, memory_limit: Sequence[float] | None = None
+    profile: ModelProfile,
+    cuts: Sequence[int],
+    stages: int,
+    memory_limit: Sequence[float] | None = None,
+    fused: bool = False,
 ) -> CostModel:
     """Per-virtual-stage costs (seconds, bytes) of the partition ``cuts`` into ``stages`` chunks.
 
     Each stage's F, B, W and activation bytes are the sums over its layers; the transfer after
     stage ``s`` carries the output of its last layer.  ``memory_limit`` is per rank, in bytes of
-    activations.
+    activations.  With ``fused`` (a schedule of BW ops) B is the measured fused backward and W is 0.
     """
     bounds = [0, *cuts, len(profile.layers)]
     groups = [profile.layers[bounds[s] : bounds[s + 1]] for s in range(stages)]
@@ -207,8 +218,8 @@ def stage_costs(
     comm = [profile.transfer_time(group[-1].output_bytes) for group in groups[:-1]] + [0.0]
     return CostModel(
         f=total("forward"),
-        b=total("backward_input"),
-        w=total("backward_weight"),
+        b=total("fused") if fused else total("backward_input"),
+        w=[0.0] * stages if fused else total("backward_weight"),
         comm=comm,
         mem_b=total("activation_bytes"),
         mem_w=[min(w, b) for w, b in zip(total("weight_input_bytes"), total("activation_bytes"))],
@@ -518,6 +529,8 @@ class _Search:
             schedule = build_schedule(
                 name, self.ranks, self.microbatches, costs, chunks=chunks, validate=False
             )
+            if not schedule.splits_backward:  # BW ops: predict them with the measured fused backward
+                costs = stage_costs(self.profile, cuts, stages, limits, fused=True)
             # the budget is checked below, on static + activation bytes: validate without the limit
             timeline = validate_schedule(schedule, costs.with_memory_limit(None))
         except ScheduleError as error:
@@ -684,22 +697,32 @@ def profile_from_trace(summary: Mapping[str, Any]) -> ModelProfile:
 
 
 def _rescaled(group: Sequence[LayerProfile], f: float, b: float, w: float) -> list[LayerProfile]:
-    """``group``'s layers with F, B, W scaled to the measured stage sums (the split kept as profiled)."""
+    """``group``'s layers with their times scaled to the measured stage sums (shares kept as profiled).
+
+    A split run (W measured, or no W to measure) scales B and W each; a run of fused BW ops
+    (``w == 0`` although the profile has W) scales B, W and the fused backward by measured BW over
+    profiled BW.
+    """
     total_f = math.fsum(layer.forward for layer in group)
     total_b = math.fsum(layer.backward_input for layer in group)
     total_w = math.fsum(layer.backward_weight for layer in group)
-    if w == 0.0 and total_w > 0.0:  # a fused BW was measured: split it as the profile does
-        b, w = b * total_b / (total_b + total_w), b * total_w / (total_b + total_w)
+    total_fused = math.fsum(layer.fused for layer in group)
 
-    def share(value: float, total: float, own: float) -> float:
-        return value * own / total if total > 0 else value / len(group)
+    def ratio(measured: float, profiled: float) -> float:
+        return measured / profiled if profiled > 0 else 1.0
 
+    scale_f = ratio(f, total_f)
+    if w == 0.0 and total_w > 0.0:
+        scale_b = scale_w = scale_fused = ratio(b, total_fused)
+    else:
+        scale_b, scale_w, scale_fused = ratio(b, total_b), ratio(w, total_w), ratio(b + w, total_b + total_w)
     return [
         replace(
             layer,
-            forward=share(f, total_f, layer.forward),
-            backward_input=share(b, total_b, layer.backward_input),
-            backward_weight=share(w, total_w, layer.backward_weight),
+            forward=layer.forward * scale_f,
+            backward_input=layer.backward_input * scale_b,
+            backward_weight=layer.backward_weight * scale_w,
+            backward_fused=layer.backward_fused * scale_fused,
         )
         for layer in group
     ]
