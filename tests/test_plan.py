@@ -197,3 +197,18 @@ def test_fused_schedules_are_predicted_with_the_measured_fused_backward():
         period[name] = {c.schedule: c.period for c in result.candidates}
     assert period["slow fused"]["1f1b"] > 1.3 * period["split"]["1f1b"]  # 1F1B runs BW ops
     assert period["slow fused"]["zb-h1"] == period["split"]["zb-h1"]  # ZB-H1 runs B and W
+
+
+def test_median_profile_takes_each_time_from_the_middle_rank():
+    from dataclasses import replace
+
+    from zerobubble.schedule.plan import median_profile
+
+    base = lm_profile()
+    slower = replace(base, layers=tuple(replace(layer, forward=2 * layer.forward) for layer in base.layers))
+    slowest = replace(base, layers=tuple(replace(layer, forward=9 * layer.forward) for layer in base.layers))
+    combined = median_profile([slowest, base, slower])
+    assert [layer.forward for layer in combined.layers] == [2 * layer.forward for layer in base.layers]
+    assert combined.layers[0].activation_bytes == base.layers[0].activation_bytes
+    with pytest.raises(ScheduleError, match="different numbers of layers"):
+        median_profile([base, replace(base, layers=base.layers[:3])])

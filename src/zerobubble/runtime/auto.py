@@ -1,11 +1,13 @@
 """``Pipeline(schedule="auto")``: profile, plan once, broadcast, so every rank runs the same plan.
 
 :func:`plan_for_pipeline` is called by the Pipeline before it places any layer.  Ranks 0 and 1 of
-the group time a transfer (:func:`~.profile.measure_transfer`); rank 0 profiles the layers on the
-first microbatch of the example batch (on copies: the model, its gradients and the random state are
-untouched) and runs :func:`zerobubble.schedule.plan.plan`; the resulting :class:`Plan` — or the
-error saying why nothing fits — is broadcast, so every rank either runs the same schedule and
-partition or raises the same :class:`PipelineError` before allocating anything.
+the group time a transfer (:func:`~.profile.measure_transfer`); every rank profiles the layers on the
+first microbatch of the example batch at the same time (on copies: the model, its gradients and the
+random state are untouched), so the ranks contend for the machine as they will in the run; rank 0
+takes the median of each time over the ranks and runs :func:`zerobubble.schedule.plan.plan`; the
+resulting :class:`Plan` — or the error saying why nothing fits — is broadcast, so every rank either
+runs the same schedule and partition or raises the same :class:`PipelineError` before allocating
+anything.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import ScheduleError
-from ..schedule.plan import ModelProfile, Plan, plan
+from ..schedule.plan import ModelProfile, Plan, median_profile, plan
 from . import PipelineError
 from .profile import measure_transfer, profile_layers
 
@@ -46,12 +48,14 @@ def plan_for_pipeline(
             "batch as step() takes it"
         )
     comm = measure_transfer(group, device)
+    # every rank profiles at once: the ranks then contend for the machine as they will in the run
+    mine = _profile_here(named, example, loss_fn, microbatches, device, comm, repeats)
+    rank, source = dist.get_rank(group), dist.get_global_rank(group, 0) if group is not None else 0
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=source, group=group)
     payload: list[Any] = [None]
-    if dist.get_rank(group) == 0:
-        payload[0] = _decide(
-            named, example, loss_fn, ranks, microbatches, memory_limit, post_validation, device, comm, repeats
-        )
-    source = dist.get_global_rank(group, 0) if group is not None else 0
+    if gathered is not None:
+        payload[0] = _decide(gathered, ranks, microbatches, memory_limit, post_validation, device)
     dist.broadcast_object_list(payload, src=source, group=group, device=_object_device(device))
     outcome = payload[0]
     if isinstance(outcome, str):
@@ -59,33 +63,49 @@ def plan_for_pipeline(
     return outcome
 
 
-def _decide(
+def _profile_here(
     named: Sequence[tuple[str, nn.Module]],
     example: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
+    microbatches: int,
+    device: torch.device,
+    comm: tuple[float, float],
+    repeats: int,
+) -> ModelProfile | str:
+    """This rank's profile of the layers on the first microbatch, or why it failed."""
+    try:
+        inputs, targets = (_first_microbatch(part, microbatches) for part in example)
+        return profile_layers(named, inputs, targets, loss_fn, device, repeats, comm=comm)
+    except PipelineError as error:
+        return str(error)
+    except Exception as error:  # every rank must learn of it, or the others wait in the collectives
+        return f"profiling the layers failed on rank {dist.get_rank()}: {type(error).__name__}: {error}"
+
+
+def _decide(
+    profiles: Sequence[ModelProfile | str],
     ranks: int,
     microbatches: int,
     memory_limit: str | float | None,
     post_validation: bool,
     device: torch.device,
-    comm: tuple[float, float],
-    repeats: int,
 ) -> tuple[Plan, ModelProfile] | str:
-    """Rank 0's profile and plan, or the message of the error every rank will raise."""
+    """Rank 0's plan from every rank's profile (median times), or the message every rank will raise."""
+    failures = [outcome for outcome in profiles if isinstance(outcome, str)]
+    if failures:
+        return failures[0]
     try:
-        inputs, targets = (_first_microbatch(part, microbatches) for part in example)
-        profile = profile_layers(named, inputs, targets, loss_fn, device, repeats, comm=comm)
+        profile = median_profile(profiles)  # type: ignore[arg-type]  # no str left
         device_memory = (
             float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
         )
         optimizer = "post-validation" if post_validation else "sync"
-        return plan(
+        chosen = plan(
             profile, ranks, microbatches, memory_limit, optimizer=optimizer, device_memory=device_memory
-        ), profile
-    except (ScheduleError, PipelineError) as error:
+        )
+        return chosen, profile
+    except ScheduleError as error:
         return str(error)
-    except Exception as error:  # every rank must learn of it, or the others wait in the broadcast
-        return f"profiling the layers failed: {type(error).__name__}: {error}"
 
 
 def _first_microbatch(batch: Any, microbatches: int) -> Any:

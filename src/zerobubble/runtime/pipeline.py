@@ -67,9 +67,9 @@ class Pipeline:
     first step, which lets receives be posted ahead of time.
 
     ``schedule="auto"`` chooses the schedule, chunk count and partition from measurement
-    (:mod:`.auto`): rank 0 profiles the layers on the first microbatch of ``example`` (one batch,
-    ``(inputs, targets)``), plans under ``memory_limit`` bytes per rank (``"24GiB"``, or ``"80%"`` of
-    a GPU's memory) and broadcasts the plan; :attr:`plan` then says what was chosen and why.
+    (:mod:`.auto`): every rank profiles the layers on the first microbatch of ``example`` (one batch,
+    ``(inputs, targets)``), rank 0 plans under ``memory_limit`` bytes per rank (``"24GiB"``, or
+    ``"80%"`` of a GPU's memory) and broadcasts the plan; :attr:`plan` then says what was chosen and why.
 
     ``trace=True`` records the start and end of every op and transfer wait of the last steps
     (:mod:`.trace`); :meth:`write_trace` then writes the measured timeline next to the simulator's

@@ -196,6 +196,37 @@ class ModelProfile:
         return cls.from_dict(data)
 
 
+def median_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
+    """Several measurements of one model (e.g. one per rank) as one: the median of each layer's times.
+
+    Bytes and the transfer model come from the first profile (bytes do not depend on who measured).
+    """
+    if not profiles:
+        raise ScheduleError("no profile to combine")
+    first = profiles[0]
+    if any(len(p.layers) != len(first.layers) for p in profiles):
+        raise ScheduleError("the profiles to combine have different numbers of layers")
+
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        middle = len(ordered) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+    def combined(index: int) -> LayerProfile:
+        samples = [p.layers[index] for p in profiles]
+        return replace(
+            first.layers[index],
+            forward=median([s.forward for s in samples]),
+            backward_input=median([s.backward_input for s in samples]),
+            backward_weight=median([s.backward_weight for s in samples]),
+            backward_fused=median([s.backward_fused for s in samples]),
+        )
+
+    layers = tuple(combined(index) for index in range(len(first.layers)))
+    source = f"{first.source}; median over {len(profiles)} profiles" if len(profiles) > 1 else first.source
+    return replace(first, layers=layers, source=source)
+
+
 def stage_costs(
     profile: ModelProfile,
     cuts: Sequence[int],
