@@ -614,7 +614,8 @@ def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any
         )
     table.notes.append(
         f"auto chose: {result['reason']}. Predicted = the simulator's makespan for that configuration's "
-        "schedule and partition under auto's per-layer profile (measured in one process before the run). "
+        "schedule and partition under auto's per-layer profile (every rank profiling at once before the "
+        "run, median over ranks). "
         "Step = barrier to barrier, backward and zero_grad included, no optimizer; configurations "
         "measured in rotating rounds."
     )
