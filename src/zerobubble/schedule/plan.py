@@ -34,7 +34,7 @@ from .compare import OPTIMIZER_MODES, SLOW_SCHEDULES, iteration_period
 from .costs import CostModel
 from .ir import Kind, Schedule, ScheduleError
 from .partition import MemoryCap, optimal_partition
-from .simulate import Timeline
+from .simulate import Timeline, simulate
 from .validate import validate_schedule
 
 # -- bytes ------------------------------------------------------------------------------------------
@@ -415,9 +415,10 @@ def plan(
     ``device_memory``); ``schedules`` defaults to every registry schedule but the slow ILP;
     ``interleaved_chunks`` are the chunk counts tried for interleaved 1F1B; ``optimizer`` selects the
     period minimised (``"post-validation"``: iteration time, ``"sync"``: makespan); ``refine`` bounds
-    the simulator-guided moves of cut points per candidate; a candidate with fewer chunks whose
-    prediction is within ``tie_margin`` of the fastest wins the tie.  Raises :class:`ScheduleError` when no
-    candidate fits the budget, naming the rank, the bytes it needs and the budget.
+    the simulator-guided moves of cut points of each candidate within 10 % of the best; a candidate
+    with fewer chunks whose prediction is within ``tie_margin`` of the fastest wins the tie.  Raises
+    :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it needs and
+    the budget.
     """
     if optimizer not in OPTIMIZER_MODES:
         raise ScheduleError(
@@ -433,6 +434,13 @@ def plan(
         spec = get_spec(name)
         for chunks in [spec.chunks] if spec.chunks is not None else list(interleaved_chunks):
             candidates.append(search.candidate(name, chunks))
+    # refining costs simulations: only for candidates that may still win (within 10 % of the best)
+    periods = [c.period for c in candidates if c.fits and c.period is not None]
+    threshold = min(periods) * 1.1 if periods else math.inf
+    candidates = [
+        search.refined(c) if c.period is not None and (c.period <= threshold or not periods) else c
+        for c in candidates
+    ]
     ordered = tuple(
         sorted(
             candidates,
@@ -474,10 +482,12 @@ class _Search:
         self.profile, self.ranks, self.microbatches = profile, ranks, microbatches
         self.budget, self.optimizer, self.refine = budget, optimizer, refine
         self.work = [layer.work for layer in profile.layers]
-        self.stage_ranks: tuple[int, ...] = ()
 
     def candidate(self, name: str, chunks: int) -> Candidate:
-        """The best fitting partition of ``name`` with ``chunks`` chunks per rank (or why there is none)."""
+        """The better of the bottleneck-optimal and the even partition of ``name`` (or why there is none).
+
+        When neither fits the budget, the partition optimal under the memory cap is tried as well.
+        """
         stages = self.ranks * chunks
         if len(self.work) < stages:
             return Candidate(
@@ -489,125 +499,118 @@ class _Search:
             ).placement
         except ScheduleError as error:
             return Candidate(name, chunks, note=str(error))
-        self.stage_ranks = stage_ranks = placement.stage_ranks
+        stage_ranks = placement.stage_ranks
         fastest = optimal_partition(self.work, stage_ranks)
         assert fastest is not None  # without a memory cap every partition is allowed
         even = tuple(_even_cuts(len(self.work), stages))
-        tried: dict[tuple[int, ...], Candidate] = {}
-        best = self._best(name, chunks, [fastest.cuts, even], tried)
+        options = [
+            self._built(name, chunks, cuts, stage_ranks) for cuts in dict.fromkeys([fastest.cuts, even])
+        ]
+        best = min(options, key=_rank_key)
         if not best.fits and best.timeline is not None and self.budget is not None:
-            capped = optimal_partition(self.work, stage_ranks, self._memory_cap(best, stage_ranks))
-            if capped is not None:
-                best = self._best(name, chunks, [capped.cuts, best.partition], tried)
-        return self._refined(name, chunks, best, tried)
+            capped = optimal_partition(self.work, stage_ranks, self._memory_cap(best))
+            if capped is not None and capped.cuts not in (fastest.cuts, even):
+                best = min([best, self._built(name, chunks, capped.cuts, stage_ranks)], key=_rank_key)
+        return best
 
-    def _best(
-        self,
-        name: str,
-        chunks: int,
-        options: Sequence[tuple[int, ...]],
-        tried: dict[tuple[int, ...], Candidate],
-    ) -> Candidate:
-        scored = [self._score(name, chunks, cuts, tried) for cuts in options]
-        return min(scored, key=_rank_key)
+    def refined(self, candidate: Candidate) -> Candidate:
+        """Move one cut by one layer while that shortens the simulated period (at most ``refine`` moves).
 
-    def _refined(
-        self, name: str, chunks: int, best: Candidate, tried: dict[tuple[int, ...], Candidate]
-    ) -> Candidate:
-        """Move one cut by one layer while that shortens the simulated period (at most ``refine`` moves)."""
-        count = len(self.work)
+        The moves keep the candidate's op order and only re-simulate it (milliseconds); the final
+        partition is then built afresh and the better of the two kept.
+        """
+        order = candidate.built
+        if order is None or candidate.period is None:
+            return candidate
+        count, stage_ranks = len(self.work), order.placement.stage_ranks
+        best, seen = candidate, {candidate.partition}
         for _ in range(self.refine):
-            if best.period is None:
-                return best
             neighbours = []
             for index, cut in enumerate(best.partition):
                 for step in (-1, 1):
                     cuts = list(best.partition)
                     cuts[index] = cut + step
-                    bounds = [0, *cuts, count]
-                    if all(a < b for a, b in itertools.pairwise(bounds)):
+                    if (
+                        all(a < b for a, b in itertools.pairwise([0, *cuts, count]))
+                        and tuple(cuts) not in seen
+                    ):
                         neighbours.append(tuple(cuts))
-            improved = self._best(name, chunks, neighbours, tried) if neighbours else best
-            if _rank_key(improved) >= _rank_key(best):
-                return best
+            seen.update(neighbours)
+            improved = min([best, *(self._simulated(order, cuts) for cuts in neighbours)], key=_rank_key)
+            if improved is best:
+                break
             best = improved
-        return best
+        if best is candidate:
+            return candidate
+        rebuilt = self._built(candidate.schedule, candidate.chunks, best.partition, stage_ranks)
+        return min([best, rebuilt], key=_rank_key)
 
-    def _score(
-        self, name: str, chunks: int, cuts: tuple[int, ...], tried: dict[tuple[int, ...], Candidate]
-    ) -> Candidate:
-        if cuts in tried:
-            return tried[cuts]
-        stages = self.ranks * chunks
-        static = self._static_bytes(cuts, stages)
+    def _built(self, name: str, chunks: int, cuts: tuple[int, ...], stage_ranks: Sequence[int]) -> Candidate:
+        """Build ``name`` for the cut points ``cuts`` under the budget left after static bytes; score it."""
+        static = self._static_bytes(cuts, stage_ranks)
         limits = None
         if self.budget is not None:
             limits = [self.budget - s for s in static]
             worst = max(range(self.ranks), key=lambda r: static[r])
             if limits[worst] <= 0:
-                result = Candidate(
-                    name,
-                    chunks,
-                    cuts,
-                    peak_bytes=tuple(static),
-                    note=f"rank {worst} holds {format_bytes(static[worst])} of parameters, gradients and "
-                    "optimizer state alone",
+                note = (
+                    f"rank {worst} holds {format_bytes(static[worst])} of parameters, gradients and "
+                    "optimizer state alone"
                 )
-                tried[cuts] = result
-                return result
-        costs = stage_costs(self.profile, cuts, stages, limits)
+                return Candidate(name, chunks, cuts, peak_bytes=tuple(static), note=note)
         try:
+            costs = stage_costs(self.profile, cuts, len(stage_ranks), limits)
             schedule = build_schedule(
                 name, self.ranks, self.microbatches, costs, chunks=chunks, validate=False
             )
-            if not schedule.splits_backward:  # BW ops: predict them with the measured fused backward
-                costs = stage_costs(self.profile, cuts, stages, limits, fused=True)
-            # the budget is checked below, on static + activation bytes: validate without the limit
-            timeline = validate_schedule(schedule, costs.with_memory_limit(None))
+            # the budget is checked on static + activation bytes: validate without the limit
+            validate_schedule(schedule, costs.with_memory_limit(None))
         except ScheduleError as error:
-            result = Candidate(name, chunks, cuts, peak_bytes=tuple(static), note=str(error))
-            tried[cuts] = result
-            return result
+            return Candidate(name, chunks, cuts, peak_bytes=tuple(static), note=str(error))
+        return self._simulated(schedule, cuts)
+
+    def _simulated(self, schedule: Schedule, cuts: tuple[int, ...]) -> Candidate:
+        """Score a valid ``schedule`` with the layers cut at ``cuts``."""
+        stage_ranks = schedule.placement.stage_ranks
+        static = self._static_bytes(cuts, stage_ranks)
+        # a schedule of BW ops is predicted with the measured fused backward
+        costs = stage_costs(self.profile, cuts, len(stage_ranks), fused=not schedule.splits_backward)
+        timeline = simulate(schedule, costs)
         peaks = tuple(s + a for s, a in zip(static, timeline.peak_memory))
         fits = self.budget is None or all(peak <= self.budget * (1 + 1e-9) for peak in peaks)
         over = max(range(self.ranks), key=lambda r: peaks[r])
-        note = "" if fits else f"rank {over} needs {format_bytes(peaks[over])}"
-        result = Candidate(
-            name,
-            chunks,
+        sync = self.optimizer == "sync"
+        return Candidate(
+            schedule.name,
+            schedule.chunks,
             cuts,
             period=iteration_period(timeline, self.optimizer),
             iteration_time=timeline.iteration_time,
             makespan=timeline.makespan,
-            bubble_rate=timeline.bubble_rate
-            if self.optimizer == "post-validation"
-            else timeline.bubble_rate_makespan,
+            bubble_rate=timeline.bubble_rate_makespan if sync else timeline.bubble_rate,
             peak_bytes=peaks,
             fits=fits,
-            note=note,
+            note="" if fits else f"rank {over} needs {format_bytes(peaks[over])}",
             built=schedule,
-            costs=costs.with_memory_limit(None),
+            costs=costs,
             timeline=timeline,
         )
-        tried[cuts] = result
-        return result
 
-    def _static_bytes(self, cuts: Sequence[int], stages: int) -> list[float]:
+    def _static_bytes(self, cuts: Sequence[int], stage_ranks: Sequence[int]) -> list[float]:
         bounds = [0, *cuts, len(self.work)]
         static = [0.0] * self.ranks
-        for stage in range(stages):
+        for stage, rank in enumerate(stage_ranks):
             layers = self.profile.layers[bounds[stage] : bounds[stage + 1]]
-            static[self.stage_ranks[stage]] += math.fsum(layer.static_bytes for layer in layers)
+            static[rank] += math.fsum(layer.static_bytes for layer in layers)
         return static
 
-    def _memory_cap(self, candidate: Candidate, stage_ranks: Sequence[int]) -> MemoryCap:
+    def _memory_cap(self, candidate: Candidate) -> MemoryCap:
         """The budget as a partition constraint: each stage's activations times its peak in-flight count."""
         assert candidate.timeline is not None and self.budget is not None
-        inflight = _peak_inflight(candidate.timeline)
         return MemoryCap(
             fixed=[layer.static_bytes for layer in self.profile.layers],
             scaled=[layer.activation_bytes for layer in self.profile.layers],
-            inflight=inflight,
+            inflight=_peak_inflight(candidate.timeline),
             capacity=[self.budget] * self.ranks,
         )
 
