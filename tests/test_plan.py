@@ -212,3 +212,19 @@ def test_median_profile_takes_each_time_from_the_middle_rank():
     assert combined.layers[0].activation_bytes == base.layers[0].activation_bytes
     with pytest.raises(ScheduleError, match="different numbers of layers"):
         median_profile([base, replace(base, layers=base.layers[:3])])
+
+
+def test_search_out_of_budget_returns_its_best_partition_unproven():
+    import itertools
+
+    from zerobubble.schedule.partition import _branch_and_bound
+
+    work = [float((5 * i) % 7 + 1) for i in range(20)]
+    stage_ranks = _placement("interleaved", 3)
+    prefix = list(itertools.accumulate(work, initial=0.0))
+    cut_short = _branch_and_bound(prefix, stage_ranks, 3, None, node_budget=50)
+    complete = _branch_and_bound(prefix, stage_ranks, 3, None)
+    assert not cut_short.proven and complete.proven
+    assert len(cut_short.cuts) == len(stage_ranks) - 1
+    assert complete.bottleneck <= cut_short.bottleneck
+    assert max(rank_loads(work, cut_short.cuts, stage_ranks, 3)) == pytest.approx(cut_short.bottleneck)
