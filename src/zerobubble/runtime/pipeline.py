@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, validate_schedule
+from ..schedule.partition import even_partition
 from . import PipelineError
 from .comm import Comm, directed_pairs
 from .data_parallel import (
@@ -394,16 +395,6 @@ def _named_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[tuple[str
         if not isinstance(layer, nn.Module):
             raise PipelineError(f"layer {name} is a {type(layer).__name__}, not an nn.Module")
     return named
-
-
-def even_partition(count: int, chunks: int) -> list[int]:
-    """Start indices of chunks 1..chunks−1 of an even split of ``count`` layers (first chunks larger)."""
-    base, extra = divmod(count, chunks)
-    cuts, position = [], 0
-    for chunk in range(chunks - 1):
-        position += base + (1 if chunk < extra else 0)
-        cuts.append(position)
-    return cuts
 
 
 def _partition_bounds(count: int, stages: int, partition: Sequence[int] | None) -> list[int]:

@@ -58,6 +58,16 @@ class Partition:
     proven: bool = True
 
 
+def even_partition(count: int, chunks: int) -> list[int]:
+    """Start indices of chunks 1..chunks−1 of an even split of ``count`` layers (first chunks larger)."""
+    base, extra = divmod(count, chunks)
+    cuts, position = [], 0
+    for chunk in range(chunks - 1):
+        position += base + (1 if chunk < extra else 0)
+        cuts.append(position)
+    return cuts
+
+
 def bounds_of(cuts: Sequence[int], count: int) -> list[int]:
     """Start index of every stage plus ``count`` at the end: ``[0, *cuts, count]``."""
     return [0, *cuts, count]

@@ -33,7 +33,7 @@ from .builders import REGISTRY, build_schedule, get_spec
 from .compare import OPTIMIZER_MODES, SLOW_SCHEDULES, iteration_period
 from .costs import CostModel
 from .ir import Kind, Schedule, ScheduleError
-from .partition import MemoryCap, optimal_partition
+from .partition import MemoryCap, even_partition, optimal_partition
 from .simulate import Timeline, simulate
 from .validate import validate_schedule
 
@@ -502,7 +502,7 @@ class _Search:
         stage_ranks = placement.stage_ranks
         fastest = optimal_partition(self.work, stage_ranks)
         assert fastest is not None  # without a memory cap every partition is allowed
-        even = tuple(_even_cuts(len(self.work), stages))
+        even = tuple(even_partition(len(self.work), stages))
         options = [
             self._built(name, chunks, cuts, stage_ranks) for cuts in dict.fromkeys([fastest.cuts, even])
         ]
@@ -621,15 +621,6 @@ def _rank_key(candidate: Candidate) -> tuple[bool, float, float]:
         candidate.period if candidate.period is not None else math.inf,
         max(candidate.peak_bytes or (0.0,)),
     )
-
-
-def _even_cuts(count: int, stages: int) -> list[int]:
-    base, extra = divmod(count, stages)
-    cuts, position = [], 0
-    for stage in range(stages - 1):
-        position += base + (1 if stage < extra else 0)
-        cuts.append(position)
-    return cuts
 
 
 def _peak_inflight(timeline: Timeline) -> list[float]:
