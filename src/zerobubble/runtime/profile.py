@@ -27,14 +27,13 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedule.plan import LayerProfile, ModelProfile
+from ..schedule.plan import LayerProfile, ModelProfile, median_profile
 from .wgrad import WeightGradStore, install_deferral
 
 Loss = Callable[[Any, Any], torch.Tensor]
@@ -81,10 +80,10 @@ def profile_layers(
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-    measured = [_median_profile([sweep[index] for sweep in sweeps]) for index in range(len(named))]
+    measured = median_profile([ModelProfile(tuple(sweep)) for sweep in sweeps]).layers
     latency, bandwidth = comm
     return ModelProfile(
-        tuple(measured),
+        measured,
         comm_latency=latency,
         comm_bandwidth=bandwidth,
         microbatch_size=_batch_size(inputs),
@@ -197,17 +196,6 @@ def _fused_backward_time(
     outputs = result if isinstance(result, tuple) else (result,)
     tensors, grads = _backward_roots(outputs, loss[0](result, loss[1]) if loss is not None else None)
     return fused_backward(tensors, grads, store) if tensors else 0.0
-
-
-def _median_profile(samples: list[LayerProfile]) -> LayerProfile:
-    """One layer's samples with the median of each time (bytes do not vary between samples)."""
-    return replace(
-        samples[0],
-        forward=statistics.median(s.forward for s in samples),
-        backward_input=statistics.median(s.backward_input for s in samples),
-        backward_weight=statistics.median(s.backward_weight for s in samples),
-        backward_fused=statistics.median(s.backward_fused for s in samples),
-    )
 
 
 def _backward_roots(

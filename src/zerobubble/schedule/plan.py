@@ -24,6 +24,7 @@ import itertools
 import json
 import math
 import re
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -207,10 +208,7 @@ def median_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
     if any(len(p.layers) != len(first.layers) for p in profiles):
         raise ScheduleError("the profiles to combine have different numbers of layers")
 
-    def median(values: list[float]) -> float:
-        ordered = sorted(values)
-        middle = len(ordered) // 2
-        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    median = statistics.median
 
     def combined(index: int) -> LayerProfile:
         samples = [p.layers[index] for p in profiles]
