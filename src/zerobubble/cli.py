@@ -231,7 +231,7 @@ def _format_comparison(rows, stages: int, microbatches: int, optimizer: str) -> 
 
 
 _TRAIN_OPTIONS = (
-    ("--schedule", str, "schedule name (default zb-v)"),
+    ("--schedule", str, "schedule name, or auto to plan from measurement (default zb-v)"),
     ("--ranks", int, "local ranks to start when not under torchrun (default 2)"),
     ("--steps", int, "training steps (default 50)"),
     ("--microbatches", int, "microbatches per step (default 4)"),
@@ -248,6 +248,7 @@ _TRAIN_OPTIONS = (
     ("--timeout", float, "seconds before a stuck rank is an error (default 120)"),
     ("--max-norm", float, "gradient clipping norm (default 1.0)"),
     ("--data-parallel", int, "pipeline replicas D; --ranks counts all p·D processes (default 1)"),
+    ("--memory-limit", str, "per-rank byte budget for --schedule auto, e.g. 24GiB or 80%% (GPU)"),
 )
 
 
@@ -290,6 +291,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         tables = [bench.scheduler_build_times(args.stages, args.microbatches, args.rounds, args.schedules)]
         if args.table5:
             tables.append(bench.schedulers_against_authors())
+    elif args.benchmark == "plan":
+        tables = bench.plan_benchmark(
+            args.ranks, args.microbatches, rounds=args.rounds, steps_per_round=args.steps_per_round
+        )
     elif args.benchmark == "wgrad":
         tables = [
             bench.wgrad_split_cost(
@@ -329,6 +334,11 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     schedulers.add_argument(
         "--table5", action="store_true", help="also compare zb-v, v-half, v-min with the authors' on Table 5"
     )
+    plan = kinds.add_parser("plan", help='schedule="auto" vs even-split zb-v and torch ZBV; auto on the MLP')
+    plan.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    plan.add_argument("--microbatches", type=int, default=8)
+    plan.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
+    plan.add_argument("--steps-per-round", type=int, default=2)
     wgrad = kinds.add_parser("wgrad", help="T_B + T_W of the B/W split against the fused backward")
     wgrad.add_argument("--rows", nargs="+", type=int, default=[8, 32, 128, 512], help="microbatch rows")
     wgrad.add_argument("--repeats", type=int, default=15)
@@ -361,6 +371,126 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("F", "B", "W"),
         help="emulated op times in milliseconds (default 10 10 7)",
     )
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .schedule.plan import plan
+
+    result = plan(
+        _plan_profile(args),
+        args.ranks,
+        args.microbatches,
+        args.memory_limit,
+        schedules=args.schedules.split(",") if args.schedules else None,
+        interleaved_chunks=args.chunks,
+        optimizer=args.optimizer,
+    )
+    if args.output:
+        result.render(args.output)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(result.table())
+    print(f"chosen: {result.reason}")
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _plan_profile(args: argparse.Namespace) -> Any:
+    """The profile ``plan`` works from: a profile file, or a recorded run's summary."""
+    from pathlib import Path
+
+    from .schedule.plan import ModelProfile, profile_from_trace
+
+    if bool(args.profile) == bool(args.trace):
+        raise UsageError("give exactly one of --profile FILE (from 'zerobubble profile') or --trace DIR")
+    if args.profile:
+        return ModelProfile.load(args.profile)
+    folder = Path(args.trace)
+    summary = next(
+        (p for p in (folder / "summary.json", folder / "replica0" / "summary.json") if p.exists()), None
+    )
+    if summary is None:
+        raise UsageError(
+            f"no summary.json in {args.trace!r}; record a run with 'zerobubble train --trace DIR'"
+        )
+    try:
+        return profile_from_trace(json.loads(summary.read_text()))
+    except (OSError, json.JSONDecodeError) as error:
+        raise UsageError(f"cannot read {summary}: {error}") from None
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", help="a layer profile JSON from 'zerobubble profile'")
+    parser.add_argument("--trace", metavar="DIR", help="re-plan from a run recorded with 'train --trace DIR'")
+    parser.add_argument("--ranks", "-p", type=int, default=2, help="pipeline ranks P (default 2)")
+    parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches M (default 8)")
+    parser.add_argument("--memory-limit", help="per-rank byte budget: 24GiB, 512MiB, 2e9 (default none)")
+    parser.add_argument("--schedules", help="comma-separated names (default: all but zb-ilp)")
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="chunk counts tried for interleaved-1f1b (default 2)",
+    )
+    parser.add_argument("--optimizer", choices=OPTIMIZER_MODES, default="post-validation")
+    parser.add_argument("--output", "-o", help="draw the chosen schedule (.svg or .png)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from .models import GPTConfig
+    from .runtime.profile import profile_gpt
+    from .schedule.plan import format_bytes
+
+    config = GPTConfig(
+        vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, heads=args.heads, n_layers=args.layers
+    )
+    profile = profile_gpt(
+        config, args.microbatch_size, args.repeats, args.seed, not args.no_transfer, args.threads
+    )
+    if args.output:
+        profile.save(args.output)
+    if args.json:
+        print(json.dumps(profile.to_dict()))
+        return 0
+    columns = ("T_F ms", "T_B ms", "T_W ms")
+    sizes = ("F->B", "B->W", "static", "output")
+    print(f"{'layer':<8}" + "".join(f"{c:>9}" for c in columns) + "".join(f"{c:>12}" for c in sizes))
+    for layer in profile.layers:
+        print(
+            f"{layer.name:<8}{layer.forward * 1e3:>9.3f}{layer.backward_input * 1e3:>9.3f}"
+            f"{layer.backward_weight * 1e3:>9.3f}{format_bytes(layer.activation_bytes):>12}"
+            f"{format_bytes(layer.weight_input_bytes):>12}{format_bytes(layer.static_bytes):>12}"
+            f"{format_bytes(layer.output_bytes):>12}"
+        )
+    print(
+        f"T_comm = {profile.comm_latency * 1e6:.1f} us + bytes / {profile.comm_bandwidth / 1e9:.3g} GB/s; "
+        f"microbatch of {args.microbatch_size} sequences; median of {args.repeats}"
+    )
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, default, helptext in (
+        ("--vocab", 64, "vocabulary size"),
+        ("--seq-len", 32, "tokens per sequence"),
+        ("--dim", 64, "model width"),
+        ("--heads", 4, "attention heads"),
+        ("--layers", 4, "transformer blocks"),
+        ("--microbatch-size", 4, "sequences per microbatch"),
+        ("--repeats", 5, "timed runs per layer (the median is kept)"),
+        ("--threads", 1, "intra-op threads, as the training ranks will have"),
+        ("--seed", 0, "random seed"),
+    ):
+        parser.add_argument(flag, type=int, default=default, help=f"{helptext} (default {default})")
+    parser.add_argument("--no-transfer", action="store_true", help="do not start 2 ranks to time transfers")
+    parser.add_argument("--output", "-o", help="write the profile JSON here")
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON")
 
 
 def _is_user_error(error: Exception) -> bool:
@@ -409,6 +539,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--ilp", action="store_true", help="also solve the integer program (zb-ilp)")
     compare.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
     compare.set_defaults(run=_cmd_compare)
+
+    profile = commands.add_parser("profile", help="measure the built-in GPT layer by layer for 'plan'")
+    _add_profile_arguments(profile)
+    profile.set_defaults(run=_cmd_profile)
+
+    plan = commands.add_parser("plan", help="choose schedule, chunks and partition from a profile or trace")
+    _add_plan_arguments(plan)
+    plan.set_defaults(run=_cmd_plan)
 
     train = commands.add_parser("train", help="train the built-in GPT on local ranks (or under torchrun)")
     _add_train_arguments(train)

@@ -58,6 +58,7 @@ class TrainConfig:
     timeout: float = 120.0
     progress: bool = True
     trace: str | None = None
+    memory_limit: str | None = None
 
     @property
     def pipeline_ranks(self) -> int:
@@ -176,6 +177,9 @@ def _train_rank(config: TrainConfig, schedule: Schedule) -> TrainSummary:
 
     init_distributed(config.backend, config.timeout)
     torch.manual_seed(config.seed)
+    shard_size = config.batch_size // config.data_parallel
+    # schedule="auto" profiles on an example batch: from a corpus of its own, so training data is unchanged
+    example = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed + 7).batch(shard_size)
     pipe = Pipeline(
         gpt_layers(config.model),
         schedule=schedule,
@@ -185,10 +189,11 @@ def _train_rank(config: TrainConfig, schedule: Schedule) -> TrainSummary:
         data_parallel=config.data_parallel,
         post_validation=config.post_validation,
         trace=config.trace is not None,
+        memory_limit=config.memory_limit,
+        example=example if config.schedule == "auto" else None,
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
-    shard_size = config.batch_size // config.data_parallel
     shard = slice(pipe.layout.dp_index * shard_size, (pipe.layout.dp_index + 1) * shard_size)
     reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0
     losses, times = [], []
@@ -224,8 +229,15 @@ def _train_rank(config: TrainConfig, schedule: Schedule) -> TrainSummary:
         steps_clipped=clipped,
         steps_skipped=skipped,
         steps_rolled_back=rolled_back,
-        trace_lines=tuple(report.lines()) if report is not None else (),
+        trace_lines=(*_plan_lines(pipe), *(report.lines() if report is not None else ())),
     )
+
+
+def _plan_lines(pipe) -> tuple[str, ...]:
+    """What schedule="auto" chose and why (nothing for a named schedule)."""
+    if pipe.plan is None:
+        return ()
+    return (f"auto plan: {pipe.plan.reason}",)
 
 
 def _costs(config: TrainConfig):

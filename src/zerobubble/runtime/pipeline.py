@@ -26,6 +26,7 @@ from torch import nn
 
 from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, validate_schedule
 from ..schedule.channels import directed_pairs
+from ..schedule.partition import even_partition
 from . import PipelineError
 from .comm import Comm
 from .consistency import TiedParameter, agree, broadcast_replicas, find_ties, fingerprint
@@ -45,6 +46,9 @@ from .recorder import OpRecorder, StepRecorder, as_recorder
 from .wgrad import FastPaths, WeightGradStore, install_deferral
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MICROBATCHES = 8
+"""The microbatch count of a Pipeline built from a registry name without ``microbatches``."""
 
 W_MEMORY_FRACTION = 1.0
 """The activation memory a microbatch keeps from its B to its W, as a fraction of what its F kept
@@ -79,14 +83,20 @@ class StageModule(nn.Module):
 class Pipeline:
     """Pipeline-parallel training of ``layers`` with any schedule of the registry.
 
-    ``schedule`` is a registry name or a :class:`Schedule` (``microbatches`` and ``chunks`` then come
-    from it).  ``chunks`` sets v for schedules that take it; ``partition`` lists the ``S−1`` layer
+    ``schedule`` is a registry name (with ``microbatches``, :data:`DEFAULT_MICROBATCHES` when None),
+    a :class:`Schedule` (``microbatches`` and ``chunks`` then come from it) or ``"auto"``.
+    ``chunks`` sets v for schedules that take it; ``partition`` lists the ``S−1`` layer
     indices where a new chunk starts; ``costs`` goes to the builder (cost-aware schedules) and the
     validator; ``timeout`` (seconds) bounds every wait on another rank.  ``group`` is the process
     group of the pipeline (the default group when None; it is initialised from the environment if
     needed); its channels are created with ``new_group``, so every rank of the world constructs the
     Pipeline.  With ``static_shapes`` the tensors crossing stage boundaries keep the shapes of the
     first step, which lets receives be posted ahead of time.
+
+    ``schedule="auto"`` chooses the schedule, chunk count and partition from measurement
+    (:mod:`.auto`): every rank profiles the layers on the first microbatch of ``example`` (one batch,
+    ``(inputs, targets)``), rank 0 plans under ``memory_limit`` bytes per rank (``"24GiB"``, or
+    ``"80%"`` of a GPU's memory) and broadcasts the plan; :attr:`plan` then says what was chosen and why.
 
     ``trace=True`` records the start and end of every op and transfer wait of the last steps
     (:mod:`.trace`); :meth:`write_trace` then writes the measured timeline next to the simulator's
@@ -133,6 +143,8 @@ class Pipeline:
         post_validation: bool = True,
         seed: int | None = None,
         fast_paths: FastPaths | None = None,
+        memory_limit: str | float | None = None,
+        example: Any = None,
     ):
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
         self.device = local_device(backend)  # before the first collective (NCCL needs the device)
@@ -140,6 +152,24 @@ class Pipeline:
         self._failure: str | None = None
         self._placeholder: torch.optim.Optimizer | None = None
         self._recorder: OpRecorder | None = None
+        self.plan: Any = None  # the Plan of schedule="auto", and the ModelProfile it came from
+        self.profile: Any = None
+        if isinstance(schedule, str) and schedule == "auto":  # profile, plan once, broadcast: .auto
+            from .auto import plan_for_pipeline
+
+            self.plan, self.profile = plan_for_pipeline(
+                _named_layers(layers),
+                example,
+                _checked(loss_fn),
+                group,
+                pipeline_size_of(dist.get_world_size(group), data_parallel),
+                microbatches or DEFAULT_MICROBATCHES,
+                memory_limit,
+                post_validation,
+                self.device,
+            )
+            schedule, partition, costs = self.plan.schedule, self.plan.partition, self.plan.costs
+            microbatches = chunks = None
         named, bounds, ties = self._plan(
             layers, schedule, microbatches, loss_fn, chunks, partition, costs, group, data_parallel, seed
         )
@@ -210,6 +240,7 @@ class Pipeline:
         self, named: list[tuple[str, nn.Module]], bounds: list[int], fast_paths: FastPaths | None
     ) -> dict[int, StageState]:
         """Cut the layers into chunks and keep this rank's, registered under their original names."""
+        self.layer_bounds = tuple(bounds)  # chunk s holds layers [bounds[s], bounds[s + 1])
         stages = {}
         for index in self.schedule.placement.stages_of(self.rank):
             chunk = named[bounds[index] : bounds[index + 1]]
@@ -425,7 +456,10 @@ class Pipeline:
             raise PipelineError("no step was recorded: run pipe.step() with trace=True before write_trace")
         if len(timelines) > 1 and self.recorder.keeps_first_step:
             timelines = timelines[1:]
-        return write_trace(timelines, directory, self.layout)
+        profile = self.profile.to_dict() if self.profile is not None else None
+        return write_trace(
+            timelines, directory, self.layout, layer_bounds=self.layer_bounds, layer_profile=profile
+        )
 
     # -- optimizer step and data parallelism --------------------------------------------------------
 
@@ -575,7 +609,12 @@ def _resolve_schedule(
     try:
         if isinstance(schedule, str):
             built = build_schedule(
-                schedule, world, microbatches or 8, costs=costs, chunks=chunks, validate=False
+                schedule,
+                world,
+                microbatches or DEFAULT_MICROBATCHES,
+                costs=costs,
+                chunks=chunks,
+                validate=False,
             )
         else:
             built = schedule
@@ -616,16 +655,6 @@ def _named_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[tuple[str
         if not isinstance(layer, nn.Module):
             raise PipelineError(f"layer {name} is a {type(layer).__name__}, not an nn.Module")
     return named
-
-
-def even_partition(count: int, chunks: int) -> list[int]:
-    """Start indices of chunks 1..chunks−1 of an even split of ``count`` layers (first chunks larger)."""
-    base, extra = divmod(count, chunks)
-    cuts, position = [], 0
-    for chunk in range(chunks - 1):
-        position += base + (1 if chunk < extra else 0)
-        cuts.append(position)
-    return cuts
 
 
 def _partition_bounds(count: int, stages: int, partition: Sequence[int] | None) -> list[int]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -343,6 +343,8 @@ def write_trace(
     directory: str | Path,
     layout: ParallelLayout | None = None,
     image: str = "timeline.png",
+    layer_bounds: Sequence[int] = (),
+    layer_profile: Mapping[str, Any] | None = None,
 ) -> TraceReport:
     """Write recorded steps to ``directory``: the median one next to the simulator's prediction.
 
@@ -352,6 +354,8 @@ def write_trace(
     prediction for the measured costs), ``summary.json`` and ``image`` (measured above predicted),
     and returns a :class:`TraceReport`.  With a data-parallel ``layout`` the files go into
     ``directory/replica<d>`` (every replica's rank 0 writes its own pipeline's trace).
+    ``layer_bounds`` (the layer index where each chunk starts, then the layer count) and
+    ``layer_profile`` go into ``summary.json`` for ``zerobubble plan --trace``.
     """
     if not timelines:
         raise PipelineError("no step was recorded: run pipe.step() with trace=True before write_trace")
@@ -370,6 +374,7 @@ def write_trace(
                 "measured": measured.summary(),
                 "predicted": predicted.summary(),
                 "costs_seconds": costs.to_dict(),
+                **_planning_inputs(timelines, layer_bounds, layer_profile),
             },
             indent=2,
         ),
@@ -385,6 +390,20 @@ def write_trace(
         len(timelines),
         tuple(str(folder / name) for name in (*files, image)),
     )
+
+
+def _planning_inputs(
+    timelines: Sequence[MeasuredTimeline],
+    layer_bounds: Sequence[int],
+    layer_profile: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """What ``zerobubble plan --trace`` re-plans from: layer bounds, transfer latency, the layer profile."""
+    latencies = sorted(x for t in timelines for x in transfer_latencies(t))
+    return {
+        "layer_bounds": list(layer_bounds),
+        "transfer_latency": latencies[len(latencies) // 2] if latencies else 0.0,
+        "layer_profile": dict(layer_profile) if layer_profile is not None else None,
+    }
 
 
 def measured_chrome_trace(timeline: MeasuredTimeline) -> str:

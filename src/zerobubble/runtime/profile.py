@@ -1,0 +1,344 @@
+"""Measure a model layer by layer for the planner (:mod:`zerobubble.schedule.plan`).
+
+:func:`profile_layers` runs every layer on one microbatch, a copy at a time (the model itself, its
+gradients and the random-number state are left as they were), and records per layer:
+
+* ``T_F``, ``T_B`` and ``T_W`` (medians over ``repeats`` sweeps through all layers, each timed run
+  after a warm-up) with the runtime's own B/W
+  split: B runs with the weight gradients deferred into a :class:`~.wgrad.WeightGradStore` and W
+  flushes them, exactly as the executor's B and W ops do (:func:`split_backward` and
+  :func:`fused_backward` are the one place that knows this API; a layer whose weight gradients are not
+  deferred shows ``T_W = 0``); and the fused backward ``T_BW`` that 1F1B-style schedules run;
+* the activation bytes a forward keeps for its B — every tensor autograd saves (seen by
+  ``torch.autograd.graph.saved_tensors_hooks``, parameters excluded) and the layer's outputs, each
+  storage counted once — and the bytes B keeps for W (what the store holds);
+* parameter, gradient and optimizer-state bytes (``optimizer_bytes_per_parameter_byte`` times the
+  trainable parameter bytes: 2 for Adam's two moments);
+* the bytes of the layer's output, which cross a cut placed after it.
+
+:func:`measure_transfer` times messages between ranks 0 and 1 of a process group (ping-pong, two
+sizes) and fits ``T_comm = latency + bytes / bandwidth``.  Timing is wall-clock around each piece,
+synchronising the device on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..schedule.plan import LayerProfile, ModelProfile, median_profile
+from .wgrad import WeightGradStore, install_deferral
+
+Loss = Callable[[Any, Any], torch.Tensor]
+
+
+def profile_layers(
+    layers: Sequence[tuple[str, nn.Module]] | Sequence[nn.Module] | nn.Sequential,
+    inputs: Any,
+    targets: Any = None,
+    loss_fn: Loss | None = None,
+    device: torch.device | str | None = None,
+    repeats: int = 5,
+    optimizer_bytes_per_parameter_byte: float = 2.0,
+    comm: tuple[float, float] = (0.0, 0.0),
+) -> ModelProfile:
+    """Per-layer costs of ``layers`` on the microbatch ``inputs`` (a tensor or tuple of tensors).
+
+    ``loss_fn(output, targets)`` is timed with the last layer (its F computes the loss, its B starts
+    from it, as on the pipeline's last stage); without it the last layer's B starts from a gradient of
+    ones.  ``comm`` is ``(latency seconds, bandwidth bytes/s)`` from :func:`measure_transfer`.
+    """
+    named = _named(layers)
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    target_device = torch.device(device) if device is not None else _device_of(named)
+    first = _as_tuple(inputs, target_device)
+    optimizer_factor = optimizer_bytes_per_parameter_byte
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    sweeps: list[list[LayerProfile]] = []
+    try:
+        # every sweep times each layer once (after a warm-up): a burst of load from elsewhere then
+        # hits one sample of many layers instead of every sample of one layer
+        for _ in range(repeats):
+            values = first
+            sweep = []
+            for index, (name, layer) in enumerate(named):
+                last = index == len(named) - 1
+                loss = (loss_fn, _to_device(targets, target_device)) if last and loss_fn is not None else None
+                profile, values = _profile_layer(name, layer, values, loss, target_device, optimizer_factor)
+                sweep.append(profile)
+            sweeps.append(sweep)
+    finally:
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    measured = median_profile([ModelProfile(tuple(sweep)) for sweep in sweeps]).layers
+    latency, bandwidth = comm
+    return ModelProfile(
+        measured,
+        comm_latency=latency,
+        comm_bandwidth=bandwidth,
+        microbatch_size=_batch_size(inputs),
+        source=f"profile_layers on {target_device}, median of {repeats} sweeps",
+        meta={"torch": torch.__version__, "device": str(target_device)},
+    )
+
+
+def split_backward(
+    module: nn.Module, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None, store: WeightGradStore
+) -> tuple[float, float, float]:
+    """B then W of one microbatch through the store API the executor uses: ``(T_B, T_W, bytes kept for W)``.
+
+    The one function that knows how the runtime defers weight gradients (``install_deferral`` has
+    been applied to ``module``): B is a backward between ``store.begin(key, defer=True)`` and
+    ``store.end()``, W is ``store.flush(key)``.
+    """
+    key = (0, 0)
+    started = _now(tensors[0].device)
+    store.begin(key, True)
+    try:
+        torch.autograd.backward(tensors, grads)
+    finally:
+        store.end()
+    middle = _now(tensors[0].device)
+    if key not in store.pending_keys():  # nothing deferred: this layer has no W
+        return middle - started, 0.0, 0.0
+    kept = _deferred_bytes(store, key)
+    store.flush(key)
+    ended = _now(tensors[0].device)
+    return middle - started, ended - middle, kept
+
+
+def fused_backward(
+    tensors: list[torch.Tensor], grads: list[torch.Tensor] | None, store: WeightGradStore
+) -> float:
+    """The executor's fused BW of one microbatch (``store.begin(key, defer=False)``): its time."""
+    started = _now(tensors[0].device)
+    store.begin((0, 1), False)
+    try:
+        torch.autograd.backward(tensors, grads)
+    finally:
+        store.end()
+    return _now(tensors[0].device) - started
+
+
+def _deferred_bytes(store: WeightGradStore, key: tuple[int, int]) -> float:
+    """Bytes of the tensors the store keeps for the W of ``key`` (0 for a store it cannot read)."""
+    pending = getattr(store, "_pending", {}).get(key, ())
+    tensors = [item for entry in pending for item in entry if isinstance(item, torch.Tensor)]
+    return float(_storage_bytes(tensors))
+
+
+def _profile_layer(
+    name: str,
+    layer: nn.Module,
+    values: tuple[torch.Tensor, ...],
+    loss: tuple[Loss, Any] | None,
+    device: torch.device,
+    optimizer_factor: float,
+) -> tuple[LayerProfile, tuple[torch.Tensor, ...]]:
+    """Time and size one layer once (on a copy, after a warm-up); its profile and detached outputs."""
+    module = copy.deepcopy(layer).to(device)
+    store = WeightGradStore()
+    install_deferral([module], store)
+    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    for _ in range(2):  # the first run warms up and creates the .grad tensors the second adds into
+        inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
+        saved: list[torch.Tensor] = []
+
+        def pack(tensor: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
+            saved.append(tensor)
+            return tensor
+
+        started = _now(device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            result = module(*inputs)
+            outputs = result if isinstance(result, tuple) else (result,)
+            head = loss[0](result, loss[1]) if loss is not None else None
+        forward = _now(device) - started
+        tensors, grads = _backward_roots(outputs, head)
+        activations = [t for t in (*saved, *outputs) if t.untyped_storage().data_ptr() not in parameters]
+        saved_bytes = float(_storage_bytes(activations))
+        b, w, kept_bytes = split_backward(module, tensors, grads, store) if tensors else (0.0, 0.0, 0.0)
+    fused = _fused_backward_time(module, values, loss, store) if w > 0 else 0.0
+    parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    profile = LayerProfile(
+        name=name,
+        forward=forward,
+        backward_input=b,
+        backward_weight=w,
+        activation_bytes=saved_bytes,
+        weight_input_bytes=kept_bytes,
+        parameter_bytes=float(parameter_bytes),
+        gradient_bytes=float(trainable),
+        optimizer_bytes=float(trainable * optimizer_factor),
+        output_bytes=float(sum(t.numel() * t.element_size() for t in outputs)),
+        backward_fused=fused,
+    )
+    return profile, tuple(t.detach() for t in outputs)
+
+
+def _fused_backward_time(
+    module: nn.Module, values: tuple[torch.Tensor, ...], loss: tuple[Loss, Any] | None, store: WeightGradStore
+) -> float:
+    """One forward, then the fused backward (BW) of 1F1B timed: weight gradients computed in B."""
+    inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
+    result = module(*inputs)
+    outputs = result if isinstance(result, tuple) else (result,)
+    tensors, grads = _backward_roots(outputs, loss[0](result, loss[1]) if loss is not None else None)
+    return fused_backward(tensors, grads, store) if tensors else 0.0
+
+
+def _backward_roots(
+    outputs: tuple[torch.Tensor, ...], loss: torch.Tensor | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """What B differentiates: the loss on the last layer, else every floating output needing a gradient."""
+    if loss is not None:
+        return [loss], None
+    roots = [t for t in outputs if t.is_floating_point() and t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    sizes: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
+
+
+def measure_transfer(
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    sizes: tuple[int, int] = (1024, 4 * 2**20),
+    repeats: int = 7,
+) -> tuple[float, float]:
+    """``(latency seconds, bandwidth bytes/s)`` between ranks 0 and 1 of ``group`` (collective on them).
+
+    Ping-pongs a float32 message of each byte size in ``sizes`` ``repeats`` times; a one-way time is
+    half the median round trip.  Ranks other than 0 and 1 return at once; a group of one rank gives
+    ``(0, 0)`` (no transfers).
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if world < 2 or rank > 1:
+        return 0.0, 0.0
+    peer = dist.get_global_rank(group, 1 - rank) if group is not None else 1 - rank
+    times = []
+    for size in sizes:
+        buffer = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
+        trips = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, peer, group=group)
+                dist.recv(buffer, peer, group=group)
+            else:
+                dist.recv(buffer, peer, group=group)
+                dist.send(buffer, peer, group=group)
+            trips.append(time.perf_counter() - started)
+        times.append(statistics.median(trips[1:]) / 2)
+    small, large = times
+    extra = large - small
+    bandwidth = (sizes[1] - sizes[0]) / extra if extra > 0 else 0.0
+    return small, bandwidth
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def _named(layers: Any) -> list[tuple[str, nn.Module]]:
+    if isinstance(layers, nn.Sequential):
+        return list(layers.named_children())
+    items = list(layers)
+    if items and isinstance(items[0], tuple):
+        return [(str(name), module) for name, module in items]
+    return [(str(index), module) for index, module in enumerate(items)]
+
+
+def _device_of(named: list[tuple[str, nn.Module]]) -> torch.device:
+    for _, module in named:
+        for parameter in module.parameters():
+            return parameter.device
+    return torch.device("cpu")
+
+
+def _as_tuple(inputs: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+    tensors = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    return tuple(t.to(device) for t in tensors)
+
+
+def _to_device(targets: Any, device: torch.device) -> Any:
+    if isinstance(targets, torch.Tensor):
+        return targets.to(device)
+    if isinstance(targets, (tuple, list)):
+        return type(targets)(_to_device(t, device) for t in targets)
+    return targets
+
+
+def _batch_size(inputs: Any) -> int | None:
+    tensor = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs), None)
+    return int(tensor.shape[0]) if isinstance(tensor, torch.Tensor) and tensor.dim() else None
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def profile_gpt(
+    config: Any,
+    microbatch_size: int,
+    repeats: int = 5,
+    seed: int = 0,
+    transfer: bool = True,
+    threads: int = 1,
+) -> ModelProfile:
+    """Profile the built-in GPT (:mod:`zerobubble.models`) at ``microbatch_size`` sequences.
+
+    With ``transfer`` two local gloo ranks are started: both time the transfer
+    (:func:`measure_transfer`), rank 0 profiles the layers; without it, this process profiles and
+    ``T_comm`` is 0.  ``threads`` is the intra-op thread count (that of the ranks that will train).
+    """
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch size must be at least 1, got {microbatch_size}")
+    if not transfer:
+        torch.set_num_threads(threads)
+        return _profile_gpt_here(config, microbatch_size, repeats, seed, (0.0, 0.0))
+    from .launch import launch
+
+    return launch(_profile_gpt_rank, 2, (config, microbatch_size, repeats, seed), threads=threads)[0]
+
+
+def _profile_gpt_rank(config: Any, microbatch_size: int, repeats: int, seed: int) -> ModelProfile | None:
+    from .launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=120)
+    comm = measure_transfer(None, torch.device("cpu"))
+    profile = (
+        _profile_gpt_here(config, microbatch_size, repeats, seed, comm) if dist.get_rank() == 0 else None
+    )
+    dist.barrier()
+    return profile
+
+
+def _profile_gpt_here(
+    config: Any, microbatch_size: int, repeats: int, seed: int, comm: tuple[float, float]
+) -> ModelProfile:
+    from ..models import MarkovCorpus, gpt_layers, lm_loss
+
+    torch.manual_seed(seed)
+    layers = gpt_layers(config)
+    inputs, targets = MarkovCorpus(config.vocab, config.seq_len, seed=seed).batch(microbatch_size)
+    return profile_layers(layers, inputs, targets, lm_loss, repeats=repeats, comm=comm)

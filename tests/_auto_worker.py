@@ -1,0 +1,47 @@
+"""Rank worker of tests/test_auto_pipeline.py (module-level so spawned ranks can import it)."""
+
+from __future__ import annotations
+
+from _dist import reference, relative_error, rich_batch, rich_layers, token_loss
+from zerobubble.runtime import PipelineError
+from zerobubble.runtime.launch import init_distributed
+
+
+def auto_cases() -> dict:
+    """schedule="auto" on this rank: gradient errors against one process, the plan, and the errors."""
+    init_distributed(backend="gloo", timeout=60)
+    from zerobubble import Pipeline
+
+    inputs, targets = rich_batch(8, seed=3)
+    expected_loss, expected_grads = reference(rich_layers(seed=3), inputs, targets)
+    pipe = Pipeline(
+        rich_layers(seed=3),
+        schedule="auto",
+        microbatches=4,
+        loss_fn=token_loss,
+        memory_limit="1GiB",
+        example=(inputs, targets),
+        timeout=60,
+    )
+    loss = pipe.step(inputs, targets)
+    result = {
+        "loss": None if loss is None else abs(loss.item() - expected_loss) / abs(expected_loss),
+        "grads": {n: relative_error(p.grad, expected_grads[n]) for n, p in pipe.named_parameters()},
+        "schedule": pipe.schedule.name,
+        "partition": list(pipe.plan.partition),
+        "plan_schedule": pipe.plan.winner.schedule,
+        "reason": pipe.plan.reason,
+        "layers": len(pipe.profile.layers),
+    }
+    for case, options in {
+        "too_small": {"memory_limit": "2KiB", "example": (inputs, targets)},
+        "no_example": {"memory_limit": None, "example": None},
+    }.items():
+        try:
+            Pipeline(
+                rich_layers(0), schedule="auto", microbatches=4, loss_fn=token_loss, timeout=30, **options
+            )
+            result[case] = "no error"
+        except PipelineError as error:
+            result[case] = str(error)
+    return result

@@ -1,0 +1,76 @@
+"""Pipeline(schedule="auto") on 2 ranks: one plan everywhere, exact gradients, errors before allocating."""
+
+from __future__ import annotations
+
+import pytest
+
+from _auto_worker import auto_cases
+from _dist import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(auto_cases, 2)
+
+
+def test_every_rank_runs_the_same_plan(results):
+    first, second = results
+    assert first["schedule"] == second["schedule"] == first["plan_schedule"]
+    assert first["partition"] == second["partition"]
+    assert first["layers"] == second["layers"] == 8
+    assert first["schedule"] in first["reason"]
+
+
+def test_gradients_equal_one_process_from_the_first_step(results):
+    losses = [r["loss"] for r in results if r["loss"] is not None]
+    assert len(losses) == 1 and losses[0] < 1e-5
+    names = [name for r in results for name in r["grads"]]
+    assert len(names) == len(set(names)) > 0  # every parameter lives on exactly one rank
+    for r in results:
+        for name, error in r["grads"].items():
+            assert error < 1e-5, name
+
+
+def test_budget_too_small_is_refused_on_every_rank(results):
+    for r in results:
+        assert "no schedule fits the memory budget of 2.00 KiB" in r["too_small"]
+        assert "rank" in r["too_small"] and "against the budget of 2048 bytes" in r["too_small"]
+
+
+def test_auto_needs_an_example_batch(results):
+    for r in results:
+        assert "pass example=(inputs, targets)" in r["no_example"]
+
+
+def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
+    import json
+
+    from zerobubble.cli import main
+    from zerobubble.train import TrainConfig, run_training
+
+    config = TrainConfig(
+        schedule="auto",
+        memory_limit="1GiB",
+        ranks=2,
+        steps=3,
+        microbatches=4,
+        batch_size=8,
+        seq_len=8,
+        vocab=16,
+        dim=16,
+        heads=2,
+        layers=2,
+        progress=False,
+        timeout=60,
+        trace=str(tmp_path),
+    )
+    summary = run_training(config)
+    assert summary.schedule != "auto" and len(summary.losses) == 3
+    assert any(line.startswith("auto plan: ") for line in summary.lines())
+    recorded = json.loads((tmp_path / "summary.json").read_text())
+    assert recorded["layer_profile"] is not None and recorded["layer_bounds"][-1] == 4
+    assert main(["plan", "--trace", str(tmp_path), "--ranks", "2", "-m", "4", "--json"]) == 0
+    replanned = json.loads(capsys.readouterr().out)
+    assert replanned["predicted_iteration_time"] > 0 and len(replanned["peak_bytes"]) == 2

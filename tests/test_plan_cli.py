@@ -1,0 +1,144 @@
+"""`zerobubble plan` and `zerobubble profile`, profiling one process, and re-planning from a trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from test_plan import MiB, lm_profile
+from zerobubble.cli import main
+from zerobubble.runtime.profile import profile_layers
+from zerobubble.schedule import ScheduleError
+from zerobubble.schedule.plan import LayerProfile, ModelProfile, plan, profile_from_trace
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def profile_file(tmp_path):
+    path = tmp_path / "profile.json"
+    lm_profile().save(path)
+    return str(path)
+
+
+def test_plan_json_has_the_chosen_setup(capsys, profile_file, tmp_path):
+    picture = tmp_path / "plan.svg"
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--profile",
+        profile_file,
+        "--ranks",
+        "2",
+        "--memory-limit",
+        "24GiB",
+        "--json",
+        "-o",
+        str(picture),
+    )
+    assert code == 0
+    data = json.loads(out)
+    for key in ("schedule", "chunks", "partition", "predicted_iteration_time", "peak_bytes"):
+        assert key in data
+    assert len(data["peak_bytes"]) == 2 and max(data["peak_bytes"]) <= 24 * 2**30
+    expected = plan(lm_profile(), 2, 8, "24GiB")
+    assert data["schedule"] == expected.winner.schedule and data["partition"] == list(expected.partition)
+    assert picture.stat().st_size > 0
+
+
+def test_plan_table_names_the_winner(capsys, profile_file):
+    code, out, _ = run(capsys, "plan", "--profile", profile_file, "--ranks", "2")
+    assert code == 0
+    winner = plan(lm_profile(), 2, 8).winner.schedule
+    assert f"* {winner}" in out and f"chosen: {winner}" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (("--memory-limit", "1KiB"), "against the budget of 1024 bytes"),
+        (("--memory-limit", "lots"), "cannot read memory budget"),
+        ((), "give exactly one of --profile"),
+    ],
+)
+def test_plan_errors_are_one_line(capsys, profile_file, extra, fragment):
+    argv = ["plan", *extra] + (["--profile", profile_file] if extra else [])
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert fragment in err and len(err.strip().splitlines()) == 1
+
+
+# -- profiling ---------------------------------------------------------------------------------------
+
+
+def test_profile_layers_measures_the_split_and_leaves_the_model_alone():
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 32), nn.ReLU(), nn.LayerNorm(32), nn.Linear(32, 4)]
+    inputs, targets = torch.randn(8, 16), torch.randn(8, 4)
+    state = torch.random.get_rng_state()
+    profile = profile_layers(layers, inputs, targets, nn.functional.mse_loss, repeats=3)
+    assert [layer.name for layer in profile.layers] == ["0", "1", "2", "3"]
+    linear, relu, norm, head = profile.layers
+    assert relu.backward_weight == 0.0 and relu.weight_input_bytes == 0.0 and relu.static_bytes == 0.0
+    assert norm.weight_input_bytes == 0.0  # LayerNorm's weight gradient is computed in B
+    assert linear.weight_input_bytes >= 8 * 16 * 4  # W keeps the input (and the output gradient)
+    assert linear.backward_weight > 0.0 and head.backward_weight > 0.0
+    assert linear.backward_fused > 0.0 and relu.backward_fused == 0.0  # no W: the fused backward is B
+    assert linear.parameter_bytes == (16 * 32 + 32) * 4
+    assert linear.static_bytes == 4 * linear.parameter_bytes  # parameters, gradients, Adam's two moments
+    assert linear.output_bytes == 8 * 32 * 4 and head.output_bytes == 8 * 4 * 4
+    assert all(layer.activation_bytes > 0 for layer in profile.layers)
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert profile.microbatch_size == 8
+
+
+# -- re-planning from a trace ------------------------------------------------------------------------
+
+
+def _summary(with_profile: bool) -> dict:
+    profile = lm_profile()
+    return {
+        "costs_seconds": {"f": [0.02, 0.03], "b": [0.05, 0.06], "w": [0.0, 0.0]},  # fused BW recorded
+        "layer_bounds": [0, 5, 8],
+        "transfer_latency": 2e-4,
+        "layer_profile": profile.to_dict() if with_profile else None,
+    }
+
+
+def test_trace_rescales_the_layer_profile_to_the_measured_stages():
+    rebuilt = profile_from_trace(_summary(with_profile=True))
+    original = lm_profile()
+    assert len(rebuilt.layers) == 8 and rebuilt.comm_latency == 2e-4
+    first, second = rebuilt.layers[:5], rebuilt.layers[5:]
+    assert sum(layer.forward for layer in first) == pytest.approx(0.02)
+    assert sum(layer.backward_input + layer.backward_weight for layer in second) == pytest.approx(0.06)
+    # the fused backward is split as the profile splits it, and the layers keep their shares and bytes
+    head = rebuilt.layers[7]
+    assert head.backward_weight / head.backward_input == pytest.approx(
+        original.layers[7].backward_weight / original.layers[7].backward_input
+    )
+    assert head.activation_bytes == original.layers[7].activation_bytes == 8 * MiB
+
+
+def test_trace_without_a_profile_plans_per_stage(capsys, tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps(_summary(with_profile=False)))
+    code, out, _ = run(capsys, "plan", "--trace", str(tmp_path), "--ranks", "2", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["partition"] == [1] and data["chunks"] == 1  # two recorded stages: one per rank
+    stages = profile_from_trace(_summary(with_profile=False)).layers
+    assert [layer.forward for layer in stages] == [0.02, 0.03]
+
+
+def test_trace_that_is_not_a_summary_is_refused(tmp_path):
+    with pytest.raises(ScheduleError, match="not a trace summary"):
+        profile_from_trace({"measured": {}})
+    assert isinstance(ModelProfile((LayerProfile("x", 1.0, 1.0, 0.0),)), ModelProfile)
