@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
 from .schedule import Schedule, build_schedule, transformer_costs
+from .schedule.plan import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -116,13 +117,14 @@ class TrainSummary:
         ]
 
 
-def check_config(config: TrainConfig) -> Schedule:
+def check_config(config: TrainConfig) -> Schedule | None:
     """Raise a one-line ``ValueError`` for any setting that cannot train, before a rank starts.
 
     Counts must be positive, the data-parallel degree must divide the ranks, the batch must split
     into replicas × microbatches, the model size must be valid and the schedule must build for
     this many pipeline ranks and microbatches (with enough layers for its chunks).  Returns that
-    schedule (the spawned ranks run it rather than building it again).
+    schedule (the spawned ranks run it rather than building it again), or None for ``auto``, which
+    the Pipeline plans from a profile on the ranks.
     """
     for name in ("ranks", "steps", "microbatches", "batch_size", "data_parallel"):
         value = getattr(config, name)
@@ -146,6 +148,10 @@ def check_config(config: TrainConfig) -> Schedule:
             f"{config.microbatches} microbatches; use a multiple of {split}"
         )
     model = config.model  # validates the model size
+    if config.schedule == "auto":
+        if config.memory_limit is not None and not str(config.memory_limit).strip().endswith("%"):
+            parse_bytes(config.memory_limit)  # a malformed budget is an error before any rank starts
+        return None
     ranks, costs = config.pipeline_ranks, _costs(config)
     schedule = build_schedule(config.schedule, ranks, config.microbatches, costs=costs, chunks=config.chunks)
     if model.n_layers + 2 < schedule.num_stages:
@@ -171,7 +177,7 @@ def run_training(config: TrainConfig) -> TrainSummary:
     return launch(_train_rank, config.ranks, (config, schedule), threads=threads)[0]
 
 
-def _train_rank(config: TrainConfig, schedule: Schedule) -> TrainSummary:
+def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
     from .runtime.launch import init_distributed
     from .runtime.pipeline import Pipeline
 
@@ -182,7 +188,8 @@ def _train_rank(config: TrainConfig, schedule: Schedule) -> TrainSummary:
     example = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed + 7).batch(shard_size)
     pipe = Pipeline(
         gpt_layers(config.model),
-        schedule=schedule,
+        schedule=schedule if schedule is not None else "auto",
+        microbatches=config.microbatches if schedule is None else None,
         loss_fn=lm_loss,
         costs=_costs(config),
         timeout=config.timeout,

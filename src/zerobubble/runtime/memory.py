@@ -71,7 +71,7 @@ class ActivationMeter:
         tensors = [held.tensor for held in list(self.held)]
         for state in executor.stages.values():
             tensors += _tensors_in(state.saved)
-            tensors += _tensors_in(_attributes(state.store))  # whatever the W store keeps for W
+            tensors += state.store.held_tensors()  # whatever the W store keeps for W
         tensors += _tensors_in(executor._handoff)
         storages = {}
         for tensor in tensors:
@@ -86,13 +86,6 @@ class ActivationMeter:
 
     def wait(self, key, start, end) -> None:
         """Recorder hook for transfer waits (nothing to measure)."""
-
-
-def _attributes(value: Any) -> dict[str, Any]:
-    """An object's attributes, whether in ``__dict__`` or in ``__slots__``."""
-    names = [name for cls in type(value).__mro__ for name in getattr(cls, "__slots__", ())]
-    found = {name: getattr(value, name) for name in names if hasattr(value, name)}
-    return {**getattr(value, "__dict__", {}), **found}
 
 
 def _tensors_in(value: Any, depth: int = 5) -> list[torch.Tensor]:

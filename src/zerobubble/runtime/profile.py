@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,13 +94,19 @@ def profile_layers(
 
 
 def split_backward(
-    module: nn.Module, tensors: list[torch.Tensor], grads: list[torch.Tensor] | None, store: WeightGradStore
+    module: nn.Module,
+    tensors: list[torch.Tensor],
+    grads: list[torch.Tensor] | None,
+    store: WeightGradStore,
+    watched: Sequence[weakref.ref[torch.Tensor]] = (),
+    excluded: set[int] | frozenset[int] = frozenset(),
 ) -> tuple[float, float, float]:
     """B then W of one microbatch through the store API the executor uses: ``(T_B, T_W, bytes kept for W)``.
 
     The one function that knows how the runtime defers weight gradients (``install_deferral`` has
     been applied to ``module``): B is a backward between ``store.begin(key, defer=True)`` and
-    ``store.end()``, W is ``store.flush(key)``.
+    ``store.end()``, W is ``store.flush(key)``.  The bytes kept for W are those the store's work
+    holds plus the ``watched`` saved tensors still alive after B, except storages in ``excluded``.
     """
     key = (0, 0)
     started = _now(tensors[0].device)
@@ -111,7 +118,12 @@ def split_backward(
     middle = _now(tensors[0].device)
     if key not in store.pending_keys():  # nothing deferred: this layer has no W
         return middle - started, 0.0, 0.0
-    kept = _deferred_bytes(store, key)
+    alive = [
+        t for ref in watched if (t := ref()) is not None and t.untyped_storage().data_ptr() not in excluded
+    ]
+    kept_tensors = [*store.held_tensors(key), *alive]
+    kept = float(_storage_bytes(kept_tensors))
+    del alive, kept_tensors
     store.flush(key)
     ended = _now(tensors[0].device)
     return middle - started, ended - middle, kept
@@ -128,13 +140,6 @@ def fused_backward(
     finally:
         store.end()
     return _now(tensors[0].device) - started
-
-
-def _deferred_bytes(store: WeightGradStore, key: tuple[int, int]) -> float:
-    """Bytes of the tensors the store keeps for the W of ``key`` (0 for a store it cannot read)."""
-    pending = getattr(store, "_pending", {}).get(key, ())
-    tensors = [item for entry in pending for item in entry if isinstance(item, torch.Tensor)]
-    return float(_storage_bytes(tensors))
 
 
 def _profile_layer(
@@ -167,7 +172,14 @@ def _profile_layer(
         tensors, grads = _backward_roots(outputs, head)
         activations = [t for t in (*saved, *outputs) if t.untyped_storage().data_ptr() not in parameters]
         saved_bytes = float(_storage_bytes(activations))
-        b, w, kept_bytes = split_backward(module, tensors, grads, store) if tensors else (0.0, 0.0, 0.0)
+        # after B, the saved tensors still alive are the ones W keeps (the generic split's graph)
+        # the layer's own inputs and outputs stay referenced here, so they are no evidence of W keeping them
+        ours = {t.untyped_storage().data_ptr() for t in (*inputs, *outputs) if isinstance(t, torch.Tensor)}
+        watched = [weakref.ref(t) for t in saved if t.untyped_storage().data_ptr() not in parameters]
+        del saved[:], activations
+        b, w, kept_bytes = (
+            split_backward(module, tensors, grads, store, watched, ours) if tensors else (0.0, 0.0, 0.0)
+        )
     fused = _fused_backward_time(module, values, loss, store) if w > 0 else 0.0
     parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)

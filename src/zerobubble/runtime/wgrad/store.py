@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 Work = TypeVar("Work", bound=Callable[[], None])
 
@@ -69,6 +71,20 @@ class WeightGradStore:
             for work in self._pending.pop(key, ()):
                 work()
 
+    def held_tensors(self, key: tuple[int, int] | None = None) -> list[torch.Tensor]:
+        """The tensors the deferred work of ``key`` (every key when None) holds on to until W.
+
+        What a W op will free, for memory meters and the profiler: the work items' bound arguments
+        and attributes, searched a few levels deep.  Tensors an autograd graph keeps internally (the
+        generic split's local graph) are not reachable from Python; saved-tensor hooks see those.
+        """
+        keys = list(self._pending) if key is None else [key]
+        found: dict[int, torch.Tensor] = {}
+        for each in keys:
+            for work in self._pending.get(each, ()):
+                _collect_tensors(work, found, depth=4)
+        return list(found.values())
+
     def pending_keys(self) -> list[tuple[int, int]]:
         """Keys whose W has not run yet (empty after a complete step)."""
         return list(self._pending)
@@ -100,3 +116,22 @@ def accumulate_product(param: torch.Tensor, left: torch.Tensor, right: torch.Ten
         grad.addmm_(left, right)
     else:
         accumulate(param, left.mm(right))
+
+
+def _collect_tensors(value: Any, found: dict[int, torch.Tensor], depth: int) -> None:
+    """Add the tensors in ``value`` (containers, partials' arguments, objects' attributes) to ``found``."""
+    if isinstance(value, torch.Tensor):
+        found[id(value)] = value
+        return
+    if depth == 0 or isinstance(value, (str, bytes, int, float, bool, type, nn.Module)) or value is None:
+        return
+    if isinstance(value, functools.partial):
+        items: Iterable[Any] = (*value.args, *value.keywords.values())
+    elif isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, (list, tuple, set)):
+        items = value
+    else:
+        items = getattr(value, "__dict__", {}).values()
+    for item in items:
+        _collect_tensors(item, found, depth - 1)
