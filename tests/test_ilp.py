@@ -14,6 +14,7 @@ from zerobubble.schedule.bounds import lower_bound, lower_bound_makespan
 from zerobubble.schedule.builders import REGISTRY, build_schedule, zb_ilp
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.ir import Kind, Op, Placement, Schedule, ScheduleError
+from zerobubble.schedule.paper import row_costs
 from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.validate import validate_schedule
 
@@ -224,15 +225,7 @@ def test_lower_bound_equals_zb_h1_for_unit_costs_under_1p():
 def test_lower_bound_reproduces_paper_zb_1p_figure():
     row = json.loads(TABLE5.read_text())["rows"][0]
     p, m = row["stages"], row["microbatches"]
-    costs = CostModel(
-        f=row["cost_f"],
-        b=row["cost_b"],
-        w=row["cost_w"],
-        comm=row["cost_comm"],
-        mem_b=row["mem_b"],
-        mem_w=row["mem_w"],
-        memory_limit=p * row["mem_b"],
-    )
+    costs = row_costs(row).with_memory_limit(p * row["mem_b"])
     ideal = m * (row["cost_f"] + row["cost_b"] + row["cost_w"])
     # The paper's zb-1p bubble rate for this row is 15.85% and its zb-2p one 4.33%: no schedule
     # under those limits can do better.

@@ -18,12 +18,14 @@ from zerobubble.runtime.comm import HEADER_LENGTH, decode_header, encode_header
 from zerobubble.runtime.data_parallel import chunk_parameters, first_forward, last_gradient_ops
 from zerobubble.runtime.executor import Executor, Hook, StageState
 from zerobubble.runtime.failures import PeerMonitor
-from zerobubble.runtime.pipeline import _partition_bounds, _split, even_partition
 from zerobubble.runtime.recorder import Recorder, RecorderDefaults, as_recorder
+from zerobubble.runtime.staging import partition_bounds as _partition_bounds
+from zerobubble.runtime.staging import split_batch as _split
 from zerobubble.runtime.trace import build_timeline, measured_chrome_trace, transfer_latencies, write_trace
 from zerobubble.runtime.wgrad import WeightGradStore
 from zerobubble.schedule import CostModel, Kind, ScheduleError, build_schedule, parse_memory_limit, simulate
 from zerobubble.schedule.channels import MessageKey
+from zerobubble.schedule.partition import even_partition
 
 # -- shape headers ------------------------------------------------------------------------------------
 
@@ -209,7 +211,15 @@ def test_write_trace_from_timelines_writes_the_four_files_with_runtime_events(tm
     assert [(e["name"], e["tid"]) for e in settles] == [("optimizer settle", 0), ("optimizer settle", 1)]
     assert min(e["ts"] for e in events if "ts" in e) == 0.0, "the earliest event starts the clock"
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary) == {"measured", "predicted", "costs_seconds"}
+    assert set(summary) == {
+        "measured",
+        "predicted",
+        "costs_seconds",
+        "layer_bounds",
+        "transfer_latency",
+        "layer_profile",
+    }
+    assert summary["layer_bounds"] == [] and summary["layer_profile"] is None
     with pytest.raises(PipelineError, match="no step was recorded"):
         write_trace([], tmp_path)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from _dist import rich_batch, rich_layers, run_ranks, token_loss
 from zerobubble.runtime.emulate import tiny_layers, wait_until
-from zerobubble.runtime.pipeline import default_costs
+from zerobubble.runtime.staging import default_costs
 from zerobubble.runtime.trace import build_timeline, measured_costs
 from zerobubble.schedule import CostModel, Kind, build_schedule, dependencies, simulate
 

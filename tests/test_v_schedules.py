@@ -21,6 +21,7 @@ from zerobubble.schedule.builders import build_schedule
 from zerobubble.schedule.builders.v_blocks import BLOCK_VARIANTS, block_programs
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.ir import Kind, Placement, Schedule, ScheduleError
+from zerobubble.schedule.paper import row_costs
 from zerobubble.schedule.simulate import simulate
 from zerobubble.schedule.validate import validate_schedule
 
@@ -33,15 +34,7 @@ def bubble_time(timeline) -> float:
     return timeline.iteration_time - timeline.ideal
 
 
-def paper_costs(row: dict) -> CostModel:
-    return CostModel(
-        f=row["cost_f"],
-        b=row["cost_b"],
-        w=row["cost_w"],
-        comm=row["cost_comm"],
-        mem_b=row["mem_b"],
-        mem_w=row["mem_w"],
-    )
+paper_costs = row_costs
 
 
 def paper_row(model: str, microbatches: int) -> dict:

@@ -31,8 +31,9 @@ from torch import nn
 
 from .models import Block, GPTConfig, MarkovCorpus, gpt_layers, lm_loss
 from .runtime.launch import init_distributed, launch
-from .runtime.pipeline import Pipeline, even_partition
+from .runtime.pipeline import Pipeline
 from .schedule import REGISTRY, CostModel, build_schedule, simulate
+from .schedule.partition import even_partition
 
 
 @dataclass

@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, validate_schedule
+from ..schedule import CostModel, Schedule
 from ..schedule.channels import directed_pairs
-from ..schedule.partition import even_partition
 from . import PipelineError
 from .comm import Comm
 from .consistency import TiedParameter, agree, broadcast_replicas, find_ties, fingerprint
@@ -43,41 +42,19 @@ from .failures import PeerFailure, PeerMonitor
 from .launch import init_distributed, local_device
 from .optim import OptimizerStats, PipelineOptimizer, validation_chain
 from .recorder import OpRecorder, StepRecorder, as_recorder
+from .staging import (
+    DEFAULT_MICROBATCHES,
+    StageModule,
+    checked_loss_fn,
+    named_layers,
+    partition_bounds,
+    resolve_schedule,
+    split_batch,
+    stage_of,
+)
 from .wgrad import FastPaths, WeightGradStore, install_deferral
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MICROBATCHES = 8
-"""The microbatch count of a Pipeline built from a registry name without ``microbatches``."""
-
-W_MEMORY_FRACTION = 1.0
-"""The activation memory a microbatch keeps from its B to its W, as a fraction of what its F kept
-(``M_W / M_B``), used to plan when no ``costs`` are given.  Between B and W the runtime keeps what
-each layer's weight gradient needs (:mod:`.wgrad`): a fast-path layer its input and its output
-gradient, a generically split layer its local graph.  A transformer block keeps 16·s·b·h elements
-against 17·s·b·h + 2.5·a·s²·b for F (fraction < 0.95), a Linear–GELU–Linear block 10/9 of F.
-1.0 is also the largest fraction every builder accepts (zb-v needs W to free at least what B adds).
-Measured peaks per schedule: ``docs/guide.md`` § Memory; give ``costs`` with your own
-``mem_b``/``mem_w`` to plan exactly."""
-
-
-def default_costs() -> CostModel:
-    """The cost model a Pipeline plans with when the caller gives none (unit times, see above)."""
-    return CostModel(mem_w=W_MEMORY_FRACTION)
-
-
-class StageModule(nn.Module):
-    """A contiguous run of layers; a layer returning a tuple passes it unpacked to the next one."""
-
-    def __init__(self, layers: Sequence[nn.Module]):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, *inputs: torch.Tensor) -> Any:
-        values: Any = inputs
-        for layer in self.layers:
-            values = layer(*values) if isinstance(values, tuple) else layer(values)
-        return values
 
 
 class Pipeline:
@@ -114,7 +91,7 @@ class Pipeline:
     are freed once the caller drops ``layers``.  With a schedule that has W ops every parameter
     gets its gradient in W (:mod:`.wgrad`; ``fast_paths`` adds split rules for your own layer
     types); module types and parameter names do not change.  Without ``costs`` the schedule is
-    planned with :func:`default_costs` (W keeps M_B until it runs).
+    planned with :func:`.staging.default_costs` (W keeps M_B until it runs).
 
     Safety (see ``docs/guide.md`` and ``docs/failure-semantics.md``): at construction every rank's
     layers, parameters and schedule are compared (:mod:`.consistency`), data-parallel replicas and
@@ -158,9 +135,9 @@ class Pipeline:
             from .auto import plan_for_pipeline
 
             self.plan, self.profile = plan_for_pipeline(
-                _named_layers(layers),
+                named_layers(layers),
                 example,
-                _checked(loss_fn),
+                checked_loss_fn(loss_fn),
                 group,
                 pipeline_size_of(dist.get_world_size(group), data_parallel),
                 microbatches or DEFAULT_MICROBATCHES,
@@ -196,7 +173,7 @@ class Pipeline:
         with self.layout.replicated(directed_pairs(self.schedule)):
             comm = Comm(self.schedule, group, self.device, timeout, static_shapes, monitor=self._monitor)
         self._executor = Executor(
-            self.schedule, self.rank, stages, comm, _checked(loss_fn), self._agreement.seed
+            self.schedule, self.rank, stages, comm, checked_loss_fn(loss_fn), self._agreement.seed
         )
         if emulate is not None:  # each op lasts its modelled duration (ms), see .emulate
             from .emulate import install_emulation
@@ -222,11 +199,11 @@ class Pipeline:
         bounds: list[int] = []
         ties: list[list[tuple[int, str]]] = []
         try:
-            _checked(loss_fn)
+            checked_loss_fn(loss_fn)
             size = pipeline_size_of(dist.get_world_size(group), data_parallel)
-            self.schedule, self.timeline = _resolve_schedule(schedule, size, microbatches, chunks, costs)
-            named = _named_layers(layers)
-            bounds = _partition_bounds(len(named), self.schedule.num_stages, partition)
+            self.schedule, self.timeline = resolve_schedule(schedule, size, microbatches, chunks, costs)
+            named = named_layers(layers)
+            bounds = partition_bounds(len(named), self.schedule.num_stages, partition)
             ties = find_ties(named)
             mine = fingerprint(named, self.schedule, bounds, data_parallel, ties)
         except PipelineError as error:
@@ -264,10 +241,10 @@ class Pipeline:
         """Groups for the ties spanning several ranks (collective: every replica, every tie, in order)."""
         placement, layout, tied = self.schedule.placement, self.layout, []
         for uses in ties:
-            holders = sorted({placement.rank_of(_stage_of(index, bounds)) for index, _ in uses})
+            holders = sorted({placement.rank_of(stage_of(index, bounds)) for index, _ in uses})
             if len(holders) < 2:
                 continue  # one rank holds every use: autograd accumulates into the one Parameter
-            source = placement.rank_of(_stage_of(uses[0][0], bounds))
+            source = placement.rank_of(stage_of(uses[0][0], bounds))
             for replica in range(layout.data_parallel):
                 ranks = [layout.global_rank(rank, replica) for rank in holders]
                 created = dist.new_group(ranks, timeout=layout.setup_timeout)
@@ -275,7 +252,7 @@ class Pipeline:
                     local = next(
                         name
                         for index, name in uses
-                        if self.rank == placement.rank_of(_stage_of(index, bounds))
+                        if self.rank == placement.rank_of(stage_of(index, bounds))
                     )
                     param = self.module.get_parameter(local)
                     tied.append(TiedParameter(uses[0][1], param, created, layout.global_rank(source)))
@@ -362,8 +339,8 @@ class Pipeline:
 
     def _split_batch(self, inputs: Any, targets: Any, call: str) -> tuple[list, list]:
         m = self.schedule.microbatches
-        split_inputs = _split(inputs, m, "inputs", self.device)
-        split_targets = _split(targets, m, "targets", self.device)
+        split_inputs = split_batch(inputs, m, "inputs", self.device)
+        split_targets = split_batch(targets, m, "targets", self.device)
         if self._first and split_inputs is None:
             raise PipelineError(f"rank {self.rank} holds the first stage: pass the batch inputs to {call}()")
         if self._last and split_targets is None:
@@ -596,109 +573,3 @@ class Pipeline:
             self._monitor.wait(work, "the data-parallel loss average")
             mean /= self.layout.data_parallel
         return mean
-
-
-def _resolve_schedule(
-    schedule: str | Schedule,
-    world: int,
-    microbatches: int | None,
-    chunks: int | None,
-    costs: CostModel | None,
-) -> tuple[Schedule, Any]:
-    costs = costs if costs is not None else default_costs()
-    try:
-        if isinstance(schedule, str):
-            built = build_schedule(
-                schedule,
-                world,
-                microbatches or DEFAULT_MICROBATCHES,
-                costs=costs,
-                chunks=chunks,
-                validate=False,
-            )
-        else:
-            built = schedule
-            if microbatches is not None and microbatches != built.microbatches:
-                raise PipelineError(
-                    f"the schedule object runs {built.microbatches} microbatches but "
-                    f"microbatches={microbatches} was given; drop the argument or build the schedule "
-                    "for that count"
-                )
-        if built.num_ranks != world:
-            raise PipelineError(
-                f"schedule {built.name!r} needs {built.num_ranks} ranks but the process group has {world}; "
-                f"start {built.num_ranks} ranks or build the schedule for {world}"
-            )
-        return built, validate_schedule(built, costs)
-    except ScheduleError as error:
-        raise PipelineError(
-            f"schedule {getattr(schedule, 'name', schedule)!r} cannot run: {error}"
-        ) from error
-
-
-def _checked(loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Callable[[Any, Any], torch.Tensor]:
-    if loss_fn is None:
-        raise PipelineError("Pipeline needs a loss_fn(output, target) returning a scalar tensor")
-    return loss_fn
-
-
-def _stage_of(layer: int, bounds: list[int]) -> int:
-    """The chunk (virtual stage) holding layer ``layer`` given the chunks' start indices."""
-    return next(stage for stage in range(len(bounds) - 1) if layer < bounds[stage + 1])
-
-
-def _named_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
-    if isinstance(layers, nn.Sequential):
-        return list(layers.named_children())
-    named = [(str(index), layer) for index, layer in enumerate(layers)]
-    for name, layer in named:
-        if not isinstance(layer, nn.Module):
-            raise PipelineError(f"layer {name} is a {type(layer).__name__}, not an nn.Module")
-    return named
-
-
-def _partition_bounds(count: int, stages: int, partition: Sequence[int] | None) -> list[int]:
-    """Start index of every chunk, plus ``count`` at the end."""
-    if partition is None:
-        if count < stages:
-            raise PipelineError(
-                f"{count} layers cannot fill {stages} pipeline chunks; give at least {stages}"
-            )
-        return [0, *even_partition(count, stages), count]
-    cuts = [int(c) for c in partition]
-    bounds = [0, *cuts, count]
-    if len(cuts) != stages - 1 or any(b >= a for a, b in zip(bounds[1:], bounds)):
-        raise PipelineError(
-            f"partition must list {stages - 1} strictly increasing layer indices in 1..{count - 1} "
-            f"(where chunks 1..{stages - 1} start); got {list(partition)}"
-        )
-    return bounds
-
-
-def _split(
-    batch: Any, microbatches: int, what: str, device: torch.device
-) -> list[tuple[torch.Tensor, ...]] | None:
-    if batch is None:
-        return None
-    if isinstance(batch, Mapping):
-        raise PipelineError(
-            f"the {what} are a dict ({', '.join(map(str, batch))}); the pipeline passes tensors "
-            "positionally — pass a tuple of tensors (e.g. tuple(batch.values())) and let the first "
-            "layer take them in that order"
-        )
-    tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
-    for position, tensor in enumerate(tensors):
-        if not isinstance(tensor, torch.Tensor):
-            raise PipelineError(
-                f"the {what} hold a {type(tensor).__name__} at position {position}; pass tensors only"
-            )
-        if tensor.dim() > 0 and tensor.shape[0] == 0:
-            raise PipelineError(f"the {what} batch is empty (size 0 along dimension 0)")
-        if tensor.dim() == 0 or tensor.shape[0] % microbatches:
-            size = tensor.shape[0] if tensor.dim() else "a scalar"
-            raise PipelineError(
-                f"the {what} batch of size {size} does not split into {microbatches} equal microbatches; "
-                f"use a batch size that is a multiple of {microbatches}"
-            )
-    pieces = [t.to(device, non_blocking=True).chunk(microbatches) for t in tensors]
-    return [tuple(piece[j] for piece in pieces) for j in range(microbatches)]

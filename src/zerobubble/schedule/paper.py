@@ -7,6 +7,7 @@ interleaving the paper used, so ``compare --paper-model 1.5B`` reproduces its co
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -63,8 +64,9 @@ def paper_setup(model: str, microbatches: int | None = None) -> PaperSetup:
     )
 
 
-def _setup(row: dict[str, Any], exact: bool) -> PaperSetup:
-    costs = CostModel(
+def row_costs(row: Mapping[str, Any]) -> CostModel:
+    """The cost model of one row of the shipped Table 5 (its profiled times and memory, no limit)."""
+    return CostModel(
         f=row["cost_f"],
         b=row["cost_b"],
         w=row["cost_w"],
@@ -72,6 +74,10 @@ def _setup(row: dict[str, Any], exact: bool) -> PaperSetup:
         mem_b=row["mem_b"],
         mem_w=row["mem_w"],
     )
+
+
+def _setup(row: dict[str, Any], exact: bool) -> PaperSetup:
+    costs = row_costs(row)
     return PaperSetup(
         row["model"],
         row["stages"],

@@ -1,0 +1,161 @@
+"""From the user's layers and batch to this rank's stages and microbatches.
+
+The Pipeline's preparation steps, each a plain function: name the layers, cut them into chunks
+(evenly or at the user's cut points), resolve and validate the schedule, wrap a chunk's layers
+into one :class:`StageModule`, and split a batch into microbatches.  Every mistake becomes a
+:class:`PipelineError` that says what to pass instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, validate_schedule
+from ..schedule.partition import even_partition
+from . import PipelineError
+
+DEFAULT_MICROBATCHES = 8
+"""The microbatch count of a Pipeline built from a registry name without ``microbatches``."""
+
+W_MEMORY_FRACTION = 1.0
+"""The activation memory a microbatch keeps from its B to its W, as a fraction of what its F kept
+(``M_W / M_B``), used to plan when no ``costs`` are given.  Between B and W the runtime keeps what
+each layer's weight gradient needs (:mod:`.wgrad`): a fast-path layer its input and its output
+gradient, a generically split layer its local graph.  A transformer block keeps 16·s·b·h elements
+against 17·s·b·h + 2.5·a·s²·b for F (fraction < 0.95), a Linear–GELU–Linear block 10/9 of F.
+1.0 is also the largest fraction every builder accepts (zb-v needs W to free at least what B adds).
+Measured peaks per schedule: ``docs/guide.md`` § Memory; give ``costs`` with your own
+``mem_b``/``mem_w`` to plan exactly."""
+
+
+def default_costs() -> CostModel:
+    """The cost model a Pipeline plans with when the caller gives none (unit times, see above)."""
+    return CostModel(mem_w=W_MEMORY_FRACTION)
+
+
+class StageModule(nn.Module):
+    """A contiguous run of layers; a layer returning a tuple passes it unpacked to the next one."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        values: Any = inputs
+        for layer in self.layers:
+            values = layer(*values) if isinstance(values, tuple) else layer(values)
+        return values
+
+
+def resolve_schedule(
+    schedule: str | Schedule,
+    world: int,
+    microbatches: int | None,
+    chunks: int | None,
+    costs: CostModel | None,
+) -> tuple[Schedule, Any]:
+    """Build (or check) the schedule for ``world`` ranks and validate it: ``(schedule, timeline)``."""
+    costs = costs if costs is not None else default_costs()
+    try:
+        if isinstance(schedule, str):
+            built = build_schedule(
+                schedule,
+                world,
+                microbatches or DEFAULT_MICROBATCHES,
+                costs=costs,
+                chunks=chunks,
+                validate=False,
+            )
+        else:
+            built = schedule
+            if microbatches is not None and microbatches != built.microbatches:
+                raise PipelineError(
+                    f"the schedule object runs {built.microbatches} microbatches but "
+                    f"microbatches={microbatches} was given; drop the argument or build the schedule "
+                    "for that count"
+                )
+        if built.num_ranks != world:
+            raise PipelineError(
+                f"schedule {built.name!r} needs {built.num_ranks} ranks but the process group has {world}; "
+                f"start {built.num_ranks} ranks or build the schedule for {world}"
+            )
+        return built, validate_schedule(built, costs)
+    except ScheduleError as error:
+        raise PipelineError(
+            f"schedule {getattr(schedule, 'name', schedule)!r} cannot run: {error}"
+        ) from error
+
+
+def checked_loss_fn(loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Callable[[Any, Any], torch.Tensor]:
+    """``loss_fn``, or a clear error when it is missing."""
+    if loss_fn is None:
+        raise PipelineError("Pipeline needs a loss_fn(output, target) returning a scalar tensor")
+    return loss_fn
+
+
+def stage_of(layer: int, bounds: list[int]) -> int:
+    """The chunk (virtual stage) holding layer ``layer`` given the chunks' start indices."""
+    return next(stage for stage in range(len(bounds) - 1) if layer < bounds[stage + 1])
+
+
+def named_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """``(name, layer)`` in model order: a Sequential's child names, else the list positions."""
+    if isinstance(layers, nn.Sequential):
+        return list(layers.named_children())
+    named = [(str(index), layer) for index, layer in enumerate(layers)]
+    for name, layer in named:
+        if not isinstance(layer, nn.Module):
+            raise PipelineError(f"layer {name} is a {type(layer).__name__}, not an nn.Module")
+    return named
+
+
+def partition_bounds(count: int, stages: int, partition: Sequence[int] | None) -> list[int]:
+    """Start index of every chunk, plus ``count`` at the end."""
+    if partition is None:
+        if count < stages:
+            raise PipelineError(
+                f"{count} layers cannot fill {stages} pipeline chunks; give at least {stages}"
+            )
+        return [0, *even_partition(count, stages), count]
+    cuts = [int(c) for c in partition]
+    bounds = [0, *cuts, count]
+    if len(cuts) != stages - 1 or any(b >= a for a, b in zip(bounds[1:], bounds)):
+        raise PipelineError(
+            f"partition must list {stages - 1} strictly increasing layer indices in 1..{count - 1} "
+            f"(where chunks 1..{stages - 1} start); got {list(partition)}"
+        )
+    return bounds
+
+
+def split_batch(
+    batch: Any, microbatches: int, what: str, device: torch.device
+) -> list[tuple[torch.Tensor, ...]] | None:
+    """``batch`` (a tensor or a tuple of tensors) as ``microbatches`` tuples along dim 0, on ``device``."""
+    if batch is None:
+        return None
+    if isinstance(batch, Mapping):
+        raise PipelineError(
+            f"the {what} are a dict ({', '.join(map(str, batch))}); the pipeline passes tensors "
+            "positionally — pass a tuple of tensors (e.g. tuple(batch.values())) and let the first "
+            "layer take them in that order"
+        )
+    tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+    for position, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise PipelineError(
+                f"the {what} hold a {type(tensor).__name__} at position {position}; pass tensors only"
+            )
+        if tensor.dim() > 0 and tensor.shape[0] == 0:
+            raise PipelineError(f"the {what} batch is empty (size 0 along dimension 0)")
+        if tensor.dim() == 0 or tensor.shape[0] % microbatches:
+            size = tensor.shape[0] if tensor.dim() else "a scalar"
+            raise PipelineError(
+                f"the {what} batch of size {size} does not split into {microbatches} equal microbatches; "
+                f"use a batch size that is a multiple of {microbatches}"
+            )
+    pieces = [t.to(device, non_blocking=True).chunk(microbatches) for t in tensors]
+    return [tuple(piece[j] for piece in pieces) for j in range(microbatches)]
