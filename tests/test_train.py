@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from zerobubble.models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
-from zerobubble.train import TrainConfig, run_training
+from zerobubble_demo.models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
+from zerobubble_demo.train import TrainConfig, run_training
 
 
 def test_corpus_is_seeded_and_shifted():
