@@ -1,7 +1,10 @@
 """The ``zerobubble`` command line: parses arguments, calls the library, prints the answer.
 
-Every user error ends in one line on stderr (``zerobubble: error: …``) and exit status 2, never a
-traceback.
+Every user error — the project's own error types: ``UsageError``, ``ScheduleError``,
+``PipelineError`` and the demo's ``ConfigError`` — ends in one line on stderr
+(``zerobubble: error: …``) and exit status 2; any other exception is a bug and keeps its traceback.
+The demo (``train``, ``profile``) and the benchmarks (``bench``) are imported inside their commands:
+the library never imports them.
 """
 
 from __future__ import annotations
