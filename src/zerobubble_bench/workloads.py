@@ -59,6 +59,13 @@ def workload(name: str, microbatches: int, rows: int) -> Workload:
         )
         return Workload("MLP 8×Linear(1024)+ReLU", mlp_layers, F.mse_loss, batch)
     config = bench_gpt_config()
+    return _gpt_workload(
+        f"GPT {config.n_layers}×block d={config.dim} seq={config.seq_len}", config, microbatches * rows
+    )
+
+
+def _gpt_workload(label: str, config: GPTConfig, sequences: int) -> Workload:
+    """A GPT (weights from seed 0) and a batch of ``sequences`` from the Markov corpus (seed 1)."""
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=1)
 
     def layers() -> list[nn.Module]:
@@ -66,8 +73,7 @@ def workload(name: str, microbatches: int, rows: int) -> Workload:
             torch.manual_seed(0)
             return gpt_layers(config)
 
-    label = f"GPT {config.n_layers}×block d={config.dim} seq={config.seq_len}"
-    return Workload(label, layers, lm_loss, corpus.batch(microbatches * rows))
+    return Workload(label, layers, lm_loss, corpus.batch(sequences))
 
 
 def bench_partition(model: str, count: int, chunks: int) -> list[int]:
@@ -88,15 +94,8 @@ def uneven_lm_config() -> GPTConfig:
 def uneven_lm_workload(microbatches: int, rows: int) -> Workload:
     """The uneven LM with a batch of ``microbatches · rows`` sequences."""
     config = uneven_lm_config()
-    corpus = MarkovCorpus(config.vocab, config.seq_len, seed=1)
-
-    def layers() -> list[nn.Module]:
-        with preserved_torch_state():
-            torch.manual_seed(0)
-            return gpt_layers(config)
-
     label = f"LM vocab {config.vocab}, {config.n_layers}×block d={config.dim} seq={config.seq_len}"
-    return Workload(label, layers, lm_loss, corpus.batch(microbatches * rows))
+    return _gpt_workload(label, config, microbatches * rows)
 
 
 def tiny_layers(count: int, width: int = 8) -> list[nn.Module]:
