@@ -6,7 +6,7 @@
 default plan (no ``costs``).  Each cell lists rank 0's and rank 1's peak over its bound.
 """
 
-from zerobubble.runtime.memory import memory_table
+from zerobubble_bench.memory import memory_table
 
 SCHEDULES = ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p", "zb-v", "v-half", "v-min"]
 

@@ -21,8 +21,8 @@ import torch
 
 import zerobubble
 from zerobubble.hf import gpt2_layers, llama_layers
-from zerobubble.models import MarkovCorpus, lm_loss
 from zerobubble.runtime.launch import launch, under_launcher
+from zerobubble_demo.models import MarkovCorpus, lm_loss
 
 
 def build_model(name: str, vocab: int, seq_len: int, width: int, depth: int) -> torch.nn.Module:

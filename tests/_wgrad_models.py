@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from zerobubble.bench import split_model
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.launch import init_distributed
 from zerobubble.schedule import ScheduleError
+from zerobubble_bench.split_models import split_model
 
 
 def reference(name: str, microbatches: int) -> dict:

@@ -48,7 +48,7 @@ def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
     import json
 
     from zerobubble.cli import main
-    from zerobubble.train import TrainConfig, run_training
+    from zerobubble_demo.train import TrainConfig, run_training
 
     config = TrainConfig(
         schedule="auto",

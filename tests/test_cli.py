@@ -230,3 +230,27 @@ def test_bench_schedulers_prints_build_times(capsys):
     for row in rows:
         build_seconds = float(row.split("|")[2])
         assert build_seconds >= 0
+
+
+def test_an_internal_value_error_is_not_swallowed(capsys, monkeypatch):
+    """Only the project's own error types become one line; a bug elsewhere keeps its traceback."""
+    from zerobubble import cli
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal bug, not a user error")
+
+    monkeypatch.setattr(cli, "build_schedule", broken)
+    with pytest.raises(ValueError, match="internal bug"):
+        main(["simulate", "--schedule", "1f1b"])
+
+
+def test_memory_limit_spec_is_applied_once_for_every_caller():
+    from zerobubble.schedule import REGISTRY, CostModel
+
+    costs = CostModel(mem_b=2.0)
+    assert costs.apply_memory_limit(None, 4) is costs
+    assert costs.apply_memory_limit("1.5p", 4).memory_limit == pytest.approx(12.0)
+    assert costs.apply_memory_limit(7, 4).memory_limit == 7.0
+    assert REGISTRY["zb-1p"].resolve_costs(costs, 4).memory_limit == pytest.approx(8.0)
+    user_limited = costs.apply_memory_limit("3p", 4)
+    assert REGISTRY["zb-v"].resolve_costs(user_limited, 4).memory_limit == pytest.approx(24.0)

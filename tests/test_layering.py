@@ -1,10 +1,13 @@
 """Architecture rules that must not erode."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
-SCHEDULE = Path(__file__).resolve().parents[1] / "src" / "zerobubble" / "schedule"
+LIBRARY = Path(__file__).resolve().parents[1] / "src" / "zerobubble"
+SCHEDULE = LIBRARY / "schedule"
+OUTSIDE = ("zerobubble_bench", "zerobubble_demo")
 
 
 def test_schedule_layer_never_imports_torch():
@@ -30,3 +33,50 @@ def test_schedule_sources_do_not_mention_torch_imports():
         if line.strip().startswith(("import torch", "from torch"))
     ]
     assert offenders == []
+
+
+def _outside_imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, module, at module level) of each import of the demo or the benchmarks in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    inside_functions = {
+        id(node)
+        for function in ast.walk(tree)
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(function)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in OUTSIDE:
+                found.append((node.lineno, name, id(node) not in inside_functions))
+    return found
+
+
+def test_library_never_imports_the_demo_or_the_benchmarks():
+    """Only cli.py reaches the demo and benchmarks, and only inside its command functions."""
+    offenders = [
+        f"{path.relative_to(LIBRARY)}:{line} imports {name}"
+        for path in sorted(LIBRARY.rglob("*.py"))
+        for line, name, top_level in _outside_imports(path)
+        if path.name != "cli.py" or top_level
+    ]
+    assert offenders == []
+    assert any(not top for _, _, top in _outside_imports(LIBRARY / "cli.py"))  # the scan sees cli's imports
+
+
+def test_importing_the_library_loads_neither_demo_nor_benchmarks():
+    code = (
+        "import sys, pkgutil, importlib, zerobubble\n"
+        "for info in pkgutil.walk_packages(zerobubble.__path__, 'zerobubble.'):\n"
+        "    if not info.name.endswith('__main__'):\n"
+        "        importlib.import_module(info.name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('zerobubble_bench', 'zerobubble_demo')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

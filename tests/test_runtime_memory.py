@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from _dist import run_ranks
-from zerobubble.runtime.memory import peak_memory
+from zerobubble_bench.memory import peak_memory
 
 pytestmark = pytest.mark.multiprocess
 

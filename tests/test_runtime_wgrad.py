@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zerobubble.bench import split_model
 from zerobubble.runtime.wgrad import (
     FastPaths,
     SplitRule,
@@ -26,6 +25,7 @@ from zerobubble.runtime.wgrad import (
     install_deferral,
     remove_deferral,
 )
+from zerobubble_bench.split_models import split_model
 
 WIDTH = 8
 
@@ -362,7 +362,7 @@ def test_bench_wgrad_on_cuda_without_a_gpu_is_a_clear_error(capsys):
 
 
 def test_bench_wgrad_measures_every_split():
-    from zerobubble.bench import wgrad_split_cost
+    from zerobubble_bench.wgrad import wgrad_split_cost
 
     threads = torch.get_num_threads()
     try:

@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from _dist import rich_batch, rich_layers, run_ranks, token_loss
-from zerobubble.runtime.emulate import tiny_layers, wait_until
+from zerobubble.runtime.emulate import wait_until
 from zerobubble.runtime.staging import default_costs
 from zerobubble.runtime.trace import build_timeline, measured_costs
 from zerobubble.schedule import CostModel, Kind, build_schedule, dependencies, simulate
+from zerobubble_bench.workloads import tiny_layers
 
 EMULATED = CostModel(f=10.0, b=10.0, w=6.0)  # milliseconds per rank-stage
 EMULATED_M = 4

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from zerobubble.models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
-from zerobubble.train import TrainConfig, run_training
+from zerobubble_demo import ConfigError
+from zerobubble_demo.models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
+from zerobubble_demo.train import TrainConfig, print_summary, run_training
 
 
 def test_corpus_is_seeded_and_shifted():
@@ -88,7 +89,26 @@ def test_data_parallel_training_clips_and_reports_the_optimizer_outcomes():
 
 
 def test_train_config_rejects_a_data_parallel_size_that_does_not_divide_the_ranks():
-    with pytest.raises(ValueError, match="does not divide ranks=3"):
+    with pytest.raises(ConfigError, match="does not divide ranks=3"):
         run_training(TrainConfig(ranks=3, data_parallel=2, progress=False))
-    with pytest.raises(ValueError, match="2 replicas"):
+    with pytest.raises(ConfigError, match="2 replicas"):
         run_training(TrainConfig(ranks=2, data_parallel=2, batch_size=12, microbatches=4, progress=False))
+
+
+def test_print_summary_leaves_the_process_group_to_whoever_created_it(tmp_path, capsys):
+    """A caller that set up torch.distributed keeps its group after printing (rank 0 prints)."""
+    import torch.distributed as dist
+
+    from zerobubble_demo.train import TrainSummary
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        summary = TrainSummary(
+            schedule="1f1b", ranks=1, microbatches=2, steps=1, first_loss=1.0, last_loss=1.0, step_time=1.0,
+            tokens_per_second=1.0, predicted_bubble=0.0, entropy_floor=0.5, losses=[1.0],
+        )  # fmt: skip
+        print_summary(summary)
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+    assert "1f1b" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """Real models through the B/W split on 2 gloo ranks, every registry schedule: loss, every gradient and
 every buffer equal one process over the same microbatches.
 
-Models (:func:`zerobubble.bench.split_model`): transformers GPT-2 (``Conv1D`` projections) and Llama
+Models (:func:`zerobubble_bench.split_models.split_model`): transformers GPT-2 (``Conv1D``
+projections) and Llama
 (RMSNorm through the generic split; rotary tables cross stage boundaries as a tuple), a conv net with
 BatchNorm (running statistics compared too) and transformer blocks under activation checkpointing.
 Every B op is watched: no parameter's ``.grad`` may change in B (all of it waits for W).
@@ -14,7 +15,7 @@ import pytest
 
 from _dist import RUNTIME_SCHEDULES, run_ranks
 from _wgrad_models import model_cases
-from zerobubble.bench import SPLIT_MODELS
+from zerobubble_bench.split_models import SPLIT_MODELS
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiprocess

@@ -1,7 +1,10 @@
 """The ``zerobubble`` command line: parses arguments, calls the library, prints the answer.
 
-Every user error ends in one line on stderr (``zerobubble: error: …``) and exit status 2, never a
-traceback.
+Every user error — the project's own error types: ``UsageError``, ``ScheduleError``,
+``PipelineError`` and the demo's ``ConfigError`` — ends in one line on stderr
+(``zerobubble: error: …``) and exit status 2; any other exception is a bug and keeps its traceback.
+The demo (``train``, ``profile``) and the benchmarks (``bench``) are imported inside their commands:
+the library never imports them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from .schedule import (
     Schedule,
     ScheduleError,
     build_schedule,
-    parse_memory_limit,
 )
 from .schedule.compare import OPTIMIZER_MODES, compare_schedules, iteration_period
 from .schedule.paper import paper_models, paper_setup
@@ -57,9 +59,7 @@ def _costs_from_args(args: argparse.Namespace, stages: int) -> CostModel:
         f, b, w, *comm = _number_list(args.cost, "--cost", 3, 4)
         mem_b, mem_w = _number_list(args.memory, "--memory", 2, 2)
         costs = CostModel(f=f, b=b, w=w, comm=comm[0] if comm else 0.0, mem_b=mem_b, mem_w=mem_w)
-    if args.memory_limit is not None:
-        costs = costs.with_memory_limit(parse_memory_limit(args.memory_limit, stages, costs.mem_b))
-    return costs
+    return costs.apply_memory_limit(args.memory_limit, stages)
 
 
 def _add_setup_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
@@ -170,8 +170,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         setup = paper_setup(args.paper_model, args.microbatches)
         stages, costs = setup.stages, setup.costs
         chunks = chunks or setup.interleaved_chunks
-        if args.memory_limit is not None:
-            costs = costs.with_memory_limit(parse_memory_limit(args.memory_limit, stages, costs.mem_b))
+        costs = costs.apply_memory_limit(args.memory_limit, stages)
     else:
         stages, costs = args.stages, _costs_from_args(args, args.stages)
     names = args.schedules.split(",") if args.schedules else None
@@ -271,7 +270,7 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .train import TrainConfig, print_summary, run_training
+    from zerobubble_demo.train import TrainConfig, print_summary, run_training
 
     given = {key: value for key, value in vars(args).items() if value is not None}
     config = TrainConfig(**{key: given[key] for key in TrainConfig.__dataclass_fields__ if key in given})
@@ -280,39 +279,52 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    import torch
 
-    print(f"Machine: {bench.machine_description()}\n")
+    from zerobubble_bench import emulate, pipelines, plan, schedulers, split_models, tables, wgrad
+
+    if args.benchmark == "wgrad" and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
+    print(f"Machine: {tables.machine_description()}\n")
     if args.benchmark == "pipelines":
-        tables = bench.compare_pipelines(
+        results = pipelines.compare_pipelines(
             args.models, args.microbatches, rounds=args.rounds, steps_per_round=args.steps_per_round
         )
     elif args.benchmark == "schedulers":
-        tables = [bench.scheduler_build_times(args.stages, args.microbatches, args.rounds, args.schedules)]
+        results = [
+            schedulers.scheduler_build_times(args.stages, args.microbatches, args.rounds, args.schedules)
+        ]
         if args.table5:
-            tables.append(bench.schedulers_against_authors())
+            results.append(schedulers.schedulers_against_authors())
     elif args.benchmark == "plan":
-        tables = bench.plan_benchmark(
+        results = plan.plan_benchmark(
             args.ranks, args.microbatches, rounds=args.rounds, steps_per_round=args.steps_per_round
         )
     elif args.benchmark == "wgrad":
-        tables = [
-            bench.wgrad_split_cost(
-                args.rows, args.repeats, args.threads, accumulate, args.device, args.splits
+        # this command's process runs nothing else: it may tune glibc's malloc (see zerobubble_bench.wgrad)
+        results = [
+            wgrad.wgrad_split_cost(
+                args.rows,
+                args.repeats,
+                args.threads,
+                accumulate,
+                args.device,
+                args.splits,
+                keep_freed_memory=True,
             )
             for accumulate in (True, False)
         ]
         if args.models:
-            tables.append(bench.w_shares(args.models, args.width, args.seq))
+            results.append(split_models.w_shares(args.models, args.width, args.seq))
     else:
         f, b, w = args.costs
-        tables = [
-            bench.emulated_pipelines(
+        results = [
+            emulate.emulated_pipelines(
                 ranks, costs=CostModel(f=f, b=b, w=w), steps=args.steps, schedules=args.schedules
             )
             for ranks in args.ranks
         ]
-    for table in tables:
+    for table in results:
         print(table.markdown() + "\n")
     return 0
 
@@ -441,8 +453,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from .models import GPTConfig
-    from .runtime.profile import profile_gpt
+    from zerobubble_demo.models import GPTConfig
+    from zerobubble_demo.profile import profile_gpt
+
     from .schedule.plan import format_bytes
 
     config = GPTConfig(
@@ -494,9 +507,18 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _is_user_error(error: Exception) -> bool:
-    """Bad values, and the runtime's PipelineError family (only importable once torch is loaded)."""
-    runtime = sys.modules.get("zerobubble.runtime")
-    return isinstance(error, ValueError) or (runtime is not None and isinstance(error, runtime.PipelineError))
+    """The project's own error types: a user's mistake or a failed run, reported in one line.
+
+    The runtime's ``PipelineError`` and the demo's ``ConfigError`` are looked up only if their
+    module is loaded (importing them would load torch); any other exception is a bug: traceback.
+    """
+    if isinstance(error, (UsageError, ScheduleError)):
+        return True
+    kinds = [
+        getattr(sys.modules.get(module), name, None)
+        for module, name in (("zerobubble.runtime", "PipelineError"), ("zerobubble_demo", "ConfigError"))
+    ]
+    return any(isinstance(error, kind) for kind in kinds if isinstance(kind, type))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -563,10 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
-    except (UsageError, ScheduleError) as error:
-        print(f"zerobubble: error: {error}", file=sys.stderr)
-        return 2
-    except (ValueError, RuntimeError) as error:
+    except Exception as error:
         if not _is_user_error(error):
             raise
         print(f"zerobubble: error: {error}", file=sys.stderr)

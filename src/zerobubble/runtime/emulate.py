@@ -20,8 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from torch import nn
-
 from ..schedule import CostModel, Kind, ScheduleError
 from .executor import Executor, StageState
 
@@ -99,8 +97,3 @@ def _weight(executor: Executor, durations: list[float], spin: float) -> Handler:
         wait_until(ready + durations[state.index], spin)
 
     return weight
-
-
-def tiny_layers(count: int, width: int = 8) -> list[nn.Module]:
-    """``count`` small Linear + Tanh layers: real tensors to pass around at negligible compute cost."""
-    return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(count)]

@@ -6,24 +6,16 @@ executor's kept stage inputs/outputs and hand-overs, and the W stores' deferred 
 Parameters and the caller's batch are not activations and are left out.  It reads the total after
 every op (it is the Pipeline's recorder) and keeps the peak.
 
-:func:`peak_memory` (a rank worker) and :func:`memory_table` measure every schedule on 2 local
-ranks with Linear–GELU–Linear blocks; ``python benchmarks/memory.py`` prints the table and
-``tests/test_runtime_memory.py`` checks it against the simulator's bound.
+The benchmark that measures every schedule with it is :mod:`zerobubble_bench.memory`.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-
-from .launch import init_distributed, launch
-
-WIDTH, ROWS, BLOCKS = 16, 4, 8
 
 
 class _Held:
@@ -101,55 +93,3 @@ def _tensors_in(value: Any, depth: int = 5) -> list[torch.Tensor]:
     else:
         return []
     return [tensor for item in items for tensor in _tensors_in(item, depth - 1)]
-
-
-def mlp_blocks(seed: int) -> list[nn.Module]:
-    """``BLOCKS`` Linear–GELU–Linear blocks (a transformer MLP without the residual)."""
-    torch.manual_seed(seed)
-    return [
-        nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
-        for _ in range(BLOCKS)
-    ]
-
-
-def peak_memory(cases: list[tuple[str, int]]) -> dict:
-    """Peak live activation bytes of each ``(schedule, microbatches)`` on this rank (second step)."""
-    init_distributed(backend="gloo", timeout=60)
-
-    from .pipeline import Pipeline
-
-    results = {}
-    for name, m in cases:
-        pipe = Pipeline(mlp_blocks(0), schedule=name, microbatches=m, loss_fn=F.mse_loss, timeout=60)
-        inputs = torch.randn(ROWS * m, WIDTH)
-        targets = torch.randn(ROWS * m, WIDTH)
-        meter = ActivationMeter(pipe, (inputs, targets))
-        pipe.step(inputs, targets)  # first step: shapes and headers
-        pipe.recorder = meter
-        with meter.hooks():
-            pipe.step(inputs, targets)
-        stages = pipe.schedule.num_stages
-        predicted = pipe.timeline.peak_memory[pipe.rank]
-        results[(name, m)] = {"peak": meter.peak, "predicted": predicted, "blocks_per_stage": BLOCKS / stages}
-    return results
-
-
-def memory_table(schedules: Sequence[str], counts: Sequence[int] = (8, 16, 32), ranks: int = 2) -> list[str]:
-    """Markdown table: each schedule's measured peak per rank over the simulator's bound, per m.
-
-    The bound is the simulated peak (units of M_B) times the bytes of one M_B, taken from 1F1B's
-    measured peak on rank 0 at the smallest m.
-    """
-    cases = [("1f1b", counts[0])] + [(name, m) for name in schedules for m in counts]
-    per_rank = launch(peak_memory, ranks, (cases,), threads=1)
-    first = per_rank[0][("1f1b", counts[0])]
-    unit = first["peak"] / first["predicted"]
-    header = "| schedule | " + " | ".join(f"m = {m}: peak / bound per rank" for m in counts) + " |"
-    lines = [header, "|---" * (len(counts) + 1) + "|"]
-    for name in schedules:
-        cells = []
-        for m in counts:
-            ratios = [r[(name, m)]["peak"] / (r[(name, m)]["predicted"] * unit) for r in per_rank]
-            cells.append(" ".join(f"{ratio:.3f}" for ratio in ratios))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines

@@ -83,6 +83,13 @@ class CostModel:
         """A copy with another memory limit."""
         return self.replace(memory_limit=limit)
 
+    def apply_memory_limit(self, spec: str | float | None, num_ranks: int) -> CostModel:
+        """A copy limited per rank to ``spec``: an amount, or ``"Np"`` = N·p·M_B
+        (:func:`parse_memory_limit`); ``None`` keeps these costs as they are."""
+        if spec is None:
+            return self
+        return self.with_memory_limit(parse_memory_limit(spec, num_ranks, self.mem_b))
+
     def resolve(self, placement: Placement) -> StageCosts:
         """Per-virtual-stage costs for ``placement`` (see the module docstring for list lengths)."""
         p, S, v = placement.num_ranks, placement.num_stages, placement.chunks

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ..costs import CostModel, parse_memory_limit
+from ..costs import CostModel
 from ..ir import Schedule, ScheduleError, check_positive
 
 
@@ -50,11 +50,8 @@ class BuilderSpec:
 
     def resolve_costs(self, costs: CostModel, stages: int) -> CostModel:
         """Apply this schedule's memory-limit rule to the user's costs."""
-        if self.memory_limit is None:
-            return costs
-        default = parse_memory_limit(self.memory_limit, stages, costs.mem_b)
         if self.fixed_memory_limit or costs.memory_limit is None:
-            return costs.with_memory_limit(default)
+            return costs.apply_memory_limit(self.memory_limit, stages)
         return costs
 
     def load(self) -> Callable[..., Schedule]:

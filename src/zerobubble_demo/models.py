@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ConfigError
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -32,9 +34,9 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab", "seq_len", "dim", "heads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(f"GPTConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.n_layers < 0 or self.dim % self.heads:
-            raise ValueError(
+            raise ConfigError(
                 f"GPTConfig needs n_layers >= 0 and dim divisible by heads; got n_layers={self.n_layers}, "
                 f"dim={self.dim}, heads={self.heads}"
             )

@@ -25,9 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerobubble.schedule import Schedule, build_schedule, transformer_costs
+from zerobubble.schedule.plan import parse_bytes
+
+from . import ConfigError
 from .models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
-from .schedule import Schedule, build_schedule, transformer_costs
-from .schedule.plan import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class TrainSummary:
 
 
 def check_config(config: TrainConfig) -> Schedule | None:
-    """Raise a one-line ``ValueError`` for any setting that cannot train, before a rank starts.
+    """Raise a one-line :class:`ConfigError` for any setting that cannot train, before a rank starts.
 
     Counts must be positive, the data-parallel degree must divide the ranks, the batch must split
     into replicas × microbatches, the model size must be valid and the schedule must build for
@@ -129,21 +131,21 @@ def check_config(config: TrainConfig) -> Schedule | None:
     for name in ("ranks", "steps", "microbatches", "batch_size", "data_parallel"):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
     if not config.timeout > 0:
-        raise ValueError(f"timeout must be positive (seconds), got {config.timeout!r}")
+        raise ConfigError(f"timeout must be positive (seconds), got {config.timeout!r}")
     if not config.lr > 0:
-        raise ValueError(f"lr must be positive, got {config.lr!r}")
+        raise ConfigError(f"lr must be positive, got {config.lr!r}")
     if config.max_norm is not None and not config.max_norm > 0:
-        raise ValueError(f"max-norm must be positive, got {config.max_norm!r}")
+        raise ConfigError(f"max-norm must be positive, got {config.max_norm!r}")
     if config.ranks % config.data_parallel:
-        raise ValueError(
+        raise ConfigError(
             f"data-parallel {config.data_parallel} does not divide ranks={config.ranks}; ranks counts every "
             "process (pipeline ranks × data-parallel)"
         )
     split = config.microbatches * config.data_parallel
     if config.batch_size % split:
-        raise ValueError(
+        raise ConfigError(
             f"batch size {config.batch_size} does not split into {config.data_parallel} replicas × "
             f"{config.microbatches} microbatches; use a multiple of {split}"
         )
@@ -155,7 +157,7 @@ def check_config(config: TrainConfig) -> Schedule | None:
     ranks, costs = config.pipeline_ranks, _costs(config)
     schedule = build_schedule(config.schedule, ranks, config.microbatches, costs=costs, chunks=config.chunks)
     if model.n_layers + 2 < schedule.num_stages:
-        raise ValueError(
+        raise ConfigError(
             f"{config.schedule} on {config.pipeline_ranks} ranks needs {schedule.num_stages} chunks but the "
             f"model has {model.n_layers + 2} layers (blocks + embedding + head); use --layers "
             f"{schedule.num_stages - 2} or more"
@@ -168,18 +170,23 @@ def run_training(config: TrainConfig) -> TrainSummary:
 
     The settings are checked first (:func:`check_config`), so a bad one is a one-line error.
     """
-    from .runtime.launch import launch, under_launcher
+    from zerobubble.runtime.launch import launch, under_launcher
 
     schedule = check_config(config)
     if under_launcher():
-        return _train_rank(config, schedule)
+        joined = dist.is_initialized()
+        try:
+            return _train_rank(config, schedule)
+        finally:
+            if not joined and dist.is_initialized():  # this call created the group: it destroys it
+                dist.destroy_process_group()
     threads = max(1, (os.cpu_count() or 1) // config.ranks)
     return launch(_train_rank, config.ranks, (config, schedule), threads=threads)[0]
 
 
 def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
-    from .runtime.launch import init_distributed
-    from .runtime.pipeline import Pipeline
+    from zerobubble.runtime.launch import init_distributed
+    from zerobubble.runtime.pipeline import Pipeline
 
     init_distributed(config.backend, config.timeout)
     torch.manual_seed(config.seed)
@@ -310,10 +317,9 @@ class _progress:
 
 
 def print_summary(summary: TrainSummary) -> None:
-    """Print the summary once: on rank 0, or in the launching process."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """Print the summary once: on rank 0, or in the launching process (the process group is left alone)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         from rich.console import Console
 
         Console().print("\n".join(summary.lines()))
-    if dist.is_initialized():
-        dist.destroy_process_group()

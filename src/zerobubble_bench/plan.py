@@ -1,0 +1,137 @@
+"""``bench plan``: ``schedule="auto"`` against hand-picked schedules and torch's ZBV.
+
+On the uneven language model (a large vocabulary: heavy first and last layers) auto's partition
+and schedule run beside zb-v on the even split and torch's ZBV, per rank count; on the balanced
+MLP of ``bench pipelines`` beside our hand-picked schedules.  The tables also give each
+configuration's step time predicted from auto's profile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from zerobubble.runtime.launch import init_distributed, launch
+from zerobubble.runtime.pipeline import Pipeline
+from zerobubble.schedule import simulate
+from zerobubble.schedule.partition import even_partition
+
+from .tables import Table, median
+from .workloads import (
+    OUR_SCHEDULES,
+    bench_partition,
+    interleaved,
+    our_step,
+    torch_runner,
+    uneven_lm_workload,
+    workload,
+)
+
+
+def plan_benchmark(
+    ranks: Sequence[int] = (2, 4),
+    microbatches: int = 8,
+    rows: int = 2,
+    mlp_rows: int = 32,
+    rounds: int = 5,
+    steps_per_round: int = 2,
+    warmup: int = 2,
+) -> list[Table]:
+    """``schedule="auto"`` against zb-v on the even split and torch's ZBV on the uneven LM, per rank count;
+    and against our hand-picked schedules on the balanced MLP of ``bench pipelines`` (2 ranks).
+
+    Every configuration runs in the same spawned ranks, in rotating rounds; the tables give medians,
+    ratios to auto, and each configuration's step time predicted by the simulator from auto's profile.
+    """
+    tables = []
+    for count in ranks:
+        lm = launch(
+            _plan_rank, count, ("lm", microbatches, rows, rounds, steps_per_round, warmup), threads=1
+        )[0]
+        tables.append(_plan_table(uneven_lm_workload(microbatches, rows).name, count, microbatches, rows, lm))
+    mlp = launch(_plan_rank, 2, ("mlp", microbatches, mlp_rows, rounds, steps_per_round, warmup), threads=1)[
+        0
+    ]
+    tables.append(_plan_table(workload("mlp", microbatches, mlp_rows).name, 2, microbatches, mlp_rows, mlp))
+    return tables
+
+
+def _plan_rank(model: str, m: int, rows: int, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+    from zerobubble.schedule.plan import stage_costs
+
+    init_distributed(backend="gloo", timeout=300)
+    world = dist.get_world_size()
+    load = uneven_lm_workload(m, rows) if model == "lm" else workload("mlp", m, rows)
+    # the measured step is barrier to barrier without an optimizer step: plan for the makespan ("sync")
+    auto = Pipeline(
+        load.make_layers(),
+        schedule="auto",
+        microbatches=m,
+        loss_fn=load.loss_fn,
+        example=load.batch,
+        post_validation=False,
+        timeout=300,
+    )
+    pipes = {f"auto ({auto.schedule.name}, cuts {list(auto.plan.partition)})": auto}
+    count = len(load.make_layers())
+    names = ("zb-v",) if model == "lm" else OUR_SCHEDULES
+    for name in names:
+        chunks = 2 * world if name == "zb-v" else world
+        partition = even_partition(count, chunks) if model == "lm" else bench_partition(model, count, chunks)
+        label = f"zb-v, even split {partition}" if model == "lm" else f"ours {name}"
+        pipes[label] = Pipeline(
+            load.make_layers(),
+            schedule=name,
+            microbatches=m,
+            loss_fn=load.loss_fn,
+            partition=partition,
+            timeout=300,
+        )
+    runners = {label: our_step(pipe, load.batch) for label, pipe in pipes.items()}
+    if model == "lm":
+        runners["torch ScheduleZBVZeroBubble, even split"] = torch_runner(
+            "ScheduleZBVZeroBubble", model, load, m
+        )
+    times = interleaved(runners, rounds, steps, warmup)
+    predicted = {}
+    for label, pipe in pipes.items():
+        bounds = pipe.layer_bounds
+        costs = stage_costs(
+            auto.profile, bounds[1:-1], len(bounds) - 1, fused=not pipe.schedule.splits_backward
+        )
+        predicted[label] = simulate(pipe.schedule, costs).makespan
+    return {"times": times, "predicted": predicted, "reason": auto.plan.reason}
+
+
+def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any]) -> Table:
+    times, predicted = result["times"], result["predicted"]
+    auto = next(name for name in times if name.startswith("auto"))
+    reference = median(times[auto])
+    table = Table(
+        f"{label}: step time on {ranks} CPU ranks, {m} microbatches of {rows} "
+        f"{'sequences' if 'LM' in label else 'rows'}",
+        ["configuration", "median step (ms)", "× auto", "predicted (ms)", "measured / predicted", "steps"],
+    )
+    for name, values in times.items():
+        value = median(values)
+        guess = predicted.get(name)
+        table.rows.append(
+            [
+                name,
+                f"{value * 1e3:.1f}",
+                f"{value / reference:.3f}",
+                f"{guess * 1e3:.1f}" if guess else "—",
+                f"{value / guess:.3f}" if guess else "—",
+                str(len(values)),
+            ]
+        )
+    table.notes.append(
+        f"auto chose: {result['reason']}. Predicted = the simulator's makespan for that configuration's "
+        "schedule and partition under auto's per-layer profile (every rank profiling at once before the "
+        "run, median over ranks). "
+        "Step = barrier to barrier, backward and zero_grad included, no optimizer; configurations "
+        "measured in rotating rounds."
+    )
+    return table

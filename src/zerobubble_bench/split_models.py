@@ -1,0 +1,234 @@
+"""Real models through the B/W split, and ``bench wgrad --models``: the share of W per stage.
+
+:func:`split_model` builds transformers GPT-2 and Llama, a BatchNorm conv net and checkpointed
+transformer blocks as pipeline layers with random weights and a batch (the real-model tests use
+them); :func:`w_shares` measures ``T_W / (T_B + T_W)`` of each stage on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zerobubble.runtime.launch import init_distributed, launch
+from zerobubble.runtime.pipeline import Pipeline
+from zerobubble_demo.models import GPTConfig, gpt_layers, lm_loss
+
+from .tables import Table, preserved_torch_state
+
+SPLIT_MODELS = ("gpt2", "llama", "convnet", "checkpointed")
+"""Models the B/W split is checked on: transformers GPT-2 and Llama, a BatchNorm conv net, and
+transformer blocks under activation checkpointing (``use_reentrant=False``)."""
+
+
+@dataclass
+class SplitModel:
+    """Layers of a model, its loss and one batch (inputs, targets) to pipeline."""
+
+    layers: list[nn.Module]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+
+def split_model(name: str, width: int = 16, batch: int = 8, seq: int = 8, seed: int = 0) -> SplitModel:
+    """``name`` (one of :data:`SPLIT_MODELS`) with random weights (``seed``) and a random batch.
+
+    Two blocks between an embedding and a head (4 layers, enough for 2 ranks × 2 chunks); ``width``
+    is the hidden size (channels for the conv net), ``seq`` the sequence length (image side).
+    GPT-2 and Llama need ``transformers`` (random configs: nothing is downloaded).  The caller's
+    global RNG state is left as it was.
+    """
+    with preserved_torch_state():
+        return _build_split_model(name, width, batch, seq, seed)
+
+
+def _build_split_model(name: str, width: int, batch: int, seq: int, seed: int) -> SplitModel:
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    vocab = 32
+    tokens = torch.randint(vocab, (batch, seq), generator=generator)
+    targets = torch.randint(vocab, (batch, seq), generator=generator)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        from zerobubble.hf import gpt2_layers
+
+        gpt2 = GPT2Config(
+            vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=2, n_head=2, tie_word_embeddings=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return SplitModel(gpt2_layers(GPT2LMHeadModel(gpt2)), lm_loss, tokens, targets)
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from zerobubble.hf import llama_layers
+
+        llama = LlamaConfig(
+            vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=seq,
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        return SplitModel(llama_layers(LlamaForCausalLM(llama)), lm_loss, tokens, targets)
+    if name == "convnet":
+        images = torch.randn(batch, 3, seq, seq, generator=generator)
+        labels = torch.randint(10, (batch,), generator=generator)
+        layers = [_conv_bn(3, width), _conv_bn(width, width), _conv_bn(width, width), _ConvHead(width, 10)]
+        return SplitModel(layers, F.cross_entropy, images, labels)
+    if name == "checkpointed":
+        config = GPTConfig(vocab=vocab, seq_len=seq, dim=width, heads=2, n_layers=2)
+        embedding, *blocks, head = gpt_layers(config)
+        return SplitModel([embedding, *(_Checkpointed(b) for b in blocks), head], lm_loss, tokens, targets)
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(SPLIT_MODELS)}")
+
+
+def _conv_bn(channels_in: int, channels_out: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(channels_in, channels_out, 3, padding=1), nn.BatchNorm2d(channels_out), nn.ReLU()
+    )
+
+
+class _ConvHead(nn.Module):
+    """Global average pooling, a learned per-channel scale and a linear classifier.
+
+    The scale is the head's own parameter, so the head takes the generic split (around its
+    fast-path ``fc``): the real-model tests cover that path too.
+    """
+
+    def __init__(self, channels: int, classes: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(channels))
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.mean(dim=(2, 3)) * self.scale)
+
+
+class _Checkpointed(nn.Module):
+    """A block whose activations are recomputed in the backward (``use_reentrant=False``)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def w_shares(
+    models: Sequence[str] = SPLIT_MODELS,
+    width: int = 256,
+    seq: int = 64,
+    microbatches: int = 8,
+    steps: int = 5,
+    schedule: str = "zb-h1",
+) -> Table:
+    """Measured ``T_W / (T_B + T_W)`` per stage of each model on 2 ranks.
+
+    A stage whose parameters all get their gradients in B shows a share near 0; a Linear-dominated
+    stage near 0.5 (W is as many FLOPs as the input gradient).  Two measurements: the op times of
+    ``Pipeline(trace=True)`` (wall clock), and the same ops timed by each rank's thread CPU time,
+    which load from other processes does not inflate.
+    """
+    arguments = (list(models), width, seq, microbatches, steps, schedule)
+    results = launch(_w_share_rank, 2, arguments, threads=1)[0]
+    table = Table(
+        f"W share of the backward per stage: {schedule}, 2 CPU ranks, {microbatches} microbatches, "
+        f"width {width}, sequence {seq}",
+        [
+            "model",
+            "stage 0 (trace=True)",
+            "stage 1 (trace=True)",
+            "stage 0 (CPU time)",
+            "stage 1 (CPU time)",
+            "T_B + T_W per microbatch, stage 0 / 1 (ms)",
+        ],
+    )
+    for name, (shares, totals, cpu_shares) in results.items():
+        table.rows.append(
+            [
+                name,
+                *(f"{share:.3f}" for share in shares),
+                *(f"{share:.3f}" for share in cpu_shares),
+                " / ".join(f"{t * 1e3:.1f}" for t in totals),
+            ]
+        )
+    table.notes.append(
+        f"W share = sum of W op times / sum of B and W op times of the stage over steps 2..{steps}, "
+        "1 thread per rank. trace=True: wall-clock op times recorded by Pipeline(trace=True), which "
+        f"load from other processes on a shared machine makes noisy; CPU time: {steps - 1} more steps "
+        "with each op timed by its rank's thread CPU time."
+    )
+    return table
+
+
+class _CpuTimeRecorder:
+    """A Pipeline recorder timing each op by the rank's thread CPU time, summed per (stage, kind)."""
+
+    clock = staticmethod(time.thread_time)
+
+    def __init__(self) -> None:
+        self.totals: dict[tuple[int, Any], float] = {}
+
+    def op(self, op: Any, start: float, end: float) -> None:
+        key = (op.stage, op.kind)
+        self.totals[key] = self.totals.get(key, 0.0) + end - start
+
+    def wait(self, key: Any, start: float, end: float) -> None:
+        """Transfer waits are not compute: ignored."""
+
+
+def _w_share_rank(
+    models: list[str], width: int, seq: int, microbatches: int, steps: int, schedule: str
+) -> dict[str, Any]:
+    from zerobubble.schedule.ir import Kind
+
+    init_distributed(backend="gloo", timeout=120)
+    shares = {}
+    for name in models:
+        side = min(seq, 16)  # conv net images: 16×16 (at 64×64 a microbatch takes half a second)
+        model = split_model(name, width=width, batch=2 * microbatches, seq=side if name == "convnet" else seq)
+        pipe = Pipeline(
+            model.layers, schedule=schedule, microbatches=microbatches, loss_fn=model.loss_fn, trace=True
+        )
+        for _ in range(steps):
+            pipe.step(model.inputs, model.targets)
+            pipe.zero_grad()
+        timelines = pipe.measured_timelines()
+        cpu = _CpuTimeRecorder()
+        pipe.recorder = cpu
+        for _ in range(steps - 1):
+            pipe.step(model.inputs, model.targets)
+            pipe.zero_grad()
+        local = [(cpu.totals.get((s, Kind.B), 0.0), cpu.totals.get((s, Kind.W), 0.0)) for s in pipe.stages]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        if timelines is not None:
+            cpu_shares = [w / (b + w) if b + w else 0.0 for rank in gathered for b, w in rank]
+            shares[name] = (*_stage_w_share(timelines[1:] or timelines, microbatches), cpu_shares)
+    return shares
+
+
+def _stage_w_share(timelines: Sequence[Any], microbatches: int) -> tuple[list[float], list[float]]:
+    """Per stage: W share, and ``(T_B + T_W)`` per microbatch, summed over measured steps."""
+    from zerobubble.schedule.ir import Kind
+
+    times: dict[int, dict[Kind, float]] = {}
+    for timeline in timelines:
+        for rank, program in enumerate(timeline.schedule.programs):
+            for op, start, end in zip(program, timeline.start[rank], timeline.end[rank]):
+                per_kind = times.setdefault(op.stage, {})
+                per_kind[op.kind] = per_kind.get(op.kind, 0.0) + end - start
+    stages = sorted(times)
+    backward = [times[s].get(Kind.B, 0.0) + times[s].get(Kind.W, 0.0) for s in stages]
+    shares = [times[s].get(Kind.W, 0.0) / total if total else 0.0 for s, total in zip(stages, backward)]
+    return shares, [total / (microbatches * len(timelines)) for total in backward]

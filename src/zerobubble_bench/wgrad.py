@@ -1,0 +1,215 @@
+"""``bench wgrad``: the cost of the B/W split against the fused backward of one stage.
+
+``T_B + T_W`` against the fused backward for an MLP stage, a GPT block and a conv/BatchNorm stage,
+per split (our fast paths, the generic split only, torch pipelining's) and microbatch size.
+On CPU the command (``zerobubble bench wgrad``, ``benchmarks/wgrad_split.py``) asks for
+``keep_freed_memory=True``: glibc's malloc then keeps freed memory, as a caching allocator does.
+That is a process-wide allocator setting, so library callers and tests leave it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerobubble_demo.models import Block, GPTConfig
+
+from .tables import Table, median, preserved_torch_state
+from .workloads import mlp_layers
+
+
+def wgrad_split_cost(
+    rows_list: Sequence[int] = (8, 32, 128, 512),
+    repeats: int = 15,
+    threads: int = 1,
+    accumulate: bool = True,
+    device: str = "cpu",
+    modes: Sequence[str] = ("fast paths", "generic only", "torch pipelining"),
+    keep_freed_memory: bool = False,
+) -> Table:
+    """``T_B + T_W`` of the B/W split against the fused backward, per stage, split and microbatch size.
+
+    Stages: 4 × (Linear(1024) + ReLU) of the MLP, one GPT block (width 256, ``rows`` tokens) and two
+    Conv2d(32, 3×3) + BatchNorm2d + ReLU blocks (``rows`` images of 8×8).  Splits: ``fast paths``
+    (the default registry), ``generic only`` (an empty registry: every module through the generic
+    split) and ``torch pipelining`` (``stage_backward_input``/``stage_backward_weight`` of
+    ``torch.distributed.pipelining``, for reference).  Fused and split backwards alternate within
+    each repeat; medians are reported.  With ``accumulate`` gradients add into existing ``.grad``
+    tensors (every microbatch of a step but the first); without, ``.grad`` is reset before each
+    repeat (a step's first microbatch).  ``threads`` holds during the run only.
+    ``keep_freed_memory`` (CPU) tunes glibc's malloc for the rest of the process
+    (``_keep_freed_memory``): only for a process that runs nothing else, like the bench command.
+    """
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
+    tuned = keep_freed_memory and device == "cpu"
+    if tuned:
+        _keep_freed_memory()
+    with preserved_torch_state():
+        torch.set_num_threads(threads)
+        return _wgrad_table(rows_list, repeats, threads, accumulate, device, modes, tuned)
+
+
+def _wgrad_table(
+    rows_list: Sequence[int],
+    repeats: int,
+    threads: int,
+    accumulate: bool,
+    device: str,
+    modes: Sequence[str],
+    tuned: bool,
+) -> Table:
+    regime = "accumulating into .grad" if accumulate else "fresh .grad (first microbatch)"
+    where = f"{threads} thread" if device == "cpu" else device
+    table = Table(
+        f"B/W split cost (single process, {where}, {regime})",
+        ["stage", "split", "rows", "fused backward (ms)", "T_B (ms)", "T_W (ms)", "(T_B+T_W)/fused"],
+    )
+    for label, make, shape in _split_stages():
+        for mode in modes:
+            for rows in rows_list:
+                fused, split_b, split_w, ratio = _split_times(
+                    make, shape(rows), repeats, accumulate, mode, torch.device(device)
+                )
+                table.rows.append(
+                    [
+                        label,
+                        mode,
+                        str(rows),
+                        f"{fused * 1e3:.3f}",
+                        f"{split_b * 1e3:.3f}",
+                        f"{split_w * 1e3:.3f}",
+                        f"{ratio:.3f}",
+                    ]
+                )
+    allocator = ", glibc keeps freed memory as a caching allocator would" if tuned else ""
+    table.notes.append(
+        f"Medians of {repeats} repeats after one warm-up; the ratio is the median of each repeat's "
+        "ratio (fused and split measured back to back). CPU: thread CPU time (load from other "
+        f"processes does not count){allocator}. "
+        "Goals at "
+        "≥ 32 rows: ≤ 1.05 for fast paths, ≤ 1.15 for the generic split. Conv rows are 8×8 images."
+    )
+    return table
+
+
+def _keep_freed_memory() -> None:
+    """Tell glibc's malloc to keep freed memory for reuse, as a caching allocator (CUDA's) does.
+
+    Process-wide and not undone (glibc cannot report the settings it replaces), hence opt-in.
+    Otherwise whether a fresh ``.grad`` costs page faults depends on which backward happened to
+    free or trim memory last, and that order differs between the fused and the split backward.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: do not return the heap's top to the system
+    libc.mallopt(-3, 1 << 25)  # M_MMAP_THRESHOLD (its maximum): serve tensors below 32 MiB from the heap
+
+
+def _split_stages():
+    def mlp() -> nn.Module:
+        return nn.Sequential(*mlp_layers(4))
+
+    def block() -> nn.Module:
+        with preserved_torch_state():
+            torch.manual_seed(0)
+            return Block(GPTConfig(vocab=16, seq_len=512, dim=256, heads=4, n_layers=1))
+
+    def conv() -> nn.Module:
+        with preserved_torch_state():
+            torch.manual_seed(0)
+            layers: list[nn.Module] = []
+            for _ in range(2):
+                layers += [nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU()]
+            return nn.Sequential(*layers)
+
+    return [
+        ("MLP 4×Linear(1024)", mlp, lambda rows: (rows, 1024)),
+        ("GPT block d=256", block, lambda rows: (1, rows, 256)),
+        ("2×(Conv2d+BatchNorm2d) c=32", conv, lambda rows: (rows, 32, 8, 8)),
+    ]
+
+
+class _SplitBackward:
+    """One way of running a split backward: ``input_pass(out, grad)`` then ``weight_pass()``."""
+
+    def __init__(self, module: nn.Module, mode: str, x: torch.Tensor):
+        from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
+
+        self.module, self.mode, self.x = module, mode, x
+        self.store = WeightGradStore()
+        self._groups: Any = None
+        if mode != "torch pipelining":
+            install_deferral([module], self.store, None if mode == "fast paths" else FastPaths())
+
+    def input_pass(self, out: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.mode == "torch pipelining":
+            from torch.distributed.pipelining._backward import stage_backward_input
+
+            _, self._groups = stage_backward_input([out], [grad], [self.x], self.module.parameters())
+            return
+        self.store.begin((0, 0), True)
+        out.backward(grad)
+        self.store.end()
+
+    def weight_pass(self) -> None:
+        if self.mode == "torch pipelining":
+            from torch.distributed.pipelining._backward import stage_backward_weight
+
+            stage_backward_weight(self.module.parameters(), self._groups)
+            return
+        self.store.flush((0, 0))
+
+
+def _split_times(
+    make: Callable[[], nn.Module],
+    shape: tuple[int, ...],
+    repeats: int,
+    accumulate: bool,
+    mode: str,
+    device: torch.device,
+) -> tuple[float, float, float, float]:
+    """Medians of the fused backward, T_B and T_W (seconds) and of the per-repeat (T_B+T_W)/fused."""
+    fused_module, split_module = make().to(device), make().to(device)
+    x = torch.randn(*shape, device=device, requires_grad=True)
+    split = _SplitBackward(split_module, mode, x)
+    # CPU: the thread's CPU time (the torch ops of one thread run on it, backward included), which
+    # other processes on a shared machine do not inflate; CUDA: wall time around synchronisations
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
+    fused, split_b, split_w = [], [], []
+    for repeat in range(repeats + 1):
+        out = fused_module(x)
+        grad = torch.ones_like(out)
+        sync()
+        started = clock()
+        out.backward(grad)
+        sync()
+        elapsed_fused = clock() - started
+        out = split_module(x)
+        sync()
+        started = clock()
+        split.input_pass(out, grad)
+        sync()
+        middle = clock()
+        split.weight_pass()
+        sync()
+        ended = clock()
+        if repeat:  # the first repeat warms up (and creates the .grad tensors later repeats accumulate into)
+            fused.append(elapsed_fused)
+            split_b.append(middle - started)
+            split_w.append(ended - middle)
+        if not accumulate:
+            fused_module.zero_grad(set_to_none=True)
+            split_module.zero_grad(set_to_none=True)
+        x.grad = None
+    # the ratio of each repeat's adjacent measurements: drift in the machine's speed cancels out
+    ratios = [(b + w) / f for f, b, w in zip(fused, split_b, split_w)]
+    return median(fused), median(split_b), median(split_w), median(ratios)
