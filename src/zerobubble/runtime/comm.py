@@ -1,23 +1,15 @@
 """Point-to-point transfers between pipeline ranks.
 
-Every ordered pair of ranks that exchanges tensors gets its own process group used in one direction
-only, so a channel is a FIFO: the sender posts its messages in its program order and the receiver
-posts receives in that same order (it knows the sender's program).  Matching is therefore
-unambiguous without tags — which NCCL ignores anyway — and a receive posted early never blocks a
-transfer going the other way.
+Every ordered pair of ranks that exchanges tensors gets its own process group used in one direction,
+so a channel is a FIFO: the receiver posts receives in the sender's program order, which the schedule
+layer predicts (:mod:`~zerobubble.schedule.channels`), so no tags are needed and an early receive
+never blocks the other direction.  A message is the tuple of tensors crossing one stage boundary for
+one microbatch (a :class:`~zerobubble.schedule.channels.MessageKey`).  The first step sends shape
+headers; afterwards shapes are cached and receives are posted ahead so transfers overlap compute.
+Every wait goes through a :class:`~.failures.PeerMonitor`: it ends at completion, at a peer's error
+notice or at the timeout — never a hang.
 
-A message is the tuple of tensors crossing one stage boundary for one microbatch: activations
-forward (``direction 0``), input gradients backward (``direction 1``), named by a
-:class:`~zerobubble.schedule.channels.MessageKey`; which messages cross which channel in which order
-is the schedule layer's :mod:`~zerobubble.schedule.channels`.  On the first step (always,
-with ``static_shapes=False``) each message is preceded by a small int64 header with the dtypes and
-shapes; afterwards the shapes are cached and the receiver posts its buffers ahead of time
-(``lookahead`` messages per channel), so transfers overlap compute.
-
-Every wait goes through a :class:`~.failures.PeerMonitor`: it ends when the transfer completes,
-when a peer posts an error notice (the survivors then raise at once with the failing rank's op and
-error) or at the timeout — never a hang.  ``forward_only`` steps (evaluation) exchange only the
-activations, always with shape headers, and leave the training shapes cached.
+Headers, look-ahead and forward-only steps: ``docs/runtime.md``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """Data parallelism across pipeline replicas: the process-group layout and the gradient averager.
 
-Layout
-------
-A Pipeline over ``p`` pipeline ranks with ``data_parallel = D`` spans ``p·D`` ranks of its process
-group (the world by default): group rank ``g = dp_index · p + pipeline_rank``.  Replica ``d`` is the
-pipeline of group ranks ``d·p … d·p + p − 1``; the data-parallel group of pipeline rank ``r`` is
-``{r, p + r, …, (D−1)·p + r}`` — the ranks holding the same chunks.
+``p`` pipeline ranks with ``data_parallel = D`` span ``p·D`` ranks (group rank
+``dp_index · p + pipeline_rank``); the data-parallel group of pipeline rank ``r`` holds the same
+chunks in every replica.  As soon as a chunk's last gradient op has run, its gradients are
+all-reduced asynchronously over that group (a hook of the executor), overlapping the rest of the
+step; the step waits at its end and divides by ``D``.  :class:`ParallelLayout` creates every process
+group on every rank in the same order, as ``new_group`` requires.
 
-Every replica runs the same schedule on its own shard of the batch.  As soon as a chunk's last
-weight-gradient op (its last B, W or BW in the program) has run, the chunk's gradients are flattened
-and all-reduced asynchronously over the data-parallel group, so the reduction overlaps the rest of
-the step; the step waits for it at the end and divides by ``D``.  With equal shards this gives every
-replica the gradient of the mean loss over the global batch.
-
-Process groups
---------------
-``torch.distributed.new_group`` (in its default, globally synchronised mode) names a group by a
-counter that every rank of the world advances, so *every* rank must create the same groups in the
-same order, members or not.  :class:`ParallelLayout` creates the pipeline, data-parallel and control
-groups that way, and :meth:`ParallelLayout.replicated` makes each replica's
-:class:`~.comm.Comm` channels in turn: while replica ``d`` builds its channels, the ranks of the other
-replicas make the same ``new_group`` calls as non-members, keeping the counter in step.
+Why the groups are created that way: ``docs/runtime.md``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """Runs one rank's program of a :class:`~zerobubble.schedule.Schedule` for one training step.
 
-The program is compiled once into a list of ``(op or hook, handler, stage, microbatch)`` entries, one
-handler per op kind (the ``handlers`` dispatch table, as in DeepSpeed's pipeline engine), so the
-per-op cost of the loop is one call; replacing a handler and calling :meth:`Executor.compile` changes
-what an op kind does (e.g. an emulation that sleeps for the modelled duration).  Runtime actions that
-are not ops of the schedule — the optimizer settle before the first forward, a chunk's data-parallel
-all-reduce after its last weight-gradient op — are :class:`Hook` entries of the same list, placed by
-:meth:`Executor.add_hook` (as torch's pipelining puts ``REDUCE_GRAD`` in its instruction stream), so
-they survive a recompile and show in traces.  A :class:`~.recorder.Recorder` may be attached to time
-every op, hook and transfer wait; without one the loop reads no clock.
+The program is compiled once into a list of ``(op or hook, handler, stage, microbatch)`` entries
+(the ``handlers`` dispatch table, as in DeepSpeed's pipeline engine), so an op costs one call.
+Runtime actions that are not ops of the schedule — the optimizer settle, a chunk's data-parallel
+all-reduce — are :class:`Hook` entries of the same list (:meth:`Executor.add_hook`), so they survive a
+recompile and show in traces.  Each handler is a receive, a compute and a send, exposed separately so
+an emulation (:mod:`.emulate`) can reuse the transfers.  F keeps what B needs, B keeps only what the
+deferred W needs (the stage's :class:`WeightGradStore`), W frees the rest.  Each forward draws from
+its own RNG stream (:func:`forward_seed`); a failure is reported to the peers before it propagates.
 
-Each handler is a receive, a compute and a send, exposed as separate methods
-(:meth:`Executor.receive_forward`, :meth:`Executor.compute_forward`, :meth:`Executor.send_forward`
-and their backward counterparts) so another handler — an emulation that replaces the compute by a
-timed wait, :mod:`.emulate` — can reuse the receive and the send unchanged.
-
-Tensors between two chunks of the same rank (the tip of a V) are handed over in a dict, without
-communication.  What a microbatch keeps alive follows the schedule: F keeps the stage's inputs and
-outputs (and autograd's saved tensors); B frees all of them except what the deferred W needs (held
-by the stage's :class:`WeightGradStore`), W frees the rest.
-
-Randomness: the forward of stage ``s`` on microbatch ``j`` of step ``t`` draws from its own
-generator state, seeded from ``(seed, t, s, j)`` (:func:`forward_seed`), and the caller's RNG state
-is restored afterwards; dropout masks are therefore independent across stages and ranks and the
-same whichever schedule of the placement runs.
-
-A failure inside a step is reported to the peers (:meth:`~.failures.PeerMonitor.post`) with this
-rank, the op and the original error, before it propagates; the peers raise at once.
+The program's structure, the memory each op keeps and the RNG streams: ``docs/runtime.md``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """Recorded timelines: the real start and end of every op and transfer wait on every rank.
 
-A :class:`TraceRecorder` attached to a pipeline (``Pipeline(..., trace=True)``) keeps, for the last
-few steps, one ``(start, end)`` pair per op of the rank's program, one ``(key, start, end)`` per
-transfer wait and one ``(name, start, end)`` per runtime event (``"optimizer settle"``,
-``"all-reduce start (stage s)"``) — two clock reads and an append per op, cheap enough to leave
-on.  On the CPU the clock is ``time.perf_counter``; on a GPU it records CUDA events on the current
-stream (converted to seconds only when the trace is gathered), so an op's interval is when the
-device ran it.
+A :class:`TraceRecorder` (``Pipeline(..., trace=True)``) keeps, for the last few steps, each op's
+``(start, end)``, each transfer wait and each runtime event (optimizer settle, all-reduce start) —
+two clock reads and an append per op (CUDA events on a GPU).  :func:`gather_timeline` (collective)
+aligns the ranks' clocks by ping-pong and returns a :class:`MeasuredTimeline` with the simulator's
+interface, so the renderer and exporters draw it like a prediction; :func:`measured_costs` turns it
+into a :class:`CostModel` and :func:`write_trace` writes the measurement beside the simulator's
+prediction for the same costs.
 
-:func:`gather_timeline` (collective) aligns the ranks' clocks and returns, on rank 0, a
-:class:`MeasuredTimeline`: the same interface as the simulator's Timeline (``schedule``,
-``start[r][i]``, ``end[r][i]``, ``iteration_time``, ``makespan``, ``bubble_rate``), in seconds, so
-the renderer and the Chrome-trace exporter draw it as they draw a prediction.  An op's measured
-start is when its inputs were there: the end of the transfer wait inside the op if it had one (the
-wait itself is idle time, as in the simulator), else when the executor called it.
-
-**Clock alignment.**  Each rank estimates the offset of its ``perf_counter`` to rank 0's by a few
-ping-pongs (NTP style): it notes ``t1``, rank 0 answers with its time ``t2``, it notes ``t3``; the
-offset is ``t2 − (t1 + t3)/2`` from the round trip with the smallest ``t3 − t1``, and the error is
-at most half that round trip (typically 50–300 µs over gloo on loopback; reported per rank as
-``clock_error``).  One-rank-relative quantities (op durations, a rank's span, hence
-``iteration_time``) do not depend on the alignment at all.
-
-:func:`measured_costs` turns a measured timeline into a :class:`CostModel` (per-stage mean F, B, W),
-so :func:`write_trace` can draw the simulator's prediction for the same costs beneath the measurement
-and report both bubble rates: measured versus predicted is apples to apples.
+How an op's start is defined and how the clocks are aligned: ``docs/runtime.md``.
 """
 
 from __future__ import annotations
