@@ -280,15 +280,7 @@ def test_lower_bound_never_exceeds_any_registry_schedule():
 def test_paper_1_5b_setup_improves_on_zb_2p_or_proves_it_optimal():
     row = json.loads(TABLE5.read_text())["rows"][0]
     p, m = row["stages"], row["microbatches"]
-    costs = CostModel(
-        f=row["cost_f"],
-        b=row["cost_b"],
-        w=row["cost_w"],
-        comm=row["cost_comm"],
-        mem_b=row["mem_b"],
-        mem_w=row["mem_w"],
-        memory_limit=2 * p * row["mem_b"],
-    )
+    costs = row_costs(row).with_memory_limit(2 * p * row["mem_b"])
     schedule = build_schedule("zb-ilp", p, m, costs, time_limit=60)
     timeline = check_result(schedule, p, m, costs)
     zb_2p = simulate(build_schedule("zb-2p", p, m, costs), costs).iteration_time
