@@ -34,9 +34,6 @@ def bubble_time(timeline) -> float:
     return timeline.iteration_time - timeline.ideal
 
 
-paper_costs = row_costs
-
-
 def paper_row(model: str, microbatches: int) -> dict:
     if not TABLE5.exists():
         pytest.skip("paper table 5 reference is not available")
@@ -93,7 +90,7 @@ def test_zb_v_small_microbatch_counts_are_valid(p, m):
 
 def test_zb_v_beats_1f1b_and_matches_interleaved_on_paper_costs():
     row = paper_row("1.5B", 24)
-    p, m, costs = row["stages"], row["microbatches"], paper_costs(row)
+    p, m, costs = row["stages"], row["microbatches"], row_costs(row)
     zbv = simulate(build_schedule("zb-v", p, m, costs), costs)
     one_f_one_b = simulate(build_schedule("1f1b", p, m, costs), costs)
     interleaved = simulate(
@@ -246,7 +243,7 @@ def test_zb_v_is_fast_at_scale():
 def test_zb_v_beats_interleaved_and_zb_1p_on_paper_rows(model, microbatches):
     """Paper (V-schedule): ZB-V beats interleaved 1F1B and ZB-1p at no more than p·M_B."""
     row = paper_row(model, microbatches)
-    p, m, costs = row["stages"], row["microbatches"], paper_costs(row)
+    p, m, costs = row["stages"], row["microbatches"], row_costs(row)
     zbv = simulate(build_schedule("zb-v", p, m, costs), costs)
     interleaved = simulate(
         build_schedule("interleaved-1f1b", p, m, costs, chunks=row["interleaved_chunks"]), costs
@@ -264,7 +261,7 @@ def test_zb_v_beats_interleaved_and_zb_1p_on_paper_rows(model, microbatches):
 def test_v_half_beats_1f1b_on_paper_rows(model, microbatches):
     """With realistic costs V-Half keeps ⌊(p+2)/2⌋·M_B and still has less bubble than 1F1B (paper)."""
     row = paper_row(model, microbatches)
-    p, m, costs = row["stages"], row["microbatches"], paper_costs(row)
+    p, m, costs = row["stages"], row["microbatches"], row_costs(row)
     half = simulate(build_schedule("v-half", p, m, costs), costs)
     baseline = simulate(build_schedule("1f1b", p, m, costs), costs)
     assert max(half.peak_memory_mb) <= (p + 2) // 2 + EPS
@@ -275,7 +272,7 @@ def test_v_min_fixed_blocks_improve_on_the_greedy_on_a_paper_row():
     """6.2B, m = 64: the memory-bounded greedy alone gave bubble 0.245 under ⌊(p+4)/3⌋·M_B; a
     repeated building block (ours or the authors' pattern) does better."""
     row = paper_row("6.2B", 64)
-    p, m, costs = row["stages"], row["microbatches"], paper_costs(row)
+    p, m, costs = row["stages"], row["microbatches"], row_costs(row)
     schedule = build_schedule("v-min", p, m, costs)
     timeline = simulate(schedule, costs)
     assert max(timeline.peak_memory_mb) <= (p + 4) // 3 + EPS

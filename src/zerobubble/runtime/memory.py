@@ -12,10 +12,10 @@ The benchmark that measures every schedule with it is :mod:`zerobubble_bench.mem
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
-from typing import Any
 
 import torch
+
+from .tensors import storage_bytes, tensors_in
 
 
 class _Held:
@@ -62,15 +62,10 @@ class ActivationMeter:
         executor = self.pipe._executor
         tensors = [held.tensor for held in list(self.held)]
         for state in executor.stages.values():
-            tensors += _tensors_in(state.saved)
+            tensors += tensors_in(state.saved)
             tensors += state.store.held_tensors()  # whatever the W store keeps for W
-        tensors += _tensors_in(executor._handoff)
-        storages = {}
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self.excluded:
-                storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values())
+        tensors += tensors_in(executor._handoff)
+        return storage_bytes(tensors, self.excluded)
 
     def op(self, op, start, end) -> None:
         """Recorder hook: called after every op; updates the peak."""
@@ -78,18 +73,3 @@ class ActivationMeter:
 
     def wait(self, key, start, end) -> None:
         """Recorder hook for transfer waits (nothing to measure)."""
-
-
-def _tensors_in(value: Any, depth: int = 5) -> list[torch.Tensor]:
-    """Tensors inside nested dicts, lists and tuples (a few levels deep)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth == 0:
-        return []
-    if isinstance(value, dict):
-        items: Iterator[Any] = iter(value.values())
-    elif isinstance(value, (list, tuple)):
-        items = iter(value)
-    else:
-        return []
-    return [tensor for item in items for tensor in _tensors_in(item, depth - 1)]

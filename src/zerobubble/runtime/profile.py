@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule.plan import LayerProfile, ModelProfile, median_profile
+from .tensors import storage_bytes
 from .wgrad import WeightGradStore, install_deferral
 
 Loss = Callable[[Any, Any], torch.Tensor]
@@ -122,7 +123,7 @@ def split_backward(
         t for ref in watched if (t := ref()) is not None and t.untyped_storage().data_ptr() not in excluded
     ]
     kept_tensors = [*store.held_tensors(key), *alive]
-    kept = float(_storage_bytes(kept_tensors))
+    kept = float(storage_bytes(kept_tensors))
     del alive, kept_tensors
     store.flush(key)
     ended = _now(tensors[0].device)
@@ -171,7 +172,7 @@ def _profile_layer(
         forward = _now(device) - started
         tensors, grads = _backward_roots(outputs, head)
         activations = [t for t in (*saved, *outputs) if t.untyped_storage().data_ptr() not in parameters]
-        saved_bytes = float(_storage_bytes(activations))
+        saved_bytes = float(storage_bytes(activations))
         # after B, the saved tensors still alive are the ones W keeps (the generic split's graph)
         # the layer's own inputs and outputs stay referenced here, so they are no evidence of W keeping them
         ours = {t.untyped_storage().data_ptr() for t in (*inputs, *outputs) if isinstance(t, torch.Tensor)}
@@ -218,15 +219,6 @@ def _backward_roots(
         return [loss], None
     roots = [t for t in outputs if t.is_floating_point() and t.requires_grad]
     return roots, [torch.ones_like(t) for t in roots]
-
-
-def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    sizes: dict[int, int] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        sizes[storage.data_ptr()] = storage.nbytes()
-    return sum(sizes.values())
 
 
 def measure_transfer(

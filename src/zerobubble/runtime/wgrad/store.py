@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
+
+from ..tensors import tensors_in
 
 Work = TypeVar("Work", bound=Callable[[], None])
 
@@ -79,11 +79,7 @@ class WeightGradStore:
         generic split's local graph) are not reachable from Python; saved-tensor hooks see those.
         """
         keys = list(self._pending) if key is None else [key]
-        found: dict[int, torch.Tensor] = {}
-        for each in keys:
-            for work in self._pending.get(each, ()):
-                _collect_tensors(work, found, depth=4)
-        return list(found.values())
+        return tensors_in([self._pending.get(each, []) for each in keys], depth=6)
 
     def pending_keys(self) -> list[tuple[int, int]]:
         """Keys whose W has not run yet (empty after a complete step)."""
@@ -116,22 +112,3 @@ def accumulate_product(param: torch.Tensor, left: torch.Tensor, right: torch.Ten
         grad.addmm_(left, right)
     else:
         accumulate(param, left.mm(right))
-
-
-def _collect_tensors(value: Any, found: dict[int, torch.Tensor], depth: int) -> None:
-    """Add the tensors in ``value`` (containers, partials' arguments, objects' attributes) to ``found``."""
-    if isinstance(value, torch.Tensor):
-        found[id(value)] = value
-        return
-    if depth == 0 or isinstance(value, (str, bytes, int, float, bool, type, nn.Module)) or value is None:
-        return
-    if isinstance(value, functools.partial):
-        items: Iterable[Any] = (*value.args, *value.keywords.values())
-    elif isinstance(value, dict):
-        items = value.values()
-    elif isinstance(value, (list, tuple, set)):
-        items = value
-    else:
-        items = getattr(value, "__dict__", {}).values()
-    for item in items:
-        _collect_tensors(item, found, depth - 1)

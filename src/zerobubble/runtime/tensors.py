@@ -1,0 +1,56 @@
+"""Finding tensors inside runtime objects and counting the memory behind them.
+
+Used wherever the runtime measures activation memory (the memory meter, the profiler, the W store's
+account of what W will free): one walk over containers and work items, and one rule for bytes —
+each distinct storage once, so views and aliases are not counted twice.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def tensors_in(value: Any, depth: int = 5) -> list[torch.Tensor]:
+    """The tensors inside ``value``, searched ``depth`` levels deep.
+
+    Descends into dicts, lists, tuples and sets, a ``functools.partial``'s bound arguments and other
+    objects' attributes (a deferred W's closure); modules are skipped (their parameters are not
+    activations).  Each tensor object is listed once.
+    """
+    found: dict[int, torch.Tensor] = {}
+    _collect(value, found, depth)
+    return list(found.values())
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], excluded: frozenset[int] | set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind ``tensors``; storages whose data pointer is in ``excluded``
+    are left out."""
+    sizes: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
+
+
+def _collect(value: Any, found: dict[int, torch.Tensor], depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+        found[id(value)] = value
+        return
+    if depth == 0 or value is None or isinstance(value, (str, bytes, int, float, bool, type, nn.Module)):
+        return
+    if isinstance(value, functools.partial):
+        items: Iterable[Any] = (*value.args, *value.keywords.values())
+    elif isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, (list, tuple, set)):
+        items = value
+    else:
+        items = getattr(value, "__dict__", {}).values()
+    for item in items:
+        _collect(item, found, depth - 1)
