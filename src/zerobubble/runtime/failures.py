@@ -43,15 +43,16 @@ class PeerMonitor:
 
     ``key`` names the pipeline in the shared store (the same on every rank of one Pipeline, and
     new for every Pipeline); ``rank`` is this rank's pipeline rank; ``timeout`` bounds every
-    :meth:`wait`.  With ``key=None``, or without a store (a process group created without one),
-    notices are not exchanged and waits only time out.
+    :meth:`wait`.  Notices go through ``store`` (a ``torch.distributed.Store``; the default process
+    group's rendezvous store when None).  With ``key=None``, or without a store (a process group
+    created without one), notices are not exchanged and waits only time out.
     """
 
-    def __init__(self, key: str | None, rank: int, timeout: float):
+    def __init__(self, key: str | None, rank: int, timeout: float, store: Any = None):
         self.key = f"zerobubble/{key}/error"
         self.rank = rank
         self.timeout = timeout
-        self._store = _shared_store() if key is not None else None
+        self._store = None if key is None else store if store is not None else _shared_store()
         self.failure: str | None = None  # set once this rank has failed or learnt of a failure
         self._watchdog: _Watchdog | None = None
 
