@@ -8,16 +8,21 @@ averager's plan, memory-limit parsing, transfer latencies, the trace writer and 
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.comm import HEADER_LENGTH, decode_header, encode_header
 from zerobubble.runtime.data_parallel import chunk_parameters, first_forward, last_gradient_ops
 from zerobubble.runtime.executor import Executor, Hook, StageState
-from zerobubble.runtime.failures import PeerMonitor
+from zerobubble.runtime.failures import PeerFailure, PeerMonitor
 from zerobubble.runtime.recorder import Recorder, RecorderDefaults, as_recorder
 from zerobubble.runtime.staging import partition_bounds as _partition_bounds
 from zerobubble.runtime.staging import split_batch as _split
@@ -353,3 +358,65 @@ def test_a_failing_hook_is_reported_by_name():
     with pytest.raises(RuntimeError, match="boom"):
         _step(executor)
     assert posted == ["rank 0 failed in the optimizer settle: RuntimeError: boom"]
+
+
+# -- waits: the peer monitor's watchdog ------------------------------------------------------------
+
+
+class _BlockingWork:
+    """A transfer that never completes by itself; like gloo's, a ``wait(timeout)`` closes it."""
+
+    def __init__(self):
+        self._closed = threading.Event()
+        self.waits_with_timeout = 0
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            self.waits_with_timeout += 1
+            self._closed.set()
+            raise RuntimeError("gloo: timed out, channel closed")
+        if not self._closed.wait(30.0):
+            raise AssertionError("the watchdog never ended this wait")
+        raise RuntimeError("gloo: connection closed by the other end")
+
+
+class _SlowWork:
+    """A transfer that completes after ``seconds``: long enough for the watchdog to look at it."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def wait(self, timeout=None):
+        time.sleep(self.seconds)
+        return True
+
+
+def test_a_wait_past_its_deadline_raises_a_timeout_naming_what_it_waited_for():
+    monitor = PeerMonitor(None, 3, timeout=0.1)
+    work = _BlockingWork()
+    started = time.monotonic()
+    expected = re.escape("rank 3: waiting for the gradient of x failed (timeout 0.1 s)")
+    with pytest.raises(PipelineError, match=expected):
+        monitor.wait(work, lambda: "the gradient of x")
+    assert time.monotonic() - started < 5.0 and work.waits_with_timeout == 1
+
+
+def test_a_peer_notice_ends_the_wait_with_the_peers_error():
+    store = dist.HashStore()
+    waiting = PeerMonitor("pipe", 0, timeout=30.0, store=store)
+    failing = PeerMonitor("pipe", 1, timeout=30.0, store=store)
+    threading.Timer(0.05, failing.post, ["rank 1 failed in op F1.0: ValueError: bad batch"]).start()
+    expected = re.escape("rank 0 stopped because rank 1 failed in op F1.0: ValueError: bad batch")
+    with pytest.raises(PeerFailure, match=expected):
+        waiting.wait(_BlockingWork(), "the activations of stage 0")
+    assert waiting.failure is not None
+
+
+def test_a_completed_wait_leaves_no_reference_to_its_work():
+    # a Work still referenced (by the watchdog) when its process group is gone aborts the process at exit
+    monitor = PeerMonitor(None, 0, timeout=5.0)
+    work = _SlowWork(0.1)  # the watchdog looks at it a few times while it is armed
+    alive = weakref.ref(work)
+    monitor.wait(work, "a send")
+    del work
+    assert alive() is None  # at once: the watchdog refers to a Work only while it looks at it

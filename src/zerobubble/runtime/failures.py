@@ -3,12 +3,12 @@
 gloo cannot cancel a posted transfer (a ``wait(timeout)`` that expires closes the channel for
 good) and its point-to-point works only report completion from inside ``wait()``, so a rank blocked
 in ``work.wait()`` would sit there until the timeout even when the peer it waits for has already
-failed and will never send.  Instead every wait of the runtime goes through
-:meth:`PeerMonitor.wait`: a helper thread of the monitor makes the blocking ``wait()`` call while
-the calling thread waits for it with a deadline and, every :data:`CHECK_INTERVAL` seconds, looks for
-an *error notice* in the store every rank shares (the ``torch.distributed`` rendezvous store).
-Handing the wait to the thread costs a few microseconds, well below a gloo round trip (measured:
-0.39–0.49 ms per round trip either way).  A rank whose step fails posts one notice — its rank,
+failed and will never send.  Every wait of the runtime goes through :meth:`PeerMonitor.wait`: the
+calling thread makes the blocking ``wait()`` call itself (a transfer that has arrived costs no
+thread hand-over) while the monitor's *watchdog* thread, every :data:`CHECK_INTERVAL` seconds,
+looks for an *error notice* in the store every rank shares (the ``torch.distributed`` rendezvous
+store) and at the deadline, and ends the wait when either says so.  ``benchmarks/wait_latency.py``
+measures the cost against a bare ``wait()``.  A rank whose step fails posts one notice — its rank,
 the op it was running and the original exception text — before re-raising, so its peers raise
 :class:`PeerFailure` within a fraction of a second whether or not the failing process lives on.  A
 process that dies closes its sockets, which gloo reports at once.  Past the deadline (the
@@ -19,7 +19,6 @@ waited for.  See ``docs/failure-semantics.md``.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 import weakref
@@ -44,17 +43,18 @@ class PeerMonitor:
 
     ``key`` names the pipeline in the shared store (the same on every rank of one Pipeline, and
     new for every Pipeline); ``rank`` is this rank's pipeline rank; ``timeout`` bounds every
-    :meth:`wait`.  With ``key=None``, or without a store (a process group created without one),
-    notices are not exchanged and waits only time out.
+    :meth:`wait`.  Notices go through ``store`` (a ``torch.distributed.Store``; the default process
+    group's rendezvous store when None).  With ``key=None``, or without a store (a process group
+    created without one), notices are not exchanged and waits only time out.
     """
 
-    def __init__(self, key: str | None, rank: int, timeout: float):
+    def __init__(self, key: str | None, rank: int, timeout: float, store: Any = None):
         self.key = f"zerobubble/{key}/error"
         self.rank = rank
         self.timeout = timeout
-        self._store = _shared_store() if key is not None else None
+        self._store = None if key is None else store if store is not None else _shared_store()
         self.failure: str | None = None  # set once this rank has failed or learnt of a failure
-        self._waiter: _Waiter | None = None
+        self._watchdog: _Watchdog | None = None
 
     def post(self, message: str) -> None:
         """Tell every peer that this rank failed (first notice wins); remember it locally."""
@@ -93,76 +93,99 @@ class PeerMonitor:
 
     def wait(self, work: Any, what: str | Callable[[], str]) -> None:
         """Wait for ``work`` until it completes, a peer posts an error, or the timeout expires."""
-        if self._waiter is None:
-            self._waiter = _Waiter()
-            weakref.finalize(self, self._waiter.close)  # the thread ends with its monitor
-        done, errors = self._waiter.submit(work)
-        deadline = time.monotonic() + self.timeout
-        while not done.wait(CHECK_INTERVAL):
-            try:
-                self.check()
-                if time.monotonic() >= deadline:
-                    raise PipelineError(
-                        f"rank {self.rank}: waiting for {_text(what)} failed (timeout {self.timeout:g} s) — "
-                        "the peer is stalled or stopped without an error notice"
-                    )
-            except PipelineError:
-                _abandon(work, done)
-                raise
-        if errors:
+        watchdog = self._watchdog
+        if watchdog is None:
+            watchdog = self._watchdog = _Watchdog(self)
+            weakref.finalize(self, watchdog.close)  # the thread ends with its monitor
+        watchdog.arm(work, what, time.monotonic() + self.timeout)
+        try:
+            work.wait()  # blocks in C++ with the GIL released; the watchdog may end it early
+        except RuntimeError as error:
+            verdict = watchdog.disarm()
+            if verdict is not None:  # the watchdog ended the wait: say why, not "channel closed"
+                raise verdict from None
             self.explain()
-            error = errors[0]
             raise PipelineError(
                 f"rank {self.rank}: waiting for {_text(what)} failed — a peer rank probably died "
                 f"({type(error).__name__}: {error})"
             ) from error
+        verdict = watchdog.disarm()
+        if verdict is not None:  # the transfer completed just as the watchdog gave up on it
+            raise verdict
+
+    def timed_out(self, what: str | Callable[[], str]) -> PipelineError:
+        """The error of a wait for ``what`` that outlived the timeout."""
+        return PipelineError(
+            f"rank {self.rank}: waiting for {_text(what)} failed (timeout {self.timeout:g} s) — "
+            "the peer is stalled or stopped without an error notice"
+        )
 
 
-class _Waiter:
-    """A daemon thread making the blocking ``work.wait()`` calls, one at a time, in order.
+class _Watchdog:
+    """A daemon thread that ends the caller's blocking ``wait()`` on a peer's error or the deadline.
 
-    A wait abandoned by its caller (a peer failed) keeps the thread until gloo's own timeout ends
-    it; the Pipeline is unusable by then and a new one gets a new monitor and thread.
+    The caller blocks in ``work.wait()`` itself, so a transfer that is already there costs no
+    thread hand-over.  Every :data:`CHECK_INTERVAL` seconds the thread looks at the armed wait (if
+    any): once it has lasted a full interval, it reads the peers' error notices (one store round
+    trip) and compares the clock with the deadline.  To stop the wait it calls ``wait()`` on the
+    same work with a tiny timeout, which makes gloo close the channel and the caller's ``wait()``
+    raise; the verdict is handed over by :meth:`disarm`.  A lock orders a verdict against the
+    caller disarming, so a verdict never lands on a later wait.
     """
 
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Any, threading.Event, list[BaseException]] | None] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(target=self._run, name="zerobubble-wait", daemon=True).start()
+    def __init__(self, monitor: PeerMonitor) -> None:
+        self._monitor = weakref.ref(monitor)
+        self._lock = threading.Lock()
+        self._armed: tuple[Any, str | Callable[[], str], float, float] | None = None
+        """The wait being watched: (work, what it waits for, when it started, its deadline)."""
+        self._verdict: PipelineError | None = None
+        self._closed = threading.Event()
+        threading.Thread(target=self._run, name="zerobubble-watchdog", daemon=True).start()
+
+    def arm(self, work: Any, what: str | Callable[[], str], deadline: float) -> None:
+        """Watch ``work`` until :meth:`disarm` (called by the waiting thread)."""
+        self._armed = (work, what, time.monotonic(), deadline)
+
+    def disarm(self) -> PipelineError | None:
+        """Stop watching; the error to raise if the watchdog ended the wait, else None."""
+        with self._lock:
+            self._armed = None
+            verdict, self._verdict = self._verdict, None
+        return verdict
 
     def close(self) -> None:
-        """Let the thread end once the waits queued before are over."""
-        self._jobs.put(None)
-
-    def submit(self, work: Any) -> tuple[threading.Event, list[BaseException]]:
-        """Queue ``work``; the event is set once its ``wait()`` returned (errors in the list)."""
-        done, errors = threading.Event(), []  # type: ignore[var-annotated]
-        self._jobs.put((work, done, errors))
-        return done, errors
+        """Let the thread end at its next look."""
+        self._closed.set()
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            work, done, errors = job
-            try:
-                work.wait()
-            except BaseException as error:  # handed to the caller
-                errors.append(error)
-            # hold no Work while idle: one outliving its process group aborts the process at exit
-            job = work = None
-            done.set()
+        while not self._closed.wait(CHECK_INTERVAL):
+            self._look()
 
+    def _look(self) -> None:
+        # The Work is only referenced inside this call: a Work outliving its process group (held
+        # by an idle thread at exit) aborts the process.
+        armed = self._armed
+        if armed is None or time.monotonic() - armed[2] < CHECK_INTERVAL:
+            return  # nothing waits, or not long enough to be worth a store round trip
+        verdict = self._verdict_for(armed[1], armed[3])
+        if verdict is None:
+            return
+        with self._lock:
+            if self._armed is not armed:  # that wait ended meanwhile: nothing to stop
+                return
+            self._verdict = verdict
+            with contextlib.suppress(RuntimeError):  # gloo closes the channel; the caller raises
+                armed[0].wait(timedelta(milliseconds=1))
 
-def _abandon(work: Any, done: threading.Event) -> None:
-    """Release the helper thread from a wait nobody needs any more.
-
-    A second ``wait`` with a tiny timeout makes gloo close the channel, which ends the helper's
-    blocking ``wait`` with an error; the channel is dead, but so is the failed step.  A thread
-    left inside ``wait`` would abort the process when it exits (the Work outlives its group).
-    """
-    with contextlib.suppress(RuntimeError):
-        work.wait(timedelta(milliseconds=1))
-    done.wait(1.0)
+    def _verdict_for(self, what: str | Callable[[], str], deadline: float) -> PipelineError | None:
+        monitor = self._monitor()
+        if monitor is None:
+            return None
+        try:
+            monitor.check()
+        except PeerFailure as failure:
+            return failure
+        return monitor.timed_out(what) if time.monotonic() >= deadline else None
 
 
 def _text(what: str | Callable[[], str]) -> str:
