@@ -466,3 +466,28 @@ def test_each_layer_configuration_splits_exactly(name):
     _assert_grads_equal(layer, reference)
     for (buffer_name, buffer), (_, expected) in zip(layer.named_buffers(), reference.named_buffers()):
         torch.testing.assert_close(buffer, expected, rtol=1e-6, atol=0, msg=buffer_name)
+
+
+class _Symmetric(nn.Module):
+    def forward(self, weight):
+        return weight.triu() + weight.triu(1).t()
+
+
+def test_parametrized_weight_takes_the_generic_split_and_reaches_the_real_parameter():
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+    parametrize.register_parametrization(model[0], "weight", _Symmetric())
+    reference = copy.deepcopy(model)
+    batches = [torch.randn(3, WIDTH) for _ in range(2)]
+    for x in batches:
+        reference(x).square().sum().backward()
+    store = WeightGradStore()
+    deferral = install_deferral([model], store)
+    assert deferral.summary() == {"fast Linear": 1, "generic ParametrizedLinear": 1}
+    _split_backward(model, store, [model(x).square().sum() for x in batches])
+    assert all(p.grad is None for p in model.parameters())
+    store.flush((0, 0))
+    store.flush((0, 1))
+    _assert_grads_equal(model, reference)
