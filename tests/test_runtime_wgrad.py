@@ -491,3 +491,21 @@ def test_parametrized_weight_takes_the_generic_split_and_reaches_the_real_parame
     store.flush((0, 0))
     store.flush((0, 1))
     _assert_grads_equal(model, reference)
+
+
+def test_offloading_hooks_keep_w_of_generically_split_modules_deferred():
+    torch.manual_seed(7)
+    block = _ScaledCountingBlock()
+    reference = copy.deepcopy(block)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    reference(x_ref).square().sum().backward()
+    store = WeightGradStore()
+    install_deferral([block], store, FastPaths())
+    with torch.autograd.graph.save_on_cpu():
+        loss = block(x).square().sum()
+    _split_backward(block, store, [loss])
+    assert all(p.grad is None for p in block.parameters()), "offloading must not move W into B"
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    store.flush((0, 0))
+    _assert_grads_equal(block, reference)
