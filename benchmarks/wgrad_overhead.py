@@ -1,9 +1,14 @@
-"""Two measurements behind docs/wgrad.md, one thread, thread CPU time, medians:
+"""Measurements behind docs/wgrad.md, one thread, thread CPU time, medians:
 
 1. the per-layer cost the split adds around the kernels: T_B + T_W − fused backward per layer, for 20
-   tiny Linear(16) or LayerNorm(16) layers on 4 rows (the kernels take a few microseconds), fast paths
-   and the generic split;
-2. ``native_layer_norm_backward`` on CPU with each output mask, 32 and 512 rows of 256.
+   tiny Linear(16), LayerNorm(16) or Conv2d(4, 3×3) layers (the kernels take microseconds), fast
+   paths and the generic split;
+2. ``native_layer_norm_backward`` on CPU with each output mask, 32 and 512 rows of 256;
+3. ``convolution_backward`` (oneDNN on CPU) at the conv stage of ``zerobubble bench wgrad``: the
+   input-only and weight-only calls against the one call computing both, timed back to back;
+4. that stage (2 × Conv2d + BatchNorm2d + ReLU) split as usual, and split with the convolutions'
+   weight gradients computed in B by the full kernel (no W for them): what remains of the split's
+   cost when the convolution kernel is not split at all.
 
     python benchmarks/wgrad_overhead.py
 """
@@ -17,17 +22,20 @@ import time
 import torch
 from torch import nn
 
-from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
+from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, default_fast_paths, install_deferral
+from zerobubble.runtime.wgrad.rules import ConvRule
 
 
-def per_layer_overhead(make, layers: int = 20, repeats: int = 300) -> dict[str, float]:
+def per_layer_overhead(
+    make, layers: int = 20, repeats: int = 300, shape: tuple[int, ...] = (4, 16)
+) -> dict[str, float]:
     """Microseconds per layer: fused backward, and the extra of the fast and the generic split."""
     fused = nn.Sequential(*[make() for _ in range(layers)])
     fast, generic = copy.deepcopy(fused), copy.deepcopy(fused)
     stores = {"fast": WeightGradStore(), "generic": WeightGradStore()}
     install_deferral([fast], stores["fast"])
     install_deferral([generic], stores["generic"], FastPaths())
-    x = torch.randn(4, 16, requires_grad=True)
+    x = torch.randn(*shape, requires_grad=True)
     times: dict[str, list[float]] = {"fused": [], "fast": [], "generic": []}
     for repeat in range(repeats):
         for name, model in (("fused", fused), ("fast", fast), ("generic", generic)):
@@ -74,15 +82,87 @@ def layer_norm_masks(rows: int, width: int = 256, repeats: int = 30) -> dict[str
     return results
 
 
+def convolution_masks(rows: int, repeats: int = 41) -> dict[str, float]:
+    """One full ``convolution_backward`` (µs) and the input-only + weight-only pair against it (ratio)."""
+    x, grad = torch.randn(rows, 32, 8, 8), torch.randn(rows, 32, 8, 8)
+    weight = torch.randn(32, 32, 3, 3)
+
+    def backward(mask: list[bool]) -> None:
+        torch.ops.aten.convolution_backward(
+            grad, x, weight, [32], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, mask
+        )
+
+    calls = max(1, 256 // rows)
+    full, ratios = [], []
+    for repeat in range(repeats + 1):
+        started = time.thread_time()
+        for _ in range(calls):
+            backward([True, True, True])
+        middle = time.thread_time()
+        for _ in range(calls):
+            backward([True, False, False])
+            backward([False, True, True])
+        ended = time.thread_time()
+        if repeat:
+            full.append((middle - started) / calls * 1e6)
+            ratios.append((ended - middle) / (middle - started))
+    return {"full": statistics.median(full), "split ratio": statistics.median(ratios)}
+
+
+class _ConvWeightsInB(ConvRule):
+    """The convolution rule computing its weight gradients in B with the full kernel (W only adds)."""
+
+    weights_in_b = True
+
+
+def conv_stage_without_kernel_split(rows: int, repeats: int = 41) -> dict[str, float]:
+    """(T_B + T_W) / fused backward of the bench's conv stage: split as usual, and with the
+    convolution kernel not split (its weight gradients computed in B, as the fused backward does)."""
+    from zerobubble_bench.wgrad import _split_stages
+
+    _, make, shape = next(stage for stage in _split_stages() if stage[0].startswith("2×(Conv2d"))
+    unsplit_conv = default_fast_paths()
+    unsplit_conv.register(nn.Conv2d, _ConvWeightsInB(2))
+    fused = make()
+    variants = {}
+    for name, paths in (("split", None), ("conv kernel not split", unsplit_conv)):
+        module, store = make(), WeightGradStore()
+        install_deferral([module], store, paths)
+        variants[name] = (module, store)
+    x = torch.randn(*shape(rows), requires_grad=True)
+    ratios: dict[str, list[float]] = {name: [] for name in variants}
+    for repeat in range(repeats + 1):
+        out = fused(x)
+        grad = torch.ones_like(out)
+        started = time.thread_time()
+        out.backward(grad)
+        fused_time = time.thread_time() - started
+        for name, (module, store) in variants.items():
+            out = module(x)
+            started = time.thread_time()
+            store.begin((0, 0), True)
+            out.backward(grad)
+            store.end()
+            store.flush((0, 0))
+            if repeat:
+                ratios[name].append((time.thread_time() - started) / fused_time)
+        x.grad = None
+    return {name: statistics.median(values) for name, values in ratios.items()}
+
+
 def main() -> None:
+    from zerobubble_bench.wgrad import _keep_freed_memory
+
     torch.set_num_threads(1)
+    _keep_freed_memory()  # as the bench command does: this process runs nothing else
     print("| layer | fused backward (µs) | fast split extra (µs) | generic split extra (µs) |")
     print("|---|---|---|---|")
-    for label, make in (
-        ("Linear(16)", lambda: nn.Linear(16, 16)),
-        ("LayerNorm(16)", lambda: nn.LayerNorm(16)),
+    for label, make, shape in (
+        ("Linear(16)", lambda: nn.Linear(16, 16), (4, 16)),
+        ("LayerNorm(16)", lambda: nn.LayerNorm(16), (4, 16)),
+        ("Conv2d(4, 3×3) on 1×4×4×4", lambda: nn.Conv2d(4, 4, 3, padding=1), (1, 4, 4, 4)),
     ):
-        costs = per_layer_overhead(make)
+        costs = per_layer_overhead(make, shape=shape)
         print(
             f"| {label} | {costs['fused']:.1f} | {costs['fast extra']:.1f} | {costs['generic extra']:.1f} |"
         )
@@ -91,6 +171,16 @@ def main() -> None:
     for rows in (32, 512):
         costs = layer_norm_masks(rows)
         print(f"| {rows} | {costs['all']:.1f} | {costs['input only']:.1f} | {costs['weights only']:.1f} |")
+    print("\n| convolution_backward, rows × 32 × 8 × 8, 3×3 | full (µs) | (input + weights only) / full |")
+    print("|---|---|---|")
+    for rows in (8, 32, 128):
+        conv = convolution_masks(rows)
+        print(f"| {rows} | {conv['full']:.0f} | {conv['split ratio']:.3f} |")
+    print("\n| 2×(Conv2d+BatchNorm2d) stage, rows | split | conv kernel not split (weights in B) |")
+    print("|---|---|---|")
+    for rows in (32, 128):
+        stage = conv_stage_without_kernel_split(rows)
+        print(f"| {rows} | {stage['split']:.3f} | {stage['conv kernel not split']:.3f} |")
 
 
 if __name__ == "__main__":

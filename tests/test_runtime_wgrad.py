@@ -225,6 +225,47 @@ def test_checkpointing_recomputes_in_b_and_keeps_w_deferred():
     _assert_grads_equal(block, reference)
 
 
+class _ScaledCountingBlock(_CountingBlock):
+    """A block owning a parameter of its own: the generic split, around fast-path children."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+@pytest.mark.parametrize(
+    "block_type, paths",
+    [(_CountingBlock, FastPaths()), (_ScaledCountingBlock, None), (_ScaledCountingBlock, FastPaths())],
+    ids=["generic children", "generic around fast paths", "generic nested"],
+)
+def test_checkpointing_keeps_w_of_generically_split_modules_deferred(block_type, paths):
+    torch.manual_seed(5)
+    block = block_type()
+    reference = copy.deepcopy(block)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    for _ in range(2):  # two microbatches: W accumulates into the first one's .grad
+        checkpoint(reference, x_ref, use_reentrant=False).square().sum().backward()
+    store = WeightGradStore()
+    deferral = install_deferral([block], store, paths)
+    assert deferral.generic, "the test needs generically split modules"
+    losses = [checkpoint(block, x, use_reentrant=False).square().sum() for _ in range(2)]
+    assert block.calls == 2
+    _split_backward(block, store, losses)
+    assert block.calls == 4, "B recomputes each checkpointed forward once (not once per engine run)"
+    early = [name for name, p in block.named_parameters() if p.grad is not None]
+    assert early == [], f"gradients computed in B under checkpointing: {early}"
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    store.flush((0, 1))
+    store.flush((0, 0))
+    assert block.calls == 4, "W must not recompute the checkpointed forward"
+    _assert_grads_equal(block, reference)
+    assert store.pending_keys() == []
+
+
 def test_autocast_bf16_computes_w_in_saved_dtype_and_accumulates_in_parameter_dtype():
     torch.manual_seed(4)
     model = nn.Sequential(
@@ -425,3 +466,46 @@ def test_each_layer_configuration_splits_exactly(name):
     _assert_grads_equal(layer, reference)
     for (buffer_name, buffer), (_, expected) in zip(layer.named_buffers(), reference.named_buffers()):
         torch.testing.assert_close(buffer, expected, rtol=1e-6, atol=0, msg=buffer_name)
+
+
+class _Symmetric(nn.Module):
+    def forward(self, weight):
+        return weight.triu() + weight.triu(1).t()
+
+
+def test_parametrized_weight_takes_the_generic_split_and_reaches_the_real_parameter():
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+    parametrize.register_parametrization(model[0], "weight", _Symmetric())
+    reference = copy.deepcopy(model)
+    batches = [torch.randn(3, WIDTH) for _ in range(2)]
+    for x in batches:
+        reference(x).square().sum().backward()
+    store = WeightGradStore()
+    deferral = install_deferral([model], store)
+    assert deferral.summary() == {"fast Linear": 1, "generic ParametrizedLinear": 1}
+    _split_backward(model, store, [model(x).square().sum() for x in batches])
+    assert all(p.grad is None for p in model.parameters())
+    store.flush((0, 0))
+    store.flush((0, 1))
+    _assert_grads_equal(model, reference)
+
+
+def test_offloading_hooks_keep_w_of_generically_split_modules_deferred():
+    torch.manual_seed(7)
+    block = _ScaledCountingBlock()
+    reference = copy.deepcopy(block)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    reference(x_ref).square().sum().backward()
+    store = WeightGradStore()
+    install_deferral([block], store, FastPaths())
+    with torch.autograd.graph.save_on_cpu():
+        loss = block(x).square().sum()
+    _split_backward(block, store, [loss])
+    assert all(p.grad is None for p in block.parameters()), "offloading must not move W into B"
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    store.flush((0, 0))
+    _assert_grads_equal(block, reference)

@@ -14,6 +14,11 @@ The parameters are found by walking the local graph from the outputs to its leav
 that requires grad and is not a local input), so shared parameters, parameters used through
 custom autograd functions or owned by child modules all get their gradient; a fast-path child
 (:class:`~.fast.SplitFunction` node) defers its own parameters, so the walk does not collect them.
+
+Under saved-tensor hooks (activation checkpointing, offloading) the local graph saves through the
+outer hooks (F keeps what checkpointing keeps), wrapped in :class:`SavedOnce`: the bridge unpacks
+every saved tensor of the local graph once, in the stage's backward (so checkpointing recomputes
+once per B, not once per engine run), and both engine runs read the unpacked tensors.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ _SPLIT_NODE = SplitFunction._backward_cls
 class LocalGraph:
     """One call's local graph: differentiable outputs, local inputs, leaves that get W gradients."""
 
-    __slots__ = ("inputs", "leaves", "outputs", "store")
+    __slots__ = ("hooked", "inputs", "leaves", "outputs", "store")
 
     def __init__(
         self,
@@ -43,14 +48,21 @@ class LocalGraph:
         outputs: list[torch.Tensor],
         inputs: list[torch.Tensor],
         leaves: list[torch.Tensor],
+        hooked: list[SavedOnce],
     ):
         self.store = store
         self.outputs = outputs
         self.inputs = inputs
         self.leaves = leaves
+        self.hooked = hooked  # what the local graph saved through outer saved-tensor hooks
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """B (deferring) or BW: gradients of the local inputs, then of the leaves (None if deferred)."""
+        # unpack in the stage's backward, before the local engine runs (each its own graph task,
+        # for which checkpointing would recompute the region again)
+        for saved in self.hooked:
+            saved.get()
+        self.hooked = []
         pairs = [(out, grad) for out, grad in zip(self.outputs, grads) if grad is not None]
         self.outputs = []  # the W closure holds what it needs; the bridge node keeps nothing
         if not pairs:
@@ -66,6 +78,41 @@ class LocalGraph:
         if self.leaves:
             self.store.shared(WeightPass).add(outputs, out_grads, self.leaves)
         return (*input_grads, *(None for _ in self.leaves))
+
+
+class SavedOnce:
+    """A tensor the local graph saved through outer saved-tensor hooks: unpacked once, then kept.
+
+    The local graph's nodes hold these (via the wrapping hooks :func:`_local_hooks` installs); the
+    tensor lives until the graph is freed, by W.
+    """
+
+    __slots__ = ("packed", "tensor", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]):
+        self.packed: Any = packed
+        self.unpack: Callable[[Any], torch.Tensor] | None = unpack
+        self.tensor: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        """The tensor: the outer unpack hook runs on the first call only."""
+        if self.unpack is not None:
+            self.tensor = self.unpack(self.packed)
+            self.packed = self.unpack = None
+        assert self.tensor is not None
+        return self.tensor
+
+
+def _local_hooks(outer: tuple[Callable[..., Any], Callable[..., Any]], saved: list[SavedOnce]):
+    """Saved-tensor hooks for a local graph built under the ``outer`` (pack, unpack) hooks."""
+    outer_pack, outer_unpack = outer
+
+    def pack(tensor: torch.Tensor) -> SavedOnce:
+        item = SavedOnce(outer_pack(tensor), outer_unpack)
+        saved.append(item)
+        return item
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, SavedOnce.get)
 
 
 class WeightPass:
@@ -130,15 +177,9 @@ def generic_forward(store: WeightGradStore) -> Callable[..., Any]:
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         original = type(module).forward
-        # under saved-tensor hooks (checkpointing, offloading) the local graph would be recomputed
-        # once per autograd call: the module keeps plain autograd there (gradients in B)
         # inside another module's local graph (a fast path falling back under autocast) that
         # graph's walk already collects this module's parameters
-        if (
-            store.local_depth
-            or not torch.is_grad_enabled()
-            or torch._C._autograd._top_saved_tensors_default_hooks(False)
-        ):
+        if store.local_depth or not torch.is_grad_enabled():
             return original(module, *args, **kwargs)
         flat, spec = _flatten(args, kwargs)
         outer, local_inputs = [], []
@@ -148,23 +189,30 @@ def generic_forward(store: WeightGradStore) -> Callable[..., Any]:
                 flat[index] = item.detach().requires_grad_()
                 local_inputs.append(flat[index])
         local_args, local_kwargs = _unflatten(flat, spec)
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        hooked: list[SavedOnce] = []
         store.local_depth += 1
         try:
-            result = original(module, *local_args, **local_kwargs)
+            if hooks is None:
+                result = original(module, *local_args, **local_kwargs)
+            else:  # checkpointing, offloading: save through them, unpack once (see LocalGraph)
+                with _local_hooks(hooks, hooked):
+                    result = original(module, *local_args, **local_kwargs)
         finally:
             store.local_depth -= 1
         if isinstance(result, torch.Tensor):  # the common case, without a tree walk
             if not result.requires_grad:
                 return result
             leaves = reachable_leaves([result], local_inputs)
-            return Bridge.apply(LocalGraph(store, [result], local_inputs, leaves), *outer, *leaves)[0]
+            local = LocalGraph(store, [result], local_inputs, leaves, hooked)
+            return Bridge.apply(local, *outer, *leaves)[0]
         out_flat, out_spec = tree_flatten(result)
         positions = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not positions:
             return result
         outputs = [out_flat[i] for i in positions]
         leaves = reachable_leaves(outputs, local_inputs)
-        bridged = Bridge.apply(LocalGraph(store, outputs, local_inputs, leaves), *outer, *leaves)
+        bridged = Bridge.apply(LocalGraph(store, outputs, local_inputs, leaves, hooked), *outer, *leaves)
         for position, tensor in zip(positions, bridged):
             out_flat[position] = tensor
         return tree_unflatten(out_flat, out_spec)

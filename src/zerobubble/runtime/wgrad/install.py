@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from .fast import fast_forward
+from .fast import FastPlan, fast_forward
 from .generic import generic_forward
 from .rules import FastPaths, default_fast_paths
 from .store import WeightGradStore
@@ -63,8 +63,8 @@ def install_deferral(
         seen.add(id(module))
         if "forward" not in module.__dict__:
             rule = paths.rule_for(module)
-            if rule is not None:
-                _set_forward(module, fast_forward(rule, store, generic))
+            if rule is not None and FastPlan.covers(rule, module):
+                _set_forward(module, fast_forward(FastPlan(rule, module, store), generic))
                 deferral.fast.append(module)
                 return
             if not covered and any(p is not None for p in module._parameters.values()):

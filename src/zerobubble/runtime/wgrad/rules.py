@@ -19,6 +19,7 @@ from torch import nn
 from .store import accumulate, accumulate_product
 
 Tensors = tuple[torch.Tensor | None, ...]
+_CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
 
 
 class SplitRule:
@@ -125,10 +126,17 @@ class MatmulRule(SplitRule):
         return grads
 
     def accumulate(self, module, saved, grad_output, needed):
+        own = module._parameters  # fast paths cover modules whose weight and bias are their own
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         if needed[0]:
-            accumulate_product(module.weight, *self._factors(saved, grad_output))
+            x = saved[0]
+            x_2d = x.reshape(-1, x.shape[-1])
+            if self.out_by_in:
+                accumulate_product(own["weight"], grad_2d.t(), x_2d)
+            else:
+                accumulate_product(own["weight"], x_2d.t(), grad_2d)
         if len(needed) > 1 and needed[1]:
-            accumulate(module.bias, grad_output.reshape(-1, grad_output.shape[-1]).sum(0))
+            accumulate(own["bias"], grad_2d.sum(0))
 
 
 class _MaskedRule(SplitRule):
@@ -158,6 +166,7 @@ class ConvRule(_MaskedRule):
     def __init__(self, dims: int):
         self.dims = dims
         self.conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+        self.output_padding = [0] * dims
 
     def applies(self, module):
         return module.padding_mode == "zeros" and not isinstance(module.padding, str)
@@ -169,10 +178,10 @@ class ConvRule(_MaskedRule):
 
     def _backward(self, module, saved, grad_output, mask):
         x, weight = saved
-        bias_sizes = [weight.shape[0]] if module.bias is not None else None
-        return torch.ops.aten.convolution_backward(
+        bias_sizes = [weight.shape[0]] if module._parameters.get("bias") is not None else None
+        return _CONVOLUTION_BACKWARD(
             grad_output, x, weight, bias_sizes, module.stride, module.padding, module.dilation,
-            False, [0] * self.dims, module.groups, mask,
+            False, self.output_padding, module.groups, mask,
         )  # fmt: skip
 
 

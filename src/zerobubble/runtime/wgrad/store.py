@@ -26,24 +26,32 @@ class WeightGradStore:
         self._pending: dict[tuple[int, int], list[Callable[[], None]]] = {}
         self._shared: dict[tuple[int, int], dict[Callable[[], Any], Any]] = {}
         self._key: tuple[int, int] | None = None
-        self.deferring = False
+        self.queue: list[Callable[[], None]] | None = None
+        """The current key's W work while a deferring backward runs (append to defer), else None."""
         self.local_depth = 0  # generic local graphs being built right now (see .generic)
+
+    @property
+    def deferring(self) -> bool:
+        """Whether the backward running now defers weight gradients to W."""
+        return self.queue is not None
 
     def begin(self, key: tuple[int, int], defer: bool) -> None:
         """Start the backward of ``key``; ``defer`` says whether weight gradients wait for W."""
         self._key = key
-        self.deferring = defer
+        self.queue = self._pending.setdefault(key, []) if defer else None
 
     def end(self) -> None:
         """Finish the backward started by :meth:`begin`."""
+        if self._key is not None and not self._pending.get(self._key, True):
+            del self._pending[self._key]  # nothing was deferred
         self._key = None
-        self.deferring = False
+        self.queue = None
 
     def put(self, work: Callable[[], None]) -> None:
         """Queue ``work`` (adds weight gradients into ``.grad`` when called) for the current key."""
-        if self._key is None:
+        if self.queue is None:
             raise RuntimeError("WeightGradStore.put outside begin()/end(): no backward is deferring")
-        self._pending.setdefault(self._key, []).append(work)
+        self.queue.append(work)
 
     def shared(self, kind: Callable[[], Work]) -> Work:
         """The one ``kind()`` work item of the current key, created and queued on first use.
@@ -51,7 +59,7 @@ class WeightGradStore:
         Lets many layers pool their W work into one call (the generic split runs one autograd
         call per W op instead of one per layer).
         """
-        if self._key is None:
+        if self._key is None or self.queue is None:
             raise RuntimeError("WeightGradStore.shared outside begin()/end(): no backward is deferring")
         per_key = self._shared.setdefault(self._key, {})
         work = per_key.get(kind)
