@@ -101,6 +101,27 @@ def test_profile_layers_measures_the_split_and_leaves_the_model_alone():
     assert profile.microbatch_size == 8
 
 
+class _InputProbe(nn.Module):
+    """A Linear that reports whether its input asks for a gradient (``report`` survives deepcopy)."""
+
+    def __init__(self, report):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.report = report
+
+    def forward(self, x):
+        self.report(x.requires_grad)
+        return self.fc(x)
+
+
+def test_first_layer_is_profiled_as_the_first_stage_runs_it():
+    """The first stage's B computes no gradient of the data: profiling one would overstate its T_B."""
+    seen: dict[int, set[bool]] = {0: set(), 1: set()}
+    layers = [_InputProbe(lambda flag, i=i: seen[i].add(flag)) for i in (0, 1)]
+    profile_layers(layers, torch.randn(2, 4), torch.randn(2, 4), nn.functional.mse_loss, repeats=1)
+    assert seen == {0: {False}, 1: {True}}
+
+
 # -- re-planning from a trace ------------------------------------------------------------------------
 
 

@@ -75,7 +75,9 @@ def profile_layers(
             for index, (name, layer) in enumerate(named):
                 last = index == len(named) - 1
                 loss = (loss_fn, _to_device(targets, target_device)) if last and loss_fn is not None else None
-                profile, values = _profile_layer(name, layer, values, loss, target_device, optimizer_factor)
+                profile, values = _profile_layer(
+                    name, layer, values, loss, target_device, optimizer_factor, first=index == 0
+                )
                 sweep.append(profile)
             sweeps.append(sweep)
     finally:
@@ -150,14 +152,19 @@ def _profile_layer(
     loss: tuple[Loss, Any] | None,
     device: torch.device,
     optimizer_factor: float,
+    first: bool = False,
 ) -> tuple[LayerProfile, tuple[torch.Tensor, ...]]:
-    """Time and size one layer once (on a copy, after a warm-up); its profile and detached outputs."""
+    """Time and size one layer once (on a copy, after a warm-up); its profile and detached outputs.
+
+    The ``first`` layer takes the data as the pipeline's first stage does, without asking for its
+    gradient: its B computes no input gradient.
+    """
     module = copy.deepcopy(layer).to(device)
     store = WeightGradStore()
     install_deferral([module], store)
     parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
     for _ in range(2):  # the first run warms up and creates the .grad tensors the second adds into
-        inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
+        inputs = _layer_inputs(values, first)
         saved: list[torch.Tensor] = []
 
         def pack(tensor: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
@@ -181,7 +188,7 @@ def _profile_layer(
         b, w, kept_bytes = (
             split_backward(module, tensors, grads, store, watched, ours) if tensors else (0.0, 0.0, 0.0)
         )
-    fused = _fused_backward_time(module, values, loss, store) if w > 0 else 0.0
+    fused = _fused_backward_time(module, _layer_inputs(values, first), loss, store) if w > 0 else 0.0
     parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     profile = LayerProfile(
@@ -200,11 +207,18 @@ def _profile_layer(
     return profile, tuple(t.detach() for t in outputs)
 
 
+def _layer_inputs(values: tuple[torch.Tensor, ...], first: bool) -> tuple[torch.Tensor, ...]:
+    """A layer's inputs as a stage gets them: received activations need their gradient (B sends it
+    back), the first stage's data does not (the executor's ``_stage_inputs``)."""
+    if first:
+        return tuple(t.detach() for t in values)
+    return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
+
+
 def _fused_backward_time(
-    module: nn.Module, values: tuple[torch.Tensor, ...], loss: tuple[Loss, Any] | None, store: WeightGradStore
+    module: nn.Module, inputs: tuple[torch.Tensor, ...], loss: tuple[Loss, Any] | None, store: WeightGradStore
 ) -> float:
     """One forward, then the fused backward (BW) of 1F1B timed: weight gradients computed in B."""
-    inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
     result = module(*inputs)
     outputs = result if isinstance(result, tuple) else (result,)
     tensors, grads = _backward_roots(outputs, loss[0](result, loss[1]) if loss is not None else None)
