@@ -313,3 +313,36 @@ def test_calibration_refuses_bounds_of_another_model():
     with pytest.raises(ScheduleError, match="cannot calibrate a profile of 8 layers"):
         calibrated_profile(lm_profile(), [0, 4, 9], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], 0.0)
 
+
+
+# -- ranks sharing cores ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b"])
+def test_shared_cores_simulation_matches_own_cores_and_total_work(name):
+    from zerobubble.schedule import CostModel, build_schedule, simulate
+    from zerobubble.schedule.simulate import _run, _resolve, _run_shared
+
+    schedule = build_schedule(name, 4, 8)
+    costs = CostModel(f=[1, 2, 1.5, 1], b=[2, 1, 1, 3], w=[1, 1, 1, 1], comm=0.1)
+    resolved = _resolve(schedule, costs)
+    own_starts, own_ends = _run(schedule, resolved)
+    shared_starts, shared_ends = _run_shared(schedule, resolved, 4)  # a core per rank: the same timeline
+    for own, shared in ((own_starts, shared_starts), (own_ends, shared_ends)):
+        assert [list(map(pytest.approx, r)) for r in own] == [list(r) for r in shared]
+    work = sum(simulate(schedule, costs).busy)
+    one_core = simulate(schedule, costs.replace(comm=0.0), cores=1)
+    assert one_core.makespan == pytest.approx(work)  # one core: every op's work one after another
+    two = simulate(schedule, costs, cores=2).makespan
+    assert max(work / 2, simulate(schedule, costs).makespan) <= two * (1 + 1e-9) < work
+    with pytest.raises(ScheduleError, match="cores must be at least 1"):
+        simulate(schedule, costs, cores=0)
+
+
+def test_plan_on_shared_cores_predicts_longer_and_says_so():
+    own = plan(lm_profile(), 4, 8)
+    shared = plan(lm_profile(), 4, 8, cores=2)
+    assert shared.cores == 2 and own.cores is None
+    assert shared.predicted_iteration_time > own.predicted_iteration_time
+    assert "4 ranks predicted on 2 shared cores" in shared.reason
+    assert shared.to_dict()["cores"] == 2

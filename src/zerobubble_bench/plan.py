@@ -111,9 +111,14 @@ def _plan_rank(
     predicted: dict[str, dict[str, float]] = {"profile": {}, "calibrated": {}}
     for label, pipe in pipes.items():
         bounds, fused = pipe.layer_bounds, not pipe.schedule.splits_backward
-        for kind, profile in (("profile", auto.profile), ("calibrated", calibration.profile)):
+        # the profile holds times on a core of its own, the plan's cores model the ranks sharing them;
+        # the calibrated times were measured while sharing them: simulated as they are
+        for kind, profile, cores in (
+            ("profile", auto.profile, auto.plan.cores),
+            ("calibrated", calibration.profile, None),
+        ):
             costs = stage_costs(profile, bounds[1:-1], len(bounds) - 1, fused=fused)
-            predicted[kind][label] = simulate(pipe.schedule, costs).makespan
+            predicted[kind][label] = simulate(pipe.schedule, costs, cores=cores).makespan
     return {
         "times": times,
         "predicted": predicted,

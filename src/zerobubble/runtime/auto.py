@@ -88,11 +88,17 @@ def profiling_turns(world: int, device: torch.device) -> int:
     run the ranks take turns by themselves (one computes while another waits).  The profile is then
     taken in turns, each rank on the cores it would have alone — the simulator's model of a rank.
     """
+    slots = cpu_slots(device)
+    return 1 if slots is None else math.ceil(world / slots)
+
+
+def cpu_slots(device: torch.device) -> int | None:
+    """How many ranks of ``torch.get_num_threads()`` threads the CPUs this process may use hold at
+    once; None on a GPU (a device per rank)."""
     if device.type != "cpu":
-        return 1
+        return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    at_once = max(1, cores // max(1, torch.get_num_threads()))
-    return math.ceil(world / at_once)
+    return max(1, cores // max(1, torch.get_num_threads()))
 
 
 def _profile_here(
@@ -133,11 +139,26 @@ def _decide(
         )
         optimizer = "post-validation" if post_validation else "sync"
         chosen = plan(
-            profile, ranks, microbatches, memory_limit, optimizer=optimizer, device_memory=device_memory
+            profile,
+            ranks,
+            microbatches,
+            memory_limit,
+            optimizer=optimizer,
+            device_memory=device_memory,
+            cores=_shared_cores(device, ranks, len(profiles)),
         )
         return chosen, profile
     except ScheduleError as error:
         return str(error)
+
+
+def _shared_cores(device: torch.device, ranks: int, world: int) -> int | None:
+    """The processors this pipeline's ``ranks`` share (of ``world`` ranks on the machine), or None
+    when every rank has its own: the simulator then models the sharing (:func:`~..schedule.simulate`)."""
+    slots = cpu_slots(device)
+    if slots is None or slots >= world:
+        return None
+    return max(1, slots * ranks // world)
 
 
 def _first_microbatch(batch: Any, microbatches: int) -> Any:

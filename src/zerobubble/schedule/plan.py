@@ -303,7 +303,8 @@ class Plan:
     """The chosen schedule, chunk count and partition, with every alternative considered.
 
     ``schedule`` is the built (validated) schedule to run, ``costs`` its per-stage costs in seconds
-    and bytes, ``reason`` one sentence saying why it won.  ``calibration`` is set once a run has
+    and bytes, ``reason`` one sentence saying why it won.  ``cores`` is the number of processors
+    the ranks were predicted to share (None: one each).  ``calibration`` is set once a run has
     measured its own first steps (:func:`calibrate`): the prediction from those measurements and the
     plan they would choose.
     """
@@ -316,6 +317,7 @@ class Plan:
     optimizer: str
     reason: str
     calibration: Calibration | None = None
+    cores: int | None = None
 
     @property
     def schedule(self) -> Schedule:
@@ -355,6 +357,7 @@ class Plan:
             "ranks": self.ranks,
             "microbatches": self.microbatches,
             "optimizer": self.optimizer,
+            "cores": self.cores,
             "reason": self.reason,
             "calibration": self.calibration.to_dict() if self.calibration is not None else None,
             "alternatives": [candidate.row() for candidate in self.candidates],
@@ -530,6 +533,7 @@ def plan(
     device_memory: float | None = None,
     refine: int = 12,
     tie_margin: float = 0.02,
+    cores: int | None = None,
 ) -> Plan:
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
@@ -538,7 +542,9 @@ def plan(
     ``interleaved_chunks`` are the chunk counts tried for interleaved 1F1B; ``optimizer`` selects the
     period minimised (``"post-validation"``: iteration time, ``"sync"``: makespan); ``refine`` bounds
     the simulator-guided moves of cut points of each candidate within 10 % of the best; a candidate
-    with fewer chunks whose prediction is within ``tie_margin`` of the fastest wins the tie.  Raises
+    with fewer chunks whose prediction is within ``tie_margin`` of the fastest wins the tie.
+    ``cores`` fewer than ``ranks`` predicts ranks sharing that many processors (CPU ranks on one
+    machine; the profile then holds each rank's times on a core of its own).  Raises
     :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it needs and
     the budget.
     """
@@ -550,7 +556,7 @@ def plan(
         raise ScheduleError(f"ranks and microbatches must be at least 1, got {ranks} and {microbatches}")
     budget = parse_bytes(memory_limit, device_memory)
     names = list(schedules) if schedules is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
-    search = _Search(profile, ranks, microbatches, budget, optimizer, refine)
+    search = _Search(profile, ranks, microbatches, budget, optimizer, refine, cores)
     candidates: list[Candidate] = []
     for name in names:
         spec = get_spec(name)
@@ -573,7 +579,10 @@ def plan(
     if not fitting:
         raise ScheduleError(_nothing_fits(ordered, budget, ranks))
     winner = _choose(fitting, tie_margin)
-    return Plan(winner, ordered, ranks, microbatches, budget, optimizer, _reason(winner, ordered, budget))
+    reason = _reason(winner, ordered, budget)
+    if cores is not None and cores < ranks:
+        reason += f"; {ranks} ranks predicted on {cores} shared cores"
+    return Plan(winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores)
 
 
 def _choose(fitting: Sequence[Candidate], tie_margin: float) -> Candidate:
@@ -600,9 +609,10 @@ class _Search:
         budget: float | None,
         optimizer: str,
         refine: int,
+        cores: int | None = None,
     ):
         self.profile, self.ranks, self.microbatches = profile, ranks, microbatches
-        self.budget, self.optimizer, self.refine = budget, optimizer, refine
+        self.budget, self.optimizer, self.refine, self.cores = budget, optimizer, refine, cores
         self.work = [layer.work for layer in profile.layers]
 
     def candidate(self, name: str, chunks: int) -> Candidate:
@@ -697,7 +707,7 @@ class _Search:
         static = self._static_bytes(cuts, stage_ranks)
         # a schedule of BW ops is predicted with the measured fused backward
         costs = stage_costs(self.profile, cuts, len(stage_ranks), fused=not schedule.splits_backward)
-        timeline = simulate(schedule, costs)
+        timeline = simulate(schedule, costs, cores=self.cores)
         peaks = tuple(s + a for s, a in zip(static, timeline.peak_memory))
         fits = self.budget is None or all(peak <= self.budget * (1 + 1e-9) for peak in peaks)
         over = max(range(self.ranks), key=lambda r: peaks[r])
