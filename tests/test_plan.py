@@ -314,14 +314,13 @@ def test_calibration_refuses_bounds_of_another_model():
         calibrated_profile(lm_profile(), [0, 4, 9], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], 0.0)
 
 
-
 # -- ranks sharing cores ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b"])
 def test_shared_cores_simulation_matches_own_cores_and_total_work(name):
     from zerobubble.schedule import CostModel, build_schedule, simulate
-    from zerobubble.schedule.simulate import _run, _resolve, _run_shared
+    from zerobubble.schedule.simulate import _resolve, _run, _run_shared
 
     schedule = build_schedule(name, 4, 8)
     costs = CostModel(f=[1, 2, 1.5, 1], b=[2, 1, 1, 3], w=[1, 1, 1, 1], comm=0.1)

@@ -242,7 +242,7 @@ class Calibrator:
         dist.broadcast_object_list(payload, src=source, group=pipe.group, device=_object_device(pipe.device))
         outcome = payload[0]
         if isinstance(outcome, str):
-            logger.warning('schedule="auto": calibrating the plan from the recorded steps failed: %s', outcome)
+            logger.warning('schedule="auto": calibrating the plan from recorded steps failed: %s', outcome)
             return pipe.plan
         logger.info('schedule="auto": %s', outcome.calibration.describe())
         return outcome

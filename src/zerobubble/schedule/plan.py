@@ -455,8 +455,9 @@ class Calibration:
         winner = self.replan.winner
         assert winner.period is not None
         text = (
-            f"calibrated on {self.steps} recorded steps: predicted {self.predicted_iteration_time * 1e3:.3f} ms "
-            f"(from the profile alone {self.initial_iteration_time * 1e3:.3f} ms)"
+            f"calibrated on {self.steps} recorded steps: predicted "
+            f"{self.predicted_iteration_time * 1e3:.3f} ms (from the profile alone "
+            f"{self.initial_iteration_time * 1e3:.3f} ms)"
         )
         if self.keeps_plan:
             return f"{text}; re-planning from the measured costs keeps this plan"

@@ -17,6 +17,7 @@ p = 32, m = 256 takes a few tens of milliseconds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -312,23 +313,23 @@ def _run_shared(
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
     done = [-1.0] * (3 * S * m)
     position = [0] * p
-    left: list[float | None] = [None] * p  # work left of the op a rank computes; None when it computes none
-    ready: list[float | None] = [None] * p  # when a rank's next op may start (None: an input is missing)
+    computing = [False] * p
+    left = [0.0] * p  # work left of the op a rank computes
+    ready = [math.inf] * p  # when a rank's next op may start (inf: an input is missing, or no op left)
     starts: list[list[float]] = [[] for _ in range(p)]
     ends: list[list[float]] = [[] for _ in range(p)]
     scale = max((op[0] for program in compiled for op in program), default=0.0)
-    tolerance = 1e-12 * max(scale, 1e-300)
+    tolerance = 1e-12 * scale
     now = 0.0
 
     def arm(rank: int) -> None:
-        """Find when the rank's next op may start (its previous op ended at ``now`` or earlier)."""
+        """When the rank's next op may start (its previous op ended at ``now`` or earlier)."""
+        ready[rank] = math.inf
         if position[rank] >= len(compiled[rank]):
-            ready[rank] = None
             return
         at = ends[rank][-1] if ends[rank] else 0.0
         for key, delay in compiled[rank][position[rank]][1]:
             if done[key] < 0:
-                ready[rank] = None
                 return
             at = max(at, done[key] + delay)
         ready[rank] = at
@@ -337,30 +338,29 @@ def _run_shared(
         arm(rank)
     while True:
         for rank in range(p):  # start every op whose inputs are there
-            if left[rank] is None and ready[rank] is not None and ready[rank] <= now:
+            if not computing[rank] and ready[rank] <= now:
                 starts[rank].append(now)
-                left[rank] = compiled[rank][position[rank]][0]
-                ready[rank] = None
-        running = [rank for rank in range(p) if left[rank] is not None]
-        waiting = [at for at in ready if at is not None]
-        if not running and not waiting:
+                computing[rank], left[rank] = True, compiled[rank][position[rank]][0]
+                ready[rank] = math.inf
+        running = [rank for rank in range(p) if computing[rank]]
+        if not running and min(ready) == math.inf:
             break
         rate = min(1.0, cores / len(running)) if running else 0.0
-        finish = now + min(left[r] for r in running) / rate if running else float("inf")  # type: ignore[type-var]
-        step = min(finish, min(waiting, default=float("inf")))
+        finish = now + min(left[rank] for rank in running) / rate if running else math.inf
+        step = min(finish, *ready)
         for rank in running:
-            left[rank] -= (step - now) * rate  # type: ignore[operator]
+            left[rank] -= (step - now) * rate
         now = step
-        finished = [rank for rank in running if left[rank] <= tolerance]  # type: ignore[operator]
+        finished = [rank for rank in running if left[rank] <= tolerance]
         for rank in finished:
-            left[rank] = None
+            computing[rank] = False
             ends[rank].append(now)
             for key in compiled[rank][position[rank]][2]:
                 done[key] = now
             position[rank] += 1
         if finished:  # an op that ended may be the input another rank waits for
             for rank in range(p):
-                if left[rank] is None:
+                if not computing[rank]:
                     arm(rank)
     if any(position[r] < len(compiled[r]) for r in range(p)):
         raise _deadlock(schedule, position)
