@@ -80,7 +80,7 @@ def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
         schedule="auto",
         memory_limit="1GiB",
         ranks=2,
-        steps=3,
+        steps=4,
         microbatches=4,
         batch_size=8,
         seq_len=8,
@@ -93,8 +93,10 @@ def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
         trace=str(tmp_path),
     )
     summary = run_training(config)
-    assert summary.schedule != "auto" and len(summary.losses) == 3
+    assert summary.schedule != "auto" and len(summary.losses) == 4
     assert any(line.startswith("auto plan: ") for line in summary.lines())
+    # steps 2 to 4 were recorded (by the trace's own recorder) and calibrated the plan
+    assert any(line.startswith("auto plan calibrated on 3 recorded steps") for line in summary.lines())
     recorded = json.loads((tmp_path / "summary.json").read_text())
     assert recorded["layer_profile"] is not None and recorded["layer_bounds"][-1] == 4
     assert main(["plan", "--trace", str(tmp_path), "--ranks", "2", "-m", "4", "--json"]) == 0

@@ -39,7 +39,7 @@ def plan_benchmark(
     rounds: int = 5,
     steps_per_round: int = 2,
     warmup: int = 2,
-    calibrate: int = 2,
+    calibrate: int = 3,
 ) -> list[Table]:
     """``schedule="auto"`` against zb-v on the even split and torch's ZBV on the uneven LM, per rank count;
     and against our hand-picked schedules on the balanced MLP of ``bench pipelines`` (2 ranks).
@@ -121,6 +121,7 @@ def _plan_rank(
             predicted[kind][label] = simulate(pipe.schedule, costs, cores=cores).makespan
     return {
         "times": times,
+        "steps_per_round": steps,
         "predicted": predicted,
         "reason": auto.plan.reason,
         "calibration": calibration.describe(),
@@ -142,23 +143,28 @@ def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any
             "measured / predicted",
             "predicted, calibrated (ms)",
             "measured / calibrated",
+            "rounds max / min",
             "steps",
         ],
     )
+    per_round = result["steps_per_round"]
     for name, values in times.items():
         value = median(values)
         row = [name, f"{value * 1e3:.1f}", f"{value / reference:.3f}"]
         for kind in ("profile", "calibrated"):
             guess = predicted[kind].get(name)
             row += [f"{guess * 1e3:.1f}", f"{value / guess:.3f}"] if guess else ["—", "—"]
-        table.rows.append([*row, str(len(values))])
+        rounds = [median(values[i : i + per_round]) for i in range(0, len(values), per_round)]
+        table.rows.append([*row, f"{max(rounds) / min(rounds):.3f}", str(len(values))])
     table.notes.append(
         f"auto chose: {result['reason']}. Then auto's first steps (after the very first) were recorded: "
         f"{result['calibration']}. "
         "Predicted = the simulator's makespan for that configuration's schedule and partition, made "
         "before any timed step: 'profile' from auto's per-layer profile (taken before the run), "
         "'calibrated' from that profile scaled to the op times of auto's recorded steps (other steps "
-        "than the timed ones). Step = barrier to barrier, backward and zero_grad included, no "
-        "optimizer; configurations measured in rotating rounds."
+        "than the timed ones). Rounds max / min: the slowest round's median step over the fastest's, for "
+        "the same configuration — how much identical work varied during the run. Step = barrier to "
+        "barrier, backward and zero_grad included, no optimizer; configurations measured in rotating "
+        "rounds."
     )
     return table

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -184,7 +185,8 @@ class Calibrator:
     left out (it also exchanges shape headers and allocates); the next ``steps`` are recorded — by
     the Pipeline's own recorder with ``trace=True``, else by a :class:`~.trace.TraceRecorder`
     attached for them only — then every rank of the pipeline sends its op intervals to rank 0, which
-    runs :func:`~zerobubble.schedule.plan.calibrate` and broadcasts the calibrated plan.  A
+    takes per chunk and kind the median over the steps of the mean op time, runs
+    :func:`~zerobubble.schedule.plan.calibrate` and broadcasts the calibrated plan.  A
     calibration that fails leaves the plan as it was and logs why: training goes on.
     """
 
@@ -230,14 +232,19 @@ class Calibrator:
         if timelines is not None:  # pipeline rank 0
             try:
                 recorded = timelines[-self.steps :]
-                costs = measured_costs(recorded).to_dict()
+                per_step = [measured_costs([timeline]) for timeline in recorded]
+                # the median step's op time per chunk: a burst of load elsewhere during one step is left out
+                costs = {
+                    kind: [statistics.median(values) for values in zip(*(getattr(c, kind) for c in per_step))]
+                    for kind in ("f", "b", "w")
+                }
                 latencies = sorted(x for t in recorded for x in transfer_latencies(t))
                 latency = latencies[len(latencies) // 2] if latencies else pipe.profile.comm_latency
                 payload[0] = calibrate(
                     pipe.plan, pipe.profile, pipe.layer_bounds, costs, latency, len(recorded)
                 )
-            except (ScheduleError, PipelineError) as error:
-                payload[0] = str(error)
+            except Exception as error:  # every rank must learn of it, or the others wait in the broadcast
+                payload[0] = f"{type(error).__name__}: {error}"
         source = dist.get_global_rank(pipe.group, 0) if pipe.group is not None else 0
         dist.broadcast_object_list(payload, src=source, group=pipe.group, device=_object_device(pipe.device))
         outcome = payload[0]

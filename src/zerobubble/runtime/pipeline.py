@@ -125,7 +125,7 @@ class Pipeline:
         fast_paths: FastPaths | None = None,
         memory_limit: str | float | None = None,
         example: Any = None,
-        calibrate: int = 2,
+        calibrate: int = 3,
     ):
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
         self.device = local_device(backend)  # before the first collective (NCCL needs the device)
