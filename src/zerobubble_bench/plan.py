@@ -143,17 +143,20 @@ def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any
             "measured / predicted",
             "predicted, calibrated (ms)",
             "measured / calibrated",
+            "× auto, calibrated prediction",
             "rounds max / min",
             "steps",
         ],
     )
     per_round = result["steps_per_round"]
+    calibrated = predicted["calibrated"]
     for name, values in times.items():
         value = median(values)
         row = [name, f"{value * 1e3:.1f}", f"{value / reference:.3f}"]
         for kind in ("profile", "calibrated"):
             guess = predicted[kind].get(name)
             row += [f"{guess * 1e3:.1f}", f"{value / guess:.3f}"] if guess else ["—", "—"]
+        row.append(f"{calibrated[name] / calibrated[auto]:.3f}" if name in calibrated else "—")
         rounds = [median(values[i : i + per_round]) for i in range(0, len(values), per_round)]
         table.rows.append([*row, f"{max(rounds) / min(rounds):.3f}", str(len(values))])
     table.notes.append(
@@ -162,7 +165,9 @@ def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any
         "Predicted = the simulator's makespan for that configuration's schedule and partition, made "
         "before any timed step: 'profile' from auto's per-layer profile (taken before the run), "
         "'calibrated' from that profile scaled to the op times of auto's recorded steps (other steps "
-        "than the timed ones). Rounds max / min: the slowest round's median step over the fastest's, for "
+        "than the timed ones). × auto, calibrated prediction: the calibrated prediction over auto's, to "
+        "compare with the measured × auto (a load from elsewhere that slows every configuration alike "
+        "cancels in it). Rounds max / min: the slowest round's median step over the fastest's, for "
         "the same configuration — how much identical work varied during the run. Step = barrier to "
         "barrier, backward and zero_grad included, no optimizer; configurations measured in rotating "
         "rounds."
