@@ -457,7 +457,8 @@ class Calibration:
         text = (
             f"calibrated on {self.steps} recorded steps: predicted "
             f"{self.predicted_iteration_time * 1e3:.3f} ms (from the profile alone "
-            f"{self.initial_iteration_time * 1e3:.3f} ms)"
+            f"{self.initial_iteration_time * 1e3:.3f} ms; measured transfer latency "
+            f"{self.transfer_latency * 1e3:.3f} ms)"
         )
         if self.keeps_plan:
             return f"{text}; re-planning from the measured costs keeps this plan"
