@@ -196,6 +196,7 @@ class Calibrator:
         self.steps = steps
         self.completed = 0
         self.recorder: StepRecorder | None = None
+        self.replaced: Any = None  # a recorder of the caller's, attached again after the recorded steps
         self.attached = False
 
     def after_step(self, pipe: Any) -> bool:
@@ -209,15 +210,18 @@ class Calibrator:
             pipe.plan = self._calibrated(pipe)
         finally:
             if self.attached:
-                pipe.recorder = None
+                pipe.recorder = self.replaced
         return True
 
     def _attach(self, pipe: Any) -> None:
+        """Record with the Pipeline's step recorder, or attach one for the recorded steps (a recorder
+        of the caller's that keeps no steps is put back afterwards; every rank records alike)."""
         if isinstance(pipe.recorder, StepRecorder):
             self.recorder = pipe.recorder
             return
         from .trace import TraceRecorder
 
+        self.replaced = pipe.recorder
         self.recorder = TraceRecorder(pipe.device, keep=self.steps)
         pipe.recorder = self.recorder
         self.attached = True
