@@ -22,6 +22,7 @@ def auto_cases() -> dict:
         memory_limit="1GiB",
         example=(inputs, targets),
         timeout=60,
+        calibrate=1,
     )
     loss = pipe.step(inputs, targets)
     result = {
@@ -32,7 +33,25 @@ def auto_cases() -> dict:
         "plan_schedule": pipe.plan.winner.schedule,
         "reason": pipe.plan.reason,
         "layers": len(pipe.profile.layers),
+        "calibrated_after_first_step": pipe.plan.calibration is not None,
     }
+    # the second step is recorded and calibrates the plan; its gradients must be exact too
+    pipe.zero_grad()
+    loss = pipe.step(inputs, targets)
+    calibration = pipe.plan.calibration
+    result.update(
+        {
+            "loss_after_calibration": None
+            if loss is None
+            else abs(loss.item() - expected_loss) / abs(expected_loss),
+            "grads_after_calibration": {
+                n: relative_error(p.grad, expected_grads[n]) for n, p in pipe.named_parameters()
+            },
+            "calibration": None if calibration is None else calibration.to_dict(),
+            "recorder_detached": pipe.recorder is None,
+            "schedule_after_calibration": pipe.schedule.name,
+        }
+    )
     for case, options in {
         "too_small": {"memory_limit": "2KiB", "example": (inputs, targets)},
         "no_example": {"memory_limit": None, "example": None},

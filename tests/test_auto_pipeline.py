@@ -1,4 +1,5 @@
-"""Pipeline(schedule="auto") on 2 ranks: one plan everywhere, exact gradients, errors before allocating."""
+"""Pipeline(schedule="auto") on 2 ranks: one plan everywhere, exact gradients, errors before allocating,
+and a calibration from the recorded second step that every rank agrees on."""
 
 from __future__ import annotations
 
@@ -33,6 +34,31 @@ def test_gradients_equal_one_process_from_the_first_step(results):
             assert error < 1e-5, name
 
 
+def test_recorded_steps_calibrate_the_plan_on_every_rank_alike(results):
+    first, second = results
+    assert not first["calibrated_after_first_step"]  # the first step is not recorded
+    calibration = first["calibration"]
+    assert calibration is not None and calibration == second["calibration"]
+    assert calibration["steps"] == 1 and calibration["predicted_iteration_time"] > 0
+    stages = len(first["partition"]) + 1
+    assert all(len(values) == stages for values in calibration["measured_seconds"].values())
+    assert max(calibration["measured_seconds"]["f"]) > 0
+    assert calibration["replan"]["predicted_iteration_time"] <= calibration["predicted_iteration_time"] * (
+        1 + 1e-9
+    )
+    for r in results:
+        assert r["recorder_detached"] and r["schedule_after_calibration"] == r["schedule"]
+
+
+def test_gradients_stay_exact_after_calibration(results):
+    losses = [r["loss_after_calibration"] for r in results if r["loss_after_calibration"] is not None]
+    assert len(losses) == 1 and losses[0] < 1e-5
+    for r in results:
+        assert set(r["grads_after_calibration"]) == set(r["grads"])
+        for name, error in r["grads_after_calibration"].items():
+            assert error < 1e-5, name
+
+
 def test_budget_too_small_is_refused_on_every_rank(results):
     for r in results:
         assert "no schedule fits the memory budget of 2.00 KiB" in r["too_small"]
@@ -54,7 +80,7 @@ def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
         schedule="auto",
         memory_limit="1GiB",
         ranks=2,
-        steps=3,
+        steps=4,
         microbatches=4,
         batch_size=8,
         seq_len=8,
@@ -67,10 +93,30 @@ def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
         trace=str(tmp_path),
     )
     summary = run_training(config)
-    assert summary.schedule != "auto" and len(summary.losses) == 3
+    assert summary.schedule != "auto" and len(summary.losses) == 4
     assert any(line.startswith("auto plan: ") for line in summary.lines())
+    # steps 2 to 4 were recorded (by the trace's own recorder) and calibrated the plan
+    assert any(line.startswith("auto plan calibrated on 3 recorded steps") for line in summary.lines())
     recorded = json.loads((tmp_path / "summary.json").read_text())
     assert recorded["layer_profile"] is not None and recorded["layer_bounds"][-1] == 4
     assert main(["plan", "--trace", str(tmp_path), "--ranks", "2", "-m", "4", "--json"]) == 0
     replanned = json.loads(capsys.readouterr().out)
     assert replanned["predicted_iteration_time"] > 0 and len(replanned["peak_bytes"]) == 2
+
+
+def test_ranks_profile_in_turns_when_they_outnumber_the_cores(monkeypatch):
+    import os
+
+    import torch
+
+    from zerobubble.runtime.auto import profiling_turns
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cpu = torch.device("cpu")
+    assert profiling_turns(2, cpu) == 1
+    assert profiling_turns(4, cpu) == 2
+    assert profiling_turns(3, cpu) == 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert profiling_turns(2, cpu) == 2  # two ranks of two threads each on two cores
+    assert profiling_turns(4, torch.device("cuda", 0)) == 1  # a device per rank

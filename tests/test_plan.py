@@ -228,3 +228,120 @@ def test_search_out_of_budget_returns_its_best_partition_unproven():
     assert len(cut_short.cuts) == len(stage_ranks) - 1
     assert complete.bottleneck <= cut_short.bottleneck
     assert max(rank_loads(work, cut_short.cuts, stage_ranks, 3)) == pytest.approx(cut_short.bottleneck)
+
+
+# -- calibration from a run's recorded steps -------------------------------------------------------
+
+
+def _stage_times(result, profile: ModelProfile, scale=lambda stage: 1.0) -> dict[str, list[float]]:
+    """What a run of ``result`` would record per chunk when its ops took ``scale(s)`` × the profile."""
+    from zerobubble.schedule.plan import stage_costs
+
+    schedule = result.schedule
+    costs = stage_costs(profile, result.partition, schedule.num_stages, fused=not schedule.splits_backward)
+    stages = range(schedule.num_stages)
+    return {key: [getattr(costs, key)[s] * scale(s) for s in stages] for key in ("f", "b", "w")}
+
+
+def _bounds(result) -> list[int]:
+    return [0, *result.partition, len(lm_profile().layers)]
+
+
+def test_calibration_with_the_profiled_times_keeps_plan_and_prediction():
+    from zerobubble.schedule.plan import calibrate
+
+    profile = lm_profile()
+    running = plan(profile, 2, 8, optimizer="sync")
+    calibrated = calibrate(running, profile, _bounds(running), _stage_times(running, profile), 1e-4, 3)
+    calibration = calibrated.calibration
+    assert calibration is not None and running.calibration is None
+    assert calibration.keeps_plan and calibration.steps == 3
+    assert calibration.replan.winner.schedule == running.winner.schedule
+    assert calibration.replan.partition == running.partition
+    # no size term any more (the run's latency is per message): equal up to the bandwidth term
+    assert calibration.predicted_iteration_time == pytest.approx(running.predicted_iteration_time, rel=0.01)
+    assert calibration.initial_iteration_time == running.predicted_iteration_time
+    assert calibrated.winner is running.winner  # the running plan stays what runs
+
+
+def test_calibration_from_slower_ops_replans_to_the_same_or_a_better_plan():
+    from zerobubble.schedule.plan import calibrate
+
+    profile = lm_profile()
+    running = plan(profile, 2, 8, optimizer="sync")
+    # the last chunk (the head's) measured 3x slower than profiled, the others as profiled
+    last = running.schedule.num_stages - 1
+    measured = _stage_times(running, profile, lambda stage: 3.0 if stage == last else 1.0)
+    calibration = calibrate(running, profile, _bounds(running), measured, 2e-4, 2).calibration
+    assert calibration is not None
+    assert calibration.predicted_iteration_time > running.predicted_iteration_time
+    replanned = calibration.replan.predicted_iteration_time
+    assert replanned <= calibration.predicted_iteration_time * (1 + 1e-9)  # same or better
+    # the heavy last chunk should shed a layer: the re-plan moves the cut and says so
+    assert not calibration.keeps_plan
+    assert replanned < calibration.predicted_iteration_time * 0.98
+    assert calibration.replan.partition != running.partition
+    assert "prefers" in calibration.describe()
+    assert calibration.profile.comm_latency == 2e-4
+    head = calibration.profile.layers[-1]
+    assert head.forward == pytest.approx(3 * profile.layers[-1].forward)
+    assert calibration.profile.layers[0].forward == pytest.approx(profile.layers[0].forward)
+
+
+def test_calibrated_plan_json_fields():
+    from zerobubble.schedule.plan import calibrate
+
+    profile = lm_profile()
+    running = plan(profile, 2, 8)
+    assert running.to_dict()["calibration"] is None
+    calibrated = calibrate(running, profile, _bounds(running), _stage_times(running, profile), 1e-4, 2)
+    data = json.loads(json.dumps(calibrated.to_dict()))
+    section = data["calibration"]
+    for key in ("steps", "transfer_latency", "initial_iteration_time", "predicted_iteration_time"):
+        assert key in section
+    assert set(section["measured_seconds"]) == {"f", "b", "w"}
+    assert len(section["measured_seconds"]["f"]) == running.schedule.num_stages
+    assert set(section["replan"]) == {"schedule", "chunks", "partition", "predicted_iteration_time"}
+    assert section["keeps_plan"] is True
+    assert data["predicted_iteration_time"] == running.predicted_iteration_time
+    assert "calibrated on 2 recorded steps" in calibrated.calibration.describe()
+
+
+def test_calibration_refuses_bounds_of_another_model():
+    from zerobubble.schedule.plan import calibrated_profile
+
+    with pytest.raises(ScheduleError, match="cannot calibrate a profile of 8 layers"):
+        calibrated_profile(lm_profile(), [0, 4, 9], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], 0.0)
+
+
+# -- ranks sharing cores ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b"])
+def test_shared_cores_simulation_matches_own_cores_and_total_work(name):
+    from zerobubble.schedule import CostModel, build_schedule, simulate
+    from zerobubble.schedule.simulate import _resolve, _run, _run_shared
+
+    schedule = build_schedule(name, 4, 8)
+    costs = CostModel(f=[1, 2, 1.5, 1], b=[2, 1, 1, 3], w=[1, 1, 1, 1], comm=0.1)
+    resolved = _resolve(schedule, costs)
+    own_starts, own_ends = _run(schedule, resolved)
+    shared_starts, shared_ends = _run_shared(schedule, resolved, 4)  # a core per rank: the same timeline
+    for own, shared in ((own_starts, shared_starts), (own_ends, shared_ends)):
+        assert [list(map(pytest.approx, r)) for r in own] == [list(r) for r in shared]
+    work = sum(simulate(schedule, costs).busy)
+    one_core = simulate(schedule, costs.replace(comm=0.0), cores=1)
+    assert one_core.makespan == pytest.approx(work)  # one core: every op's work one after another
+    two = simulate(schedule, costs, cores=2).makespan
+    assert max(work / 2, simulate(schedule, costs).makespan) <= two * (1 + 1e-9) < work
+    with pytest.raises(ScheduleError, match="cores must be at least 1"):
+        simulate(schedule, costs, cores=0)
+
+
+def test_plan_on_shared_cores_predicts_longer_and_says_so():
+    own = plan(lm_profile(), 4, 8)
+    shared = plan(lm_profile(), 4, 8, cores=2)
+    assert shared.cores == 2 and own.cores is None
+    assert shared.predicted_iteration_time > own.predicted_iteration_time
+    assert "4 ranks predicted on 2 shared cores" in shared.reason
+    assert shared.to_dict()["cores"] == 2

@@ -101,6 +101,45 @@ def test_profile_layers_measures_the_split_and_leaves_the_model_alone():
     assert profile.microbatch_size == 8
 
 
+class _InputProbe(nn.Module):
+    """A Linear that reports whether its input asks for a gradient (``report`` survives deepcopy)."""
+
+    def __init__(self, report):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.report = report
+
+    def forward(self, x):
+        self.report(x.requires_grad)
+        return self.fc(x)
+
+
+def test_first_layer_is_profiled_as_the_first_stage_runs_it():
+    """The first stage's B computes no gradient of the data: profiling one would overstate its T_B."""
+    seen: dict[int, set[bool]] = {0: set(), 1: set()}
+    layers = [_InputProbe(lambda flag, i=i: seen[i].add(flag)) for i in (0, 1)]
+    profile_layers(layers, torch.randn(2, 4), torch.randn(2, 4), nn.functional.mse_loss, repeats=1)
+    assert seen == {0: {False}, 1: {True}}
+
+
+def test_caches_are_evicted_before_each_timed_piece_only():
+    from zerobubble.runtime.profile import CacheEvictor, split_backward
+    from zerobubble.runtime.wgrad import WeightGradStore, install_deferral
+
+    layer, store, calls = nn.Linear(4, 4), WeightGradStore(), []
+    install_deferral([layer], store)
+    out = layer(torch.randn(2, 4, requires_grad=True))
+    b, w, kept = split_backward(layer, [out.sum()], None, store, evict=lambda: calls.append("evict"))
+    assert calls == ["evict", "evict"] and b > 0 and w > 0 and kept > 0  # before B, before W
+    assert layer.weight.grad is not None
+    assert CacheEvictor(torch.device("cpu"), 0).buffer is None
+    evictor = CacheEvictor(torch.device("cpu"), 1024)
+    evictor()
+    assert evictor.buffer is not None and evictor.buffer.numel() == 256 and bool((evictor.buffer == 1).all())
+    with pytest.raises(ValueError, match="evict_bytes must be >= 0"):
+        CacheEvictor(torch.device("cpu"), -1)
+
+
 # -- re-planning from a trace ------------------------------------------------------------------------
 
 

@@ -3,7 +3,8 @@
 On the uneven language model (a large vocabulary: heavy first and last layers) auto's partition
 and schedule run beside zb-v on the even split and torch's ZBV, per rank count; on the balanced
 MLP of ``bench pipelines`` beside our hand-picked schedules.  The tables also give each
-configuration's step time predicted from auto's profile.
+configuration's step time as predicted before the timed steps: from auto's profile alone, and
+from the profile calibrated by auto's own first recorded steps (``pipe.plan.calibration``).
 """
 
 from __future__ import annotations
@@ -38,27 +39,34 @@ def plan_benchmark(
     rounds: int = 5,
     steps_per_round: int = 2,
     warmup: int = 2,
+    calibrate: int = 3,
 ) -> list[Table]:
     """``schedule="auto"`` against zb-v on the even split and torch's ZBV on the uneven LM, per rank count;
     and against our hand-picked schedules on the balanced MLP of ``bench pipelines`` (2 ranks).
 
     Every configuration runs in the same spawned ranks, in rotating rounds; the tables give medians,
-    ratios to auto, and each configuration's step time predicted by the simulator from auto's profile.
+    ratios to auto, and each configuration's step time predicted by the simulator from auto's profile
+    and from that profile calibrated on auto's steps 2..1+``calibrate`` (run before any timed step).
     """
     tables = []
     for count in ranks:
         lm = launch(
-            _plan_rank, count, ("lm", microbatches, rows, rounds, steps_per_round, warmup), threads=1
+            _plan_rank,
+            count,
+            ("lm", microbatches, rows, rounds, steps_per_round, warmup, calibrate),
+            threads=1,
         )[0]
         tables.append(_plan_table(uneven_lm_workload(microbatches, rows).name, count, microbatches, rows, lm))
-    mlp = launch(_plan_rank, 2, ("mlp", microbatches, mlp_rows, rounds, steps_per_round, warmup), threads=1)[
-        0
-    ]
+    mlp = launch(
+        _plan_rank, 2, ("mlp", microbatches, mlp_rows, rounds, steps_per_round, warmup, calibrate), threads=1
+    )[0]
     tables.append(_plan_table(workload("mlp", microbatches, mlp_rows).name, 2, microbatches, mlp_rows, mlp))
     return tables
 
 
-def _plan_rank(model: str, m: int, rows: int, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+def _plan_rank(
+    model: str, m: int, rows: int, rounds: int, steps: int, warmup: int, calibrate: int
+) -> dict[str, Any]:
     from zerobubble.schedule.plan import stage_costs
 
     init_distributed(backend="gloo", timeout=300)
@@ -73,7 +81,12 @@ def _plan_rank(model: str, m: int, rows: int, rounds: int, steps: int, warmup: i
         example=load.batch,
         post_validation=False,
         timeout=300,
+        calibrate=calibrate,
     )
+    for _ in range(1 + calibrate):  # the calibration's steps, all before any timed step
+        our_step(auto, load.batch)()
+    calibration = auto.plan.calibration
+    assert calibration is not None
     pipes = {f"auto ({auto.schedule.name}, cuts {list(auto.plan.partition)})": auto}
     count = len(load.make_layers())
     names = ("zb-v",) if model == "lm" else OUR_SCHEDULES
@@ -95,14 +108,24 @@ def _plan_rank(model: str, m: int, rows: int, rounds: int, steps: int, warmup: i
             "ScheduleZBVZeroBubble", model, load, m
         )
     times = interleaved(runners, rounds, steps, warmup)
-    predicted = {}
+    predicted: dict[str, dict[str, float]] = {"profile": {}, "calibrated": {}}
     for label, pipe in pipes.items():
-        bounds = pipe.layer_bounds
-        costs = stage_costs(
-            auto.profile, bounds[1:-1], len(bounds) - 1, fused=not pipe.schedule.splits_backward
-        )
-        predicted[label] = simulate(pipe.schedule, costs).makespan
-    return {"times": times, "predicted": predicted, "reason": auto.plan.reason}
+        bounds, fused = pipe.layer_bounds, not pipe.schedule.splits_backward
+        # the profile holds times on a core of its own, the plan's cores model the ranks sharing them;
+        # the calibrated times were measured while sharing them: simulated as they are
+        for kind, profile, cores in (
+            ("profile", auto.profile, auto.plan.cores),
+            ("calibrated", calibration.profile, None),
+        ):
+            costs = stage_costs(profile, bounds[1:-1], len(bounds) - 1, fused=fused)
+            predicted[kind][label] = simulate(pipe.schedule, costs, cores=cores).makespan
+    return {
+        "times": times,
+        "steps_per_round": steps,
+        "predicted": predicted,
+        "reason": auto.plan.reason,
+        "calibration": calibration.describe(),
+    }
 
 
 def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any]) -> Table:
@@ -112,26 +135,41 @@ def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any
     table = Table(
         f"{label}: step time on {ranks} CPU ranks, {m} microbatches of {rows} "
         f"{'sequences' if 'LM' in label else 'rows'}",
-        ["configuration", "median step (ms)", "× auto", "predicted (ms)", "measured / predicted", "steps"],
+        [
+            "configuration",
+            "median step (ms)",
+            "× auto",
+            "predicted, profile (ms)",
+            "measured / predicted",
+            "predicted, calibrated (ms)",
+            "measured / calibrated",
+            "× auto, calibrated prediction",
+            "rounds max / min",
+            "steps",
+        ],
     )
+    per_round = result["steps_per_round"]
+    calibrated = predicted["calibrated"]
     for name, values in times.items():
         value = median(values)
-        guess = predicted.get(name)
-        table.rows.append(
-            [
-                name,
-                f"{value * 1e3:.1f}",
-                f"{value / reference:.3f}",
-                f"{guess * 1e3:.1f}" if guess else "—",
-                f"{value / guess:.3f}" if guess else "—",
-                str(len(values)),
-            ]
-        )
+        row = [name, f"{value * 1e3:.1f}", f"{value / reference:.3f}"]
+        for kind in ("profile", "calibrated"):
+            guess = predicted[kind].get(name)
+            row += [f"{guess * 1e3:.1f}", f"{value / guess:.3f}"] if guess else ["—", "—"]
+        row.append(f"{calibrated[name] / calibrated[auto]:.3f}" if name in calibrated else "—")
+        rounds = [median(values[i : i + per_round]) for i in range(0, len(values), per_round)]
+        table.rows.append([*row, f"{max(rounds) / min(rounds):.3f}", str(len(values))])
     table.notes.append(
-        f"auto chose: {result['reason']}. Predicted = the simulator's makespan for that configuration's "
-        "schedule and partition under auto's per-layer profile (every rank profiling at once before the "
-        "run, median over ranks). "
-        "Step = barrier to barrier, backward and zero_grad included, no optimizer; configurations "
-        "measured in rotating rounds."
+        f"auto chose: {result['reason']}. Then auto's first steps (after the very first) were recorded: "
+        f"{result['calibration']}. "
+        "Predicted = the simulator's makespan for that configuration's schedule and partition, made "
+        "before any timed step: 'profile' from auto's per-layer profile (taken before the run), "
+        "'calibrated' from that profile scaled to the op times of auto's recorded steps (other steps "
+        "than the timed ones). × auto, calibrated prediction: the calibrated prediction over auto's, to "
+        "compare with the measured × auto (a load from elsewhere that slows every configuration alike "
+        "cancels in it). Rounds max / min: the slowest round's median step over the fastest's, for "
+        "the same configuration — how much identical work varied during the run. Step = barrier to "
+        "barrier, backward and zero_grad included, no optimizer; configurations measured in rotating "
+        "rounds."
     )
     return table

@@ -248,10 +248,15 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
 
 
 def _plan_lines(pipe) -> tuple[str, ...]:
-    """What schedule="auto" chose and why (nothing for a named schedule)."""
+    """What schedule="auto" chose and why, and its calibration from the recorded steps (nothing for
+    a named schedule)."""
     if pipe.plan is None:
         return ()
-    return (f"auto plan: {pipe.plan.reason}",)
+    calibration = pipe.plan.calibration
+    return (
+        f"auto plan: {pipe.plan.reason}",
+        *((f"auto plan {calibration.describe()}",) if calibration is not None else ()),
+    )
 
 
 def _costs(config: TrainConfig):

@@ -2,16 +2,25 @@
 
 :func:`plan_for_pipeline` is called by the Pipeline before it places any layer.  Ranks 0 and 1 of
 the group time a transfer (:func:`~.profile.measure_transfer`); every rank profiles the layers on the
-first microbatch of the example batch at the same time (on copies: the model, its gradients and the
-random state are untouched), so the ranks contend for the machine as they will in the run; rank 0
+first microbatch of the example batch (on copies: the model, its gradients and the random state are
+untouched) — all at once, or in turns when the ranks outnumber the CPU cores
+(:func:`profiling_turns`); rank 0
 takes the median of each time over the ranks and runs :func:`zerobubble.schedule.plan.plan`; the
 resulting :class:`Plan` — or the error saying why nothing fits — is broadcast, so every rank either
 runs the same schedule and partition or raises the same :class:`PipelineError` before allocating
 anything.
+
+:class:`Calibrator` then records the run's own first steps and calibrates the plan from them
+(:func:`zerobubble.schedule.plan.calibrate`): ``pipe.plan.calibration`` holds the prediction from
+the measured op times and the plan they would choose.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import os
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,9 +29,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import ScheduleError
-from ..schedule.plan import ModelProfile, Plan, median_profile, plan
+from ..schedule.plan import ModelProfile, Plan, calibrate, median_profile, plan
 from . import PipelineError
 from .profile import measure_transfer, profile_layers
+from .recorder import StepRecorder
+
+logger = logging.getLogger(__name__)
 
 
 def plan_for_pipeline(
@@ -48,8 +60,13 @@ def plan_for_pipeline(
             "batch as step() takes it"
         )
     comm = measure_transfer(group, device)
-    # every rank profiles at once: the ranks then contend for the machine as they will in the run
-    mine = _profile_here(named, example, loss_fn, microbatches, device, comm, repeats)
+    mine: ModelProfile | str = "this rank did not profile"
+    turns = profiling_turns(dist.get_world_size(group), device)
+    for turn in range(turns):  # at most as many ranks profile at once as there are cores for them
+        if turns > 1:
+            dist.barrier(group=group)
+        if dist.get_rank(group) % turns == turn:
+            mine = _profile_here(named, example, loss_fn, microbatches, device, comm, repeats)
     rank, source = dist.get_rank(group), dist.get_global_rank(group, 0) if group is not None else 0
     gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
     dist.gather_object(mine, gathered, dst=source, group=group)
@@ -61,6 +78,28 @@ def plan_for_pipeline(
     if isinstance(outcome, str):
         raise PipelineError(f'schedule="auto" cannot run: {outcome}')
     return outcome
+
+
+def profiling_turns(world: int, device: torch.device) -> int:
+    """In how many turns the ``world`` ranks profile so that each has the cores it computes with.
+
+    On a GPU every rank has its own device: one turn.  On the CPU a rank computes with
+    ``torch.get_num_threads()`` threads; when the ranks together want more cores than this process
+    may use, profiling them all at once would time every layer on a fraction of a core, while in the
+    run the ranks take turns by themselves (one computes while another waits).  The profile is then
+    taken in turns, each rank on the cores it would have alone — the simulator's model of a rank.
+    """
+    slots = cpu_slots(device)
+    return 1 if slots is None else math.ceil(world / slots)
+
+
+def cpu_slots(device: torch.device) -> int | None:
+    """How many ranks of ``torch.get_num_threads()`` threads the CPUs this process may use hold at
+    once; None on a GPU (a device per rank)."""
+    if device.type != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, torch.get_num_threads()))
 
 
 def _profile_here(
@@ -101,11 +140,26 @@ def _decide(
         )
         optimizer = "post-validation" if post_validation else "sync"
         chosen = plan(
-            profile, ranks, microbatches, memory_limit, optimizer=optimizer, device_memory=device_memory
+            profile,
+            ranks,
+            microbatches,
+            memory_limit,
+            optimizer=optimizer,
+            device_memory=device_memory,
+            cores=_shared_cores(device, ranks, len(profiles)),
         )
         return chosen, profile
     except ScheduleError as error:
         return str(error)
+
+
+def _shared_cores(device: torch.device, ranks: int, world: int) -> int | None:
+    """The processors this pipeline's ``ranks`` share (of ``world`` ranks on the machine), or None
+    when every rank has its own: the simulator then models the sharing (:func:`~..schedule.simulate`)."""
+    slots = cpu_slots(device)
+    if slots is None or slots >= world:
+        return None
+    return max(1, slots * ranks // world)
 
 
 def _first_microbatch(batch: Any, microbatches: int) -> Any:
@@ -122,3 +176,84 @@ def _first_microbatch(batch: Any, microbatches: int) -> Any:
 
 def _object_device(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
+
+
+class Calibrator:
+    """Calibrates a ``schedule="auto"`` Pipeline's plan from the run's own first steps (collective).
+
+    The Pipeline calls :meth:`after_step` after every step until it returns True.  The first step is
+    left out (it also exchanges shape headers and allocates); the next ``steps`` are recorded — by
+    the Pipeline's own recorder with ``trace=True``, else by a :class:`~.trace.TraceRecorder`
+    attached for them only — then every rank of the pipeline sends its op intervals to rank 0, which
+    takes per chunk and kind the median over the steps of the mean op time, runs
+    :func:`~zerobubble.schedule.plan.calibrate` and broadcasts the calibrated plan.  A
+    calibration that fails leaves the plan as it was and logs why: training goes on.
+    """
+
+    def __init__(self, steps: int):
+        if steps < 1:
+            raise PipelineError(f"calibrate must be a number of steps >= 1 (or 0 for none), got {steps}")
+        self.steps = steps
+        self.completed = 0
+        self.recorder: StepRecorder | None = None
+        self.replaced: Any = None  # a recorder of the caller's, attached again after the recorded steps
+        self.attached = False
+
+    def after_step(self, pipe: Any) -> bool:
+        """Count a finished step; attach the recorder after the first, calibrate after the last one."""
+        self.completed += 1
+        if self.completed == 1:
+            self._attach(pipe)
+        if self.completed < 1 + self.steps:
+            return False
+        try:
+            pipe.plan = self._calibrated(pipe)
+        finally:
+            if self.attached:
+                pipe.recorder = self.replaced
+        return True
+
+    def _attach(self, pipe: Any) -> None:
+        """Record with the Pipeline's step recorder, or attach one for the recorded steps (a recorder
+        of the caller's that keeps no steps is put back afterwards; every rank records alike)."""
+        if isinstance(pipe.recorder, StepRecorder):
+            self.recorder = pipe.recorder
+            return
+        from .trace import TraceRecorder
+
+        self.replaced = pipe.recorder
+        self.recorder = TraceRecorder(pipe.device, keep=self.steps)
+        pipe.recorder = self.recorder
+        self.attached = True
+
+    def _calibrated(self, pipe: Any) -> Plan:
+        """The plan with its calibration, the same on every rank of the pipeline (collective)."""
+        from .trace import gather_timelines, measured_costs, transfer_latencies
+
+        assert self.recorder is not None
+        timelines = gather_timelines(self.recorder, pipe.schedule, pipe.group, pipe.device)
+        payload: list[Any] = [None]
+        if timelines is not None:  # pipeline rank 0
+            try:
+                recorded = timelines[-self.steps :]
+                per_step = [measured_costs([timeline]) for timeline in recorded]
+                # the median step's op time per chunk: a burst of load elsewhere during one step is left out
+                costs = {
+                    kind: [statistics.median(values) for values in zip(*(getattr(c, kind) for c in per_step))]
+                    for kind in ("f", "b", "w")
+                }
+                latencies = sorted(x for t in recorded for x in transfer_latencies(t))
+                latency = latencies[len(latencies) // 2] if latencies else pipe.profile.comm_latency
+                payload[0] = calibrate(
+                    pipe.plan, pipe.profile, pipe.layer_bounds, costs, latency, len(recorded)
+                )
+            except Exception as error:  # every rank must learn of it, or the others wait in the broadcast
+                payload[0] = f"{type(error).__name__}: {error}"
+        source = dist.get_global_rank(pipe.group, 0) if pipe.group is not None else 0
+        dist.broadcast_object_list(payload, src=source, group=pipe.group, device=_object_device(pipe.device))
+        outcome = payload[0]
+        if isinstance(outcome, str):
+            logger.warning('schedule="auto": calibrating the plan from recorded steps failed: %s', outcome)
+            return pipe.plan
+        logger.info('schedule="auto": %s', outcome.calibration.describe())
+        return outcome

@@ -74,6 +74,9 @@ class Pipeline:
     (:mod:`.auto`): every rank profiles the layers on the first microbatch of ``example`` (one batch,
     ``(inputs, targets)``), rank 0 plans under ``memory_limit`` bytes per rank (``"24GiB"``, or
     ``"80%"`` of a GPU's memory) and broadcasts the plan; :attr:`plan` then says what was chosen and why.
+    The ``calibrate`` steps after the first one (0: none) are recorded and the plan is calibrated
+    from their measured op times: ``plan.calibration`` then holds the prediction made from them and
+    the plan they would choose (the running plan is kept; ``docs/auto-planning.md``).
 
     ``trace=True`` records the start and end of every op and transfer wait of the last steps
     (:mod:`.trace`); :meth:`write_trace` then writes the measured timeline next to the simulator's
@@ -122,6 +125,7 @@ class Pipeline:
         fast_paths: FastPaths | None = None,
         memory_limit: str | float | None = None,
         example: Any = None,
+        calibrate: int = 3,
     ):
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
         self.device = local_device(backend)  # before the first collective (NCCL needs the device)
@@ -131,8 +135,12 @@ class Pipeline:
         self._recorder: OpRecorder | None = None
         self.plan: Any = None  # the Plan of schedule="auto", and the ModelProfile it came from
         self.profile: Any = None
+        self._calibrator: Any = None
         if isinstance(schedule, str) and schedule == "auto":  # profile, plan once, broadcast: .auto
-            from .auto import plan_for_pipeline
+            from .auto import Calibrator, plan_for_pipeline
+
+            if calibrate:  # checked before the collectives below, on every rank alike
+                self._calibrator = Calibrator(calibrate)
 
             self.plan, self.profile = plan_for_pipeline(
                 named_layers(layers),
@@ -310,6 +318,8 @@ class Pipeline:
             )
         split_inputs, targets_mb = self._split_batch(inputs, targets, "step")
         losses = self._guarded("step", lambda: self._run_program(split_inputs, targets_mb, loss_scale or 1.0))
+        if self._calibrator is not None and self._guarded("step", lambda: self._calibrator.after_step(self)):
+            self._calibrator = None  # schedule="auto": the plan is calibrated from the recorded steps
         return self._mean_loss(losses) if self._last else None
 
     @torch.no_grad()

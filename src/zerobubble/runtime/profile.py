@@ -50,12 +50,17 @@ def profile_layers(
     repeats: int = 5,
     optimizer_bytes_per_parameter_byte: float = 2.0,
     comm: tuple[float, float] = (0.0, 0.0),
+    evict_bytes: int = 64 * 2**20,
 ) -> ModelProfile:
     """Per-layer costs of ``layers`` on the microbatch ``inputs`` (a tensor or tuple of tensors).
 
     ``loss_fn(output, targets)`` is timed with the last layer (its F computes the loss, its B starts
     from it, as on the pipeline's last stage); without it the last layer's B starts from a gradient of
     ones.  ``comm`` is ``(latency seconds, bandwidth bytes/s)`` from :func:`measure_transfer`.
+    Before each timed F, B, W and BW a buffer of ``evict_bytes`` is written (:class:`CacheEvictor`;
+    0: not): in a pipeline the other layers and microbatches run between two ops of one layer and
+    evict its weights from the caches, so a layer timed right after its own warm-up runs faster
+    than in the run (blocks of the uneven LM: 11-13 % in the forward, ``docs/auto-planning.md``).
     """
     named = _named(layers)
     if repeats < 1:
@@ -65,6 +70,7 @@ def profile_layers(
     optimizer_factor = optimizer_bytes_per_parameter_byte
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    evict = CacheEvictor(target_device, evict_bytes)
     sweeps: list[list[LayerProfile]] = []
     try:
         # every sweep times each layer once (after a warm-up): a burst of load from elsewhere then
@@ -75,7 +81,9 @@ def profile_layers(
             for index, (name, layer) in enumerate(named):
                 last = index == len(named) - 1
                 loss = (loss_fn, _to_device(targets, target_device)) if last and loss_fn is not None else None
-                profile, values = _profile_layer(name, layer, values, loss, target_device, optimizer_factor)
+                profile, values = _profile_layer(
+                    name, layer, values, loss, target_device, optimizer_factor, index == 0, evict
+                )
                 sweep.append(profile)
             sweeps.append(sweep)
     finally:
@@ -101,6 +109,7 @@ def split_backward(
     store: WeightGradStore,
     watched: Sequence[weakref.ref[torch.Tensor]] = (),
     excluded: set[int] | frozenset[int] = frozenset(),
+    evict: Callable[[], None] = lambda: None,
 ) -> tuple[float, float, float]:
     """B then W of one microbatch through the store API the executor uses: ``(T_B, T_W, bytes kept for W)``.
 
@@ -108,8 +117,10 @@ def split_backward(
     been applied to ``module``): B is a backward between ``store.begin(key, defer=True)`` and
     ``store.end()``, W is ``store.flush(key)``.  The bytes kept for W are those the store's work
     holds plus the ``watched`` saved tensors still alive after B, except storages in ``excluded``.
+    ``evict`` runs before B and before W, outside the timed spans.
     """
     key = (0, 0)
+    evict()
     started = _now(tensors[0].device)
     store.begin(key, True)
     try:
@@ -125,15 +136,22 @@ def split_backward(
     kept_tensors = [*store.held_tensors(key), *alive]
     kept = float(storage_bytes(kept_tensors))
     del alive, kept_tensors
+    evict()
+    flushing = _now(tensors[0].device)
     store.flush(key)
     ended = _now(tensors[0].device)
-    return middle - started, ended - middle, kept
+    return middle - started, ended - flushing, kept
 
 
 def fused_backward(
-    tensors: list[torch.Tensor], grads: list[torch.Tensor] | None, store: WeightGradStore
+    tensors: list[torch.Tensor],
+    grads: list[torch.Tensor] | None,
+    store: WeightGradStore,
+    evict: Callable[[], None] = lambda: None,
 ) -> float:
-    """The executor's fused BW of one microbatch (``store.begin(key, defer=False)``): its time."""
+    """The executor's fused BW of one microbatch (``store.begin(key, defer=False)``): its time
+    (``evict`` runs first, untimed)."""
+    evict()
     started = _now(tensors[0].device)
     store.begin((0, 1), False)
     try:
@@ -150,20 +168,28 @@ def _profile_layer(
     loss: tuple[Loss, Any] | None,
     device: torch.device,
     optimizer_factor: float,
+    first: bool = False,
+    evict: Callable[[], None] = lambda: None,
 ) -> tuple[LayerProfile, tuple[torch.Tensor, ...]]:
-    """Time and size one layer once (on a copy, after a warm-up); its profile and detached outputs."""
+    """Time and size one layer once (on a copy, after a warm-up); its profile and detached outputs.
+
+    The ``first`` layer takes the data as the pipeline's first stage does, without asking for its
+    gradient: its B computes no input gradient.
+    """
     module = copy.deepcopy(layer).to(device)
     store = WeightGradStore()
     install_deferral([module], store)
     parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    for _ in range(2):  # the first run warms up and creates the .grad tensors the second adds into
-        inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
+    for timed in (False, True):  # the first run warms up and creates the .grad tensors the second adds into
+        before = evict if timed else _nothing
+        inputs = _layer_inputs(values, first)
         saved: list[torch.Tensor] = []
 
         def pack(tensor: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
             saved.append(tensor)
             return tensor
 
+        before()
         started = _now(device)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             result = module(*inputs)
@@ -179,9 +205,11 @@ def _profile_layer(
         watched = [weakref.ref(t) for t in saved if t.untyped_storage().data_ptr() not in parameters]
         del saved[:], activations
         b, w, kept_bytes = (
-            split_backward(module, tensors, grads, store, watched, ours) if tensors else (0.0, 0.0, 0.0)
+            split_backward(module, tensors, grads, store, watched, ours, before)
+            if tensors
+            else (0.0, 0.0, 0.0)
         )
-    fused = _fused_backward_time(module, values, loss, store) if w > 0 else 0.0
+    fused = _fused_backward_time(module, _layer_inputs(values, first), loss, store, evict) if w > 0 else 0.0
     parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     profile = LayerProfile(
@@ -200,15 +228,52 @@ def _profile_layer(
     return profile, tuple(t.detach() for t in outputs)
 
 
+def _layer_inputs(values: tuple[torch.Tensor, ...], first: bool) -> tuple[torch.Tensor, ...]:
+    """A layer's inputs as a stage gets them: received activations need their gradient (B sends it
+    back), the first stage's data does not (the executor's ``_stage_inputs``)."""
+    if first:
+        return tuple(t.detach() for t in values)
+    return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
+
+
 def _fused_backward_time(
-    module: nn.Module, values: tuple[torch.Tensor, ...], loss: tuple[Loss, Any] | None, store: WeightGradStore
+    module: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    loss: tuple[Loss, Any] | None,
+    store: WeightGradStore,
+    evict: Callable[[], None],
 ) -> float:
     """One forward, then the fused backward (BW) of 1F1B timed: weight gradients computed in B."""
-    inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
     result = module(*inputs)
     outputs = result if isinstance(result, tuple) else (result,)
     tensors, grads = _backward_roots(outputs, loss[0](result, loss[1]) if loss is not None else None)
-    return fused_backward(tensors, grads, store) if tensors else 0.0
+    return fused_backward(tensors, grads, store, evict) if tensors else 0.0
+
+
+class CacheEvictor:
+    """Writes a buffer of ``size`` bytes on ``device`` when called (nothing when ``size`` is 0), so
+    that the next timed op finds the caches as a pipeline leaves them: holding other layers' data.
+
+    64 MiB exceeds the last-level cache of the CPUs and GPUs this runs on (32 MiB L3 here; 50 MiB L2
+    on an H100); on a GPU the write is synchronised before the op's clock starts.
+    """
+
+    def __init__(self, device: torch.device, size: int):
+        if size < 0:
+            raise ValueError(f"evict_bytes must be >= 0, got {size}")
+        self.device = device
+        self.buffer = torch.empty(size // 4, dtype=torch.float32, device=device) if size else None
+
+    def __call__(self) -> None:
+        if self.buffer is None:
+            return
+        self.buffer.fill_(1.0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _nothing() -> None:
+    """No cache eviction (the warm-up run)."""
 
 
 def _backward_roots(

@@ -303,7 +303,10 @@ class Plan:
     """The chosen schedule, chunk count and partition, with every alternative considered.
 
     ``schedule`` is the built (validated) schedule to run, ``costs`` its per-stage costs in seconds
-    and bytes, ``reason`` one sentence saying why it won.
+    and bytes, ``reason`` one sentence saying why it won.  ``cores`` is the number of processors
+    the ranks were predicted to share (None: one each).  ``calibration`` is set once a run has
+    measured its own first steps (:func:`calibrate`): the prediction from those measurements and the
+    plan they would choose.
     """
 
     winner: Candidate
@@ -313,6 +316,8 @@ class Plan:
     memory_budget: float | None
     optimizer: str
     reason: str
+    calibration: Calibration | None = None
+    cores: int | None = None
 
     @property
     def schedule(self) -> Schedule:
@@ -352,7 +357,9 @@ class Plan:
             "ranks": self.ranks,
             "microbatches": self.microbatches,
             "optimizer": self.optimizer,
+            "cores": self.cores,
             "reason": self.reason,
+            "calibration": self.calibration.to_dict() if self.calibration is not None else None,
             "alternatives": [candidate.row() for candidate in self.candidates],
         }
 
@@ -395,6 +402,128 @@ class Plan:
         render_image(self.winner.timeline, path, title=title)
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """A running plan checked against the run's own recorded steps, and planned again from them.
+
+    ``measured_f``/``measured_b``/``measured_w`` are the mean op durations per chunk (seconds) over
+    ``steps`` recorded steps (a fused BW counts as B), ``transfer_latency`` the run's median one-way
+    transfer time; ``profile`` is the layer profile scaled to them (:func:`calibrated_profile`).
+    ``predicted_iteration_time`` is the running schedule and partition simulated under that profile
+    (what the plan's period is compared with once calibrated); ``replan`` is :func:`plan` run again
+    on it.  ``keeps_plan`` is True when the re-plan chose the running schedule, chunks and
+    partition, or predicts nothing faster than the running plan by more than the tie margin (the
+    running plan is then the one to keep: switching costs a rebuild); otherwise ``replan.winner``
+    is the better plan for this run.
+    """
+
+    steps: int
+    measured_f: tuple[float, ...]
+    measured_b: tuple[float, ...]
+    measured_w: tuple[float, ...]
+    transfer_latency: float
+    profile: ModelProfile = field(repr=False)
+    initial_iteration_time: float
+    predicted_iteration_time: float
+    replan: Plan = field(repr=False)
+    keeps_plan: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready numbers: the measurement, the calibrated prediction and the re-plan's winner."""
+        winner = self.replan.winner
+        return {
+            "steps": self.steps,
+            "measured_seconds": {
+                "f": list(self.measured_f),
+                "b": list(self.measured_b),
+                "w": list(self.measured_w),
+            },
+            "transfer_latency": self.transfer_latency,
+            "initial_iteration_time": self.initial_iteration_time,
+            "predicted_iteration_time": self.predicted_iteration_time,
+            "keeps_plan": self.keeps_plan,
+            "replan": {
+                "schedule": winner.schedule,
+                "chunks": winner.chunks,
+                "partition": list(winner.partition),
+                "predicted_iteration_time": winner.period,
+            },
+        }
+
+    def describe(self) -> str:
+        """One sentence: the calibrated prediction and what the re-plan chose."""
+        winner = self.replan.winner
+        assert winner.period is not None
+        text = (
+            f"calibrated on {self.steps} recorded steps: predicted "
+            f"{self.predicted_iteration_time * 1e3:.3f} ms (from the profile alone "
+            f"{self.initial_iteration_time * 1e3:.3f} ms; measured transfer latency "
+            f"{self.transfer_latency * 1e3:.3f} ms)"
+        )
+        if self.keeps_plan:
+            return f"{text}; re-planning from the measured costs keeps this plan"
+        return (
+            f"{text}; re-planning from the measured costs prefers {winner.schedule} (v={winner.chunks}) "
+            f"with partition {list(winner.partition)}, predicted {winner.period * 1e3:.3f} ms"
+        )
+
+
+def calibrate(
+    running: Plan,
+    profile: ModelProfile,
+    layer_bounds: Sequence[int],
+    measured: Mapping[str, Sequence[float]],
+    transfer_latency: float,
+    steps: int,
+    tie_margin: float = 0.02,
+) -> Plan:
+    """``running`` with its :class:`Calibration` from a run's recorded op times (pure; see the class).
+
+    ``profile`` is the layer profile ``running`` came from, ``layer_bounds`` the run's chunk bounds
+    and ``measured`` the mean op durations per chunk, ``{"f": [...], "b": [...], "w": [...]}`` in
+    seconds.  The re-plan tries the schedules and chunk counts ``running`` tried, under its budget
+    and optimizer mode; it replaces the running plan only when predicted faster by more than
+    ``tie_margin``.
+    """
+    f, b, w = (tuple(float(x) for x in measured[key]) for key in ("f", "b", "w"))
+    scaled = calibrated_profile(profile, layer_bounds, f, b, w, transfer_latency)
+    schedule = running.schedule
+    costs = stage_costs(scaled, running.partition, schedule.num_stages, fused=not schedule.splits_backward)
+    predicted = iteration_period(simulate(schedule, costs), running.optimizer)
+    names = list(dict.fromkeys(c.schedule for c in running.candidates))
+    interleaved = sorted({c.chunks for c in running.candidates if get_spec(c.schedule).chunks is None})
+    again = plan(
+        scaled,
+        running.ranks,
+        running.microbatches,
+        running.memory_budget,
+        schedules=names,
+        interleaved_chunks=interleaved or (2,),
+        optimizer=running.optimizer,
+    )
+    chosen, current = again.winner, running.winner
+    same = (chosen.schedule, chosen.chunks, chosen.partition) == (
+        current.schedule,
+        current.chunks,
+        current.partition,
+    )
+    assert chosen.period is not None
+    keeps = same or chosen.period >= predicted * (1 - tie_margin)
+    calibration = Calibration(
+        steps,
+        f,
+        b,
+        w,
+        transfer_latency,
+        scaled,
+        running.predicted_iteration_time,
+        predicted,
+        again,
+        keeps,
+    )
+    return replace(running, calibration=calibration)
+
+
 def plan(
     profile: ModelProfile,
     ranks: int,
@@ -406,6 +535,7 @@ def plan(
     device_memory: float | None = None,
     refine: int = 12,
     tie_margin: float = 0.02,
+    cores: int | None = None,
 ) -> Plan:
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
@@ -414,7 +544,9 @@ def plan(
     ``interleaved_chunks`` are the chunk counts tried for interleaved 1F1B; ``optimizer`` selects the
     period minimised (``"post-validation"``: iteration time, ``"sync"``: makespan); ``refine`` bounds
     the simulator-guided moves of cut points of each candidate within 10 % of the best; a candidate
-    with fewer chunks whose prediction is within ``tie_margin`` of the fastest wins the tie.  Raises
+    with fewer chunks whose prediction is within ``tie_margin`` of the fastest wins the tie.
+    ``cores`` fewer than ``ranks`` predicts ranks sharing that many processors (CPU ranks on one
+    machine; the profile then holds each rank's times on a core of its own).  Raises
     :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it needs and
     the budget.
     """
@@ -426,7 +558,7 @@ def plan(
         raise ScheduleError(f"ranks and microbatches must be at least 1, got {ranks} and {microbatches}")
     budget = parse_bytes(memory_limit, device_memory)
     names = list(schedules) if schedules is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
-    search = _Search(profile, ranks, microbatches, budget, optimizer, refine)
+    search = _Search(profile, ranks, microbatches, budget, optimizer, refine, cores)
     candidates: list[Candidate] = []
     for name in names:
         spec = get_spec(name)
@@ -449,7 +581,10 @@ def plan(
     if not fitting:
         raise ScheduleError(_nothing_fits(ordered, budget, ranks))
     winner = _choose(fitting, tie_margin)
-    return Plan(winner, ordered, ranks, microbatches, budget, optimizer, _reason(winner, ordered, budget))
+    reason = _reason(winner, ordered, budget)
+    if cores is not None and cores < ranks:
+        reason += f"; {ranks} ranks predicted on {cores} shared cores"
+    return Plan(winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores)
 
 
 def _choose(fitting: Sequence[Candidate], tie_margin: float) -> Candidate:
@@ -476,9 +611,10 @@ class _Search:
         budget: float | None,
         optimizer: str,
         refine: int,
+        cores: int | None = None,
     ):
         self.profile, self.ranks, self.microbatches = profile, ranks, microbatches
-        self.budget, self.optimizer, self.refine = budget, optimizer, refine
+        self.budget, self.optimizer, self.refine, self.cores = budget, optimizer, refine, cores
         self.work = [layer.work for layer in profile.layers]
 
     def candidate(self, name: str, chunks: int) -> Candidate:
@@ -573,7 +709,7 @@ class _Search:
         static = self._static_bytes(cuts, stage_ranks)
         # a schedule of BW ops is predicted with the measured fused backward
         costs = stage_costs(self.profile, cuts, len(stage_ranks), fused=not schedule.splits_backward)
-        timeline = simulate(schedule, costs)
+        timeline = simulate(schedule, costs, cores=self.cores)
         peaks = tuple(s + a for s, a in zip(static, timeline.peak_memory))
         fits = self.budget is None or all(peak <= self.budget * (1 + 1e-9) for peak in peaks)
         over = max(range(self.ranks), key=lambda r: peaks[r])
@@ -709,13 +845,41 @@ def profile_from_trace(summary: Mapping[str, Any]) -> ModelProfile:
     if not recorded or len(bounds) != len(f) + 1:
         layers = tuple(LayerProfile(f"stage {s}", f[s], b[s], w[s]) for s in range(len(f)))
         return ModelProfile(layers, comm_latency=latency, source="trace (per stage)")
-    profile = ModelProfile.from_dict(recorded)
+    calibrated = calibrated_profile(ModelProfile.from_dict(recorded), bounds, f, b, w, latency)
+    return replace(calibrated, source="trace (per layer)")
+
+
+def calibrated_profile(
+    profile: ModelProfile,
+    layer_bounds: Sequence[int],
+    f: Sequence[float],
+    b: Sequence[float],
+    w: Sequence[float],
+    latency: float,
+) -> ModelProfile:
+    """``profile`` with each chunk's layers scaled so that their sums equal a run's measured op times.
+
+    ``layer_bounds`` are the run's chunk bounds (chunk ``s`` holds layers ``[bounds[s], bounds[s+1])``)
+    and ``f``, ``b``, ``w`` the measured mean op duration of each chunk in seconds (a fused BW recorded
+    as B with ``w = 0``).  Each layer keeps its profiled share of its chunk (:func:`_rescaled`); bytes
+    are unchanged.  ``latency`` (the run's measured one-way transfer time) becomes ``T_comm``, with
+    no size term: it was measured on the messages the run sends.
+    """
+    if len(layer_bounds) != len(f) + 1 or layer_bounds[-1] != len(profile.layers):
+        raise ScheduleError(
+            f"cannot calibrate a profile of {len(profile.layers)} layers with the chunk bounds "
+            f"{list(layer_bounds)} of {len(f)} measured chunks"
+        )
     scaled: list[LayerProfile] = []
     for stage in range(len(f)):
-        group = profile.layers[bounds[stage] : bounds[stage + 1]]
+        group = profile.layers[layer_bounds[stage] : layer_bounds[stage + 1]]
         scaled.extend(_rescaled(group, f[stage], b[stage], w[stage]))
     return replace(
-        profile, layers=tuple(scaled), comm_latency=latency, comm_bandwidth=0.0, source="trace (per layer)"
+        profile,
+        layers=tuple(scaled),
+        comm_latency=latency,
+        comm_bandwidth=0.0,
+        source=f"{profile.source}; calibrated by a run's measured op times",
     )
 
 

@@ -17,6 +17,7 @@ p = 32, m = 256 takes a few tens of milliseconds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -197,14 +198,23 @@ def _bubble(ideal: float, period: float) -> float:
     return 1.0 - ideal / period if period > 0 else 0.0
 
 
-def simulate(schedule: Schedule, costs: CostModel | StageCosts | None = None) -> Timeline:
+def simulate(
+    schedule: Schedule, costs: CostModel | StageCosts | None = None, cores: int | None = None
+) -> Timeline:
     """Run ``schedule`` under ``costs`` (unit costs by default) and return its :class:`Timeline`.
 
-    Raises :class:`DeadlockError` when the programs cannot all finish and :class:`ScheduleError`
-    for ops outside the schedule's stages or microbatches.  Use :func:`validate` for the full check.
+    ``cores`` < the number of ranks models ranks that share that many processors (several CPU ranks
+    on one machine, :func:`_run_shared`); ``None`` gives every rank its own.  Raises
+    :class:`DeadlockError` when the programs cannot all finish and :class:`ScheduleError` for ops
+    outside the schedule's stages or microbatches.  Use :func:`validate` for the full check.
     """
     stage_costs = _resolve(schedule, costs)
-    starts, ends = _run(schedule, stage_costs)
+    if cores is not None and cores < 1:
+        raise ScheduleError(f"cores must be at least 1, got {cores}")
+    if cores is not None and cores < schedule.num_ranks:
+        starts, ends = _run_shared(schedule, stage_costs, cores)
+    else:
+        starts, ends = _run(schedule, stage_costs)
     memory, peaks = _memory(schedule, stage_costs)
     return Timeline(schedule, stage_costs, starts, ends, memory, peaks)
 
@@ -286,6 +296,72 @@ def _run(
                     runnable.extend(woken)
             i += 1
         position[rank], clock[rank] = i, now
+    if any(position[r] < len(compiled[r]) for r in range(p)):
+        raise _deadlock(schedule, position)
+    return tuple(map(tuple, starts)), tuple(map(tuple, ends))
+
+
+def _run_shared(
+    schedule: Schedule, costs: StageCosts, cores: int
+) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+    """The ranks' programs on ``cores`` shared processors (processor sharing, as an OS gives
+    CPU-bound processes): while ``n`` ranks compute, each advances at ``min(1, cores / n)`` of its
+    own speed.  Dependencies and transfer delays are those of :func:`_run`; with ``cores`` at least
+    the number of ranks the two agree.  One event per op start or end, each costing ``O(p)``.
+    """
+    compiled = _compile(schedule, costs)
+    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
+    done = [-1.0] * (3 * S * m)
+    position = [0] * p
+    computing = [False] * p
+    left = [0.0] * p  # work left of the op a rank computes
+    ready = [math.inf] * p  # when a rank's next op may start (inf: an input is missing, or no op left)
+    starts: list[list[float]] = [[] for _ in range(p)]
+    ends: list[list[float]] = [[] for _ in range(p)]
+    scale = max((op[0] for program in compiled for op in program), default=0.0)
+    tolerance = 1e-12 * scale
+    now = 0.0
+
+    def arm(rank: int) -> None:
+        """When the rank's next op may start (its previous op ended at ``now`` or earlier)."""
+        ready[rank] = math.inf
+        if position[rank] >= len(compiled[rank]):
+            return
+        at = ends[rank][-1] if ends[rank] else 0.0
+        for key, delay in compiled[rank][position[rank]][1]:
+            if done[key] < 0:
+                return
+            at = max(at, done[key] + delay)
+        ready[rank] = at
+
+    for rank in range(p):
+        arm(rank)
+    while True:
+        for rank in range(p):  # start every op whose inputs are there
+            if not computing[rank] and ready[rank] <= now:
+                starts[rank].append(now)
+                computing[rank], left[rank] = True, compiled[rank][position[rank]][0]
+                ready[rank] = math.inf
+        running = [rank for rank in range(p) if computing[rank]]
+        if not running and min(ready) == math.inf:
+            break
+        rate = min(1.0, cores / len(running)) if running else 0.0
+        finish = now + min(left[rank] for rank in running) / rate if running else math.inf
+        step = min(finish, *ready)
+        for rank in running:
+            left[rank] -= (step - now) * rate
+        now = step
+        finished = [rank for rank in running if left[rank] <= tolerance]
+        for rank in finished:
+            computing[rank] = False
+            ends[rank].append(now)
+            for key in compiled[rank][position[rank]][2]:
+                done[key] = now
+            position[rank] += 1
+        if finished:  # an op that ended may be the input another rank waits for
+            for rank in range(p):
+                if not computing[rank]:
+                    arm(rank)
     if any(position[r] < len(compiled[r]) for r in range(p)):
         raise _deadlock(schedule, position)
     return tuple(map(tuple, starts)), tuple(map(tuple, ends))
