@@ -248,7 +248,7 @@ def _bounds(result) -> list[int]:
 
 
 def test_calibration_with_the_profiled_times_keeps_plan_and_prediction():
-    from zerobubble.schedule.plan import calibrate
+    from zerobubble.schedule.calibration import calibrate
 
     profile = lm_profile()
     running = plan(profile, 2, 8, optimizer="sync")
@@ -265,7 +265,7 @@ def test_calibration_with_the_profiled_times_keeps_plan_and_prediction():
 
 
 def test_calibration_from_slower_ops_replans_to_the_same_or_a_better_plan():
-    from zerobubble.schedule.plan import calibrate
+    from zerobubble.schedule.calibration import calibrate
 
     profile = lm_profile()
     running = plan(profile, 2, 8, optimizer="sync")
@@ -289,7 +289,7 @@ def test_calibration_from_slower_ops_replans_to_the_same_or_a_better_plan():
 
 
 def test_calibrated_plan_json_fields():
-    from zerobubble.schedule.plan import calibrate
+    from zerobubble.schedule.calibration import calibrate
 
     profile = lm_profile()
     running = plan(profile, 2, 8)
@@ -308,7 +308,7 @@ def test_calibrated_plan_json_fields():
 
 
 def test_calibration_refuses_bounds_of_another_model():
-    from zerobubble.schedule.plan import calibrated_profile
+    from zerobubble.schedule.calibration import calibrated_profile
 
     with pytest.raises(ScheduleError, match="cannot calibrate a profile of 8 layers"):
         calibrated_profile(lm_profile(), [0, 4, 9], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], 0.0)

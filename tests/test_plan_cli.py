@@ -12,7 +12,8 @@ from test_plan import MiB, lm_profile
 from zerobubble.cli import main
 from zerobubble.runtime.profile import profile_layers
 from zerobubble.schedule import ScheduleError
-from zerobubble.schedule.plan import LayerProfile, ModelProfile, plan, profile_from_trace
+from zerobubble.schedule.calibration import profile_from_trace
+from zerobubble.schedule.plan import LayerProfile, ModelProfile, plan
 
 
 def run(capsys, *argv):

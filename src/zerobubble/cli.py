@@ -413,7 +413,8 @@ def _plan_profile(args: argparse.Namespace) -> Any:
     """The profile ``plan`` works from: a profile file, or a recorded run's summary."""
     from pathlib import Path
 
-    from .schedule.plan import ModelProfile, profile_from_trace
+    from .schedule.calibration import profile_from_trace
+    from .schedule.plan import ModelProfile
 
     if bool(args.profile) == bool(args.trace):
         raise UsageError("give exactly one of --profile FILE (from 'zerobubble profile') or --trace DIR")

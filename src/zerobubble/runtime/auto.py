@@ -11,7 +11,7 @@ runs the same schedule and partition or raises the same :class:`PipelineError` b
 anything.
 
 :class:`Calibrator` then records the run's own first steps and calibrates the plan from them
-(:func:`zerobubble.schedule.plan.calibrate`): ``pipe.plan.calibration`` holds the prediction from
+(:func:`zerobubble.schedule.calibration.calibrate`): ``pipe.plan.calibration`` holds the prediction from
 the measured op times and the plan they would choose.
 """
 
@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import ScheduleError
-from ..schedule.plan import ModelProfile, Plan, calibrate, median_profile, plan
+from ..schedule.calibration import calibrate
+from ..schedule.plan import ModelProfile, Plan, median_profile, plan
 from . import PipelineError
 from .profile import measure_transfer, profile_layers
 from .recorder import StepRecorder
@@ -186,7 +187,7 @@ class Calibrator:
     the Pipeline's own recorder with ``trace=True``, else by a :class:`~.trace.TraceRecorder`
     attached for them only — then every rank of the pipeline sends its op intervals to rank 0, which
     takes per chunk and kind the median over the steps of the mean op time, runs
-    :func:`~zerobubble.schedule.plan.calibrate` and broadcasts the calibrated plan.  A
+    :func:`~zerobubble.schedule.calibration.calibrate` and broadcasts the calibrated plan.  A
     calibration that fails leaves the plan as it was and logs why: training goes on.
     """
 
