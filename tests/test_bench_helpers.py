@@ -48,3 +48,25 @@ def test_preserved_torch_state_restores_after_an_error():
         torch.manual_seed(0)
         raise RuntimeError("the benchmark failed")
     assert torch.get_num_threads() == threads and torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_plan_table_pairs_each_configuration_with_auto_round_by_round():
+    from zerobubble_bench.plan import _plan_table
+
+    result = {
+        "times": {
+            "auto (zb-h1, cuts [1])": [1.0, 1.0, 2.0, 2.0],
+            "zb-v, even split [1]": [1.5, 1.5, 2.2, 2.2],
+        },
+        "steps_per_round": 2,
+        "predicted": {"profile": {}, "calibrated": {}},
+        "reason": "a reason",
+        "calibration": "a calibration",
+    }
+    table = _plan_table("LM", 2, 8, 2, result)
+    column = table.columns.index("× auto, paired by round (min–max)")
+    rows = {row[0]: row for row in table.rows}
+    # rounds: auto 1.0 then 2.0, zb-v 1.5 then 2.2 -> 1.5 and 1.1, median 1.3
+    assert rows["zb-v, even split [1]"][column] == "1.300 (1.100–1.500)"
+    assert rows["auto (zb-h1, cuts [1])"][column] == "1.000 (1.000–1.000)"
+    assert rows["zb-v, even split [1]"][2] == "1.233"  # medians over all steps, unpaired: 1.85 / 1.5

@@ -139,6 +139,7 @@ def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any
             "configuration",
             "median step (ms)",
             "× auto",
+            "× auto, paired by round (min–max)",
             "predicted, profile (ms)",
             "measured / predicted",
             "predicted, calibrated (ms)",
@@ -150,14 +151,22 @@ def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any
     )
     per_round = result["steps_per_round"]
     calibrated = predicted["calibrated"]
+    auto_rounds = _round_medians(times[auto], per_round)
     for name, values in times.items():
         value = median(values)
-        row = [name, f"{value * 1e3:.1f}", f"{value / reference:.3f}"]
+        rounds = _round_medians(values, per_round)
+        # each round measures every configuration within seconds: a ratio per round cancels slow drift
+        paired = [mine / theirs for mine, theirs in zip(rounds, auto_rounds)]
+        row = [
+            name,
+            f"{value * 1e3:.1f}",
+            f"{value / reference:.3f}",
+            f"{median(paired):.3f} ({min(paired):.3f}–{max(paired):.3f})",
+        ]
         for kind in ("profile", "calibrated"):
             guess = predicted[kind].get(name)
             row += [f"{guess * 1e3:.1f}", f"{value / guess:.3f}"] if guess else ["—", "—"]
         row.append(f"{calibrated[name] / calibrated[auto]:.3f}" if name in calibrated else "—")
-        rounds = [median(values[i : i + per_round]) for i in range(0, len(values), per_round)]
         table.rows.append([*row, f"{max(rounds) / min(rounds):.3f}", str(len(values))])
     table.notes.append(
         f"auto chose: {result['reason']}. Then auto's first steps (after the very first) were recorded: "
@@ -167,9 +176,16 @@ def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any
         "'calibrated' from that profile scaled to the op times of auto's recorded steps (other steps "
         "than the timed ones). × auto, calibrated prediction: the calibrated prediction over auto's, to "
         "compare with the measured × auto (a load from elsewhere that slows every configuration alike "
-        "cancels in it). Rounds max / min: the slowest round's median step over the fastest's, for "
+        "cancels in it). × auto, paired by round: each round's median step over auto's in the same round, "
+        "the median over rounds and its range. Rounds max / min: the slowest round's median step over "
+        "the fastest's, for "
         "the same configuration — how much identical work varied during the run. Step = barrier to "
         "barrier, backward and zero_grad included, no optimizer; configurations measured in rotating "
         "rounds."
     )
     return table
+
+
+def _round_medians(values: list[float], per_round: int) -> list[float]:
+    """The median step of each round (``values`` holds ``per_round`` steps a round, in round order)."""
+    return [median(values[i : i + per_round]) for i in range(0, len(values), per_round)]
