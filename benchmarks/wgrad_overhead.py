@@ -6,9 +6,10 @@
 2. ``native_layer_norm_backward`` on CPU with each output mask, 32 and 512 rows of 256;
 3. ``convolution_backward`` (oneDNN on CPU) at the conv stage of ``zerobubble bench wgrad``: the
    input-only and weight-only calls against the one call computing both, timed back to back;
-4. that stage (2 × Conv2d + BatchNorm2d + ReLU) split as usual, and split with the convolutions'
+4. that stage (2 × Conv2d + BatchNorm2d + ReLU) split as usual, split with the convolutions'
    weight gradients computed in B by the full kernel (no W for them): what remains of the split's
-   cost when the convolution kernel is not split at all.
+   cost when the convolution kernel is not split at all, and split with nothing deferred (the same
+   kernels, each layer's weight gradients right after its input gradient): what deferring costs.
 
     python benchmarks/wgrad_overhead.py
 """
@@ -116,8 +117,10 @@ class _ConvWeightsInB(ConvRule):
 
 
 def conv_stage_without_kernel_split(rows: int, repeats: int = 41) -> dict[str, float]:
-    """(T_B + T_W) / fused backward of the bench's conv stage: split as usual, and with the
-    convolution kernel not split (its weight gradients computed in B, as the fused backward does)."""
+    """(T_B + T_W) / fused backward of the bench's conv stage, three ways: split as usual; with the
+    convolution kernel not split (its weight gradients computed in B, as the fused backward does);
+    and split with the same kernels but nothing deferred (each layer's weight gradients computed
+    right after its input gradient, ``store.begin(key, defer=False)``): what deferring W itself costs."""
     from zerobubble_bench.wgrad import _split_stages
 
     _, make, shape = next(stage for stage in _split_stages() if stage[0].startswith("2×(Conv2d"))
@@ -125,10 +128,14 @@ def conv_stage_without_kernel_split(rows: int, repeats: int = 41) -> dict[str, f
     unsplit_conv.register(nn.Conv2d, _ConvWeightsInB(2))
     fused = make()
     variants = {}
-    for name, paths in (("split", None), ("conv kernel not split", unsplit_conv)):
+    for name, paths, defer in (
+        ("split", None, True),
+        ("conv kernel not split", unsplit_conv, True),
+        ("split, W not deferred", None, False),
+    ):
         module, store = make(), WeightGradStore()
         install_deferral([module], store, paths)
-        variants[name] = (module, store)
+        variants[name] = (module, store, defer)
     x = torch.randn(*shape(rows), requires_grad=True)
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(repeats + 1):
@@ -137,13 +144,14 @@ def conv_stage_without_kernel_split(rows: int, repeats: int = 41) -> dict[str, f
         started = time.thread_time()
         out.backward(grad)
         fused_time = time.thread_time() - started
-        for name, (module, store) in variants.items():
+        for name, (module, store, defer) in variants.items():
             out = module(x)
             started = time.thread_time()
-            store.begin((0, 0), True)
+            store.begin((0, 0), defer)
             out.backward(grad)
             store.end()
-            store.flush((0, 0))
+            if defer:
+                store.flush((0, 0))
             if repeat:
                 ratios[name].append((time.thread_time() - started) / fused_time)
         x.grad = None
@@ -176,11 +184,17 @@ def main() -> None:
     for rows in (8, 32, 128):
         conv = convolution_masks(rows)
         print(f"| {rows} | {conv['full']:.0f} | {conv['split ratio']:.3f} |")
-    print("\n| 2×(Conv2d+BatchNorm2d) stage, rows | split | conv kernel not split (weights in B) |")
-    print("|---|---|---|")
+    print(
+        "\n| 2×(Conv2d+BatchNorm2d) stage, rows | split | conv kernel not split (weights in B) "
+        "| split, W not deferred |"
+    )
+    print("|---|---|---|---|")
     for rows in (32, 128):
         stage = conv_stage_without_kernel_split(rows)
-        print(f"| {rows} | {stage['split']:.3f} | {stage['conv kernel not split']:.3f} |")
+        print(
+            f"| {rows} | {stage['split']:.3f} | {stage['conv kernel not split']:.3f} "
+            f"| {stage['split, W not deferred']:.3f} |"
+        )
 
 
 if __name__ == "__main__":
