@@ -9,7 +9,10 @@
 4. that stage (2 × Conv2d + BatchNorm2d + ReLU) split as usual, split with the convolutions'
    weight gradients computed in B by the full kernel (no W for them): what remains of the split's
    cost when the convolution kernel is not split at all, and split with nothing deferred (the same
-   kernels, each layer's weight gradients right after its input gradient): what deferring costs.
+   kernels, each layer's weight gradients right after its input gradient): what deferring costs;
+5. the order of W: each bench stage (``zerobubble bench wgrad``'s MLP, GPT block and conv stage, 32
+   and 128 rows, ``.grad`` accumulating) with W taking the layers first to last (the store's order)
+   against last to first (B's order), side by side in this process.
 
     python benchmarks/wgrad_overhead.py
 """
@@ -158,6 +161,52 @@ def conv_stage_without_kernel_split(rows: int, repeats: int = 41) -> dict[str, f
     return {name: statistics.median(values) for name, values in ratios.items()}
 
 
+class _BOrderStore(WeightGradStore):
+    """A store whose W runs the layers in B's order, last layer first (for comparison only)."""
+
+    def flush(self, key: tuple[int, int]) -> None:
+        self._shared.pop(key, None)
+        with torch.no_grad():
+            for work in self._pending.pop(key, ()):
+                work()
+
+
+def w_order(rows: int, repeats: int = 61) -> dict[str, dict[str, float]]:
+    """(T_B + T_W) / fused backward per bench stage, W first to last against W last to first."""
+    from zerobubble_bench.wgrad import _split_stages
+
+    results = {}
+    for label, make, shape in _split_stages():
+        fused = make()
+        variants = {}
+        for name, store in (("first to last", WeightGradStore()), ("last to first", _BOrderStore())):
+            module = make()
+            install_deferral([module], store)
+            variants[name] = (module, store)
+        x = torch.randn(*shape(rows), requires_grad=True)
+        ratios: dict[str, list[float]] = {name: [] for name in variants}
+        for repeat in range(repeats + 1):
+            out = fused(x)
+            grad = torch.ones_like(out)
+            started = time.thread_time()
+            out.backward(grad)
+            fused_time = time.thread_time() - started
+            names = list(variants) if repeat % 2 else list(variants)[::-1]  # neither always runs second
+            for name in names:
+                module, store = variants[name]
+                out = module(x)
+                started = time.thread_time()
+                store.begin((0, 0), True)
+                out.backward(grad)
+                store.end()
+                store.flush((0, 0))
+                if repeat:
+                    ratios[name].append((time.thread_time() - started) / fused_time)
+            x.grad = None
+        results[label] = {name: statistics.median(values) for name, values in ratios.items()}
+    return results
+
+
 def main() -> None:
     from zerobubble_bench.wgrad import _keep_freed_memory
 
@@ -195,6 +244,12 @@ def main() -> None:
             f"| {rows} | {stage['split']:.3f} | {stage['conv kernel not split']:.3f} "
             f"| {stage['split, W not deferred']:.3f} |"
         )
+
+    print("\n| stage, rows | W first to last (the store's order) | W last to first (B's order) |")
+    print("|---|---|---|")
+    for rows in (32, 128):
+        for label, order in w_order(rows).items():
+            print(f"| {label}, {rows} | {order['first to last']:.3f} | {order['last to first']:.3f} |")
 
 
 if __name__ == "__main__":
