@@ -52,6 +52,35 @@ def auto_cases() -> dict:
             "schedule_after_calibration": pipe.schedule.name,
         }
     )
+    # a named schedule cut where the profile says: the planner restricted to that schedule
+    named = Pipeline(
+        rich_layers(seed=3),
+        schedule="zb-v",
+        partition="profile",
+        microbatches=4,
+        loss_fn=token_loss,
+        example=(inputs, targets),
+        timeout=60,
+        calibrate=0,
+    )
+    loss = named.step(inputs, targets)
+    result["profiled"] = {
+        "schedule": named.schedule.name,
+        "partition": list(named.plan.partition),
+        "bounds": list(named.layer_bounds[1:-1]),
+        "candidates": sorted({candidate.schedule for candidate in named.plan.candidates}),
+        "loss": None if loss is None else abs(loss.item() - expected_loss) / abs(expected_loss),
+        "grads": {n: relative_error(p.grad, expected_grads[n]) for n, p in named.named_parameters()},
+    }
+    for case, options in {
+        "partition_word": {"schedule": "zb-v", "partition": "even", "example": (inputs, targets)},
+        "profile_with_auto": {"schedule": "auto", "partition": "profile", "example": (inputs, targets)},
+    }.items():
+        try:
+            Pipeline(rich_layers(0), microbatches=4, loss_fn=token_loss, timeout=30, **options)
+            result[case] = "no error"
+        except PipelineError as error:
+            result[case] = str(error)
     for case, options in {
         "too_small": {"memory_limit": "2KiB", "example": (inputs, targets)},
         "no_example": {"memory_limit": None, "example": None},

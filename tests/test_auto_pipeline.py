@@ -43,9 +43,10 @@ def test_recorded_steps_calibrate_the_plan_on_every_rank_alike(results):
     stages = len(first["partition"]) + 1
     assert all(len(values) == stages for values in calibration["measured_seconds"].values())
     assert max(calibration["measured_seconds"]["f"]) > 0
-    assert calibration["replan"]["predicted_iteration_time"] <= calibration["predicted_iteration_time"] * (
-        1 + 1e-9
-    )
+    # the re-plan searches partitions afresh and may find none as good as the running one: it then
+    # keeps the running plan; it proposes another only when that is predicted faster
+    replanned = calibration["replan"]["predicted_iteration_time"]
+    assert calibration["keeps_plan"] or replanned < calibration["predicted_iteration_time"]
     for r in results:
         assert r["recorder_detached"] and r["schedule_after_calibration"] == r["schedule"]
 
@@ -57,6 +58,23 @@ def test_gradients_stay_exact_after_calibration(results):
         assert set(r["grads_after_calibration"]) == set(r["grads"])
         for name, error in r["grads_after_calibration"].items():
             assert error < 1e-5, name
+
+
+def test_a_named_schedule_cut_where_the_profile_says(results):
+    profiled = [result["profiled"] for result in results]
+    assert all(p["schedule"] == "zb-v" and p["candidates"] == ["zb-v"] for p in profiled)
+    cuts = [(p["partition"], p["bounds"]) for p in profiled]
+    assert cuts[0] == cuts[1] and cuts[0][0] == cuts[0][1]  # the plan's cut, on every rank
+    assert sum(p["loss"] is not None for p in profiled) == 1  # the rank holding the last stage
+    for p in profiled:
+        assert p["loss"] is None or p["loss"] < 1e-5
+        assert p["grads"] and max(p["grads"].values()) < 1e-5
+
+
+def test_partition_profile_needs_a_schedule_name(results):
+    for result in results:
+        assert "partition='even'" in result["partition_word"] and '"profile"' in result["partition_word"]
+        assert 'schedule="auto" always chooses its partition' in result["profile_with_auto"]
 
 
 def test_budget_too_small_is_refused_on_every_rank(results):
@@ -102,6 +120,29 @@ def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
     assert main(["plan", "--trace", str(tmp_path), "--ranks", "2", "-m", "4", "--json"]) == 0
     replanned = json.loads(capsys.readouterr().out)
     assert replanned["predicted_iteration_time"] > 0 and len(replanned["peak_bytes"]) == 2
+
+
+def test_train_cuts_a_named_schedule_where_the_profile_says():
+    from zerobubble_demo.train import TrainConfig, run_training
+
+    config = TrainConfig(
+        schedule="zb-v",
+        partition="profile",
+        ranks=2,
+        steps=2,
+        microbatches=4,
+        batch_size=8,
+        seq_len=8,
+        vocab=16,
+        dim=16,
+        heads=2,
+        layers=2,
+        progress=False,
+        timeout=60,
+    )
+    summary = run_training(config)
+    assert summary.schedule == "zb-v" and len(summary.losses) == 2
+    assert any(line.startswith("auto plan: zb-v (v=2) with partition [") for line in summary.lines())
 
 
 def test_ranks_profile_in_turns_when_they_outnumber_the_cores(monkeypatch):

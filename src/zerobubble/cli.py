@@ -248,6 +248,7 @@ _TRAIN_OPTIONS = (
     ("--max-norm", float, "gradient clipping norm (default 1.0)"),
     ("--data-parallel", int, "pipeline replicas D; --ranks counts all p·D processes (default 1)"),
     ("--memory-limit", str, "per-rank byte budget for --schedule auto, e.g. 24GiB or 80%% (GPU)"),
+    ("--partition", str, "even (default): layers split evenly by count; profile: where a profile says"),
 )
 
 

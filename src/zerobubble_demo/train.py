@@ -39,6 +39,8 @@ class TrainConfig:
     ``ranks`` counts every process: ``data_parallel`` pipelines of ``ranks / data_parallel`` ranks.
     ``batch_size`` is the global batch, split equally over the replicas and then into
     ``microbatches``.  ``max_norm`` clips the global gradient norm (None: no clipping).
+    ``partition`` is ``"even"`` (layers split evenly by count) or ``"profile"`` (a named schedule's
+    layers cut where a profile of them says, ``Pipeline(partition="profile")``).
     """
 
     schedule: str = "zb-v"
@@ -62,6 +64,7 @@ class TrainConfig:
     progress: bool = True
     trace: str | None = None
     memory_limit: str | None = None
+    partition: str = "even"
 
     @property
     def pipeline_ranks(self) -> int:
@@ -150,6 +153,8 @@ def check_config(config: TrainConfig) -> Schedule | None:
             f"{config.microbatches} microbatches; use a multiple of {split}"
         )
     model = config.model  # validates the model size
+    if config.partition not in ("even", "profile"):
+        raise ConfigError(f"partition must be even or profile, got {config.partition!r}")
     if config.schedule == "auto":
         if config.memory_limit is not None and not str(config.memory_limit).strip().endswith("%"):
             parse_bytes(config.memory_limit)  # a malformed budget is an error before any rank starts
@@ -193,10 +198,14 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
     shard_size = config.batch_size // config.data_parallel
     # schedule="auto" profiles on an example batch: from a corpus of its own, so training data is unchanged
     example = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed + 7).batch(shard_size)
+    profiled = schedule is not None and config.partition == "profile"
     pipe = Pipeline(
         gpt_layers(config.model),
-        schedule=schedule if schedule is not None else "auto",
-        microbatches=config.microbatches if schedule is None else None,
+        # partition="profile" plans the cut for the schedule's name (with the profile's costs)
+        schedule=config.schedule if profiled or schedule is None else schedule,
+        microbatches=config.microbatches if profiled or schedule is None else None,
+        chunks=config.chunks if profiled else None,
+        partition="profile" if profiled else None,
         loss_fn=lm_loss,
         costs=_costs(config),
         timeout=config.timeout,
@@ -204,7 +213,7 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         post_validation=config.post_validation,
         trace=config.trace is not None,
         memory_limit=config.memory_limit,
-        example=example if config.schedule == "auto" else None,
+        example=example if schedule is None or profiled else None,
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
@@ -248,8 +257,8 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
 
 
 def _plan_lines(pipe) -> tuple[str, ...]:
-    """What schedule="auto" chose and why, and its calibration from the recorded steps (nothing for
-    a named schedule)."""
+    """What schedule="auto" (or partition="profile") chose and why, and its calibration from the
+    recorded steps (nothing for a named schedule split evenly)."""
     if pipe.plan is None:
         return ()
     calibration = pipe.plan.calibration

@@ -49,11 +49,15 @@ def plan_for_pipeline(
     post_validation: bool,
     device: torch.device,
     repeats: int = 5,
+    schedules: Sequence[str] | None = None,
+    chunks: int | None = None,
 ) -> tuple[Plan, ModelProfile]:
     """The plan every rank of ``group`` agrees on, and the profile it came from (collective).
 
     ``example`` is one batch as :meth:`Pipeline.step` takes it, ``(inputs, targets)``; ``ranks`` is the
-    pipeline's size.  Raises :class:`PipelineError` on every rank when no schedule fits the budget.
+    pipeline's size; ``schedules`` limits the candidates (every registry schedule but the ILP when
+    None; a named schedule with ``partition="profile"`` passes just its own) and ``chunks`` fixes the
+    interleaved chunk count.  Raises :class:`PipelineError` on every rank when no schedule fits.
     """
     if example is None or not isinstance(example, (tuple, list)) or len(example) != 2:
         raise PipelineError(
@@ -73,7 +77,9 @@ def plan_for_pipeline(
     dist.gather_object(mine, gathered, dst=source, group=group)
     payload: list[Any] = [None]
     if gathered is not None:
-        payload[0] = _decide(gathered, ranks, microbatches, memory_limit, post_validation, device)
+        payload[0] = _decide(
+            gathered, ranks, microbatches, memory_limit, post_validation, device, schedules, chunks
+        )
     dist.broadcast_object_list(payload, src=source, group=group, device=_object_device(device))
     outcome = payload[0]
     if isinstance(outcome, str):
@@ -129,6 +135,8 @@ def _decide(
     memory_limit: str | float | None,
     post_validation: bool,
     device: torch.device,
+    schedules: Sequence[str] | None = None,
+    chunks: int | None = None,
 ) -> tuple[Plan, ModelProfile] | str:
     """Rank 0's plan from every rank's profile (median times), or the message every rank will raise."""
     failures = [outcome for outcome in profiles if isinstance(outcome, str)]
@@ -148,6 +156,8 @@ def _decide(
             optimizer=optimizer,
             device_memory=device_memory,
             cores=_shared_cores(device, ranks, len(profiles)),
+            schedules=schedules,
+            interleaved_chunks=(chunks,) if chunks is not None else (2,),
         )
         return chosen, profile
     except ScheduleError as error:

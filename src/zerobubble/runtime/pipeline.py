@@ -70,6 +70,9 @@ class Pipeline:
     Pipeline.  With ``static_shapes`` the tensors crossing stage boundaries keep the shapes of the
     first step, which lets receives be posted ahead of time.
 
+    ``partition="profile"`` with a schedule name cuts the layers where the profile says (the same
+    profiling and planning as ``"auto"``, restricted to that schedule; ``example`` is then needed).
+
     ``schedule="auto"`` chooses the schedule, chunk count and partition from measurement
     (:mod:`.auto`): every rank profiles the layers on the first microbatch of ``example`` (one batch,
     ``(inputs, targets)``), rank 0 plans under ``memory_limit`` bytes per rank (``"24GiB"``, or
@@ -112,7 +115,7 @@ class Pipeline:
         microbatches: int | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         chunks: int | None = None,
-        partition: Sequence[int] | None = None,
+        partition: Sequence[int] | str | None = None,
         group: dist.ProcessGroup | None = None,
         costs: CostModel | None = None,
         timeout: float = 300.0,
@@ -136,7 +139,13 @@ class Pipeline:
         self.plan: Any = None  # the Plan of schedule="auto", and the ModelProfile it came from
         self.profile: Any = None
         self._calibrator: Any = None
-        if isinstance(schedule, str) and schedule == "auto":  # profile, plan once, broadcast: .auto
+        profiled = isinstance(partition, str)
+        if profiled and (partition != "profile" or not isinstance(schedule, str) or schedule == "auto"):
+            raise PipelineError(
+                f'partition={partition!r}: pass a list of cut points, None (even), or "profile" with a '
+                'schedule name (schedule="auto" always chooses its partition from the profile)'
+            )
+        if schedule == "auto" or profiled:  # profile, plan once, broadcast: .auto
             from .auto import Calibrator, plan_for_pipeline
 
             if calibrate:  # checked before the collectives below, on every rank alike
@@ -152,6 +161,8 @@ class Pipeline:
                 memory_limit,
                 post_validation,
                 self.device,
+                schedules=[schedule] if profiled else None,  # type: ignore[list-item]  # a str here
+                chunks=chunks,
             )
             schedule, partition, costs = self.plan.schedule, self.plan.partition, self.plan.costs
             microbatches = chunks = None
