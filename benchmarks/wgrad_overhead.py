@@ -140,6 +140,18 @@ def conv_stage_without_kernel_split(rows: int, repeats: int = 41) -> dict[str, f
         install_deferral([module], store, paths)
         variants[name] = (module, store, defer)
     x = torch.randn(*shape(rows), requires_grad=True)
+    return _split_ratios(fused, variants, x, repeats)
+
+
+def _split_ratios(
+    fused: nn.Module,
+    variants: dict[str, tuple[nn.Module, WeightGradStore, bool]],
+    x: torch.Tensor,
+    repeats: int,
+) -> dict[str, float]:
+    """Median (T_B + T_W) / fused backward of each ``(module, store, defer)`` variant, each repeat
+    timing the fused backward and then every variant (their order alternating, so that none always
+    runs right after the fused one); ``defer=False`` runs the split layers without deferring W."""
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(repeats + 1):
         out = fused(x)
@@ -147,7 +159,8 @@ def conv_stage_without_kernel_split(rows: int, repeats: int = 41) -> dict[str, f
         started = time.thread_time()
         out.backward(grad)
         fused_time = time.thread_time() - started
-        for name, (module, store, defer) in variants.items():
+        for name in list(variants) if repeat % 2 else list(variants)[::-1]:
+            module, store, defer = variants[name]
             out = module(x)
             started = time.thread_time()
             store.begin((0, 0), defer)
@@ -155,7 +168,7 @@ def conv_stage_without_kernel_split(rows: int, repeats: int = 41) -> dict[str, f
             store.end()
             if defer:
                 store.flush((0, 0))
-            if repeat:
+            if repeat:  # the first repeat warms up
                 ratios[name].append((time.thread_time() - started) / fused_time)
         x.grad = None
     return {name: statistics.median(values) for name, values in ratios.items()}
@@ -182,28 +195,9 @@ def w_order(rows: int, repeats: int = 61) -> dict[str, dict[str, float]]:
         for name, store in (("first to last", WeightGradStore()), ("last to first", _BOrderStore())):
             module = make()
             install_deferral([module], store)
-            variants[name] = (module, store)
+            variants[name] = (module, store, True)
         x = torch.randn(*shape(rows), requires_grad=True)
-        ratios: dict[str, list[float]] = {name: [] for name in variants}
-        for repeat in range(repeats + 1):
-            out = fused(x)
-            grad = torch.ones_like(out)
-            started = time.thread_time()
-            out.backward(grad)
-            fused_time = time.thread_time() - started
-            names = list(variants) if repeat % 2 else list(variants)[::-1]  # neither always runs second
-            for name in names:
-                module, store = variants[name]
-                out = module(x)
-                started = time.thread_time()
-                store.begin((0, 0), True)
-                out.backward(grad)
-                store.end()
-                store.flush((0, 0))
-                if repeat:
-                    ratios[name].append((time.thread_time() - started) / fused_time)
-            x.grad = None
-        results[label] = {name: statistics.median(values) for name, values in ratios.items()}
+        results[label] = _split_ratios(fused, variants, x, repeats)
     return results
 
 

@@ -3,6 +3,8 @@ and a calibration from the recorded second step that every rank agrees on."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from _auto_worker import auto_cases
@@ -92,25 +94,9 @@ def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
     import json
 
     from zerobubble.cli import main
-    from zerobubble_demo.train import TrainConfig, run_training
+    from zerobubble_demo.train import run_training
 
-    config = TrainConfig(
-        schedule="auto",
-        memory_limit="1GiB",
-        ranks=2,
-        steps=4,
-        microbatches=4,
-        batch_size=8,
-        seq_len=8,
-        vocab=16,
-        dim=16,
-        heads=2,
-        layers=2,
-        progress=False,
-        timeout=60,
-        trace=str(tmp_path),
-    )
-    summary = run_training(config)
+    summary = run_training(_tiny_config(schedule="auto", memory_limit="1GiB", steps=4, trace=str(tmp_path)))
     assert summary.schedule != "auto" and len(summary.losses) == 4
     assert any(line.startswith("auto plan: ") for line in summary.lines())
     # steps 2 to 4 were recorded (by the trace's own recorder) and calibrated the plan
@@ -123,24 +109,9 @@ def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
 
 
 def test_train_cuts_a_named_schedule_where_the_profile_says():
-    from zerobubble_demo.train import TrainConfig, run_training
+    from zerobubble_demo.train import run_training
 
-    config = TrainConfig(
-        schedule="zb-v",
-        partition="profile",
-        ranks=2,
-        steps=2,
-        microbatches=4,
-        batch_size=8,
-        seq_len=8,
-        vocab=16,
-        dim=16,
-        heads=2,
-        layers=2,
-        progress=False,
-        timeout=60,
-    )
-    summary = run_training(config)
+    summary = run_training(_tiny_config(schedule="zb-v", partition="profile", steps=2))
     assert summary.schedule == "zb-v" and len(summary.losses) == 2
     assert any(line.startswith("auto plan: zb-v (v=2) with partition [") for line in summary.lines())
 
@@ -161,3 +132,11 @@ def test_ranks_profile_in_turns_when_they_outnumber_the_cores(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert profiling_turns(2, cpu) == 2  # two ranks of two threads each on two cores
     assert profiling_turns(4, torch.device("cuda", 0)) == 1  # a device per rank
+
+
+def _tiny_config(**settings):
+    """A TrainConfig of the built-in GPT small enough for a test: 2 ranks, 4 microbatches."""
+    from zerobubble_demo.train import TrainConfig
+
+    tiny = TrainConfig(ranks=2, microbatches=4, batch_size=8, seq_len=8, vocab=16, dim=16, heads=2, layers=2)
+    return dataclasses.replace(tiny, progress=False, timeout=60, **settings)
