@@ -97,7 +97,7 @@ class PeerMonitor:
         if watchdog is None:
             watchdog = self._watchdog = _Watchdog(self)
             weakref.finalize(self, watchdog.close)  # the thread ends with its monitor
-        watchdog.arm(work, what, time.monotonic() + self.timeout)
+        watchdog.arm(work, what)
         try:
             work.wait()  # blocks in C++ with the GIL released; the watchdog may end it early
         except RuntimeError as error:
@@ -136,15 +136,16 @@ class _Watchdog:
     def __init__(self, monitor: PeerMonitor) -> None:
         self._monitor = weakref.ref(monitor)
         self._lock = threading.Lock()
-        self._armed: tuple[Any, str | Callable[[], str], float, float] | None = None
-        """The wait being watched: (work, what it waits for, when it started, its deadline)."""
+        self._armed: tuple[Any, str | Callable[[], str], float] | None = None
+        """The wait being watched: (work, what it waits for, when it started)."""
         self._verdict: PipelineError | None = None
         self._closed = threading.Event()
         threading.Thread(target=self._run, name="zerobubble-watchdog", daemon=True).start()
 
-    def arm(self, work: Any, what: str | Callable[[], str], deadline: float) -> None:
-        """Watch ``work`` until :meth:`disarm` (called by the waiting thread)."""
-        self._armed = (work, what, time.monotonic(), deadline)
+    def arm(self, work: Any, what: str | Callable[[], str]) -> None:
+        """Watch ``work`` until :meth:`disarm` (called by the waiting thread); the monitor's
+        ``timeout`` counts from now."""
+        self._armed = (work, what, time.monotonic())
 
     def disarm(self) -> PipelineError | None:
         """Stop watching; the error to raise if the watchdog ended the wait, else None."""
@@ -167,7 +168,7 @@ class _Watchdog:
         armed = self._armed
         if armed is None or time.monotonic() - armed[2] < CHECK_INTERVAL:
             return  # nothing waits, or not long enough to be worth a store round trip
-        verdict = self._verdict_for(armed[1], armed[3])
+        verdict = self._verdict_for(armed[1], armed[2])
         if verdict is None:
             return
         with self._lock:
@@ -177,7 +178,7 @@ class _Watchdog:
             with contextlib.suppress(RuntimeError):  # gloo closes the channel; the caller raises
                 armed[0].wait(timedelta(milliseconds=1))
 
-    def _verdict_for(self, what: str | Callable[[], str], deadline: float) -> PipelineError | None:
+    def _verdict_for(self, what: str | Callable[[], str], started: float) -> PipelineError | None:
         monitor = self._monitor()
         if monitor is None:
             return None
@@ -185,7 +186,7 @@ class _Watchdog:
             monitor.check()
         except PeerFailure as failure:
             return failure
-        return monitor.timed_out(what) if time.monotonic() >= deadline else None
+        return monitor.timed_out(what) if time.monotonic() - started >= monitor.timeout else None
 
 
 def _text(what: str | Callable[[], str]) -> str:
