@@ -70,3 +70,27 @@ def test_plan_table_pairs_each_configuration_with_auto_round_by_round():
     assert rows["zb-v, even split [1]"][column] == "1.300 (1.100–1.500)"
     assert rows["auto (zb-h1, cuts [1])"][column] == "1.000 (1.000–1.000)"
     assert rows["zb-v, even split [1]"][2] == "1.233"  # medians over all steps, unpaired: 1.85 / 1.5
+
+
+def test_interleaved_rounds_time_only_the_steps_after_each_settle_step(monkeypatch):
+    from zerobubble_bench import workloads
+
+    clock = [0.0]
+    calls = {"a": 0, "b": 0}
+
+    def runner(name):
+        def step():
+            calls[name] += 1
+            clock[0] += calls[name]  # the n-th call of a configuration lasts n
+
+        return step
+
+    monkeypatch.setattr(workloads.dist, "barrier", lambda: None)
+    monkeypatch.setattr(workloads.time, "perf_counter", lambda: clock[0])
+    times = workloads.interleaved({"a": runner("a"), "b": runner("b")}, rounds=2, steps=2, warmup=1, settle=1)
+    # call 1 warms up; each round settles with one call, then times two: calls 3, 4 and 6, 7
+    assert times == {"a": [3, 4, 6, 7], "b": [3, 4, 6, 7]}
+    assert calls == {"a": 7, "b": 7}
+    calls.update(a=0, b=0)
+    unsettled = workloads.interleaved({"a": runner("a")}, rounds=2, steps=2, warmup=1, settle=0)
+    assert unsettled == {"a": [2, 3, 4, 5]}

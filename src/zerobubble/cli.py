@@ -289,7 +289,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(f"Machine: {tables.machine_description()}\n")
     if args.benchmark == "pipelines":
         results = pipelines.compare_pipelines(
-            args.models, args.microbatches, rounds=args.rounds, steps_per_round=args.steps_per_round
+            args.models,
+            args.microbatches,
+            rounds=args.rounds,
+            steps_per_round=args.steps_per_round,
+            settle=args.settle,
         )
     elif args.benchmark == "schedulers":
         results = [
@@ -299,7 +303,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             results.append(schedulers.schedulers_against_authors())
     elif args.benchmark == "plan":
         results = plan.plan_benchmark(
-            args.ranks, args.microbatches, rounds=args.rounds, steps_per_round=args.steps_per_round
+            args.ranks,
+            args.microbatches,
+            rounds=args.rounds,
+            steps_per_round=args.steps_per_round,
+            settle=args.settle,
         )
     elif args.benchmark == "wgrad":
         # this command's process runs nothing else: it may tune glibc's malloc (see zerobubble_bench.wgrad)
@@ -339,6 +347,9 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     pipelines.add_argument("--microbatches", type=int, default=8)
     pipelines.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
     pipelines.add_argument("--steps-per-round", type=int, default=2)
+    pipelines.add_argument(
+        "--settle", type=int, default=1, help="untimed steps before each configuration's turn in a round"
+    )
     schedulers = kinds.add_parser("schedulers", help="build time of the searching schedulers")
     schedulers.add_argument("--stages", type=int, default=32)
     schedulers.add_argument("--microbatches", type=int, default=256)
@@ -350,8 +361,11 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     plan = kinds.add_parser("plan", help='schedule="auto" vs even-split zb-v and torch ZBV; auto on the MLP')
     plan.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     plan.add_argument("--microbatches", type=int, default=8)
-    plan.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
-    plan.add_argument("--steps-per-round", type=int, default=2)
+    plan.add_argument("--rounds", type=int, default=8, help="rounds of interleaved measurements")
+    plan.add_argument("--steps-per-round", type=int, default=3)
+    plan.add_argument(
+        "--settle", type=int, default=1, help="untimed steps before each configuration's turn in a round"
+    )
     wgrad = kinds.add_parser("wgrad", help="T_B + T_W of the B/W split against the fused backward")
     wgrad.add_argument("--rows", nargs="+", type=int, default=[8, 32, 128, 512], help="microbatch rows")
     wgrad.add_argument("--repeats", type=int, default=15)

@@ -33,6 +33,7 @@ def compare_pipelines(
     rounds: int = 5,
     steps_per_round: int = 2,
     warmup: int = 2,
+    settle: int = 1,
 ) -> list[Table]:
     """Step time of our schedules, torch's and the single-process step on 2 CPU ranks (gloo, 1 thread).
 
@@ -40,20 +41,23 @@ def compare_pipelines(
     """
     rows = rows or {"mlp": 32, "gpt": 4}
     results = launch(
-        _compare_rank, 2, (tuple(models), microbatches, rows, rounds, steps_per_round, warmup), threads=1
+        _compare_rank,
+        2,
+        (tuple(models), microbatches, rows, rounds, steps_per_round, warmup, settle),
+        threads=1,
     )[0]
     return [_comparison_table(model, microbatches, rows[model], times) for model, times in results.items()]
 
 
 def _compare_rank(
-    models, microbatches, rows, rounds, steps_per_round, warmup
+    models, microbatches, rows, rounds, steps_per_round, warmup, settle
 ) -> dict[str, dict[str, list[float]]]:
     init_distributed(backend="gloo", timeout=300)
     results = {}
     for model in models:
         load = workload(model, microbatches, rows[model])
         runners = _pipeline_runners(model, load, microbatches)
-        results[model] = interleaved(runners, rounds, steps_per_round, warmup)
+        results[model] = interleaved(runners, rounds, steps_per_round, warmup, settle)
     return results
 
 

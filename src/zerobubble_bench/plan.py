@@ -36,10 +36,11 @@ def plan_benchmark(
     microbatches: int = 8,
     rows: int = 2,
     mlp_rows: int = 32,
-    rounds: int = 5,
-    steps_per_round: int = 2,
+    rounds: int = 8,
+    steps_per_round: int = 3,
     warmup: int = 2,
     calibrate: int = 3,
+    settle: int = 1,
 ) -> list[Table]:
     """``schedule="auto"`` against zb-v on the even split and torch's ZBV on the uneven LM, per rank count;
     and against our hand-picked schedules on the balanced MLP of ``bench pipelines`` (2 ranks).
@@ -47,25 +48,30 @@ def plan_benchmark(
     Every configuration runs in the same spawned ranks, in rotating rounds; the tables give medians,
     ratios to auto, and each configuration's step time predicted by the simulator from auto's profile
     and from that profile calibrated on auto's steps 2..1+``calibrate`` (run before any timed step).
+    ``settle`` untimed steps precede each configuration's timed steps in every round
+    (:func:`~.workloads.interleaved`).
     """
     tables = []
     for count in ranks:
         lm = launch(
             _plan_rank,
             count,
-            ("lm", microbatches, rows, rounds, steps_per_round, warmup, calibrate),
+            ("lm", microbatches, rows, rounds, steps_per_round, warmup, calibrate, settle),
             threads=1,
         )[0]
         tables.append(_plan_table(uneven_lm_workload(microbatches, rows).name, count, microbatches, rows, lm))
     mlp = launch(
-        _plan_rank, 2, ("mlp", microbatches, mlp_rows, rounds, steps_per_round, warmup, calibrate), threads=1
+        _plan_rank,
+        2,
+        ("mlp", microbatches, mlp_rows, rounds, steps_per_round, warmup, calibrate, settle),
+        threads=1,
     )[0]
     tables.append(_plan_table(workload("mlp", microbatches, mlp_rows).name, 2, microbatches, mlp_rows, mlp))
     return tables
 
 
 def _plan_rank(
-    model: str, m: int, rows: int, rounds: int, steps: int, warmup: int, calibrate: int
+    model: str, m: int, rows: int, rounds: int, steps: int, warmup: int, calibrate: int, settle: int
 ) -> dict[str, Any]:
     from zerobubble.schedule.plan import stage_costs
 
@@ -107,7 +113,7 @@ def _plan_rank(
         runners["torch ScheduleZBVZeroBubble, even split"] = torch_runner(
             "ScheduleZBVZeroBubble", model, load, m
         )
-    times = interleaved(runners, rounds, steps, warmup)
+    times = interleaved(runners, rounds, steps, warmup, settle)
     predicted: dict[str, dict[str, float]] = {"profile": {}, "calibrated": {}}
     for label, pipe in pipes.items():
         bounds, fused = pipe.layer_bounds, not pipe.schedule.splits_backward
@@ -181,7 +187,7 @@ def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any
         "the fastest's, for "
         "the same configuration — how much identical work varied during the run. Step = barrier to "
         "barrier, backward and zero_grad included, no optimizer; configurations measured in rotating "
-        "rounds."
+        "rounds, each configuration's turn beginning with an untimed step (its caches warm again)."
     )
     return table
 

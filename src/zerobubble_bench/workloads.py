@@ -168,9 +168,15 @@ def torch_runner(name: str, model: str, load: Workload, m: int) -> Callable[[], 
 
 
 def interleaved(
-    runners: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int
+    runners: dict[str, Callable[[], None]], rounds: int, steps: int, warmup: int, settle: int = 1
 ) -> dict[str, list[float]]:
-    """Per configuration, the step times (barrier to barrier) of ``rounds`` rotating rounds."""
+    """Per configuration, the step times (barrier to barrier) of ``rounds`` rotating rounds.
+
+    Each configuration first runs ``warmup`` untimed steps; then, in every round, ``settle`` untimed
+    steps before its ``steps`` timed ones.  Why settle: the configurations share each rank's caches
+    and allocator, so the first step after switching from another configuration finds none of its
+    own weights cached (a training job runs one configuration all along: its steps are warm).
+    """
     names = list(runners)
     for name in names:
         for _ in range(warmup):
@@ -179,6 +185,8 @@ def interleaved(
     for round_index in range(rounds):
         order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
+            for _ in range(settle):
+                _timed(runners[name])
             for _ in range(steps):
                 times[name].append(_timed(runners[name]))
     return times
