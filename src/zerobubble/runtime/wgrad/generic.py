@@ -32,15 +32,16 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .fast import SplitFunction
+from .routed import LinearRouter, LinearSplit
 from .store import WeightGradStore
 
-_SPLIT_NODE = SplitFunction._backward_cls
+_DEFERRING_NODES = (SplitFunction._backward_cls, LinearSplit._backward_cls)
 
 
 class LocalGraph:
     """One call's local graph: differentiable outputs, local inputs, leaves that get W gradients."""
 
-    __slots__ = ("hooked", "inputs", "leaves", "outputs", "store")
+    __slots__ = ("anchor", "hooked", "inputs", "leaves", "outputs", "store")
 
     def __init__(
         self,
@@ -49,12 +50,14 @@ class LocalGraph:
         inputs: list[torch.Tensor],
         leaves: list[torch.Tensor],
         hooked: list[SavedOnce],
+        anchor: torch.Tensor | None = None,
     ):
         self.store = store
         self.outputs = outputs
         self.inputs = inputs
         self.leaves = leaves
         self.hooked = hooked  # what the local graph saved through outer saved-tensor hooks
+        self.anchor = anchor  # an input of every routed F.linear node (.routed), or None
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """B (deferring) or BW: gradients of the local inputs, then of the leaves (None if deferred)."""
@@ -73,8 +76,12 @@ class LocalGraph:
             run_engine(outputs, out_grads, (), keep_graph=False, accumulate=True)
             return (*(x.grad for x in self.inputs), *(None for _ in self.leaves))
         input_grads: Sequence[torch.Tensor | None] = ()
-        if self.inputs:  # keep the graph: the W op walks it again
-            input_grads = run_engine(outputs, out_grads, self.inputs, keep_graph=bool(self.leaves))
+        # asking for the anchor's gradient (always None) makes B run every routed node, which queues
+        # its weight work, even those whose input needs no gradient
+        wanted = self.inputs if self.anchor is None else [*self.inputs, self.anchor]
+        if wanted:  # keep the graph if the W op walks it again
+            input_grads = run_engine(outputs, out_grads, wanted, keep_graph=bool(self.leaves))
+            input_grads = input_grads[: len(self.inputs)]
         if self.leaves:
             self.store.shared(WeightPass).add(outputs, out_grads, self.leaves)
         return (*input_grads, *(None for _ in self.leaves))
@@ -172,8 +179,13 @@ class Bridge(torch.autograd.Function):
         return (None, *local.backward(grads))
 
 
-def generic_forward(store: WeightGradStore) -> Callable[..., Any]:
-    """The forward installed on a module split generically (also the fallback of fast paths)."""
+def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> Callable[..., Any]:
+    """The forward installed on a module split generically (also the fallback of fast paths).
+
+    ``F.linear`` calls on leaf weights in the module's forward take a closed-form split
+    (:mod:`.routed`); the ids of modules where that happened are added to ``routed``.
+    """
+    router = LinearRouter(store)
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         original = type(module).forward
@@ -183,28 +195,37 @@ def generic_forward(store: WeightGradStore) -> Callable[..., Any]:
             return original(module, *args, **kwargs)
         flat, spec = _flatten(args, kwargs)
         outer, local_inputs = [], []
+        copies: dict[int, torch.Tensor] = {}
         for index, item in enumerate(flat):
             if isinstance(item, torch.Tensor) and item.requires_grad:
-                outer.append(item)
-                flat[index] = item.detach().requires_grad_()
-                local_inputs.append(flat[index])
+                local = copies.get(id(item))
+                if local is None:  # one copy per tensor: ``mha(x, x, x)`` still sees ``query is key``
+                    local = copies[id(item)] = item.detach().requires_grad_()
+                    outer.append(item)
+                    local_inputs.append(local)
+                flat[index] = local
         local_args, local_kwargs = _unflatten(flat, spec)
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         hooked: list[SavedOnce] = []
         store.local_depth += 1
+        router.begin(local_inputs)
         try:
-            if hooks is None:
-                result = original(module, *local_args, **local_kwargs)
-            else:  # checkpointing, offloading: save through them, unpack once (see LocalGraph)
-                with _local_hooks(hooks, hooked):
+            with router:
+                if hooks is None:
                     result = original(module, *local_args, **local_kwargs)
+                else:  # checkpointing, offloading: save through them, unpack once (see LocalGraph)
+                    with _local_hooks(hooks, hooked):
+                        result = original(module, *local_args, **local_kwargs)
         finally:
             store.local_depth -= 1
+            anchor = router.end()
+        if anchor is not None and routed is not None:
+            routed.add(id(module))
         if isinstance(result, torch.Tensor):  # the common case, without a tree walk
             if not result.requires_grad:
                 return result
             leaves = reachable_leaves([result], local_inputs)
-            local = LocalGraph(store, [result], local_inputs, leaves, hooked)
+            local = LocalGraph(store, [result], local_inputs, leaves, hooked, anchor)
             return Bridge.apply(local, *outer, *leaves)[0]
         out_flat, out_spec = tree_flatten(result)
         positions = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -212,7 +233,8 @@ def generic_forward(store: WeightGradStore) -> Callable[..., Any]:
             return result
         outputs = [out_flat[i] for i in positions]
         leaves = reachable_leaves(outputs, local_inputs)
-        bridged = Bridge.apply(LocalGraph(store, outputs, local_inputs, leaves, hooked), *outer, *leaves)
+        local = LocalGraph(store, outputs, local_inputs, leaves, hooked, anchor)
+        bridged = Bridge.apply(local, *outer, *leaves)
         for position, tensor in zip(positions, bridged):
             out_flat[position] = tensor
         return tree_unflatten(out_flat, out_spec)
@@ -234,7 +256,8 @@ def _unflatten(flat: list[Any], spec: Any) -> tuple[tuple, dict]:
 def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -> list[torch.Tensor]:
     """Leaf tensors requiring grad that ``outputs`` depend on, other than ``exclude``.
 
-    A fast-path node's parameter edges are not followed: that node defers its own parameters.
+    The parameter edges of a fast-path node and of a routed ``F.linear`` node are not followed:
+    that node defers its own parameters.
     """
     excluded = {id(t) for t in exclude}
     leaves: list[torch.Tensor] = []
@@ -259,7 +282,7 @@ def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -
                 leaves.append(variable)
             continue
         edges = node.next_functions
-        if isinstance(node, _SPLIT_NODE):
+        if isinstance(node, _DEFERRING_NODES):
             edges = edges[:1]  # only the input; its parameters are deferred by the node itself
         stack.extend(next_node for next_node, _ in edges if next_node is not None)
     return leaves

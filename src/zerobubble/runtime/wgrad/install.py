@@ -19,6 +19,8 @@ class Deferral:
     def __init__(self) -> None:
         self.fast: list[nn.Module] = []
         self.generic: list[nn.Module] = []
+        self.routed: set[int] = set()
+        """Ids of generic modules whose forward routed ``F.linear`` calls (filled in as they run)."""
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -26,11 +28,16 @@ class Deferral:
         return self.fast + self.generic
 
     def summary(self) -> dict[str, int]:
-        """``{"fast Linear": 4, "generic MyLayer": 1, ...}``: how each module type is split."""
+        """``{"fast Linear": 4, "generic MyLayer": 1, ...}``: how each module type is split.
+
+        A generic module whose forward has routed ``F.linear`` calls on leaf weights to their
+        closed-form split counts as ``"generic+linear MyLayer"`` (known once it has run forward).
+        """
         counts: dict[str, int] = {}
         for kind, modules in (("fast", self.fast), ("generic", self.generic)):
             for module in modules:
-                key = f"{kind} {type(module).__name__}"
+                routed = kind == "generic" and id(module) in self.routed
+                key = f"{kind}{'+linear' if routed else ''} {type(module).__name__}"
                 counts[key] = counts.get(key, 0) + 1
         return counts
 
@@ -39,6 +46,7 @@ class Deferral:
         for module in self.modules:
             module.__dict__.pop("forward", None)
         self.fast, self.generic = [], []
+        self.routed = set()
 
 
 def install_deferral(
@@ -54,7 +62,7 @@ def install_deferral(
     """
     paths = default_fast_paths() if fast_paths is None else fast_paths
     deferral = Deferral()
-    generic = generic_forward(store)
+    generic = generic_forward(store, deferral.routed)
     seen: set[int] = set()
 
     def visit(module: nn.Module, covered: bool) -> None:

@@ -127,16 +127,33 @@ class MatmulRule(SplitRule):
 
     def accumulate(self, module, saved, grad_output, needed):
         own = module._parameters  # fast paths cover modules whose weight and bias are their own
+        self.accumulate_into(own["weight"], own.get("bias"), saved, grad_output, needed)
+
+    def accumulate_into(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        saved: Tensors,
+        grad_output: torch.Tensor,
+        needed: Sequence[bool],
+    ) -> None:
+        """W: add the gradients into ``weight.grad`` (one GEMM) and ``bias.grad`` where ``needed``.
+
+        Also the W of ``F.linear`` calls routed inside generically split modules (:mod:`.routed`),
+        whose weight may belong to any module.
+        """
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         if needed[0]:
             x = saved[0]
+            assert x is not None
             x_2d = x.reshape(-1, x.shape[-1])
             if self.out_by_in:
-                accumulate_product(own["weight"], grad_2d.t(), x_2d)
+                accumulate_product(weight, grad_2d.t(), x_2d)
             else:
-                accumulate_product(own["weight"], x_2d.t(), grad_2d)
+                accumulate_product(weight, x_2d.t(), grad_2d)
         if len(needed) > 1 and needed[1]:
-            accumulate(own["bias"], grad_2d.sum(0))
+            assert bias is not None
+            accumulate(bias, grad_2d.sum(0))
 
 
 class _MaskedRule(SplitRule):
