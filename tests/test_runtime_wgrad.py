@@ -164,7 +164,7 @@ def test_input_gradient_of_a_middle_stage_is_exact_and_eval_batch_norm_splits():
     _assert_grads_equal(stage, reference)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "convnet", "checkpointed"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "convnet", "checkpointed", "mha"])
 def test_real_models_defer_every_parameter(name):
     if name in ("gpt2", "llama"):
         pytest.importorskip("transformers")

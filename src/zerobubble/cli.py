@@ -367,7 +367,7 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     wgrad.add_argument(
         "--models",
         nargs="*",
-        choices=["gpt2", "llama", "convnet", "checkpointed"],
+        choices=["gpt2", "llama", "convnet", "checkpointed", "mha"],
         help="also measure the W share per stage of these models on 2 ranks (gpt2, llama need transformers)",
     )
     wgrad.add_argument("--width", type=int, default=256, help="hidden size of --models")

@@ -68,13 +68,14 @@ class LocalGraph:
         self.hooked = []
         pairs = [(out, grad) for out, grad in zip(self.outputs, grads) if grad is not None]
         self.outputs = []  # the W closure holds what it needs; the bridge node keeps nothing
+        untouched = (None,) * (len(self.leaves) + (self.anchor is not None))  # W's, or the anchor's
         if not pairs:
-            return (None,) * (len(self.inputs) + len(self.leaves))
+            return (None,) * len(self.inputs) + untouched
         outputs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
         if not self.store.deferring:
             # every leaf at once, fast-path children's parameters included (they are not in leaves)
             run_engine(outputs, out_grads, (), keep_graph=False, accumulate=True)
-            return (*(x.grad for x in self.inputs), *(None for _ in self.leaves))
+            return (*(x.grad for x in self.inputs), *untouched)
         input_grads: Sequence[torch.Tensor | None] = ()
         # asking for the anchor's gradient (always None) makes B run every routed node, which queues
         # its weight work, even those whose input needs no gradient
@@ -84,7 +85,14 @@ class LocalGraph:
             input_grads = input_grads[: len(self.inputs)]
         if self.leaves:
             self.store.shared(WeightPass).add(outputs, out_grads, self.leaves)
-        return (*input_grads, *(None for _ in self.leaves))
+        return (*input_grads, *untouched)
+
+    def bridge(self, outer: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The outputs joined to the stage's graph, through a :class:`Bridge` whose inputs are the
+        module's arguments ``outer``, the leaves and the anchor (so that B reaches the bridge even
+        when nothing else it depends on requires grad: a first stage whose weights are all routed)."""
+        anchor = () if self.anchor is None else (self.anchor,)
+        return Bridge.apply(self, *outer, *self.leaves, *anchor)
 
 
 class SavedOnce:
@@ -226,7 +234,7 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
                 return result
             leaves = reachable_leaves([result], local_inputs)
             local = LocalGraph(store, [result], local_inputs, leaves, hooked, anchor)
-            return Bridge.apply(local, *outer, *leaves)[0]
+            return local.bridge(outer)[0]
         out_flat, out_spec = tree_flatten(result)
         positions = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not positions:
@@ -234,7 +242,7 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
         outputs = [out_flat[i] for i in positions]
         leaves = reachable_leaves(outputs, local_inputs)
         local = LocalGraph(store, outputs, local_inputs, leaves, hooked, anchor)
-        bridged = Bridge.apply(local, *outer, *leaves)
+        bridged = local.bridge(outer)
         for position, tensor in zip(positions, bridged):
             out_flat[position] = tensor
         return tree_unflatten(out_flat, out_spec)
