@@ -23,6 +23,7 @@ from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferra
 
 WIDTH = 8
 VOCAB = 11
+GENERIC_ROUTED = FastPaths(route_linear=True)  # no rules: nn.Linear children run inside generic modules
 
 
 def _parameter_edges(output: torch.Tensor, model: nn.Module) -> set[str]:
@@ -191,7 +192,7 @@ def _tokens(count: int = 2) -> list[tuple]:
 def test_tied_head_routes_the_embedding_weight_and_both_uses_accumulate(defer):
     torch.manual_seed(2)
     model = TiedModel()
-    deferral, out = _check_split(model, _tokens(), lambda out: out.square().mean(), defer=defer)
+    deferral, _ = _check_split(model, _tokens(), lambda out: out.square().mean(), defer=defer)
     assert deferral.summary()["generic+linear TiedHead"] == 1
     # the head's local graph: its own scale is a leaf for W, the tied weight was routed
     local_out = model.head(torch.randn(2, WIDTH, requires_grad=True))
@@ -216,6 +217,14 @@ def test_a_parameter_used_twice_gets_both_gradients():
     deferral, out = _check_split(model, _hidden(), lambda out: out.sin().sum())
     assert deferral.summary() == {"generic+linear TwiceUsed": 1}
     assert _parameter_edges(out, model) == set()
+
+
+def test_an_empty_registry_is_the_generic_split_alone():
+    torch.manual_seed(3)
+    model = TwiceUsed()
+    deferral, out = _check_split(model, _hidden(), lambda out: out.sin().sum(), paths=FastPaths())
+    assert deferral.summary() == {"generic TwiceUsed": 1}
+    assert _parameter_edges(out, model) == {"weight", "bias"}
 
 
 @pytest.mark.parametrize("requires_grad", [True, False], ids=["middle stage", "first stage"])
@@ -324,7 +333,7 @@ class NestedBlock(nn.Module):
 def test_nested_generic_modules_route_into_the_outer_local_graph():
     torch.manual_seed(8)
     model = NestedBlock()
-    deferral, out = _check_split(model, _hidden(), lambda out: out.square().mean(), paths=FastPaths())
+    deferral, out = _check_split(model, _hidden(), lambda out: out.square().mean(), paths=GENERIC_ROUTED)
     assert deferral.summary() == {"generic+linear NestedBlock": 1}
     assert _parameter_edges(out, model) == {"scale", "norm.weight", "norm.bias"}
 
@@ -345,9 +354,8 @@ def test_checkpointing_recomputes_once_and_keeps_routed_w_deferred(module):
 
     model = Checkpointed()
     batches = _hidden()
-    _, out = _check_split(
-        model, batches, lambda out: out.square().mean(), paths=None if module == "attention" else FastPaths()
-    )
+    paths = None if module == "attention" else GENERIC_ROUTED
+    _, out = _check_split(model, batches, lambda out: out.square().mean(), paths=paths)
     # one forward and one recomputation in B per microbatch; none in W (it reads what B unpacked)
     assert model.inner.calls == 2 * len(batches)
     routed_only = {"attention": set(), "nested": {"inner.scale", "inner.norm.weight", "inner.norm.bias"}}

@@ -23,6 +23,7 @@ once per B, not once per engine run), and both engine runs read the unpacked ten
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from .routed import LinearRouter, LinearSplit
 from .store import WeightGradStore
 
 _DEFERRING_NODES = (SplitFunction._backward_cls, LinearSplit._backward_cls)
+_NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for every call
 
 
 class LocalGraph:
@@ -190,10 +192,11 @@ class Bridge(torch.autograd.Function):
 def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> Callable[..., Any]:
     """The forward installed on a module split generically (also the fallback of fast paths).
 
-    ``F.linear`` calls on leaf weights in the module's forward take a closed-form split
-    (:mod:`.routed`); the ids of modules where that happened are added to ``routed``.
+    With ``routed`` (a set), ``F.linear`` calls on leaf weights in the module's forward take a
+    closed-form split (:mod:`.routed`) and the ids of modules where that happened are added to it;
+    without, every parameter is a leaf of the local graph (the generic split alone).
     """
-    router = LinearRouter(store)
+    router = None if routed is None else LinearRouter(store)
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         original = type(module).forward
@@ -206,19 +209,20 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
         copies: dict[int, torch.Tensor] = {}
         for index, item in enumerate(flat):
             if isinstance(item, torch.Tensor) and item.requires_grad:
-                local = copies.get(id(item))
-                if local is None:  # one copy per tensor: ``mha(x, x, x)`` still sees ``query is key``
-                    local = copies[id(item)] = item.detach().requires_grad_()
+                copy = copies.get(id(item))
+                if copy is None:  # one copy per tensor: ``mha(x, x, x)`` still sees ``query is key``
+                    copy = copies[id(item)] = item.detach().requires_grad_()
                     outer.append(item)
-                    local_inputs.append(local)
-                flat[index] = local
+                    local_inputs.append(copy)
+                flat[index] = copy
         local_args, local_kwargs = _unflatten(flat, spec)
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         hooked: list[SavedOnce] = []
         store.local_depth += 1
-        router.begin(local_inputs)
+        if router is not None:
+            router.begin(local_inputs)
         try:
-            with router:
+            with router or _NOT_ROUTING:
                 if hooks is None:
                     result = original(module, *local_args, **local_kwargs)
                 else:  # checkpointing, offloading: save through them, unpack once (see LocalGraph)
@@ -226,7 +230,7 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
                         result = original(module, *local_args, **local_kwargs)
         finally:
             store.local_depth -= 1
-            anchor = router.end()
+            anchor = None if router is None else router.end()
         if anchor is not None and routed is not None:
             routed.add(id(module))
         if isinstance(result, torch.Tensor):  # the common case, without a tree walk

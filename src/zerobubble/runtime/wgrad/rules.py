@@ -359,11 +359,15 @@ class FastPaths:
     A rule registered for a class applies to its subclasses too, unless a subclass overrides
     ``forward`` (then the generic split handles it).  Classes of optional libraries are registered
     by qualified name (``"transformers.pytorch_utils.Conv1D"``) so nothing is imported for them.
+    ``route_linear``: whether ``F.linear`` calls on leaf weights inside generically split modules
+    take ``nn.Linear``'s closed form (:mod:`.routed`); on in :func:`default_fast_paths`, off in an
+    empty registry (the generic split alone).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, route_linear: bool = False) -> None:
         self._by_type: dict[type, SplitRule] = {}
         self._by_name: dict[str, SplitRule] = {}
+        self.route_linear = route_linear
 
     def register(self, module_type: type[nn.Module] | str, rule: SplitRule) -> None:
         """Use ``rule`` for ``module_type`` (a class, or its ``"module.QualName"``); replaces any rule."""
@@ -383,7 +387,7 @@ class FastPaths:
 
     def copy(self) -> FastPaths:
         """An independent registry with the same rules (to extend without changing this one)."""
-        paths = FastPaths()
+        paths = FastPaths(self.route_linear)
         paths._by_type.update(self._by_type)
         paths._by_name.update(self._by_name)
         return paths
@@ -394,8 +398,9 @@ _TRANSFORMERS_RMS_NORMS = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2",
 
 
 def default_fast_paths() -> FastPaths:
-    """A new registry with the built-in rules (Linear, Conv1D, Conv1d/2d/3d, Embedding, norms, RMS norms)."""
-    paths = FastPaths()
+    """A new registry with the built-in rules (Linear, Conv1D, Conv1d/2d/3d, Embedding, norms, RMS
+    norms) and ``F.linear`` calls on leaf weights routed to Linear's closed form."""
+    paths = FastPaths(route_linear=True)
     builtin: Mapping[type[nn.Module] | str, SplitRule] = {
         nn.Linear: MatmulRule(weight_is_out_by_in=True),
         "transformers.pytorch_utils.Conv1D": MatmulRule(weight_is_out_by_in=False),
