@@ -312,6 +312,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 args.device,
                 args.splits,
                 keep_freed_memory=True,
+                stages=args.stages,
             )
             for accumulate in (True, False)
         ]
@@ -363,6 +364,13 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=["fast paths", "generic only", "torch pipelining"],
         choices=["fast paths", "generic only", "torch pipelining"],
         help="which splits to measure",
+    )
+    wgrad.add_argument(
+        "--stages",
+        nargs="+",
+        default=["mlp", "gpt", "conv", "mha"],
+        choices=["mlp", "gpt", "conv", "mha"],
+        help="which stages to measure (mha: nn.MultiheadAttention blocks)",
     )
     wgrad.add_argument(
         "--models",

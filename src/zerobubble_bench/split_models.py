@@ -91,8 +91,8 @@ def _build_split_model(name: str, width: int, batch: int, seq: int, seed: int) -
     if name == "mha":
         layers = [
             nn.Embedding(vocab, width),
-            _AttentionBlock(width),
-            _AttentionBlock(width),
+            AttentionBlock(width),
+            AttentionBlock(width),
             _LinearHead(width, vocab),
         ]
         return SplitModel(layers, lm_loss, tokens, targets)
@@ -121,17 +121,17 @@ class _ConvHead(nn.Module):
         return self.fc(x.mean(dim=(2, 3)) * self.scale)
 
 
-class _AttentionBlock(nn.Module):
-    """Pre-norm ``nn.MultiheadAttention`` (batch first, 2 heads) and an MLP, each with a residual.
+class AttentionBlock(nn.Module):
+    """Pre-norm ``nn.MultiheadAttention`` (batch first) and an MLP, each with a residual.
 
     The attention's projections are ``F.linear`` calls on its parameters inside
     ``F.multi_head_attention_forward``: the generic split routes them to the closed form.
     """
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, heads: int = 2):
         super().__init__()
         self.norm1 = nn.LayerNorm(width)
-        self.attention = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
         self.norm2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
 

@@ -101,61 +101,62 @@ class LinearRouter(TorchFunctionMode):
     def __init__(self, store: WeightGradStore):
         super().__init__()
         self.store = store
-        self.local_inputs: list[torch.Tensor] = []
+        self.local_ids: set[int] = set()
         self.anchor: torch.Tensor | None = None
         self.copies = _functional_with_linear(self.linear)
 
     def begin(self, local_inputs: list[torch.Tensor]) -> None:
         """Start a local forward whose inputs are ``local_inputs`` (never routed as weights)."""
-        self.local_inputs = local_inputs
+        self.local_ids = {id(local) for local in local_inputs}
         self.anchor = None
 
     def end(self) -> torch.Tensor | None:
         """Finish the local forward: its anchor, or None if no call was routed."""
-        anchor, self.anchor, self.local_inputs = self.anchor, None, []
+        anchor, self.anchor, self.local_ids = self.anchor, None, set()
         return anchor
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
+        # every torch call of the forward passes here: kept to a few comparisons
         if func is _LINEAR:
-            return self.linear(*args, **kwargs)
+            return self.linear(*args, **kwargs) if kwargs else self.linear(*args)
         if type(func) is types.FunctionType:  # a Python function: one of F's calling linear?
             func = self.copies.get(func, func)
         # the mode is off while this runs (torch pops it for the handler): its ops cost nothing extra
-        return func(*args, **kwargs)
+        return func(*args, **kwargs) if kwargs else func(*args)
 
     def linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
         """``F.linear``, through :class:`LinearSplit` when ``weight`` is a leaf requiring grad."""
-        if not (weight.requires_grad and weight.grad_fn is None and torch.is_grad_enabled()):
+        if not (self._owned_leaf(weight) and torch.is_grad_enabled()):
             return _LINEAR(input, weight, bias)
-        if any(weight is local for local in self.local_inputs):  # the caller's tensor: not ours to defer
-            return _LINEAR(input, weight, bias)
-        routed_bias = bias
-        if (
-            bias is not None
-            and bias.requires_grad
-            and (bias.grad_fn is not None or any(bias is local for local in self.local_inputs))
-        ):
-            routed_bias = None  # computed from other tensors: added below, its gradient flows as usual
+        added = None
+        if bias is not None and bias.requires_grad and not self._owned_leaf(bias):
+            # computed from other tensors (or the caller's): added after the routed product, its
+            # gradient flows through the local graph as usual
+            bias, added = None, bias
         anchor = self.anchor
         if anchor is None:
             anchor = self.anchor = torch.empty(0, device=input.device, requires_grad=True)
-        bias_leaf = routed_bias if routed_bias is not None and routed_bias.requires_grad else None
-        targets = (self.store, weight, bias_leaf)
-        device = input.device.type
-        if torch.is_autocast_enabled(device):
-            # as fast_forward does for MatmulRule: cast as autocast would, then run without it; B and W
-            # compute in the cast dtype and W adds into .grad in the parameter's dtype
-            dtype = torch.get_autocast_dtype(device)
-            input = input.to(dtype) if input.is_floating_point() else input
-            cast_weight = weight.to(dtype)
-            cast_bias = None if routed_bias is None else routed_bias.to(dtype)
-            with torch.autocast(device, enabled=False):
-                out = LinearSplit.apply(input, anchor, cast_weight, cast_bias, targets)
-            return out if routed_bias is bias else out + bias.to(dtype)  # type: ignore[union-attr]
-        out = LinearSplit.apply(input, anchor, weight, routed_bias, targets)
-        return out if routed_bias is bias else out + bias
+        targets = (self.store, weight, bias if bias is not None and bias.requires_grad else None)
+        if torch._C._is_any_autocast_enabled():
+            device = input.device.type
+            if torch.is_autocast_enabled(device):
+                # as fast_forward does for MatmulRule: cast as autocast would, then run without it;
+                # B and W compute in the cast dtype and W adds into .grad in the parameter's dtype
+                dtype = torch.get_autocast_dtype(device)
+                input = input.to(dtype) if input.is_floating_point() else input
+                weight = weight.to(dtype)
+                bias = None if bias is None else bias.to(dtype)
+                added = None if added is None else added.to(dtype)
+                with torch.autocast(device, enabled=False):
+                    out = LinearSplit.apply(input, anchor, weight, bias, targets)
+                return out if added is None else out + added
+        out = LinearSplit.apply(input, anchor, weight, bias, targets)
+        return out if added is None else out + added
+
+    def _owned_leaf(self, tensor: torch.Tensor) -> bool:
+        """A leaf requiring grad that is not one of the module's arguments (their copies are leaves
+        too, but their gradients belong to B)."""
+        return tensor.requires_grad and tensor.grad_fn is None and id(tensor) not in self.local_ids
 
 
 def _functional_with_linear(linear: Callable[..., Any]) -> dict[Callable[..., Any], Callable[..., Any]]:
