@@ -13,7 +13,9 @@ which usually costs about what the fused kernel does (not always: see ``docs/wgr
 The parameters are found by walking the local graph from the outputs to its leaves (every leaf
 that requires grad and is not a local input), so shared parameters, parameters used through
 custom autograd functions or owned by child modules all get their gradient; a fast-path child
-(:class:`~.fast.SplitFunction` node) defers its own parameters, so the walk does not collect them.
+(:class:`~.fast.SplitFunction` node) defers its own parameters, so the walk does not collect them,
+and neither does it the weights of ``F.linear`` calls the forward routed to their closed form
+(:class:`~.routed.LinearSplit` nodes, :mod:`.routed`).
 
 Under saved-tensor hooks (activation checkpointing, offloading) the local graph saves through the
 outer hooks (F keeps what checkpointing keeps), wrapped in :class:`SavedOnce`: the bridge unpacks
