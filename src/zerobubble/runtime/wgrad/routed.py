@@ -95,7 +95,7 @@ class LinearRouter(TorchFunctionMode):
     One router per installation (it holds the copies of ``torch.nn.functional`` functions);
     :meth:`begin` and :meth:`end` bracket one module's local forward (the outermost generic module:
     nested ones run inside it).  Every torch call of that forward passes through
-    :meth:`__torch_function__` (about 1.3 µs each on CPU, ``docs/wgrad.md``).
+    :meth:`__torch_function__` (about 1.2 µs more per call on CPU; ``docs/wgrad.md``).
     """
 
     def __init__(self, store: WeightGradStore):
