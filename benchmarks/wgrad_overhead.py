@@ -10,17 +10,22 @@
    weight gradients computed in B by the full kernel (no W for them): what remains of the split's
    cost when the convolution kernel is not split at all, and split with nothing deferred (the same
    kernels, each layer's weight gradients right after its input gradient): what deferring costs;
-5. the order of W: each bench stage (``zerobubble bench wgrad``'s MLP, GPT block and conv stage, 32
-   and 128 rows, ``.grad`` accumulating) with W taking the layers first to last (the store's order)
-   against last to first (B's order), side by side in this process.
+5. the order of W: each bench stage (``zerobubble bench wgrad``'s stages, 32 and 128 rows, ``.grad``
+   accumulating) with W taking the layers first to last (the store's order) against last to first
+   (B's order), side by side in this process;
+6. routed ``F.linear`` (``FastPaths.route_linear``) on the bench's ``nn.MultiheadAttention`` block:
+   (T_B + T_W) / fused backward with routing on and off, side by side, the forward's cost of the
+   routing mode, and the mode's cost per torch call.
 
-    python benchmarks/wgrad_overhead.py
+    python benchmarks/wgrad_overhead.py            (everything)
+    python benchmarks/wgrad_overhead.py routing    (6. only)
 """
 
 from __future__ import annotations
 
 import copy
 import statistics
+import sys
 import time
 
 import torch
@@ -201,11 +206,92 @@ def w_order(rows: int, repeats: int = 61) -> dict[str, dict[str, float]]:
     return results
 
 
+def _attention_variants() -> tuple[nn.Module, dict[str, tuple[nn.Module, WeightGradStore, bool]]]:
+    """The bench's MultiheadAttention block: a plain copy, and copies split with routing on and off."""
+    from zerobubble_bench.wgrad import _split_stages
+
+    _, make, _ = _split_stages(["mha"])[0]
+    variants = {}
+    for name, route in (("routed", True), ("not routed", False)):
+        module, store, paths = make(), WeightGradStore(), default_fast_paths()
+        paths.route_linear = route
+        install_deferral([module], store, paths)
+        variants[name] = (module, store, True)
+    return make(), variants
+
+
+def routing_split_cost(rows: int, repeats: int = 41) -> dict[str, float]:
+    """(T_B + T_W) / fused backward of the MultiheadAttention block, routing on and off."""
+    fused, variants = _attention_variants()
+    return _split_ratios(fused, variants, torch.randn(1, rows, 256, requires_grad=True), repeats)
+
+
+def routing_forward_cost(rows: int, repeats: int = 61) -> dict[str, float]:
+    """Microseconds of the block's forward with routing off, and the median extra with it on."""
+    _, variants = _attention_variants()
+    x = torch.randn(1, rows, 256, requires_grad=True)
+    plain, extra = [], []
+    for repeat in range(repeats + 1):
+        times = {}
+        for name in list(variants) if repeat % 2 else list(variants)[::-1]:
+            module = variants[name][0]
+            started = time.thread_time()
+            for _ in range(5):
+                module(x)
+            times[name] = (time.thread_time() - started) / 5 * 1e6
+        if repeat:
+            plain.append(times["not routed"])
+            extra.append(times["routed"] - times["not routed"])
+    return {"forward": statistics.median(plain), "extra": statistics.median(extra)}
+
+
+def mode_cost_per_call(repeats: int = 15, calls: int = 2000) -> dict[str, float]:
+    """Microseconds per torch call (elementwise ops, a transpose, a ``.shape`` read) with and without
+    the routing mode active."""
+    from zerobubble.runtime.wgrad.routed import LinearRouter
+
+    x = torch.randn(8, 16)
+    router = LinearRouter(WeightGradStore())
+
+    def loop() -> float:
+        started = time.thread_time()
+        for _ in range(calls // 4):
+            y = (x * 2 + x).transpose(0, 1)
+            y.shape  # noqa: B018  # a property read is a torch call too
+        return (time.thread_time() - started) / calls * 1e6
+
+    plain, routed = [], []
+    for _ in range(repeats):
+        plain.append(loop())
+        with router:
+            routed.append(loop())
+    return {"plain": statistics.median(plain), "mode": statistics.median(routed)}
+
+
+def print_routing() -> None:
+    """Part 6: routed ``F.linear`` on the MultiheadAttention block."""
+    print("\n| MultiheadAttention block d=256, rows | (T_B+T_W)/fused routed | not routed "
+          "| forward, not routed (µs) | forward extra when routed (µs) |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for rows in (32, 128, 512):
+        split = routing_split_cost(rows, repeats=41 if rows < 512 else 11)
+        forward = routing_forward_cost(rows, repeats=61 if rows < 512 else 15)
+        print(
+            f"| {rows} | {split['routed']:.3f} | {split['not routed']:.3f} "
+            f"| {forward['forward']:.0f} | {forward['extra']:.0f} |"
+        )
+    per_call = mode_cost_per_call()
+    print(f"\ntorch call: {per_call['plain']:.2f} µs plain, {per_call['mode']:.2f} µs under the routing mode")
+
+
 def main() -> None:
     from zerobubble_bench.wgrad import _keep_freed_memory
 
     torch.set_num_threads(1)
     _keep_freed_memory()  # as the bench command does: this process runs nothing else
+    if sys.argv[1:] == ["routing"]:
+        print_routing()
+        return
     print("| layer | fused backward (µs) | fast split extra (µs) | generic split extra (µs) |")
     print("|---|---|---|---|")
     for label, make, shape in (
@@ -244,6 +330,7 @@ def main() -> None:
     for rows in (32, 128):
         for label, order in w_order(rows).items():
             print(f"| {label}, {rows} | {order['first to last']:.3f} | {order['last to first']:.3f} |")
+    print_routing()
 
 
 if __name__ == "__main__":

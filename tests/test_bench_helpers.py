@@ -36,9 +36,10 @@ def test_seeded_builds_are_still_reproducible():
 def test_wgrad_benchmark_restores_the_thread_count():
     before = torch.get_num_threads()
     wanted = 2 if before != 2 else 1
-    table = wgrad_split_cost((4,), repeats=1, threads=wanted, modes=("fast paths",))
+    table = wgrad_split_cost((4,), repeats=1, threads=wanted, modes=("fast paths",), stages=("mlp", "mha"))
     assert torch.get_num_threads() == before
-    assert len(table.rows) == 3 and "glibc" not in table.notes[0]  # no allocator tuning unless asked
+    assert [row[0][:3] for row in table.rows] == ["MLP", "Mul"]  # the stages asked for, in table order
+    assert "glibc" not in table.notes[0]  # no allocator tuning unless asked
 
 
 def test_preserved_torch_state_restores_after_an_error():

@@ -164,7 +164,7 @@ def test_input_gradient_of_a_middle_stage_is_exact_and_eval_batch_norm_splits():
     _assert_grads_equal(stage, reference)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "convnet", "checkpointed"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "convnet", "checkpointed", "mha"])
 def test_real_models_defer_every_parameter(name):
     if name in ("gpt2", "llama"):
         pytest.importorskip("transformers")
@@ -412,7 +412,7 @@ def test_bench_wgrad_measures_every_split():
         torch.set_num_threads(threads)
     assert [(row[0][:3], row[1]) for row in table.rows] == [
         (stage, split)
-        for stage in ("MLP", "GPT", "2×(")
+        for stage in ("MLP", "GPT", "2×(", "Mul")
         for split in ("fast paths", "generic only", "torch pipelining")
     ]
     assert all(float(row[-1]) > 0 for row in table.rows)

@@ -320,6 +320,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 args.device,
                 args.splits,
                 keep_freed_memory=True,
+                stages=args.stages,
             )
             for accumulate in (True, False)
         ]
@@ -379,9 +380,16 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="which splits to measure",
     )
     wgrad.add_argument(
+        "--stages",
+        nargs="+",
+        default=["mlp", "gpt", "conv", "mha"],
+        choices=["mlp", "gpt", "conv", "mha"],
+        help="which stages to measure (mha: nn.MultiheadAttention blocks)",
+    )
+    wgrad.add_argument(
         "--models",
         nargs="*",
-        choices=["gpt2", "llama", "convnet", "checkpointed"],
+        choices=["gpt2", "llama", "convnet", "checkpointed", "mha"],
         help="also measure the W share per stage of these models on 2 ranks (gpt2, llama need transformers)",
     )
     wgrad.add_argument("--width", type=int, default=256, help="hidden size of --models")

@@ -23,9 +23,11 @@ from zerobubble_demo.models import GPTConfig, gpt_layers, lm_loss
 
 from .tables import Table, preserved_torch_state
 
-SPLIT_MODELS = ("gpt2", "llama", "convnet", "checkpointed")
-"""Models the B/W split is checked on: transformers GPT-2 and Llama, a BatchNorm conv net, and
-transformer blocks under activation checkpointing (``use_reentrant=False``)."""
+SPLIT_MODELS = ("gpt2", "llama", "convnet", "checkpointed", "mha")
+"""Models the B/W split is checked on: transformers GPT-2 and Llama, a BatchNorm conv net,
+transformer blocks under activation checkpointing (``use_reentrant=False``), and blocks of
+``nn.MultiheadAttention`` with a head calling ``F.linear`` on its own weight (projections that
+are ``F.linear`` calls on parameters: the generic split's routed closed form)."""
 
 
 @dataclass
@@ -86,6 +88,14 @@ def _build_split_model(name: str, width: int, batch: int, seq: int, seed: int) -
         config = GPTConfig(vocab=vocab, seq_len=seq, dim=width, heads=2, n_layers=2)
         embedding, *blocks, head = gpt_layers(config)
         return SplitModel([embedding, *(_Checkpointed(b) for b in blocks), head], lm_loss, tokens, targets)
+    if name == "mha":
+        layers = [
+            nn.Embedding(vocab, width),
+            AttentionBlock(width),
+            AttentionBlock(width),
+            _LinearHead(width, vocab),
+        ]
+        return SplitModel(layers, lm_loss, tokens, targets)
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(SPLIT_MODELS)}")
 
 
@@ -109,6 +119,38 @@ class _ConvHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(x.mean(dim=(2, 3)) * self.scale)
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm ``nn.MultiheadAttention`` (batch first) and an MLP, each with a residual.
+
+    The attention's projections are ``F.linear`` calls on its parameters inside
+    ``F.multi_head_attention_forward``: the generic split routes them to the closed form.
+    """
+
+    def __init__(self, width: int, heads: int = 2):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class _LinearHead(nn.Module):
+    """A final norm and an output projection written as ``F.linear`` on the head's own weight."""
+
+    def __init__(self, width: int, vocab: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.weight = nn.Parameter(torch.randn(vocab, width) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.weight)
 
 
 class _Checkpointed(nn.Module):

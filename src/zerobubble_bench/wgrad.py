@@ -19,6 +19,7 @@ from torch import nn
 
 from zerobubble_demo.models import Block, GPTConfig
 
+from .split_models import AttentionBlock
 from .tables import Table, median, preserved_torch_state
 from .workloads import mlp_layers
 
@@ -31,11 +32,14 @@ def wgrad_split_cost(
     device: str = "cpu",
     modes: Sequence[str] = ("fast paths", "generic only", "torch pipelining"),
     keep_freed_memory: bool = False,
+    stages: Sequence[str] | None = None,
 ) -> Table:
     """``T_B + T_W`` of the B/W split against the fused backward, per stage, split and microbatch size.
 
-    Stages: 4 × (Linear(1024) + ReLU) of the MLP, one GPT block (width 256, ``rows`` tokens) and two
-    Conv2d(32, 3×3) + BatchNorm2d + ReLU blocks (``rows`` images of 8×8).  Splits: ``fast paths``
+    Stages (``stages``: names from :data:`SPLIT_STAGES`, default all): 4 × (Linear(1024) + ReLU) of
+    the MLP, one GPT block (width 256, ``rows`` tokens), two Conv2d(32, 3×3) + BatchNorm2d + ReLU
+    blocks (``rows`` images of 8×8) and one ``nn.MultiheadAttention`` block (width 256, 4 heads,
+    ``rows`` tokens; its projections are ``F.linear`` calls on parameters).  Splits: ``fast paths``
     (the default registry), ``generic only`` (an empty registry: every module through the generic
     split) and ``torch pipelining`` (``stage_backward_input``/``stage_backward_weight`` of
     ``torch.distributed.pipelining``, for reference).  Fused and split backwards alternate within
@@ -52,7 +56,7 @@ def wgrad_split_cost(
         _keep_freed_memory()
     with preserved_torch_state():
         torch.set_num_threads(threads)
-        return _wgrad_table(rows_list, repeats, threads, accumulate, device, modes, tuned)
+        return _wgrad_table(rows_list, repeats, threads, accumulate, device, modes, tuned, stages)
 
 
 def _wgrad_table(
@@ -63,6 +67,7 @@ def _wgrad_table(
     device: str,
     modes: Sequence[str],
     tuned: bool,
+    stages: Sequence[str] | None,
 ) -> Table:
     regime = "accumulating into .grad" if accumulate else "fresh .grad (first microbatch)"
     where = f"{threads} thread" if device == "cpu" else device
@@ -70,7 +75,7 @@ def _wgrad_table(
         f"B/W split cost (single process, {where}, {regime})",
         ["stage", "split", "rows", "fused backward (ms)", "T_B (ms)", "T_W (ms)", "(T_B+T_W)/fused"],
     )
-    for label, make, shape in _split_stages():
+    for label, make, shape in _split_stages(stages):
         for mode in modes:
             for rows in rows_list:
                 fused, split_b, split_w, ratio = _split_times(
@@ -113,7 +118,13 @@ def _keep_freed_memory() -> None:
     libc.mallopt(-3, 1 << 25)  # M_MMAP_THRESHOLD (its maximum): serve tensors below 32 MiB from the heap
 
 
-def _split_stages():
+SPLIT_STAGES = ("mlp", "gpt", "conv", "mha")
+"""Names of the stages ``bench wgrad`` measures (``--stages``)."""
+
+
+def _split_stages(names: Sequence[str] | None = None):
+    """``(label, make, shape of rows)`` of the stages ``names`` (default: all), in table order."""
+
     def mlp() -> nn.Module:
         return nn.Sequential(*mlp_layers(4))
 
@@ -130,11 +141,18 @@ def _split_stages():
                 layers += [nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU()]
             return nn.Sequential(*layers)
 
-    return [
-        ("MLP 4×Linear(1024)", mlp, lambda rows: (rows, 1024)),
-        ("GPT block d=256", block, lambda rows: (1, rows, 256)),
-        ("2×(Conv2d+BatchNorm2d) c=32", conv, lambda rows: (rows, 32, 8, 8)),
-    ]
+    def attention() -> nn.Module:
+        with preserved_torch_state():
+            torch.manual_seed(0)
+            return AttentionBlock(256, heads=4)
+
+    stages = {
+        "mlp": ("MLP 4×Linear(1024)", mlp, lambda rows: (rows, 1024)),
+        "gpt": ("GPT block d=256", block, lambda rows: (1, rows, 256)),
+        "conv": ("2×(Conv2d+BatchNorm2d) c=32", conv, lambda rows: (rows, 32, 8, 8)),
+        "mha": ("MultiheadAttention block d=256", attention, lambda rows: (1, rows, 256)),
+    }
+    return [stages[name] for name in (SPLIT_STAGES if names is None else names)]
 
 
 class _SplitBackward:

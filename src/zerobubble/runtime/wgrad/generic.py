@@ -13,7 +13,9 @@ which usually costs about what the fused kernel does (not always: see ``docs/wgr
 The parameters are found by walking the local graph from the outputs to its leaves (every leaf
 that requires grad and is not a local input), so shared parameters, parameters used through
 custom autograd functions or owned by child modules all get their gradient; a fast-path child
-(:class:`~.fast.SplitFunction` node) defers its own parameters, so the walk does not collect them.
+(:class:`~.fast.SplitFunction` node) defers its own parameters, so the walk does not collect them,
+and neither does it the weights of ``F.linear`` calls the forward routed to their closed form
+(:class:`~.routed.LinearSplit` nodes, :mod:`.routed`).
 
 Under saved-tensor hooks (activation checkpointing, offloading) the local graph saves through the
 outer hooks (F keeps what checkpointing keeps), wrapped in :class:`SavedOnce`: the bridge unpacks
@@ -23,6 +25,7 @@ once per B, not once per engine run), and both engine runs read the unpacked ten
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,15 +35,17 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .fast import SplitFunction
+from .routed import LinearRouter, LinearSplit
 from .store import WeightGradStore
 
-_SPLIT_NODE = SplitFunction._backward_cls
+_DEFERRING_NODES = (SplitFunction._backward_cls, LinearSplit._backward_cls)
+_NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for every call
 
 
 class LocalGraph:
     """One call's local graph: differentiable outputs, local inputs, leaves that get W gradients."""
 
-    __slots__ = ("hooked", "inputs", "leaves", "outputs", "store")
+    __slots__ = ("anchor", "hooked", "inputs", "leaves", "outputs", "store")
 
     def __init__(
         self,
@@ -49,12 +54,14 @@ class LocalGraph:
         inputs: list[torch.Tensor],
         leaves: list[torch.Tensor],
         hooked: list[SavedOnce],
+        anchor: torch.Tensor | None = None,
     ):
         self.store = store
         self.outputs = outputs
         self.inputs = inputs
         self.leaves = leaves
         self.hooked = hooked  # what the local graph saved through outer saved-tensor hooks
+        self.anchor = anchor  # an input of every routed F.linear node (.routed), or None
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """B (deferring) or BW: gradients of the local inputs, then of the leaves (None if deferred)."""
@@ -65,19 +72,31 @@ class LocalGraph:
         self.hooked = []
         pairs = [(out, grad) for out, grad in zip(self.outputs, grads) if grad is not None]
         self.outputs = []  # the W closure holds what it needs; the bridge node keeps nothing
+        untouched = (None,) * (len(self.leaves) + (self.anchor is not None))  # W's, or the anchor's
         if not pairs:
-            return (None,) * (len(self.inputs) + len(self.leaves))
+            return (None,) * len(self.inputs) + untouched
         outputs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
         if not self.store.deferring:
             # every leaf at once, fast-path children's parameters included (they are not in leaves)
             run_engine(outputs, out_grads, (), keep_graph=False, accumulate=True)
-            return (*(x.grad for x in self.inputs), *(None for _ in self.leaves))
+            return (*(x.grad for x in self.inputs), *untouched)
         input_grads: Sequence[torch.Tensor | None] = ()
-        if self.inputs:  # keep the graph: the W op walks it again
-            input_grads = run_engine(outputs, out_grads, self.inputs, keep_graph=bool(self.leaves))
+        # asking for the anchor's gradient (always None) makes B run every routed node, which queues
+        # its weight work, even those whose input needs no gradient
+        wanted = self.inputs if self.anchor is None else [*self.inputs, self.anchor]
+        if wanted:  # keep the graph if the W op walks it again
+            input_grads = run_engine(outputs, out_grads, wanted, keep_graph=bool(self.leaves))
+            input_grads = input_grads[: len(self.inputs)]
         if self.leaves:
             self.store.shared(WeightPass).add(outputs, out_grads, self.leaves)
-        return (*input_grads, *(None for _ in self.leaves))
+        return (*input_grads, *untouched)
+
+    def bridge(self, outer: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The outputs joined to the stage's graph, through a :class:`Bridge` whose inputs are the
+        module's arguments ``outer``, the leaves and the anchor (so that B reaches the bridge even
+        when nothing else it depends on requires grad: a first stage whose weights are all routed)."""
+        anchor = () if self.anchor is None else (self.anchor,)
+        return Bridge.apply(self, *outer, *self.leaves, *anchor)
 
 
 class SavedOnce:
@@ -172,8 +191,14 @@ class Bridge(torch.autograd.Function):
         return (None, *local.backward(grads))
 
 
-def generic_forward(store: WeightGradStore) -> Callable[..., Any]:
-    """The forward installed on a module split generically (also the fallback of fast paths)."""
+def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> Callable[..., Any]:
+    """The forward installed on a module split generically (also the fallback of fast paths).
+
+    With ``routed`` (a set), ``F.linear`` calls on leaf weights in the module's forward take a
+    closed-form split (:mod:`.routed`) and the ids of modules where that happened are added to it;
+    without, every parameter is a leaf of the local graph (the generic split alone).
+    """
+    router = None if routed is None else LinearRouter(store)
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         original = type(module).forward
@@ -183,36 +208,47 @@ def generic_forward(store: WeightGradStore) -> Callable[..., Any]:
             return original(module, *args, **kwargs)
         flat, spec = _flatten(args, kwargs)
         outer, local_inputs = [], []
+        copies: dict[int, torch.Tensor] = {}
         for index, item in enumerate(flat):
             if isinstance(item, torch.Tensor) and item.requires_grad:
-                outer.append(item)
-                flat[index] = item.detach().requires_grad_()
-                local_inputs.append(flat[index])
+                copy = copies.get(id(item))
+                if copy is None:  # one copy per tensor: ``mha(x, x, x)`` still sees ``query is key``
+                    copy = copies[id(item)] = item.detach().requires_grad_()
+                    outer.append(item)
+                    local_inputs.append(copy)
+                flat[index] = copy
         local_args, local_kwargs = _unflatten(flat, spec)
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         hooked: list[SavedOnce] = []
         store.local_depth += 1
+        if router is not None:
+            router.begin(local_inputs)
         try:
-            if hooks is None:
-                result = original(module, *local_args, **local_kwargs)
-            else:  # checkpointing, offloading: save through them, unpack once (see LocalGraph)
-                with _local_hooks(hooks, hooked):
+            with router or _NOT_ROUTING:
+                if hooks is None:
                     result = original(module, *local_args, **local_kwargs)
+                else:  # checkpointing, offloading: save through them, unpack once (see LocalGraph)
+                    with _local_hooks(hooks, hooked):
+                        result = original(module, *local_args, **local_kwargs)
         finally:
             store.local_depth -= 1
+            anchor = None if router is None else router.end()
+        if anchor is not None and routed is not None:
+            routed.add(id(module))
         if isinstance(result, torch.Tensor):  # the common case, without a tree walk
             if not result.requires_grad:
                 return result
             leaves = reachable_leaves([result], local_inputs)
-            local = LocalGraph(store, [result], local_inputs, leaves, hooked)
-            return Bridge.apply(local, *outer, *leaves)[0]
+            local = LocalGraph(store, [result], local_inputs, leaves, hooked, anchor)
+            return local.bridge(outer)[0]
         out_flat, out_spec = tree_flatten(result)
         positions = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not positions:
             return result
         outputs = [out_flat[i] for i in positions]
         leaves = reachable_leaves(outputs, local_inputs)
-        bridged = Bridge.apply(LocalGraph(store, outputs, local_inputs, leaves, hooked), *outer, *leaves)
+        local = LocalGraph(store, outputs, local_inputs, leaves, hooked, anchor)
+        bridged = local.bridge(outer)
         for position, tensor in zip(positions, bridged):
             out_flat[position] = tensor
         return tree_unflatten(out_flat, out_spec)
@@ -234,7 +270,8 @@ def _unflatten(flat: list[Any], spec: Any) -> tuple[tuple, dict]:
 def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -> list[torch.Tensor]:
     """Leaf tensors requiring grad that ``outputs`` depend on, other than ``exclude``.
 
-    A fast-path node's parameter edges are not followed: that node defers its own parameters.
+    The parameter edges of a fast-path node and of a routed ``F.linear`` node are not followed:
+    that node defers its own parameters.
     """
     excluded = {id(t) for t in exclude}
     leaves: list[torch.Tensor] = []
@@ -259,7 +296,7 @@ def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -
                 leaves.append(variable)
             continue
         edges = node.next_functions
-        if isinstance(node, _SPLIT_NODE):
+        if isinstance(node, _DEFERRING_NODES):
             edges = edges[:1]  # only the input; its parameters are deferred by the node itself
         stack.extend(next_node for next_node, _ in edges if next_node is not None)
     return leaves

@@ -19,6 +19,8 @@ class Deferral:
     def __init__(self) -> None:
         self.fast: list[nn.Module] = []
         self.generic: list[nn.Module] = []
+        self.routed: set[int] = set()
+        """Ids of generic modules whose forward routed ``F.linear`` calls (filled in as they run)."""
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -26,11 +28,16 @@ class Deferral:
         return self.fast + self.generic
 
     def summary(self) -> dict[str, int]:
-        """``{"fast Linear": 4, "generic MyLayer": 1, ...}``: how each module type is split."""
+        """``{"fast Linear": 4, "generic MyLayer": 1, ...}``: how each module type is split.
+
+        A generic module whose forward has routed ``F.linear`` calls on leaf weights to their
+        closed-form split counts as ``"generic+linear MyLayer"`` (known once it has run forward).
+        """
         counts: dict[str, int] = {}
         for kind, modules in (("fast", self.fast), ("generic", self.generic)):
             for module in modules:
-                key = f"{kind} {type(module).__name__}"
+                routed = kind == "generic" and id(module) in self.routed
+                key = f"{kind}{'+linear' if routed else ''} {type(module).__name__}"
                 counts[key] = counts.get(key, 0) + 1
         return counts
 
@@ -39,6 +46,7 @@ class Deferral:
         for module in self.modules:
             module.__dict__.pop("forward", None)
         self.fast, self.generic = [], []
+        self.routed = set()
 
 
 def install_deferral(
@@ -48,13 +56,15 @@ def install_deferral(
 
     A module with a rule in ``fast_paths`` (default: :func:`default_fast_paths`) gets that rule; any
     other module owning parameters gets the generic split, which also covers the parameters of its
-    descendants that have no fast path.  Only instance ``forward`` attributes change: types,
-    parameters and state_dict names stay.  Modules that already have an instance ``forward`` are
-    left alone (their parameters get their gradients in B).
+    descendants that have no fast path; with ``fast_paths.route_linear`` the ``F.linear`` calls on
+    leaf weights in its forward take the closed form of ``nn.Linear`` (:mod:`.routed`).  Only
+    instance ``forward`` attributes change: types, parameters and state_dict names stay.  Modules
+    that already have an instance ``forward`` are left alone (their parameters get their gradients
+    in B).
     """
     paths = default_fast_paths() if fast_paths is None else fast_paths
     deferral = Deferral()
-    generic = generic_forward(store)
+    generic = generic_forward(store, deferral.routed if paths.route_linear else None)
     seen: set[int] = set()
 
     def visit(module: nn.Module, covered: bool) -> None:

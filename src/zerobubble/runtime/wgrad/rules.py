@@ -127,16 +127,33 @@ class MatmulRule(SplitRule):
 
     def accumulate(self, module, saved, grad_output, needed):
         own = module._parameters  # fast paths cover modules whose weight and bias are their own
+        self.accumulate_into(own["weight"], own.get("bias"), saved, grad_output, needed)
+
+    def accumulate_into(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        saved: Tensors,
+        grad_output: torch.Tensor,
+        needed: Sequence[bool],
+    ) -> None:
+        """W: add the gradients into ``weight.grad`` (one GEMM) and ``bias.grad`` where ``needed``.
+
+        Also the W of ``F.linear`` calls routed inside generically split modules (:mod:`.routed`),
+        whose weight may belong to any module.
+        """
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         if needed[0]:
             x = saved[0]
+            assert x is not None
             x_2d = x.reshape(-1, x.shape[-1])
             if self.out_by_in:
-                accumulate_product(own["weight"], grad_2d.t(), x_2d)
+                accumulate_product(weight, grad_2d.t(), x_2d)
             else:
-                accumulate_product(own["weight"], x_2d.t(), grad_2d)
+                accumulate_product(weight, x_2d.t(), grad_2d)
         if len(needed) > 1 and needed[1]:
-            accumulate(own["bias"], grad_2d.sum(0))
+            assert bias is not None
+            accumulate(bias, grad_2d.sum(0))
 
 
 class _MaskedRule(SplitRule):
@@ -342,11 +359,15 @@ class FastPaths:
     A rule registered for a class applies to its subclasses too, unless a subclass overrides
     ``forward`` (then the generic split handles it).  Classes of optional libraries are registered
     by qualified name (``"transformers.pytorch_utils.Conv1D"``) so nothing is imported for them.
+    ``route_linear``: whether ``F.linear`` calls on leaf weights inside generically split modules
+    take ``nn.Linear``'s closed form (:mod:`.routed`); on in :func:`default_fast_paths`, off in an
+    empty registry (the generic split alone).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, route_linear: bool = False) -> None:
         self._by_type: dict[type, SplitRule] = {}
         self._by_name: dict[str, SplitRule] = {}
+        self.route_linear = route_linear
 
     def register(self, module_type: type[nn.Module] | str, rule: SplitRule) -> None:
         """Use ``rule`` for ``module_type`` (a class, or its ``"module.QualName"``); replaces any rule."""
@@ -366,7 +387,7 @@ class FastPaths:
 
     def copy(self) -> FastPaths:
         """An independent registry with the same rules (to extend without changing this one)."""
-        paths = FastPaths()
+        paths = FastPaths(self.route_linear)
         paths._by_type.update(self._by_type)
         paths._by_name.update(self._by_name)
         return paths
@@ -377,8 +398,9 @@ _TRANSFORMERS_RMS_NORMS = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2",
 
 
 def default_fast_paths() -> FastPaths:
-    """A new registry with the built-in rules (Linear, Conv1D, Conv1d/2d/3d, Embedding, norms, RMS norms)."""
-    paths = FastPaths()
+    """A new registry with the built-in rules (Linear, Conv1D, Conv1d/2d/3d, Embedding, norms, RMS
+    norms) and ``F.linear`` calls on leaf weights routed to Linear's closed form."""
+    paths = FastPaths(route_linear=True)
     builtin: Mapping[type[nn.Module] | str, SplitRule] = {
         nn.Linear: MatmulRule(weight_is_out_by_in=True),
         "transformers.pytorch_utils.Conv1D": MatmulRule(weight_is_out_by_in=False),

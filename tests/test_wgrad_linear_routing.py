@@ -1,0 +1,404 @@
+"""``F.linear`` on leaf weights inside generically split modules: the routed closed-form split.
+
+Each case runs B per microbatch (no parameter may get a gradient), then the W ops, and compares the
+loss, the input gradients and every parameter gradient with plain autograd on a copy.  That the
+routed path was taken is read off the autograd graph: the bridge joining a module's local graph
+to the stage's has an edge for every leaf W must walk, so a module whose projections were all
+routed has no edge to a parameter (W then runs no engine), and ``Deferral.summary`` says
+``generic+linear``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
+
+WIDTH = 8
+VOCAB = 11
+GENERIC_ROUTED = FastPaths(route_linear=True)  # no rules: nn.Linear children run inside generic modules
+
+
+def _parameter_edges(output: torch.Tensor, model: nn.Module) -> set[str]:
+    """Names of ``model``'s parameters the bridge node producing ``output`` has an edge to."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert output.grad_fn is not None and type(output.grad_fn).__name__ == "BridgeBackward"
+    found = set()
+    for node, _ in output.grad_fn.next_functions:
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in names:
+            found.add(names[id(variable)])
+    return found
+
+
+def _check_split(
+    model: nn.Module,
+    batches: list[tuple],
+    loss_fn: Callable[..., torch.Tensor],
+    paths: FastPaths | None = None,
+    defer: bool = True,
+    autocast: bool = False,
+    tolerance: float = 1e-5,
+):
+    """B then W (``defer``) or fused BW per microbatch against plain autograd; returns the deferral
+    and the outputs of the split model's last forward (for graph checks)."""
+    reference = copy.deepcopy(model)
+    reference_batches = [_clone_inputs(batch) for batch in batches]
+    expected_losses = []
+    for batch in reference_batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = reference(*batch)
+        loss = loss_fn(out)
+        loss.backward()
+        expected_losses.append(loss.detach())
+    store = WeightGradStore()
+    deferral = install_deferral([model], store, paths)
+    losses, out = [], None
+    for j, batch in enumerate(batches):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(*batch)
+        loss = loss_fn(out)
+        store.begin((0, j), defer=defer)
+        loss.backward()
+        store.end()
+        losses.append(loss.detach())
+    if defer:
+        early = [name for name, p in model.named_parameters() if p.grad is not None]
+        assert early == [], f"gradients computed in B: {early}"
+        for key in reversed(store.pending_keys()):
+            store.flush(key)
+    assert store.pending_keys() == []
+    rtol, atol = (1.6e-2, 1e-3) if autocast else (tolerance, 1e-7)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected_losses), rtol=rtol, atol=atol)
+    for batch, expected in zip(batches, reference_batches):
+        for x, x_ref in zip(batch, expected):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                torch.testing.assert_close(x.grad, x_ref.grad, rtol=rtol, atol=atol)
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"{name} got no gradient"
+        assert param.grad.dtype == param.dtype and not param.grad.requires_grad
+        torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=rtol, atol=atol, msg=name)
+    return deferral, out
+
+
+def _clone_inputs(batch: tuple) -> tuple:
+    return tuple(
+        x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+        for x in batch
+    )
+
+
+def _hidden(
+    count: int = 2, shape: tuple[int, ...] = (3, 5, WIDTH), requires_grad: bool = True
+) -> list[tuple]:
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(*shape, generator=generator).requires_grad_(requires_grad),) for _ in range(count)]
+
+
+class SelfAttention(nn.Module):
+    """``nn.MultiheadAttention`` called as self-attention, returning the output and the weights."""
+
+    def __init__(self, bias: bool, batch_first: bool):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(WIDTH, 2, bias=bias, batch_first=batch_first)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out, weights = self.attention(x, x, x)
+        return out, weights
+
+
+def _attention_loss(out):
+    values, weights = out
+    return values.square().mean() + weights.square().sum()
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+def test_multihead_attention_projections_are_routed_and_exact(bias, batch_first):
+    torch.manual_seed(0)
+    model = SelfAttention(bias, batch_first)
+    deferral, (out, _) = _check_split(model, _hidden(), _attention_loss)
+    assert deferral.summary()["generic+linear MultiheadAttention"] == 1
+    assert _parameter_edges(out, model) == set(), "W would walk the attention's local graph again"
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
+def test_multihead_attention_cross_attention_and_kdim_route_what_is_a_leaf(defer):
+    """Separate key/value dimensions: the q/k/v weights are leaves (routed) and their biases are
+    slices of ``in_proj_bias`` (not leaves: added after the routed product, gradient through W's walk)."""
+
+    class Cross(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = nn.MultiheadAttention(WIDTH, 2, kdim=6, vdim=4, batch_first=True)
+
+        def forward(self, query, key, value):
+            return self.attention(query, key, value, need_weights=False)[0]
+
+    torch.manual_seed(1)
+    model = Cross()
+    generator = torch.Generator().manual_seed(4)
+    batches = [
+        tuple(
+            torch.randn(2, n, d, generator=generator, requires_grad=True)
+            for n, d in ((5, WIDTH), (3, 6), (3, 4))
+        )
+        for _ in range(2)
+    ]
+    _, out = _check_split(model, batches, lambda out: out.square().mean(), defer=defer)
+    if defer:
+        assert _parameter_edges(out, model) == {"attention.in_proj_bias"}
+
+
+class TiedHead(nn.Module):
+    """A language-model head tied to an embedding owned by another module."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.norm_weight = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.embedding = [embedding]  # not a child: the weight belongs to the embedding module
+
+    def forward(self, h):
+        return F.linear(h * self.norm_weight, self.embedding[0].weight)
+
+
+class TiedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.mix = nn.Linear(WIDTH, WIDTH)
+        self.head = TiedHead(self.embed)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+
+def _tokens(count: int = 2) -> list[tuple]:
+    generator = torch.Generator().manual_seed(5)
+    return [(torch.randint(VOCAB, (3, 6), generator=generator),) for _ in range(count)]
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
+def test_tied_head_routes_the_embedding_weight_and_both_uses_accumulate(defer):
+    torch.manual_seed(2)
+    model = TiedModel()
+    deferral, _ = _check_split(model, _tokens(), lambda out: out.square().mean(), defer=defer)
+    assert deferral.summary()["generic+linear TiedHead"] == 1
+    # the head's local graph: its own scale is a leaf for W, the tied weight was routed
+    local_out = model.head(torch.randn(2, WIDTH, requires_grad=True))
+    assert _parameter_edges(local_out, model) == {"head.norm_weight"}
+
+
+class TwiceUsed(nn.Module):
+    """One parameter in two ``F.linear`` calls of one forward (both gradients must add up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.bias = nn.Parameter(torch.randn(WIDTH) * 0.1)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(F.linear(x, self.weight, self.bias)), self.weight, bias=self.bias) * 2
+
+
+def test_a_parameter_used_twice_gets_both_gradients():
+    torch.manual_seed(3)
+    model = TwiceUsed()
+    deferral, out = _check_split(model, _hidden(), lambda out: out.sin().sum())
+    assert deferral.summary() == {"generic+linear TwiceUsed": 1}
+    assert _parameter_edges(out, model) == set()
+
+
+def test_an_empty_registry_is_the_generic_split_alone():
+    torch.manual_seed(3)
+    model = TwiceUsed()
+    deferral, out = _check_split(model, _hidden(), lambda out: out.sin().sum(), paths=FastPaths())
+    assert deferral.summary() == {"generic TwiceUsed": 1}
+    assert _parameter_edges(out, model) == {"weight", "bias"}
+
+
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["middle stage", "first stage"])
+def test_a_module_of_only_routed_projections_splits_when_its_input_needs_no_gradient(requires_grad):
+    """A first stage: nothing the bridge joins requires grad but the routed weights themselves."""
+    torch.manual_seed(4)
+    model = TwiceUsed()
+    _, out = _check_split(model, _hidden(requires_grad=requires_grad), lambda out: out.square().sum())
+    assert out.requires_grad and _parameter_edges(out, model) == set()
+
+
+class OwnEmbeddingHead(nn.Module):
+    """A weight used both through an embedding (a leaf W walks to) and a routed ``F.linear``.
+
+    W's engine run passes the routed node again on its way to the embedding: the weight work it
+    queued in B must not be added a second time.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(VOCAB, WIDTH))
+
+    def forward(self, tokens):
+        return F.linear(torch.tanh(F.embedding(tokens, self.weight)), self.weight)
+
+
+def test_a_weight_reached_through_a_leaf_and_a_routed_call_is_not_counted_twice():
+    torch.manual_seed(5)
+    model = OwnEmbeddingHead()
+    _, out = _check_split(model, _tokens(3), lambda out: out.square().mean())
+    assert _parameter_edges(out, model) == {"weight"}  # the embedding's use: W's walk
+
+
+class Parametrized(nn.Module):
+    """A parametrized weight (not a leaf: stays generic), a bias computed from two parameters
+    (routed weight, bias added after), and a weight the caller passes in (not routed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.projection = nn.Linear(WIDTH, WIDTH)
+        torch.nn.utils.parametrize.register_parametrization(self.projection, "weight", _Symmetric())
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.bias_a = nn.Parameter(torch.randn(WIDTH))
+        self.bias_b = nn.Parameter(torch.randn(WIDTH))
+
+    def forward(self, x, passed):
+        x = F.linear(x, self.projection.weight, self.projection.bias)
+        x = F.linear(torch.tanh(x), self.weight, self.bias_a * self.bias_b)
+        return F.linear(x, passed)
+
+
+class _Symmetric(nn.Module):
+    def forward(self, weight):
+        return weight.triu() + weight.triu(1).t()
+
+
+def test_parametrized_weights_non_leaf_biases_and_passed_weights_stay_exact():
+    torch.manual_seed(6)
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Parametrized()
+            self.passed = nn.Parameter(torch.randn(WIDTH, WIDTH))
+
+        def forward(self, x):
+            return self.inner(x, self.passed)
+
+    model = Owner()
+    _, out = _check_split(model, _hidden(), lambda out: out.square().mean())
+    edges = _parameter_edges(out, model)
+    assert "inner.weight" not in edges, "a leaf weight with a computed bias is still routed"
+    assert {"inner.projection.parametrizations.weight.original", "inner.bias_a", "inner.bias_b"} <= edges
+
+
+def test_no_grad_inside_the_forward_is_not_routed():
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH))
+
+        def forward(self, x):
+            with torch.no_grad():
+                shift = F.linear(x, self.weight).mean()
+            return F.linear(x - shift, self.weight)
+
+    torch.manual_seed(7)
+    _check_split(Frozen(), _hidden(), lambda out: out.square().mean())
+
+
+class NestedBlock(nn.Module):
+    """A generic module around a generic-only child: the child's ``F.linear`` joins the outer graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.inner = nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + self.inner(torch.relu(self.norm(x))) * self.scale
+
+
+def test_nested_generic_modules_route_into_the_outer_local_graph():
+    torch.manual_seed(8)
+    model = NestedBlock()
+    deferral, out = _check_split(model, _hidden(), lambda out: out.square().mean(), paths=GENERIC_ROUTED)
+    assert deferral.summary() == {"generic+linear NestedBlock": 1}
+    assert _parameter_edges(out, model) == {"scale", "norm.weight", "norm.bias"}
+
+
+@pytest.mark.parametrize("module", ["attention", "nested"])
+def test_checkpointing_recomputes_once_and_keeps_routed_w_deferred(module):
+    torch.manual_seed(9)
+    inner = SelfAttention(True, True) if module == "attention" else NestedBlock()
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            out = checkpoint(self.inner, x, use_reentrant=False)
+            return out[0] if isinstance(out, tuple) else out
+
+    model = Checkpointed()
+    batches = _hidden()
+    paths = None if module == "attention" else GENERIC_ROUTED
+    _, out = _check_split(model, batches, lambda out: out.square().mean(), paths=paths)
+    # one forward and one recomputation in B per microbatch; none in W (it reads what B unpacked)
+    assert model.inner.calls == 2 * len(batches)
+    routed_only = {"attention": set(), "nested": {"inner.scale", "inner.norm.weight", "inner.norm.bias"}}
+    assert _parameter_edges(out, model) == routed_only[module]
+
+
+def test_autocast_bf16_routes_in_the_autocast_dtype_and_accumulates_in_float32():
+    torch.manual_seed(10)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tied = TiedModel()
+            self.attention = SelfAttention(True, True)
+
+        def forward(self, tokens):
+            values, _ = self.attention(self.tied(tokens)[..., :WIDTH])
+            return values
+
+    model = Model()
+    deferral, out = _check_split(model, _tokens(), lambda out: out.float().square().mean(), autocast=True)
+    assert out.dtype == torch.bfloat16
+    assert deferral.summary()["generic+linear MultiheadAttention"] == 1
+    assert deferral.summary()["generic+linear TiedHead"] == 1
+
+
+def test_w_frees_what_routed_calls_kept():
+    import gc
+    import weakref
+
+    torch.manual_seed(11)
+    model = TwiceUsed()
+    store = WeightGradStore()
+    install_deferral([model], store)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    out = model(x * 1)
+    kept = weakref.ref(out)
+    store.begin((0, 0), defer=True)
+    out.sum().backward()
+    store.end()
+    assert store.held_tensors((0, 0)), "W holds the routed calls' inputs and output gradients"
+    del out
+    gc.collect()
+    store.flush((0, 0))
+    gc.collect()
+    assert kept() is None and store.held_tensors() == []
