@@ -619,3 +619,30 @@ def test_generic_w_passing_through_native_nodes_adds_their_gradients_once():
     store.flush((0, 0))
     store.flush((0, 1))
     _assert_grads_equal(model, reference)
+
+
+class NativeGateRule(GateRule):
+    """The same closed form; its forward on a detached gate is autograd's own ``x * sigmoid(gate)``."""
+
+    native_backward = True
+
+
+def test_a_registered_rule_with_native_backward_runs_b_in_autograd_nodes():
+    torch.manual_seed(12)
+    paths = default_fast_paths()
+    paths.register(Gate, NativeGateRule())
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Gate())
+    reference = copy.deepcopy(model)
+    batches = [torch.randn(3, WIDTH) for _ in range(2)]
+    for x in batches:
+        reference(x).square().sum().backward()
+    store = WeightGradStore()
+    install_deferral([model], store, paths)
+    losses = [model(x).square().sum() for x in batches]
+    names = _node_names(losses[0])
+    assert "MulBackward0" in names and names.count("SplitFunctionBackward") == 1, names  # the Linear's
+    _split_backward(model, store, losses)
+    assert all(p.grad is None for p in model.parameters())
+    store.flush((0, 1))
+    store.flush((0, 0))
+    _assert_grads_equal(model, reference)
