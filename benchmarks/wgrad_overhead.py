@@ -10,15 +10,17 @@
    weight gradients computed in B by the full kernel (no W for them): what remains of the split's
    cost when the convolution kernel is not split at all, and split with nothing deferred (the same
    kernels, each layer's weight gradients right after its input gradient): what deferring costs;
-5. the order of W: each bench stage (``zerobubble bench wgrad``'s stages, 32 and 128 rows, ``.grad``
-   accumulating) with W taking the layers first to last (the store's order) against last to first
-   (B's order), side by side in this process;
-6. routed ``F.linear`` (``FastPaths.route_linear``) on the bench's ``nn.MultiheadAttention`` block:
+5. the order of W: each bench stage (``zerobubble bench wgrad``'s MLP, GPT block and conv stage, 32
+   and 128 rows, ``.grad`` accumulating) with W taking the layers first to last (the store's order)
+   against last to first (B's order), side by side in this process;
+6. B through autograd's own nodes (the fast paths' default) against B through the autograd
+   function running the rules' backward (``SplitRule.native_backward = False``): per tiny layer (in
+   table 1) and for each bench stage at 32 and 128 rows, ``.grad`` accumulating and fresh.
+7. routed ``F.linear`` (``FastPaths.route_linear``) on the bench's ``nn.MultiheadAttention`` block:
    (T_B + T_W) / fused backward with routing on and off, side by side, the forward's cost of the
    routing mode, and the mode's cost per torch call.
 
-    python benchmarks/wgrad_overhead.py            (everything)
-    python benchmarks/wgrad_overhead.py routing    (6. only)
+    python benchmarks/wgrad_overhead.py [section ...]   (sections: layers masks conv order native routing)
 """
 
 from __future__ import annotations
@@ -38,16 +40,19 @@ from zerobubble.runtime.wgrad.rules import ConvRule
 def per_layer_overhead(
     make, layers: int = 20, repeats: int = 300, shape: tuple[int, ...] = (4, 16)
 ) -> dict[str, float]:
-    """Microseconds per layer: fused backward, and the extra of the fast and the generic split."""
+    """Microseconds per layer: fused backward, and the extra of the fast split (B through autograd's
+    own nodes, and through the autograd function) and of the generic split."""
     fused = nn.Sequential(*[make() for _ in range(layers)])
-    fast, generic = copy.deepcopy(fused), copy.deepcopy(fused)
-    stores = {"fast": WeightGradStore(), "generic": WeightGradStore()}
-    install_deferral([fast], stores["fast"])
-    install_deferral([generic], stores["generic"], FastPaths())
+    models = {"fused": fused}
+    models.update((name, copy.deepcopy(fused)) for name in ("fast", "function", "generic"))
+    stores = {name: WeightGradStore() for name in ("fast", "function", "generic")}
+    install_deferral([models["fast"]], stores["fast"])
+    install_deferral([models["function"]], stores["function"], function_fast_paths(fused))
+    install_deferral([models["generic"]], stores["generic"], FastPaths())
     x = torch.randn(*shape, requires_grad=True)
-    times: dict[str, list[float]] = {"fused": [], "fast": [], "generic": []}
+    times: dict[str, list[float]] = {name: [] for name in models}
     for repeat in range(repeats):
-        for name, model in (("fused", fused), ("fast", fast), ("generic", generic)):
+        for name, model in models.items() if repeat % 2 else list(models.items())[::-1]:
             out = model(x)
             grad = torch.ones_like(out)
             started = time.thread_time()
@@ -65,8 +70,22 @@ def per_layer_overhead(
     return {
         "fused": medians["fused"],
         "fast extra": medians["fast"] - medians["fused"],
+        "function extra": medians["function"] - medians["fused"],
         "generic extra": medians["generic"] - medians["fused"],
     }
+
+
+def function_fast_paths(model: nn.Module) -> FastPaths:
+    """The default registry, except that the rules of ``model``'s module types run B in the
+    autograd function instead of autograd's own nodes (the fast paths before they used those)."""
+    paths = default_fast_paths()
+    for module in model.modules():
+        rule = paths.rule_for(module)
+        if rule is not None and rule.native_backward:
+            rule = copy.copy(rule)
+            rule.native_backward = False
+            paths.register(type(module), rule)
+    return paths
 
 
 def layer_norm_masks(rows: int, width: int = 256, repeats: int = 30) -> dict[str, float]:
@@ -153,10 +172,12 @@ def _split_ratios(
     variants: dict[str, tuple[nn.Module, WeightGradStore, bool]],
     x: torch.Tensor,
     repeats: int,
+    fresh: bool = False,
 ) -> dict[str, float]:
     """Median (T_B + T_W) / fused backward of each ``(module, store, defer)`` variant, each repeat
     timing the fused backward and then every variant (their order alternating, so that none always
-    runs right after the fused one); ``defer=False`` runs the split layers without deferring W."""
+    runs right after the fused one); ``defer=False`` runs the split layers without deferring W.
+    ``fresh``: every ``.grad`` is reset after each repeat (a step's first microbatch)."""
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(repeats + 1):
         out = fused(x)
@@ -175,6 +196,10 @@ def _split_ratios(
                 store.flush((0, 0))
             if repeat:  # the first repeat warms up
                 ratios[name].append((time.thread_time() - started) / fused_time)
+            if fresh:
+                module.zero_grad(set_to_none=True)
+        if fresh:
+            fused.zero_grad(set_to_none=True)
         x.grad = None
     return {name: statistics.median(values) for name, values in ratios.items()}
 
@@ -269,7 +294,7 @@ def mode_cost_per_call(repeats: int = 15, calls: int = 2000) -> dict[str, float]
 
 
 def print_routing() -> None:
-    """Part 6: routed ``F.linear`` on the MultiheadAttention block."""
+    """Part 7: routed ``F.linear`` on the MultiheadAttention block."""
     print("\n| MultiheadAttention block d=256, rows | (T_B+T_W)/fused routed | not routed "
           "| forward, not routed (µs) | forward extra when routed (µs) |")  # fmt: skip
     print("|---|---|---|---|---|")
@@ -284,25 +309,44 @@ def print_routing() -> None:
     print(f"\ntorch call: {per_call['plain']:.2f} µs plain, {per_call['mode']:.2f} µs under the routing mode")
 
 
-def main() -> None:
-    from zerobubble_bench.wgrad import _keep_freed_memory
+def native_against_function(rows: int, fresh: bool, repeats: int = 41) -> dict[str, dict[str, float]]:
+    """(T_B + T_W) / fused backward per bench stage: B through autograd's own nodes (the default)
+    against B through the autograd function (:func:`function_fast_paths`), side by side."""
+    from zerobubble_bench.wgrad import _split_stages
 
-    torch.set_num_threads(1)
-    _keep_freed_memory()  # as the bench command does: this process runs nothing else
-    if sys.argv[1:] == ["routing"]:
-        print_routing()
-        return
-    print("| layer | fused backward (µs) | fast split extra (µs) | generic split extra (µs) |")
-    print("|---|---|---|---|")
+    results = {}
+    for label, make, shape in _split_stages():
+        fused = make()
+        variants = {}
+        for name, paths in (("native nodes", None), ("autograd function", function_fast_paths(fused))):
+            module, store = make(), WeightGradStore()
+            install_deferral([module], store, paths)
+            variants[name] = (module, store, True)
+        x = torch.randn(*shape(rows), requires_grad=True)
+        results[label] = _split_ratios(fused, variants, x, repeats, fresh)
+    return results
+
+
+def _print_layers() -> None:
+    print(
+        "| layer | fused backward (µs) | fast split extra (µs) | same, B in the autograd function (µs) "
+        "| generic split extra (µs) |"
+    )
+    print("|---|---|---|---|---|")
     for label, make, shape in (
         ("Linear(16)", lambda: nn.Linear(16, 16), (4, 16)),
         ("LayerNorm(16)", lambda: nn.LayerNorm(16), (4, 16)),
         ("Conv2d(4, 3×3) on 1×4×4×4", lambda: nn.Conv2d(4, 4, 3, padding=1), (1, 4, 4, 4)),
+        ("BatchNorm2d(4) on 2×4×4×4", lambda: nn.BatchNorm2d(4), (2, 4, 4, 4)),
     ):
         costs = per_layer_overhead(make, shape=shape)
         print(
-            f"| {label} | {costs['fused']:.1f} | {costs['fast extra']:.1f} | {costs['generic extra']:.1f} |"
+            f"| {label} | {costs['fused']:.1f} | {costs['fast extra']:.1f} | {costs['function extra']:.1f} "
+            f"| {costs['generic extra']:.1f} |"
         )
+
+
+def _print_masks() -> None:
     print("\n| native_layer_norm_backward, rows × 256 | all (µs) | input only (µs) | weights only (µs) |")
     print("|---|---|---|---|")
     for rows in (32, 512):
@@ -313,6 +357,9 @@ def main() -> None:
     for rows in (8, 32, 128):
         conv = convolution_masks(rows)
         print(f"| {rows} | {conv['full']:.0f} | {conv['split ratio']:.3f} |")
+
+
+def _print_conv() -> None:
     print(
         "\n| 2×(Conv2d+BatchNorm2d) stage, rows | split | conv kernel not split (weights in B) "
         "| split, W not deferred |"
@@ -325,13 +372,51 @@ def main() -> None:
             f"| {stage['split, W not deferred']:.3f} |"
         )
 
+
+def _print_order() -> None:
     print("\n| stage, rows | W first to last (the store's order) | W last to first (B's order) |")
     print("|---|---|---|")
     for rows in (32, 128):
         for label, order in w_order(rows).items():
             print(f"| {label}, {rows} | {order['first to last']:.3f} | {order['last to first']:.3f} |")
-    print_routing()
+
+
+def _print_native() -> None:
+    print("\n| stage, rows, .grad | B through autograd's own nodes | B through the autograd function |")
+    print("|---|---|---|")
+    for fresh in (False, True):
+        for rows in (32, 128):
+            for label, ratios in native_against_function(rows, fresh).items():
+                regime = "fresh" if fresh else "accumulating"
+                print(
+                    f"| {label}, {rows}, {regime} | {ratios['native nodes']:.3f} "
+                    f"| {ratios['autograd function']:.3f} |",
+                    flush=True,
+                )
+
+
+SECTIONS = {
+    "layers": _print_layers,
+    "masks": _print_masks,
+    "conv": _print_conv,
+    "order": _print_order,
+    "native": _print_native,
+    "routing": print_routing,
+}
+
+
+def main(sections: list[str]) -> None:
+    from zerobubble_bench.wgrad import _keep_freed_memory
+
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown}; choose from {sorted(SECTIONS)}")
+    torch.set_num_threads(1)
+    _keep_freed_memory()  # as the bench command does: this process runs nothing else
+    for name, print_section in SECTIONS.items():
+        if not sections or name in sections:
+            print_section()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

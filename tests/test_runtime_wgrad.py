@@ -509,3 +509,140 @@ def test_offloading_hooks_keep_w_of_generically_split_modules_deferred():
     torch.testing.assert_close(x.grad, x_ref.grad)
     store.flush((0, 0))
     _assert_grads_equal(block, reference)
+
+
+def _node_names(output: torch.Tensor) -> list[str]:
+    """The class names of every autograd node ``output`` depends on."""
+    names, seen, stack = [], set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _stage_with_shared_and_in_place_layers() -> tuple[nn.Sequential, nn.Sequential]:
+    """A first stage (input without gradient) whose first Linear is used again later."""
+    shared = nn.Linear(WIDTH, WIDTH)
+    first = nn.Sequential(
+        shared,
+        nn.ReLU(inplace=True),
+        nn.LayerNorm(WIDTH),
+        nn.Linear(WIDTH, WIDTH),
+        nn.BatchNorm1d(WIDTH),
+        shared,
+    )
+    norm_first = nn.Sequential(
+        nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.GroupNorm(2, WIDTH)
+    )
+    return first, norm_first
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred W", "fused BW"])
+def test_autograd_native_nodes_split_exactly_and_the_function_covers_an_input_without_gradient(defer):
+    torch.manual_seed(9)
+    for model in _stage_with_shared_and_in_place_layers():
+        reference = copy.deepcopy(model)
+        batches = [torch.randn(5, WIDTH) for _ in range(2)]  # a first stage: no input gradient
+        for x in batches:
+            reference(x).square().sum().backward()
+        store = WeightGradStore()
+        install_deferral([model], store)
+        losses = [model(x).square().sum() for x in batches]
+        names = _node_names(losses[0])
+        split_nodes = names.count("SplitFunctionBackward")
+        # the first layer's input has no gradient: only a first Linear needs the autograd function;
+        # every other layer is autograd's own node (LayerNorm on aliases even as the first layer)
+        assert split_nodes == (1 if isinstance(model[0], nn.Linear) else 0), names
+        assert "NativeLayerNormBackward0" in names
+        for j, loss in enumerate(losses):
+            store.begin((0, j), defer=defer)
+            loss.backward()
+            store.end()
+        if defer:
+            assert all(p.grad is None for p in model.parameters()), "no .grad may be written in B"
+            assert sorted(store.pending_keys()) == [(0, 0), (0, 1)]
+            store.flush((0, 1))
+            store.flush((0, 0))
+        assert store.pending_keys() == []
+        _assert_grads_equal(model, reference)
+        for (name, buffer), (_, expected) in zip(model.named_buffers(), reference.named_buffers()):
+            torch.testing.assert_close(buffer, expected, rtol=1e-6, atol=0, msg=name)
+
+
+def test_a_fused_backward_through_native_nodes_twice_with_a_retained_graph_adds_twice():
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH))
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    loss = reference(x).square().sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    store = WeightGradStore()
+    install_deferral([model], store)
+    loss = model(x).square().sum()
+    store.begin((0, 0), defer=False)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    store.end()
+    _assert_grads_equal(model, reference)
+
+
+class _GenericAroundNative(nn.Module):
+    """A generic module whose own parameter feeds its fast-path children: its W walks their nodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.fc(self.norm(x * self.scale)) * self.scale
+
+
+def test_generic_w_passing_through_native_nodes_adds_their_gradients_once():
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), _GenericAroundNative())
+    reference = copy.deepcopy(model)
+    batches = [torch.randn(4, WIDTH) for _ in range(2)]
+    for x in batches:
+        reference(x).square().sum().backward()
+    store = WeightGradStore()
+    deferral = install_deferral([model], store)
+    assert deferral.summary() == {"fast Linear": 2, "fast LayerNorm": 1, "generic _GenericAroundNative": 1}
+    _split_backward(model, store, [model(x).square().sum() for x in batches])
+    assert all(p.grad is None for p in model.parameters())
+    store.flush((0, 0))
+    store.flush((0, 1))
+    _assert_grads_equal(model, reference)
+
+
+class NativeGateRule(GateRule):
+    """The same closed form; its forward on a detached gate is autograd's own ``x * sigmoid(gate)``."""
+
+    native_backward = True
+
+
+def test_a_registered_rule_with_native_backward_runs_b_in_autograd_nodes():
+    torch.manual_seed(12)
+    paths = default_fast_paths()
+    paths.register(Gate, NativeGateRule())
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Gate())
+    reference = copy.deepcopy(model)
+    batches = [torch.randn(3, WIDTH) for _ in range(2)]
+    for x in batches:
+        reference(x).square().sum().backward()
+    store = WeightGradStore()
+    install_deferral([model], store, paths)
+    losses = [model(x).square().sum() for x in batches]
+    names = _node_names(losses[0])
+    assert "MulBackward0" in names and names.count("SplitFunctionBackward") == 1, names  # the Linear's
+    _split_backward(model, store, losses)
+    assert all(p.grad is None for p in model.parameters())
+    store.flush((0, 1))
+    store.flush((0, 0))
+    _assert_grads_equal(model, reference)

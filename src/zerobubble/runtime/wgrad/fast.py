@@ -1,4 +1,10 @@
-"""The autograd function that runs a :class:`~.rules.SplitRule` and the forward installed for it."""
+"""The forward installed on a fast-path module, and the two ways it splits a call's backward.
+
+Where it can, the call builds autograd's own (C++) node — on detached parameters, so the node
+computes only the input gradient, or on per-call alias parameters for a norm whose kernel computes
+all gradients at once — and a hook on that node hands W its work.  Otherwise (a first stage's
+input, saved-tensor hooks, a user rule) :class:`SplitFunction` runs the rule's own backward.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from .rules import SplitRule
 from .store import WeightGradStore, accumulate
 
 _ARGS = 2  # x, plan: the parameters follow
+_top_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) or None
 
 
 class FastPlan:
@@ -24,7 +31,8 @@ class FastPlan:
     """
 
     __slots__ = (
-        "deferred_tail", "module", "names", "parameters", "rule", "store", "weight_work", "weights_in_b",
+        "deferred_tail", "module", "names", "native", "parameters", "rule", "store", "weight_work",
+        "weights_in_b",
     )  # fmt: skip
 
     def __init__(self, rule: SplitRule, module: nn.Module, store: WeightGradStore):
@@ -33,6 +41,7 @@ class FastPlan:
         self.parameters = module._parameters  # one dict lookup a name, not nn.Module.__getattr__
         self.deferred_tail = (None,) * (_ARGS - 1 + len(self.names))
         self.weights_in_b = rule.weights_in_b
+        self.native = rule.native_backward
         # W: the rule's own accumulate (e.g. one GEMM into .grad), or its weight_grads added here
         overridden = type(rule).accumulate is not SplitRule.accumulate
         self.weight_work: Callable[..., None] = (
@@ -53,6 +62,46 @@ class FastPlan:
         """The module's current parameters, in :attr:`names` order."""
         own = self.parameters
         return [own[name] for name in self.names]  # type: ignore[misc]  # covers(): none is None
+
+    def run(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        """The split forward of one call: autograd's own node where it can, else :class:`SplitFunction`.
+
+        The native node needs a differentiable input (else nothing would call the hook; a first
+        stage's input has no gradient) and no saved-tensor hooks (checkpointing, offloading: the
+        reference W keeps would bypass them). Inside a generic module's local graph a norm's alias
+        parameters would look like leaves of that graph, so norms use the function there.
+        """
+        if self.native and _top_saved_tensor_hooks(False) is None:
+            if self.weights_in_b:
+                if self.store.local_depth == 0:
+                    return self._run_on_aliases(x, params)
+            elif x.requires_grad:
+                return self._run_input_only(x, params)
+        return SplitFunction.apply(x, self, *params)
+
+    def _run_input_only(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        # detached parameters: autograd's node computes the input gradient only (its output mask)
+        needed = tuple(p.requires_grad for p in params)
+        out, saved = self.rule.forward(self.module, x, [p.detach() for p in params])
+        # a hook on the node, not on the tensor: an in-place op on ``out`` later moves its grad_fn
+        self._node_of(out).register_prehook(_WeightCapture(self, saved, needed))
+        return out
+
+    def _run_on_aliases(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        # per-call leaves sharing the parameters' storage: autograd's node computes all gradients
+        aliases = [p.detach().requires_grad_() if p.requires_grad else p for p in params]
+        out = self.rule.forward(self.module, x, aliases)[0]
+        self._node_of(out).register_hook(_GradsOfAliases(self))
+        return out
+
+    def _node_of(self, out: torch.Tensor) -> Any:
+        node = out.grad_fn
+        if node is None:
+            raise RuntimeError(
+                f"{type(self.rule).__name__}.native_backward is set, but its forward returned a "
+                "tensor without an autograd node: set native_backward = False for this rule"
+            )
+        return node
 
     def backward(self, saved: Any, needs: Sequence[bool], grad_output: torch.Tensor) -> tuple[Any, ...]:
         """B (deferring: parameter work queued for W) or a fused BW (parameter gradients returned)."""
@@ -77,6 +126,53 @@ class FastPlan:
         for param, grad in zip(self.params(), grads):
             if grad is not None:
                 accumulate(param, grad)
+
+
+class _WeightCapture:
+    """Pre-hook of a native node computing only the input gradient: hands W its work.
+
+    B (deferring) queues ``(saved, grad_output)`` for W and lets go of them, so a later engine run
+    through the same node (the generic split's W walking a local graph) adds nothing twice; a fused
+    backward adds the parameter gradients into ``.grad`` right here.
+    """
+
+    __slots__ = ("needed", "plan", "saved")
+
+    def __init__(self, plan: FastPlan, saved: Any, needed: tuple[bool, ...]):
+        self.plan, self.saved, self.needed = plan, saved, needed
+
+    def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        saved, grad_output = self.saved, grad_outputs[0]
+        if saved is None or grad_output is None:
+            return
+        queue = self.plan.store.queue
+        if queue is None:
+            self.plan.weight_work(saved, grad_output, self.needed)
+        else:
+            self.saved = None
+            queue.append(partial(self.plan.weight_work, saved, grad_output, self.needed))
+
+
+class _GradsOfAliases:
+    """Post-hook of a native node computing every gradient (``weights_in_b``) on alias parameters.
+
+    Takes the parameter gradients out of the node's results (the aliases get none) and queues
+    them for W, or adds them into ``.grad`` at once in a fused backward.
+    """
+
+    __slots__ = ("count", "plan")
+
+    def __init__(self, plan: FastPlan):
+        self.plan, self.count = plan, len(plan.names)
+
+    def __call__(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: Any) -> tuple[Any, ...]:
+        grads = grad_inputs[1 : 1 + self.count]
+        queue = self.plan.store.queue
+        if queue is None:
+            self.plan._add_grads(grads)
+        else:
+            queue.append(partial(self.plan._add_grads, grads))
+        return (grad_inputs[0], *(None,) * (len(grad_inputs) - 1))
 
 
 class SplitFunction(torch.autograd.Function):
@@ -107,7 +203,6 @@ def fast_forward(plan: FastPlan, generic: Callable[..., Any]) -> Callable[..., A
     the rule says so, calls under autocast take ``generic``.
     """
     rule = plan.rule
-    apply = SplitFunction.apply
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
@@ -126,7 +221,7 @@ def fast_forward(plan: FastPlan, generic: Callable[..., Any]) -> Callable[..., A
             x = x.to(dtype) if x.is_floating_point() else x
             params = [p.to(dtype) for p in params]
             with torch.autocast(device, enabled=False):
-                return apply(x, plan, *params)
-        return apply(x, plan, *params)
+                return plan.run(x, params)
+        return plan.run(x, params)
 
     return forward

@@ -40,6 +40,12 @@ class SplitRule:
     """True when the parameter gradients are by-products of the input gradient's kernel (batch and
     group norm reduce the same sums for both): B then computes them in the same call and W only
     adds them into ``.grad`` — splitting the kernel would run its reductions twice."""
+    native_backward = False
+    """True when :meth:`forward` on parameters that do not require grad builds autograd's own nodes
+    whose backward is exactly :meth:`input_grad` (with :attr:`weights_in_b`: on alias parameters
+    that do, exactly :meth:`all_grads`, in the output's node, whose inputs are ``(x, *params)``).
+    B then runs in C++ and a hook on the output's node queues W; without it (the default, e.g.
+    for a rule with its own closed forms) B calls :meth:`input_grad` from an autograd function."""
 
     def applies(self, module: nn.Module) -> bool:
         """Whether this module's configuration is covered (else the generic split handles it)."""
@@ -91,6 +97,7 @@ class MatmulRule(SplitRule):
     """``nn.Linear`` (``x @ W^T + b``) or transformers' ``Conv1D`` (``x @ W + b``, ``transposed=False``)."""
 
     autocast = "cast"
+    native_backward = True
 
     def __init__(self, weight_is_out_by_in: bool):
         self.out_by_in = weight_is_out_by_in
@@ -179,6 +186,7 @@ class ConvRule(_MaskedRule):
     """``nn.Conv1d/2d/3d`` with numeric padding and ``padding_mode='zeros'``: ``convolution_backward``."""
 
     autocast = "cast"
+    native_backward = True
 
     def __init__(self, dims: int):
         self.dims = dims
@@ -234,6 +242,7 @@ class LayerNormRule(_MaskedRule):
     """
 
     weights_in_b = True
+    native_backward = True
 
     def forward(self, module, x, params):
         weight, bias = params[0], params[1] if len(params) > 1 else None
@@ -251,6 +260,7 @@ class GroupNormRule(_MaskedRule):
     """``nn.GroupNorm`` with an affine part: ``native_group_norm``; parameter gradients from B's kernel."""
 
     weights_in_b = True
+    native_backward = True
 
     def forward(self, module, x, params):
         weight, bias = params[0], params[1] if len(params) > 1 else None
@@ -280,6 +290,7 @@ class BatchNormRule(_MaskedRule):
     """
 
     weights_in_b = True
+    native_backward = True
 
     def forward(self, module, x, params):
         weight, bias = params[0], params[1] if len(params) > 1 else None
