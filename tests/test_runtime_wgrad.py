@@ -131,7 +131,7 @@ def test_every_parameter_waits_for_w_and_w_matches_autograd():
         torch.testing.assert_close(buffer, expected, rtol=1e-6, atol=0, msg=name)
 
 
-def test_fused_mode_returns_every_gradient_in_the_backward():
+def test_fused_mode_computes_every_gradient_in_the_backward():
     torch.manual_seed(0)
     model = Mixed()
     reference = copy.deepcopy(model)
@@ -645,4 +645,34 @@ def test_a_registered_rule_with_native_backward_runs_b_in_autograd_nodes():
     assert all(p.grad is None for p in model.parameters())
     store.flush((0, 1))
     store.flush((0, 0))
+    _assert_grads_equal(model, reference)
+
+
+class _Scaled(nn.Module):
+    """A module owning a parameter with no fast path (the generic split's kind)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+
+    def forward(self, x):
+        return torch.tanh(x) * self.scale
+
+
+def test_fast_paths_alone_leave_other_modules_to_plain_autograd():
+    """``generic=False`` (what schedules without W ops install): fast paths only, exact fused BW."""
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), _Scaled(), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH))
+    reference = copy.deepcopy(model)
+    store = WeightGradStore()
+    deferral = install_deferral([model], store, generic=False)
+    assert deferral.summary() == {"fast Linear": 2, "fast LayerNorm": 1}
+    assert "forward" not in model[1].__dict__
+    for requires_grad in (False, True):  # a first stage's data, then a received activation
+        x = torch.randn(3, WIDTH, requires_grad=requires_grad)
+        reference(x).square().sum().backward()
+        store.begin((0, 0), defer=False)
+        model(x).square().sum().backward()
+        store.end()
+    assert store.pending_keys() == []
     _assert_grads_equal(model, reference)

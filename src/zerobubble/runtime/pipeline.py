@@ -244,8 +244,8 @@ class Pipeline:
                 self.module.add_module(name, layer.to(self.device))
             layers = [layer for _, layer in chunk]
             store = WeightGradStore()
-            if self.schedule.splits_backward:
-                install_deferral(layers, store, fast_paths)
+            # fused schedules too: their BW ops gain the fast paths' cheaper accumulation
+            install_deferral(layers, store, fast_paths, generic=self.schedule.splits_backward)
             stages[index] = StageState(
                 index,
                 StageModule(layers),

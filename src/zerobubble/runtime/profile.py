@@ -209,7 +209,7 @@ def _profile_layer(
             if tensors
             else (0.0, 0.0, 0.0)
         )
-    fused = _fused_backward_time(module, _layer_inputs(values, first), loss, store, evict) if w > 0 else 0.0
+    fused = _fused_backward_time(layer, device, _layer_inputs(values, first), loss, evict) if w > 0 else 0.0
     parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     profile = LayerProfile(
@@ -237,17 +237,26 @@ def _layer_inputs(values: tuple[torch.Tensor, ...], first: bool) -> tuple[torch.
 
 
 def _fused_backward_time(
-    module: nn.Module,
+    layer: nn.Module,
+    device: torch.device,
     inputs: tuple[torch.Tensor, ...],
     loss: tuple[Loss, Any] | None,
-    store: WeightGradStore,
     evict: Callable[[], None],
 ) -> float:
-    """One forward, then the fused backward (BW) of 1F1B timed: weight gradients computed in B."""
-    result = module(*inputs)
-    outputs = result if isinstance(result, tuple) else (result,)
-    tensors, grads = _backward_roots(outputs, loss[0](result, loss[1]) if loss is not None else None)
-    return fused_backward(tensors, grads, store, evict) if tensors else 0.0
+    """The fused backward (BW) of 1F1B-style schedules, timed on a copy of ``layer`` split as those
+    schedules run it (fast paths only, ``install_deferral(generic=False)``), after a warm-up."""
+    module = copy.deepcopy(layer).to(device)
+    store = WeightGradStore()
+    install_deferral([module], store, generic=False)
+    elapsed = 0.0
+    for timed in (False, True):  # the warm-up creates the .grad tensors the timed run adds into
+        result = module(*inputs)
+        outputs = result if isinstance(result, tuple) else (result,)
+        tensors, grads = _backward_roots(outputs, loss[0](result, loss[1]) if loss is not None else None)
+        if not tensors:
+            return 0.0
+        elapsed = fused_backward(tensors, grads, store, evict if timed else _nothing)
+    return elapsed
 
 
 class CacheEvictor:

@@ -103,21 +103,36 @@ class FastPlan:
             )
         return node
 
-    def backward(self, saved: Any, needs: Sequence[bool], grad_output: torch.Tensor) -> tuple[Any, ...]:
-        """B (deferring: parameter work queued for W) or a fused BW (parameter gradients returned)."""
+    def backward(
+        self, ctx: Any, saved: Any, needs: Sequence[bool], grad_output: torch.Tensor
+    ) -> tuple[Any, ...]:
+        """B (deferring: parameter work queued for W) or a fused BW (parameter work done at once).
+
+        Either way the parameter gradients go into ``.grad`` by W's own code, as the native nodes'
+        hooks do: one ``addmm_`` into an existing ``.grad`` for a linear layer instead of a fresh
+        gradient that autograd then adds (on CPU a fresh 4 MiB buffer a layer and microbatch costs
+        page faults too).  ``ctx.deferred`` marks a node whose work B queued: an engine run passing
+        it again (the generic split's W walking a local graph) computes only the input gradient.
+        """
         rule, module, queue = self.rule, self.module, self.store.queue
         needed = needs[_ARGS:]
+        if ctx.deferred:
+            grad_x = rule.input_grad(module, saved, grad_output) if needs[0] else None
+            return (grad_x, *self.deferred_tail)
+        ctx.deferred = queue is not None
         if self.weights_in_b:
             grad_x, grads = rule.all_grads(module, saved, grad_output, needs[0], needed)
             if queue is not None:
                 queue.append(partial(self._add_grads, grads))
-                return (grad_x, *self.deferred_tail)
-            return (grad_x, None, *grads)
+            else:
+                self._add_grads(grads)
+            return (grad_x, *self.deferred_tail)
         grad_x = rule.input_grad(module, saved, grad_output) if needs[0] else None
         if queue is not None:
             queue.append(partial(self.weight_work, saved, grad_output, needed))
-            return (grad_x, *self.deferred_tail)
-        return (grad_x, None, *rule.weight_grads(module, saved, grad_output, needed))
+        else:
+            self.weight_work(saved, grad_output, needed)
+        return (grad_x, *self.deferred_tail)
 
     def _accumulate_weight_grads(self, saved: Any, grad_output: torch.Tensor, needed: Sequence[bool]) -> None:
         self._add_grads(self.rule.weight_grads(self.module, saved, grad_output, needed))
@@ -188,12 +203,13 @@ class SplitFunction(torch.autograd.Function):
         out, saved = plan.rule.forward(plan.module, x, params)
         ctx.save_for_backward(*saved)
         ctx.plan = plan
+        ctx.deferred = False
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
         # attributes of ctx are C++ properties building new tuples: each is read once
-        return ctx.plan.backward(ctx.saved_tensors, ctx.needs_input_grad, grad_output)
+        return ctx.plan.backward(ctx, ctx.saved_tensors, ctx.needs_input_grad, grad_output)
 
 
 def fast_forward(plan: FastPlan, generic: Callable[..., Any]) -> Callable[..., Any]:

@@ -50,7 +50,10 @@ class Deferral:
 
 
 def install_deferral(
-    modules: Iterable[nn.Module], store: WeightGradStore, fast_paths: FastPaths | None = None
+    modules: Iterable[nn.Module],
+    store: WeightGradStore,
+    fast_paths: FastPaths | None = None,
+    generic: bool = True,
 ) -> Deferral:
     """Split the backward of every parameter under ``modules``: B computes input gradients, W the rest.
 
@@ -61,10 +64,15 @@ def install_deferral(
     instance ``forward`` attributes change: types, parameters and state_dict names stay.  Modules
     that already have an instance ``forward`` are left alone (their parameters get their gradients
     in B).
+
+    ``generic=False`` installs the fast paths only; every other module keeps plain autograd.  That
+    is what a schedule without W ops (1F1B, GPipe) runs: its fused BW gets the fast paths' cheaper
+    accumulation (one ``addmm_`` into ``.grad``), and no module pays for a local graph it would
+    never defer.
     """
     paths = default_fast_paths() if fast_paths is None else fast_paths
     deferral = Deferral()
-    generic = generic_forward(store, deferral.routed if paths.route_linear else None)
+    fallback = generic_forward(store, deferral.routed if paths.route_linear else None) if generic else _plain
     seen: set[int] = set()
 
     def visit(module: nn.Module, covered: bool) -> None:
@@ -74,11 +82,11 @@ def install_deferral(
         if "forward" not in module.__dict__:
             rule = paths.rule_for(module)
             if rule is not None and FastPlan.covers(rule, module):
-                _set_forward(module, fast_forward(FastPlan(rule, module, store), generic))
+                _set_forward(module, fast_forward(FastPlan(rule, module, store), fallback))
                 deferral.fast.append(module)
                 return
-            if not covered and any(p is not None for p in module._parameters.values()):
-                _set_forward(module, generic)
+            if generic and not covered and any(p is not None for p in module._parameters.values()):
+                _set_forward(module, fallback)
                 deferral.generic.append(module)
                 covered = True  # its local graph holds the parameters of its plain descendants
         for child in module.children():
@@ -92,6 +100,11 @@ def install_deferral(
 def remove_deferral(deferral: Deferral) -> None:
     """Undo :func:`install_deferral` (the same as ``deferral.remove()``)."""
     deferral.remove()
+
+
+def _plain(module: nn.Module, *args, **kwargs):
+    """The module's own forward: a fast path's fallback when the generic split is not installed."""
+    return type(module).forward(module, *args, **kwargs)
 
 
 def _set_forward(module: nn.Module, forward) -> None:
