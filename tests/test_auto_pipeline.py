@@ -140,3 +140,33 @@ def _tiny_config(**settings):
 
     tiny = TrainConfig(ranks=2, microbatches=4, batch_size=8, seq_len=8, vocab=16, dim=16, heads=2, layers=2)
     return dataclasses.replace(tiny, progress=False, timeout=60, **settings)
+
+
+@pytest.mark.parametrize("turns, evicted", [(1, 0), (2, 64 * 2**20)])
+def test_the_profile_evicts_the_caches_only_when_ranks_take_turns_on_a_core(
+    monkeypatch, tmp_path, turns, evicted
+):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from zerobubble.runtime import auto
+
+    asked: list[int] = []
+    real_profile = auto.profile_layers
+
+    def profile_layers(named, inputs, targets, loss_fn, device, repeats, comm, evict_bytes):
+        asked.append(evict_bytes)
+        return real_profile(named, inputs, targets, loss_fn, device, repeats=1, comm=comm)
+
+    monkeypatch.setattr(auto, "profiling_turns", lambda world, device: turns)
+    monkeypatch.setattr(auto, "profile_layers", profile_layers)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layers = [("a", nn.Linear(4, 4)), ("b", nn.Linear(4, 4))]
+        example = (torch.randn(4, 4), torch.randn(4, 4))
+        cpu = torch.device("cpu")
+        auto.plan_for_pipeline(layers, example, nn.functional.mse_loss, None, 1, 2, None, False, cpu)
+    finally:
+        dist.destroy_process_group()
+    assert asked == [evicted]

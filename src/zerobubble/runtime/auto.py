@@ -37,6 +37,9 @@ from .recorder import StepRecorder
 
 logger = logging.getLogger(__name__)
 
+SHARED_CORE_EVICTION = 64 * 2**20
+"""Bytes written before each timed op when the ranks share cores: more than the last-level cache."""
+
 
 def plan_for_pipeline(
     named: Sequence[tuple[str, nn.Module]],
@@ -67,11 +70,15 @@ def plan_for_pipeline(
     comm = measure_transfer(group, device)
     mine: ModelProfile | str = "this rank did not profile"
     turns = profiling_turns(dist.get_world_size(group), device)
+    # ranks taking turns on a core switch working sets: each op then starts with another rank's data
+    # in the caches, so time it after an eviction; a rank with a core (or a GPU) of its own keeps its
+    # caches warm (the op times recorded in runs matched the warm profile: docs/auto-planning.md)
+    evict = SHARED_CORE_EVICTION if turns > 1 else 0
     for turn in range(turns):  # at most as many ranks profile at once as there are cores for them
         if turns > 1:
             dist.barrier(group=group)
         if dist.get_rank(group) % turns == turn:
-            mine = _profile_here(named, example, loss_fn, microbatches, device, comm, repeats)
+            mine = _profile_here(named, example, loss_fn, microbatches, device, comm, repeats, evict)
     rank, source = dist.get_rank(group), dist.get_global_rank(group, 0) if group is not None else 0
     gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
     dist.gather_object(mine, gathered, dst=source, group=group)
@@ -117,11 +124,14 @@ def _profile_here(
     device: torch.device,
     comm: tuple[float, float],
     repeats: int,
+    evict_bytes: int = 0,
 ) -> ModelProfile | str:
     """This rank's profile of the layers on the first microbatch, or why it failed."""
     try:
         inputs, targets = (_first_microbatch(part, microbatches) for part in example)
-        return profile_layers(named, inputs, targets, loss_fn, device, repeats, comm=comm)
+        return profile_layers(
+            named, inputs, targets, loss_fn, device, repeats, comm=comm, evict_bytes=evict_bytes
+        )
     except PipelineError as error:
         return str(error)
     except Exception as error:  # every rank must learn of it, or the others wait in the collectives

@@ -50,17 +50,18 @@ def profile_layers(
     repeats: int = 5,
     optimizer_bytes_per_parameter_byte: float = 2.0,
     comm: tuple[float, float] = (0.0, 0.0),
-    evict_bytes: int = 64 * 2**20,
+    evict_bytes: int = 0,
 ) -> ModelProfile:
     """Per-layer costs of ``layers`` on the microbatch ``inputs`` (a tensor or tuple of tensors).
 
     ``loss_fn(output, targets)`` is timed with the last layer (its F computes the loss, its B starts
     from it, as on the pipeline's last stage); without it the last layer's B starts from a gradient of
     ones.  ``comm`` is ``(latency seconds, bandwidth bytes/s)`` from :func:`measure_transfer`.
-    Before each timed F, B, W and BW a buffer of ``evict_bytes`` is written (:class:`CacheEvictor`;
-    0: not): in a pipeline the other layers and microbatches run between two ops of one layer and
-    evict its weights from the caches, so a layer timed right after its own warm-up runs faster
-    than in the run (blocks of the uneven LM: 11-13 % in the forward, ``docs/auto-planning.md``).
+    ``evict_bytes`` > 0 writes a buffer of that size before each timed F, B, W and BW
+    (:class:`CacheEvictor`), for the case where the other layers of a stage push a layer's data out
+    of the caches between two of its ops.  Off by default: the op times recorded in pipeline runs of
+    both benchmark models matched the warm profile, and a 64 MiB eviction overstated them by up to
+    40 % (``docs/auto-planning.md``, section 1).
     """
     named = _named(layers)
     if repeats < 1:
