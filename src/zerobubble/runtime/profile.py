@@ -61,7 +61,7 @@ def profile_layers(
     (:class:`CacheEvictor`), for the case where the other layers of a stage push a layer's data out
     of the caches between two of its ops.  Off by default: the op times recorded in pipeline runs of
     both benchmark models matched the warm profile, and a 64 MiB eviction overstated them by up to
-    40 % (``docs/auto-planning.md``, section 1).
+    56 % (``docs/auto-planning.md``, section 1).
     """
     named = _named(layers)
     if repeats < 1:
