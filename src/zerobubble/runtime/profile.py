@@ -179,7 +179,7 @@ def _profile_layer(
     """
     module = copy.deepcopy(layer).to(device)
     store = WeightGradStore()
-    install_deferral([module], store)
+    deferral = install_deferral([module], store)
     parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
     for timed in (False, True):  # the first run warms up and creates the .grad tensors the second adds into
         before = evict if timed else _nothing
@@ -210,7 +210,9 @@ def _profile_layer(
             if tensors
             else (0.0, 0.0, 0.0)
         )
-    fused = _fused_backward_time(layer, device, _layer_inputs(values, first), loss, evict) if w > 0 else 0.0
+    # fused schedules install the fast paths only: without a generic module that is this copy already
+    fused_split = (module, store) if not deferral.generic else _fast_paths_copy(layer, device)
+    fused = _fused_backward_time(*fused_split, _layer_inputs(values, first), loss, evict) if w > 0 else 0.0
     parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     profile = LayerProfile(
@@ -237,18 +239,23 @@ def _layer_inputs(values: tuple[torch.Tensor, ...], first: bool) -> tuple[torch.
     return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in values)
 
 
+def _fast_paths_copy(layer: nn.Module, device: torch.device) -> tuple[nn.Module, WeightGradStore]:
+    """A copy of ``layer`` split as schedules without W ops run it (``install_deferral(generic=False)``),
+    and its store."""
+    module, store = copy.deepcopy(layer).to(device), WeightGradStore()
+    install_deferral([module], store, generic=False)
+    return module, store
+
+
 def _fused_backward_time(
-    layer: nn.Module,
-    device: torch.device,
+    module: nn.Module,
+    store: WeightGradStore,
     inputs: tuple[torch.Tensor, ...],
     loss: tuple[Loss, Any] | None,
     evict: Callable[[], None],
 ) -> float:
-    """The fused backward (BW) of 1F1B-style schedules, timed on a copy of ``layer`` split as those
-    schedules run it (fast paths only, ``install_deferral(generic=False)``), after a warm-up."""
-    module = copy.deepcopy(layer).to(device)
-    store = WeightGradStore()
-    install_deferral([module], store, generic=False)
+    """The fused backward (BW) of 1F1B-style schedules on ``module``, split into ``store`` as those
+    schedules run it (fast paths only), timed after a warm-up."""
     elapsed = 0.0
     for timed in (False, True):  # the warm-up creates the .grad tensors the timed run adds into
         result = module(*inputs)

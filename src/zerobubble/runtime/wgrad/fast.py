@@ -111,15 +111,16 @@ class FastPlan:
         Either way the parameter gradients go into ``.grad`` by W's own code, as the native nodes'
         hooks do: one ``addmm_`` into an existing ``.grad`` for a linear layer instead of a fresh
         gradient that autograd then adds (on CPU a fresh 4 MiB buffer a layer and microbatch costs
-        page faults too).  ``ctx.deferred`` marks a node whose work B queued: an engine run passing
-        it again (the generic split's W walking a local graph) computes only the input gradient.
+        page faults too).  ``ctx.queued`` marks a node whose work B queued (as in
+        :class:`~.routed.LinearSplit`): an engine run passing it again (the generic split's W walking
+        a local graph) computes only the input gradient.
         """
         rule, module, queue = self.rule, self.module, self.store.queue
         needed = needs[_ARGS:]
-        if ctx.deferred:
+        if ctx.queued:
             grad_x = rule.input_grad(module, saved, grad_output) if needs[0] else None
             return (grad_x, *self.deferred_tail)
-        ctx.deferred = queue is not None
+        ctx.queued = queue is not None
         if self.weights_in_b:
             grad_x, grads = rule.all_grads(module, saved, grad_output, needs[0], needed)
             if queue is not None:
@@ -203,7 +204,7 @@ class SplitFunction(torch.autograd.Function):
         out, saved = plan.rule.forward(plan.module, x, params)
         ctx.save_for_backward(*saved)
         ctx.plan = plan
-        ctx.deferred = False
+        ctx.queued = False
         return out
 
     @staticmethod
@@ -212,17 +213,18 @@ class SplitFunction(torch.autograd.Function):
         return ctx.plan.backward(ctx, ctx.saved_tensors, ctx.needs_input_grad, grad_output)
 
 
-def fast_forward(plan: FastPlan, generic: Callable[..., Any]) -> Callable[..., Any]:
+def fast_forward(plan: FastPlan, fallback: Callable[..., Any]) -> Callable[..., Any]:
     """The forward installed on the module of ``plan``.
 
     Calls the rule with one positional tensor; any other call (keywords, extra arguments) and, if
-    the rule says so, calls under autocast take ``generic``.
+    the rule says so, calls under autocast take ``fallback`` (the generic split, or the module's own
+    forward where the generic split is not installed).
     """
     rule = plan.rule
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-            return generic(module, *args, **kwargs)
+            return fallback(module, *args, **kwargs)
         x = args[0]
         params = plan.params()
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in params):
@@ -230,7 +232,7 @@ def fast_forward(plan: FastPlan, generic: Callable[..., Any]) -> Callable[..., A
         device = x.device.type
         if torch.is_autocast_enabled(device) and rule.autocast != "keep":
             if rule.autocast == "generic":
-                return generic(module, x)
+                return fallback(module, x)
             # an op autocast runs in lower precision: cast as autocast would, then run without it;
             # B and W then compute in the saved tensors' dtype and W casts into the parameter's dtype
             dtype = torch.get_autocast_dtype(device)

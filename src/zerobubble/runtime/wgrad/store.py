@@ -16,8 +16,8 @@ class WeightGradStore:
     """Deferred weight-gradient work of one stage, keyed by ``(stage, microbatch)``.
 
     Between :meth:`begin` and :meth:`end` (one B op) every split layer's backward either hands a
-    closure computing its weight gradients to :meth:`put` (``defer=True``, a B op) or returns the
-    weight gradients to autograd at once (``defer=False``, a fused BW op).  :meth:`flush` (the W op)
+    closure computing its weight gradients to :meth:`put` (``defer=True``, a B op) or runs that same
+    work at once (``defer=False``, a fused BW op).  :meth:`flush` (the W op)
     runs the closures of one key, last queued first, and drops them — with them the tensors they
     held.  One store belongs to one stage object, never to the process.
     """
