@@ -111,6 +111,7 @@ def split_backward(
     watched: Sequence[weakref.ref[torch.Tensor]] = (),
     excluded: set[int] | frozenset[int] = frozenset(),
     evict: Callable[[], None] = lambda: None,
+    parameters: set[int] | frozenset[int] = frozenset(),
 ) -> tuple[float, float, float]:
     """B then W of one microbatch through the store API the executor uses: ``(T_B, T_W, bytes kept for W)``.
 
@@ -118,7 +119,8 @@ def split_backward(
     been applied to ``module``): B is a backward between ``store.begin(key, defer=True)`` and
     ``store.end()``, W is ``store.flush(key)``.  The bytes kept for W are those the store's work
     holds plus the ``watched`` saved tensors still alive after B, except storages in ``excluded``.
-    ``evict`` runs before B and before W, outside the timed spans.
+    ``evict`` runs before B and before W, outside the timed spans.  Storages in ``parameters`` are
+    not counted (the generic split's W work names the parameters it computes).
     """
     key = (0, 0)
     evict()
@@ -134,7 +136,8 @@ def split_backward(
     alive = [
         t for ref in watched if (t := ref()) is not None and t.untyped_storage().data_ptr() not in excluded
     ]
-    kept_tensors = [*store.held_tensors(key), *alive]
+    held = [t for t in store.held_tensors(key) if t.untyped_storage().data_ptr() not in parameters]
+    kept_tensors = [*held, *alive]
     kept = float(storage_bytes(kept_tensors))
     del alive, kept_tensors
     evict()
@@ -206,7 +209,7 @@ def _profile_layer(
         watched = [weakref.ref(t) for t in saved if t.untyped_storage().data_ptr() not in parameters]
         del saved[:], activations
         b, w, kept_bytes = (
-            split_backward(module, tensors, grads, store, watched, ours, before)
+            split_backward(module, tensors, grads, store, watched, ours, before, parameters)
             if tensors
             else (0.0, 0.0, 0.0)
         )

@@ -8,6 +8,7 @@ each distinct storage once, so views and aliases are not counted twice.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,7 +51,20 @@ def _collect(value: Any, found: dict[int, torch.Tensor], depth: int) -> None:
         items = value.values()
     elif isinstance(value, (list, tuple, set)):
         items = value
+    elif isinstance(value, types.MethodType):  # a bound method queued as work: its object's state
+        items = (value.__self__,)
     else:
-        items = getattr(value, "__dict__", {}).values()
+        items = [*getattr(value, "__dict__", {}).values(), *_slot_values(value)]
     for item in items:
         _collect(item, found, depth - 1)
+
+
+def _slot_values(value: Any) -> list[Any]:
+    """The values of the ``__slots__`` attributes of ``value``'s class and its bases that are set."""
+    values = []
+    for cls in type(value).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                values.append(getattr(value, name))
+    return values

@@ -8,7 +8,10 @@ backward kernels), so no parameter gradient is computed.  The local graph is kep
 the W op runs autograd again from the same outputs with the parameters as its only inputs — now
 only the nodes on paths to parameters run, each computing only the parameter side.  A kernel both
 paths pass through (an ``addmm``, a convolution) thus runs once per side with complementary masks,
-which usually costs about what the fused kernel does (not always: see ``docs/wgrad.md``).
+which usually costs about what the fused kernel does (not always: see ``docs/wgrad.md``).  Two
+exceptions, found by the walk at forward time: parameters that only normalisation kernels use get
+their gradients from B's call of the kernel (:class:`Leaves`), and where parameters sit behind
+expensive nodes W starts at the *frontier* nodes instead of the outputs (:mod:`.frontier`).
 
 The parameters are found by walking the local graph from the outputs to its leaves (every leaf
 that requires grad and is not a local input), so shared parameters, parameters used through
@@ -27,7 +30,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,8 +39,9 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .fast import SplitFunction
+from .frontier import VIEWS, find_frontier
 from .routed import LinearRouter, LinearSplit
-from .store import WeightGradStore
+from .store import WeightGradStore, accumulate
 
 _DEFERRING_NODES = (SplitFunction._backward_cls, LinearSplit._backward_cls)
 _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for every call
@@ -45,23 +50,28 @@ _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for ever
 class LocalGraph:
     """One call's local graph: differentiable outputs, local inputs, leaves that get W gradients."""
 
-    __slots__ = ("anchor", "hooked", "inputs", "leaves", "outputs", "store")
+    __slots__ = ("anchor", "frontier", "hooked", "in_b", "inputs", "leaves", "outputs", "store")
 
     def __init__(
         self,
         store: WeightGradStore,
         outputs: list[torch.Tensor],
         inputs: list[torch.Tensor],
-        leaves: list[torch.Tensor],
+        leaves: Leaves,
         hooked: list[SavedOnce],
         anchor: torch.Tensor | None = None,
     ):
         self.store = store
         self.outputs = outputs
         self.inputs = inputs
-        self.leaves = leaves
+        self.leaves = leaves.deferred
+        self.in_b = leaves.in_b
         self.hooked = hooked  # what the local graph saved through outer saved-tensor hooks
         self.anchor = anchor  # an input of every routed F.linear node (.routed), or None
+        # where W starts when not at the outputs (.frontier): found once, here, at forward time
+        self.frontier = None
+        if self.leaves and leaves.inner:
+            self.frontier = find_frontier(outputs, inputs, self.leaves, _DEFERRING_NODES)
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """B (deferring) or BW: gradients of the local inputs, then of the leaves (None if deferred)."""
@@ -72,7 +82,8 @@ class LocalGraph:
         self.hooked = []
         pairs = [(out, grad) for out, grad in zip(self.outputs, grads) if grad is not None]
         self.outputs = []  # the W closure holds what it needs; the bridge node keeps nothing
-        untouched = (None,) * (len(self.leaves) + (self.anchor is not None))  # W's, or the anchor's
+        # the bridge's edges to the leaves and the anchor get no gradient: W adds the leaves'
+        untouched = (None,) * (len(self.leaves) + len(self.in_b) + (self.anchor is not None))
         if not pairs:
             return (None,) * len(self.inputs) + untouched
         outputs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -83,11 +94,19 @@ class LocalGraph:
         input_grads: Sequence[torch.Tensor | None] = ()
         # asking for the anchor's gradient (always None) makes B run every routed node, which queues
         # its weight work, even those whose input needs no gradient
-        wanted = self.inputs if self.anchor is None else [*self.inputs, self.anchor]
+        anchor = () if self.anchor is None else (self.anchor,)
+        wanted = (*self.inputs, *self.in_b, *anchor)
+        if self.frontier is not None:
+            self.frontier.arm()
         if wanted:  # keep the graph if the W op walks it again
-            input_grads = run_engine(outputs, out_grads, wanted, keep_graph=bool(self.leaves))
-            input_grads = input_grads[: len(self.inputs)]
-        if self.leaves:
+            grads = run_engine(outputs, out_grads, wanted, keep_graph=bool(self.leaves))
+            count = len(self.inputs)
+            input_grads = grads[:count]
+            if self.in_b:  # the norm kernels' parameter gradients, computed with the input's
+                self.store.put(partial(_add_grads, self.in_b, grads[count : count + len(self.in_b)]))
+        if self.frontier is not None:
+            self.store.put(self.frontier.weight_pass)
+        elif self.leaves:
             self.store.shared(WeightPass).add(outputs, out_grads, self.leaves)
         return (*input_grads, *untouched)
 
@@ -96,7 +115,13 @@ class LocalGraph:
         module's arguments ``outer``, the leaves and the anchor (so that B reaches the bridge even
         when nothing else it depends on requires grad: a first stage whose weights are all routed)."""
         anchor = () if self.anchor is None else (self.anchor,)
-        return Bridge.apply(self, *outer, *self.leaves, *anchor)
+        return Bridge.apply(self, *outer, *self.leaves, *self.in_b, *anchor)
+
+
+def _add_grads(leaves: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    for leaf, grad in zip(leaves, grads):
+        if grad is not None:
+            accumulate(leaf, grad)
 
 
 class SavedOnce:
@@ -267,36 +292,69 @@ def _unflatten(flat: list[Any], spec: Any) -> tuple[tuple, dict]:
     return (tuple(flat), {}) if spec is None else tree_unflatten(flat, spec)
 
 
-def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -> list[torch.Tensor]:
+_NORM_NODES = frozenset(
+    ("NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0",
+     "NativeLayerNormBackward0", "NativeGroupNormBackward0")
+)  # fmt: skip
+"""Autograd nodes of normalisation kernels: their parameter gradients are reductions the input
+gradient computes anyway (batch norm) or shares most work with (layer and group norm), so one
+kernel call computing every gradient costs less than two masked calls (``docs/wgrad.md``)."""
+
+
+class Leaves(NamedTuple):
+    """The leaves of a local graph, by the pass that computes their gradients."""
+
+    deferred: list[torch.Tensor]
+    """W computes these, from the local graph's outputs."""
+    in_b: list[torch.Tensor]
+    """Parameters only normalisation kernels use: B's call of the kernel computes their gradients."""
+    inner: bool
+    """Whether a node that is no view and has no parameter edge lies in the graph: only then may W
+    start somewhere other than at the outputs (:mod:`.frontier`)."""
+
+
+def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -> Leaves:
     """Leaf tensors requiring grad that ``outputs`` depend on, other than ``exclude``.
 
     The parameter edges of a fast-path node and of a routed ``F.linear`` node are not followed:
-    that node defers its own parameters.
+    that node defers its own parameters.  A leaf every edge of which comes from a normalisation
+    kernel (:data:`_NORM_NODES`) goes to ``in_b``.
     """
     excluded = {id(t) for t in exclude}
-    leaves: list[torch.Tensor] = []
-    found: set[int] = set()
+    leaves: dict[int, torch.Tensor] = {}
+    only_norms: dict[int, bool] = {}  # id of a leaf: every edge into it came from a norm kernel
     seen: set[Any] = set()
+    inner = False
     stack = []
     for out in outputs:
         if out.grad_fn is not None:
             stack.append(out.grad_fn)
-        elif id(out) not in excluded and id(out) not in found:  # a leaf returned as it is
-            found.add(id(out))
-            leaves.append(out)
+        elif id(out) not in excluded:  # a leaf returned as it is
+            leaves.setdefault(id(out), out)
+            only_norms[id(out)] = False
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:  # an AccumulateGrad node
-            if id(variable) not in excluded and id(variable) not in found:
-                found.add(id(variable))
-                leaves.append(variable)
-            continue
         edges = node.next_functions
         if isinstance(node, _DEFERRING_NODES):
             edges = edges[:1]  # only the input; its parameters are deferred by the node itself
-        stack.extend(next_node for next_node, _ in edges if next_node is not None)
-    return leaves
+        name = type(node).__name__
+        norm = name in _NORM_NODES
+        inner = inner or (name not in VIEWS and not any(_is_leaf_node(node) for node, _ in edges))
+        for next_node, _ in edges:
+            if next_node is None:
+                continue
+            variable = getattr(next_node, "variable", None)
+            if variable is None:
+                stack.append(next_node)
+            elif id(variable) not in excluded:  # an AccumulateGrad node of a leaf
+                leaves.setdefault(id(variable), variable)
+                only_norms[id(variable)] = only_norms.get(id(variable), True) and norm
+    deferred = [leaf for key, leaf in leaves.items() if not only_norms[key]]
+    return Leaves(deferred, [leaf for key, leaf in leaves.items() if only_norms[key]], inner)
+
+
+def _is_leaf_node(node: Any) -> bool:
+    return node is not None and hasattr(node, "variable")  # AccumulateGrad

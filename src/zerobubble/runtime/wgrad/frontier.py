@@ -1,0 +1,197 @@
+"""Where the generic split's W starts when the module's parameters sit behind expensive nodes.
+
+The W op of a local graph (:mod:`.generic`) runs autograd from the module's outputs to its
+parameters.  Every node on the way that B also ran is run a second time, for its parameter side.
+For ``nn.Linear`` that is the ``addmm`` itself (the two masked calls cost about the fused one), but
+a module computing ``softmax(x Wq (x Wk)ᵀ) x Wv Wo`` has its attention between its output and
+``Wq``: W would run the attention's backward again only to reach ``Wq``.
+
+The *frontier* of a local graph is the set of nodes B runs (they lead to a local input) with an edge
+into a part of the graph that leads only to parameters.  A pre-hook on each frontier node keeps the
+gradient B hands it; W then starts at those nodes (``GradientEdge`` roots), each asking autograd
+only for the parameters behind its own parameter edges, so nothing between the outputs and the
+frontier runs twice.  The same walk ``torch.distributed.pipelining`` does on the whole stage graph at
+every backward is done here once per call, on the module's small local graph, at forward time.
+
+:func:`find_frontier` returns None, and W keeps starting from the outputs, when that is as cheap
+(every node B and W would both run, frontier aside, is a view) or when starting at the frontier
+would count a gradient twice (a parameter reachable from a frontier node both through its
+parameter edges and through its input edge: a weight shared inside the module).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+from torch.autograd.graph import GradientEdge
+
+EDGE_ROOTS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+"""Whether the engine takes ``GradientEdge`` roots (torch 2.5 and later); without, W starts from
+the outputs."""
+
+VIEWS = frozenset(
+    ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TBackward0", "TransposeBackward0",
+     "TransposeBackward1", "PermuteBackward0", "ExpandBackward0", "SqueezeBackward0", "SqueezeBackward1",
+     "SqueezeBackward2", "SqueezeBackward3", "SqueezeBackward4", "UnsqueezeBackward0", "AliasBackward0",
+     "AsStridedBackward0", "CloneBackward0", "ToCopyBackward0", "SplitBackward0", "SplitBackward1",
+     "SplitWithSizesBackward0", "UnbindBackward0", "SliceBackward0", "SelectBackward0")
+)  # fmt: skip
+"""Nodes whose backward moves data at most: running them twice costs next to nothing."""
+
+
+class Frontier:
+    """W's roots in one local graph: the frontier nodes and the parameters behind each.
+
+    :meth:`arm` before B's engine run makes the pre-hooks keep the gradients B hands each node;
+    :meth:`weight_pass` (the W op) runs autograd from each node with them and drops everything.
+    """
+
+    __slots__ = ("__weakref__", "armed", "grads", "leaves", "nodes")
+
+    def __init__(self, nodes: list[Any], leaves: list[list[torch.Tensor]]):
+        self.nodes = nodes
+        self.leaves = leaves  # per node: the parameters its parameter edges lead to
+        self.grads: list[Sequence[torch.Tensor | None] | None] = [None] * len(nodes)
+        self.armed = False
+        for index, node in enumerate(nodes):
+            node.register_prehook(self._keeper(index))
+
+    def _keeper(self, index: int) -> Callable[[Sequence[torch.Tensor | None]], None]:
+        # a weak reference: the node holds the hook, so a strong one would make a cycle keeping the
+        # whole local graph (its saved tensors) alive until the garbage collector finds it
+        frontier = weakref.ref(self)
+
+        def keep(grad_outputs: Sequence[torch.Tensor | None]) -> None:
+            owner = frontier()
+            if owner is not None and owner.armed:  # B's run only: a fused backward keeps nothing
+                owner.grads[index] = grad_outputs
+
+        return keep
+
+    def arm(self) -> None:
+        """Keep the gradients of the next engine run (B's) at the frontier nodes."""
+        self.armed = True
+
+    def weight_pass(self) -> None:
+        """The W op of this local graph: every frontier node's parameter side, once."""
+        self.armed = False
+        nodes, grads, leaves = self.nodes, self.grads, self.leaves
+        self.nodes, self.grads, self.leaves = [], [], []
+        for node, node_grads, node_leaves in zip(nodes, grads, leaves):
+            if node_grads is None:  # B never reached the node: a plain backward would not either
+                continue
+            edges = [GradientEdge(node, i) for i, grad in enumerate(node_grads) if grad is not None]
+            given = [grad for grad in node_grads if grad is not None]
+            # the graph stays until the last run: a node behind two frontier nodes runs in both
+            Variable._execution_engine.run_backward(
+                tuple(edges), tuple(given), True, False, tuple(node_leaves), True, True
+            )
+
+
+def find_frontier(
+    outputs: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    deferred: list[torch.Tensor],
+    parameter_edges_skipped: tuple[type, ...],
+) -> Frontier | None:
+    """The frontier of a local graph, or None when W should start from the outputs.
+
+    ``inputs`` are the local inputs, ``deferred`` the leaves W computes; nodes of the types
+    ``parameter_edges_skipped`` (fast-path and routed nodes) defer their own parameters, so only
+    their first (input) edge is followed.
+    """
+    if not EDGE_ROOTS or not inputs or not deferred:
+        return None
+    graph = _Reach(inputs, deferred, parameter_edges_skipped)
+    roots = [out.grad_fn for out in outputs if out.grad_fn is not None]
+    for root in roots:
+        graph.visit(root)
+        if not graph.to_input[root] and graph.to_leaves[root]:
+            return None  # an output depends on parameters alone: it would need a root of its own
+    nodes: list[Any] = []
+    leaf_sets: list[int] = []
+    worth_it = False
+    for node, children in graph.children.items():
+        if not graph.to_input[node] or not graph.to_leaves[node]:
+            continue
+        parameter_side = mixed_side = 0
+        for child in children:
+            to_input, to_leaves = graph.reach(child)
+            if to_input:
+                mixed_side |= to_leaves
+            else:
+                parameter_side |= to_leaves
+        if parameter_side & mixed_side:
+            return None  # a parameter behind both sides: starting here would count it twice
+        if parameter_side:
+            nodes.append(node)
+            leaf_sets.append(parameter_side)
+        elif type(node).__name__ not in VIEWS:
+            worth_it = True  # W from the outputs would run this node's backward again
+    if not worth_it:
+        return None
+    leaves = [[leaf for bit, leaf in enumerate(deferred) if bits >> bit & 1] for bits in leaf_sets]
+    return Frontier(nodes, leaves)
+
+
+class _Reach:
+    """For every node of a local graph: whether it leads to a local input, and to which leaves.
+
+    ``to_leaves`` is a bit set over the deferred leaves (bit ``i``: ``deferred[i]``); AccumulateGrad
+    nodes are not nodes here, they end the walk.  Iterative, so deep graphs do not hit Python's
+    recursion limit.
+    """
+
+    def __init__(self, inputs: list[torch.Tensor], deferred: list[torch.Tensor], skipped: tuple[type, ...]):
+        self.input_ids = {id(t) for t in inputs}
+        self.leaf_bits = {id(leaf): 1 << i for i, leaf in enumerate(deferred)}
+        self.skipped = skipped
+        self.children: dict[Any, list[Any]] = {}
+        self.to_input: dict[Any, bool] = {}
+        self.to_leaves: dict[Any, int] = {}
+
+    def visit(self, root: Any) -> None:
+        """Fill in ``root`` and every node below it (post-order)."""
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                self._finish(node)
+                continue
+            if node in self.children:
+                continue
+            children: list[Any] = []
+            self.children[node] = children
+            stack.append((node, True))
+            edges = node.next_functions
+            if isinstance(node, self.skipped):
+                edges = edges[:1]
+            for child, _ in edges:
+                if child is None:
+                    continue
+                variable = getattr(child, "variable", None)
+                if variable is not None:  # an AccumulateGrad node: a leaf, where the walk ends
+                    children.append((id(variable) in self.input_ids, self.leaf_bits.get(id(variable), 0)))
+                    continue
+                children.append(child)
+                if child not in self.children:
+                    stack.append((child, False))
+
+    def reach(self, child: Any) -> tuple[bool, int]:
+        """Whether ``child`` (a node, or a leaf's ``(is input, bits)``) leads to an input, and its leaves."""
+        if isinstance(child, tuple):
+            return child
+        return self.to_input[child], self.to_leaves[child]
+
+    def _finish(self, node: Any) -> None:
+        to_input, to_leaves = False, 0
+        for child in self.children[node]:
+            child_input, child_leaves = self.reach(child)
+            to_input = to_input or child_input
+            to_leaves |= child_leaves
+        self.to_input[node] = to_input
+        self.to_leaves[node] = to_leaves

@@ -1,0 +1,249 @@
+"""Where the generic split's B and W start: norm kernels' parameters in B, W from the frontier.
+
+A module split generically (no fast path) runs on a local autograd graph.  Parameters that only
+normalisation kernels use get their gradients from B's call of the kernel (one call, not two);
+parameters behind expensive nodes get theirs from W starting at the frontier nodes, so W does not
+run those nodes' backward a second time.  Each test counts the backward kernels that ran and
+compares every gradient with plain autograd on a copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
+from zerobubble.runtime.wgrad import frontier as frontier_module
+from zerobubble.runtime.wgrad.frontier import find_frontier
+from zerobubble.runtime.wgrad.generic import _DEFERRING_NODES
+
+WIDTH = 8
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts the aten calls made while it is active (the autograd engine's too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class FunctionalNorms(nn.Module):
+    """Normalisation kernels called on the module's own parameters (no fast path applies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_weight = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.batch_bias = nn.Parameter(torch.randn(WIDTH))
+        self.layer_weight = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.group_weight = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.group_bias = nn.Parameter(torch.randn(WIDTH))
+        self.register_buffer("running_mean", torch.zeros(WIDTH))
+        self.register_buffer("running_var", torch.ones(WIDTH))
+
+    def forward(self, x):
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.batch_weight, self.batch_bias, True)
+        x = F.layer_norm(torch.tanh(x), (WIDTH,), self.layer_weight)
+        return F.group_norm(x.unsqueeze(-1), 2, self.group_weight, self.group_bias).squeeze(-1)
+
+
+class MatmulBlock(nn.Module):
+    """``gelu(x @ w_in) @ w_out``: parameters on both sides of a nonlinearity, not ``F.linear``."""
+
+    def __init__(self, shared: bool = False):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(WIDTH, 2 * WIDTH) / WIDTH**0.5)
+        self.w_out = self.w_in if shared else nn.Parameter(torch.randn(2 * WIDTH, WIDTH) / WIDTH**0.5)
+        self.shared = shared
+
+    def forward(self, x):
+        hidden = F.gelu(x @ self.w_in)
+        return hidden @ (self.w_out.t() if self.shared else self.w_out)
+
+
+def _split_and_compare(model: nn.Module, paths: FastPaths | None, microbatches: int = 2) -> Counter[str]:
+    """B of every microbatch, checks that no gradient came early, W; returns the kernels B and W ran."""
+    torch.manual_seed(1)
+    inputs = [torch.randn(5, WIDTH, requires_grad=True) for _ in range(microbatches)]
+    reference = copy.deepcopy(model)
+    for x in inputs:
+        reference(x.detach()).square().sum().backward()
+    store = WeightGradStore()
+    install_deferral([model], store, paths)
+    outputs = [model(x) for x in inputs]
+    counter = KernelCounter()
+    with counter:
+        for j, out in enumerate(outputs):
+            store.begin((0, j), defer=True)
+            out.square().sum().backward()
+            store.end()
+        early = [name for name, p in model.named_parameters() if p.grad is not None]
+        for j in range(microbatches):
+            store.flush((0, j))
+    assert early == [], f"gradients added in B: {early}"
+    for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for (name, buffer), (_, expected) in zip(model.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(buffer, expected, rtol=1e-6, atol=0, msg=name)
+    return counter.calls
+
+
+def test_parameters_only_norm_kernels_use_get_their_gradients_from_bs_kernel_call():
+    torch.manual_seed(0)
+    calls = _split_and_compare(FunctionalNorms(), FastPaths(), microbatches=3)
+    # one backward kernel call per norm and microbatch, as in a plain backward (not B's and W's)
+    assert calls["native_batch_norm_backward"] == 3
+    assert calls["native_layer_norm_backward"] == 3
+    assert calls["native_group_norm_backward"] == 3
+
+
+def test_nn_norm_modules_split_generically_make_one_kernel_call_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.LayerNorm(WIDTH))
+    calls = _split_and_compare(model, FastPaths())  # an empty registry: every module generic
+    assert calls["native_batch_norm_backward"] == 2
+    assert calls["native_layer_norm_backward"] == 2
+    assert calls["mm"] == 2 * 2  # the Linear's input and weight sides, once each per microbatch
+
+
+def test_w_starts_at_the_frontier_and_runs_no_nonlinearity_twice():
+    torch.manual_seed(0)
+    calls = _split_and_compare(MatmulBlock(), None)
+    assert calls["gelu_backward"] == 2, "W ran the nonlinearity's backward again to reach w_in"
+
+
+def test_without_gradient_edge_roots_w_starts_from_the_outputs(monkeypatch):
+    monkeypatch.setattr(frontier_module, "EDGE_ROOTS", False)
+    torch.manual_seed(0)
+    calls = _split_and_compare(MatmulBlock(), None)
+    assert calls["gelu_backward"] == 2 * 2  # once in B, once more in W: exact, only slower
+
+
+def test_a_weight_used_on_both_sides_of_the_frontier_makes_w_start_from_the_outputs():
+    torch.manual_seed(0)
+    block = MatmulBlock(shared=True)
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    out = block(x)
+    assert find_frontier([out], [x], [block.w_in], _DEFERRING_NODES) is None
+    calls = _split_and_compare(MatmulBlock(shared=True), None)
+    assert calls["gelu_backward"] == 2 * 2
+
+
+def test_frontier_roots_compose_with_checkpointing():
+    torch.manual_seed(0)
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = MatmulBlock()
+
+        def forward(self, x):
+            return checkpoint(self.block, x, use_reentrant=False)
+
+    calls = _split_and_compare(Checkpointed(), None)
+    assert calls["gelu_backward"] == 2
+    assert calls["gelu"] == 2, "B recomputes the checkpointed forward once per microbatch"
+
+
+class _RecordingBlock(MatmulBlock):
+    """Keeps a weak reference to its pre-activation, which only the local graph holds on to."""
+
+    def forward(self, x):
+        pre = x @ self.w_in
+        self.pre_activation = weakref.ref(pre)
+        return F.gelu(pre) @ self.w_out
+
+
+def test_a_forward_without_backward_frees_the_local_graph_without_the_garbage_collector():
+    torch.manual_seed(0)
+    block = _RecordingBlock()
+    install_deferral([block], WeightGradStore(), None)
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    gc.disable()
+    try:
+        out = block(x)
+        assert block.pre_activation() is not None
+        del out
+        assert block.pre_activation() is None, "a reference cycle keeps the local graph alive"
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fused_backward_through_a_frontier_module_adds_every_gradient_once(shared):
+    torch.manual_seed(0)
+    model, reference = MatmulBlock(shared), None
+    reference = copy.deepcopy(model)
+    store = WeightGradStore()
+    install_deferral([model], store, None)
+    x = torch.randn(4, WIDTH)
+    for _ in range(2):
+        store.begin((0, 0), defer=False)
+        model(x).square().sum().backward()
+        store.end()
+        reference(x).square().sum().backward()
+    assert store.pending_keys() == []
+    for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_w_from_the_frontier_frees_what_b_kept():
+    torch.manual_seed(0)
+    block = _RecordingBlock()
+    store = WeightGradStore()
+    install_deferral([block], store, None)
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    gc.disable()
+    try:
+        loss = block(x).square().sum()
+        store.begin((0, 0), defer=True)
+        loss.backward()
+        store.end()
+        del loss
+        assert block.pre_activation() is not None, "W starts below the nonlinearity that saved it"
+        store.flush((0, 0))
+        assert block.pre_activation() is None, "W must free what B kept for it"
+    finally:
+        gc.enable()
+    assert block.w_in.grad is not None and block.w_out.grad is not None
+
+
+def test_the_store_reports_what_frontier_work_holds_and_no_parameter_as_held_by_w():
+    torch.manual_seed(0)
+    block = MatmulBlock()
+    store = WeightGradStore()
+    install_deferral([block], store, None)
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    loss = block(x).square().sum()
+    store.begin((0, 0), defer=True)
+    loss.backward()
+    store.end()
+    held = store.held_tensors((0, 0))
+    # the frontier's kept gradients (one per frontier node) are what the memory meter must see
+    assert any(t.shape == (3, 2 * WIDTH) for t in held) and any(t.shape == (3, WIDTH) for t in held)
+    store.flush((0, 0))
+    assert store.held_tensors() == []
+
+
+def test_the_profile_counts_no_parameter_as_kept_for_w():
+    from zerobubble.runtime.profile import profile_layers
+
+    torch.manual_seed(0)
+    layers = [MatmulBlock(), nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH))]
+    profile = profile_layers(layers, torch.randn(4, WIDTH), repeats=1)
+    parameter_bytes = sum(p.numel() * 4 for p in layers[0].parameters())
+    # gelu(x @ w_in) @ w_out keeps for W: the input, the hidden activation and two kept gradients
+    assert 0 < profile.layers[0].weight_input_bytes < parameter_bytes
