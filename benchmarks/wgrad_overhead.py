@@ -19,21 +19,35 @@
 7. routed ``F.linear`` (``FastPaths.route_linear``) on the bench's ``nn.MultiheadAttention`` block:
    (T_B + T_W) / fused backward with routing on and off, side by side, the forward's cost of the
    routing mode, and the mode's cost per torch call.
+8. the generic split of each bench stage (an empty registry, no routing) as installed, with W
+   starting from the outputs instead of the frontier, with the norm kernels' parameter gradients
+   computed by a second masked call in W, and with neither (the previous release), side by side.
 
-    python benchmarks/wgrad_overhead.py [section ...]   (sections: layers masks conv order native routing)
+    python benchmarks/wgrad_overhead.py [section ...]
+    (sections: layers masks conv order native routing generic)
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import sys
 import time
+from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
 
-from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, default_fast_paths, install_deferral
+from zerobubble.runtime.wgrad import (
+    FastPaths,
+    WeightGradStore,
+    default_fast_paths,
+    frontier,
+    generic,
+    install_deferral,
+)
 from zerobubble.runtime.wgrad.rules import ConvRule
 
 
@@ -327,6 +341,61 @@ def native_against_function(rows: int, fresh: bool, repeats: int = 41) -> dict[s
     return results
 
 
+class _WithSettings(nn.Module):
+    """A split module whose forward runs with module constants of the split replaced (for comparison:
+    the generic split reads them while it builds a local graph, B and W only follow what it built)."""
+
+    def __init__(self, module: nn.Module, settings: dict[tuple[Any, str], Any]):
+        super().__init__()
+        self.module, self.settings = module, settings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            for (owner, name), value in self.settings.items():
+                stack.enter_context(mock.patch.object(owner, name, value))
+            return self.module(x)
+
+
+GENERIC_VARIANTS = {
+    "as installed": {},
+    "W from the outputs": {(frontier, "EDGE_ROOTS"): False},
+    "norm kernels split": {(generic, "_NORM_NODES"): frozenset()},
+    "neither": {(frontier, "EDGE_ROOTS"): False, (generic, "_NORM_NODES"): frozenset()},
+}
+"""The generic split as installed (norm kernels' parameters in B, W from the frontier), without
+each of the two, and without both (the previous release's generic split)."""
+
+
+def generic_variants(rows: int, fresh: bool, repeats: int = 41) -> dict[str, dict[str, float]]:
+    """(T_B + T_W) / fused backward of each bench stage split generically (an empty registry, no
+    routing), for each of :data:`GENERIC_VARIANTS`, side by side."""
+    from zerobubble_bench.wgrad import _split_stages
+
+    results = {}
+    for label, make, shape in _split_stages():
+        fused = make()
+        variants = {}
+        for name, settings in GENERIC_VARIANTS.items():
+            module, store = make(), WeightGradStore()
+            install_deferral([module], store, FastPaths())
+            variants[name] = (_WithSettings(module, settings), store, True)
+        x = torch.randn(*shape(rows), requires_grad=True)
+        results[label] = _split_ratios(fused, variants, x, repeats, fresh)
+    return results
+
+
+def _print_generic() -> None:
+    names = list(GENERIC_VARIANTS)
+    print("\n| generic split: stage, rows, .grad | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for fresh in (False, True):
+        for rows in (32, 128):
+            for label, ratios in generic_variants(rows, fresh).items():
+                regime = "fresh" if fresh else "accumulating"
+                cells = " | ".join(f"{ratios[name]:.3f}" for name in names)
+                print(f"| {label}, {rows}, {regime} | {cells} |", flush=True)
+
+
 def _print_layers() -> None:
     print(
         "| layer | fused backward (µs) | fast split extra (µs) | same, B in the autograd function (µs) "
@@ -402,6 +471,7 @@ SECTIONS = {
     "order": _print_order,
     "native": _print_native,
     "routing": print_routing,
+    "generic": _print_generic,
 }
 
 

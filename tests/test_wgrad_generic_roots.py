@@ -159,12 +159,15 @@ def test_frontier_roots_compose_with_checkpointing():
 
 
 class _RecordingBlock(MatmulBlock):
-    """Keeps a weak reference to its pre-activation, which only the local graph holds on to."""
+    """Keeps weak references to its pre-activation (saved below the frontier, by the gelu) and to
+    the projection squared at the end (saved above it), which only the local graph holds on to."""
 
     def forward(self, x):
         pre = x @ self.w_in
         self.pre_activation = weakref.ref(pre)
-        return F.gelu(pre) @ self.w_out
+        top = F.gelu(pre) @ self.w_out
+        self.projection = weakref.ref(top)
+        return top * top
 
 
 def test_a_forward_without_backward_frees_the_local_graph_without_the_garbage_collector():
@@ -214,6 +217,7 @@ def test_w_from_the_frontier_frees_what_b_kept():
         store.end()
         del loss
         assert block.pre_activation() is not None, "W starts below the nonlinearity that saved it"
+        assert block.projection() is None, "B must free the nodes above the frontier"
         store.flush((0, 0))
         assert block.pre_activation() is None, "W must free what B kept for it"
     finally:
