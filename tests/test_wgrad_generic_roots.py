@@ -125,6 +125,25 @@ def test_w_starts_at_the_frontier_and_runs_no_nonlinearity_twice():
     assert calls["gelu_backward"] == 2, "W ran the nonlinearity's backward again to reach w_in"
 
 
+class LowRank(nn.Module):
+    """``x @ a @ b``: two matmuls on parameters and no nonlinearity between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(WIDTH, 2) / WIDTH**0.5)
+        self.b = nn.Parameter(torch.randn(2, WIDTH))
+
+    def forward(self, x):
+        return x @ self.a @ self.b
+
+
+def test_w_from_the_frontier_does_not_recompute_the_gradient_between_two_matmuls():
+    torch.manual_seed(0)
+    calls = _split_and_compare(LowRank(), None)
+    # per microbatch: each matmul's input side in B and its weight side in W, as in one backward
+    assert calls["mm"] == 2 * 4
+
+
 def test_without_gradient_edge_roots_w_starts_from_the_outputs(monkeypatch):
     monkeypatch.setattr(frontier_module, "EDGE_ROOTS", False)
     torch.manual_seed(0)

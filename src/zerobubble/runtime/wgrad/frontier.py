@@ -14,8 +14,8 @@ frontier runs twice.  The same walk ``torch.distributed.pipelining`` does on the
 every backward is done here once per call, on the module's small local graph, at forward time.
 
 :func:`find_frontier` returns None, and W keeps starting from the outputs, when that is as cheap
-(every node B and W would both run, frontier aside, is a view) or when starting at the frontier
-would count a gradient twice (a parameter reachable from a frontier node both through its
+(the only input sides W from the outputs would run again are views') or when starting at the
+frontier would count a gradient twice (a parameter reachable from a frontier node both through its
 parameter edges and through its input edge: a weight shared inside the module).
 """
 
@@ -130,6 +130,8 @@ def find_frontier(
         if parameter_side:
             nodes.append(node)
             leaf_sets.append(parameter_side)
+            # W from the outputs would also run this node's input side, to reach parameters below it
+            worth_it = worth_it or mixed_side != 0
         elif type(node).__name__ not in VIEWS:
             worth_it = True  # W from the outputs would run this node's backward again
     if not worth_it:

@@ -309,8 +309,9 @@ class Leaves(NamedTuple):
     in_b: list[torch.Tensor]
     """Parameters only normalisation kernels use: B's call of the kernel computes their gradients."""
     inner: bool
-    """Whether a node that is no view and has no parameter edge lies in the graph: only then may W
-    start somewhere other than at the outputs (:mod:`.frontier`)."""
+    """Whether the graph has two nodes or more that are no views: only then may W start somewhere
+    other than at the outputs (:mod:`.frontier`); one ``addmm``, one norm or one convolution is
+    the frontier itself."""
 
 
 def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -> Leaves:
@@ -324,7 +325,7 @@ def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -
     leaves: dict[int, torch.Tensor] = {}
     only_norms: dict[int, bool] = {}  # id of a leaf: every edge into it came from a norm kernel
     seen: set[Any] = set()
-    inner = False
+    heavy = 0  # nodes that are no views
     stack = []
     for out in outputs:
         if out.grad_fn is not None:
@@ -342,7 +343,7 @@ def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -
             edges = edges[:1]  # only the input; its parameters are deferred by the node itself
         name = type(node).__name__
         norm = name in _NORM_NODES
-        inner = inner or (name not in VIEWS and not any(_is_leaf_node(node) for node, _ in edges))
+        heavy += name not in VIEWS
         for next_node, _ in edges:
             if next_node is None:
                 continue
@@ -353,8 +354,4 @@ def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -
                 leaves.setdefault(id(variable), variable)
                 only_norms[id(variable)] = only_norms.get(id(variable), True) and norm
     deferred = [leaf for key, leaf in leaves.items() if not only_norms[key]]
-    return Leaves(deferred, [leaf for key, leaf in leaves.items() if only_norms[key]], inner)
-
-
-def _is_leaf_node(node: Any) -> bool:
-    return node is not None and hasattr(node, "variable")  # AccumulateGrad
+    return Leaves(deferred, [leaf for key, leaf in leaves.items() if only_norms[key]], heavy > 1)
