@@ -95,3 +95,20 @@ def test_interleaved_rounds_time_only_the_steps_after_each_settle_step(monkeypat
     calls.update(a=0, b=0)
     unsettled = workloads.interleaved({"a": runner("a")}, rounds=2, steps=2, warmup=1, settle=0)
     assert unsettled == {"a": [2, 3, 4, 5]}
+
+
+def test_the_cli_offers_every_bench_wgrad_stage_and_model():
+    import argparse
+
+    from zerobubble.cli import build_parser
+    from zerobubble_bench.split_models import SPLIT_MODELS
+    from zerobubble_bench.wgrad import SPLIT_STAGES
+
+    def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return action.choices[name]
+
+    wgrad = subparser(subparser(build_parser(), "bench"), "wgrad")
+    choices = {action.dest: action.choices for action in wgrad._actions}
+    assert list(choices["models"]) == list(SPLIT_MODELS)
+    assert list(choices["stages"]) == list(SPLIT_STAGES)

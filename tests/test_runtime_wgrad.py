@@ -25,7 +25,7 @@ from zerobubble.runtime.wgrad import (
     install_deferral,
     remove_deferral,
 )
-from zerobubble_bench.split_models import split_model
+from zerobubble_bench.split_models import SPLIT_MODELS, split_model
 
 WIDTH = 8
 
@@ -164,7 +164,7 @@ def test_input_gradient_of_a_middle_stage_is_exact_and_eval_batch_norm_splits():
     _assert_grads_equal(stage, reference)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "convnet", "checkpointed", "mha"])
+@pytest.mark.parametrize("name", SPLIT_MODELS)
 def test_real_models_defer_every_parameter(name):
     if name in ("gpt2", "llama"):
         pytest.importorskip("transformers")

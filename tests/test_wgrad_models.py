@@ -4,7 +4,9 @@ every buffer equal one process over the same microbatches.
 Models (:func:`zerobubble_bench.split_models.split_model`): transformers GPT-2 (``Conv1D``
 projections) and Llama
 (RMSNorm through the generic split; rotary tables cross stage boundaries as a tuple), a conv net with
-BatchNorm (running statistics compared too) and transformer blocks under activation checkpointing.
+BatchNorm (running statistics compared too), transformer blocks under activation checkpointing,
+``nn.MultiheadAttention`` blocks (routed ``F.linear``) and blocks written on raw parameters (the
+generic split with W from the frontier and the norms' parameter gradients from B).
 Every B op is watched: no parameter's ``.grad`` may change in B (all of it waits for W).
 All cases run in one spawn; each parametrized test reads its case from the shared result.
 """

@@ -382,14 +382,15 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     wgrad.add_argument(
         "--stages",
         nargs="+",
-        default=["mlp", "gpt", "conv", "mha"],
-        choices=["mlp", "gpt", "conv", "mha"],
-        help="which stages to measure (mha: nn.MultiheadAttention blocks)",
+        default=["mlp", "gpt", "conv", "mha", "raw"],
+        choices=["mlp", "gpt", "conv", "mha", "raw"],
+        help="which stages to measure (mha: nn.MultiheadAttention blocks; raw: a transformer block on "
+        "raw parameters, which only the generic split covers)",
     )
     wgrad.add_argument(
         "--models",
         nargs="*",
-        choices=["gpt2", "llama", "convnet", "checkpointed", "mha"],
+        choices=["gpt2", "llama", "convnet", "checkpointed", "mha", "raw"],
         help="also measure the W share per stage of these models on 2 ranks (gpt2, llama need transformers)",
     )
     wgrad.add_argument("--width", type=int, default=256, help="hidden size of --models")

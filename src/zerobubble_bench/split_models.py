@@ -23,11 +23,13 @@ from zerobubble_demo.models import GPTConfig, gpt_layers, lm_loss
 
 from .tables import Table, preserved_torch_state
 
-SPLIT_MODELS = ("gpt2", "llama", "convnet", "checkpointed", "mha")
+SPLIT_MODELS = ("gpt2", "llama", "convnet", "checkpointed", "mha", "raw")
 """Models the B/W split is checked on: transformers GPT-2 and Llama, a BatchNorm conv net,
 transformer blocks under activation checkpointing (``use_reentrant=False``), and blocks of
 ``nn.MultiheadAttention`` with a head calling ``F.linear`` on its own weight (projections that
-are ``F.linear`` calls on parameters: the generic split's routed closed form)."""
+are ``F.linear`` calls on parameters: the generic split's routed closed form), and transformer
+blocks written with raw parameters (matmuls and ``F.layer_norm`` on their own tensors: no fast path
+and no routing, the generic split with W from the frontier and the norms' gradients from B)."""
 
 
 @dataclass
@@ -96,6 +98,9 @@ def _build_split_model(name: str, width: int, batch: int, seq: int, seed: int) -
             _LinearHead(width, vocab),
         ]
         return SplitModel(layers, lm_loss, tokens, targets)
+    if name == "raw":
+        layers = [nn.Embedding(vocab, width), RawBlock(width), RawBlock(width), _LinearHead(width, vocab)]
+        return SplitModel(layers, lm_loss, tokens, targets)
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(SPLIT_MODELS)}")
 
 
@@ -139,6 +144,38 @@ class AttentionBlock(nn.Module):
         h = self.norm1(x)
         x = x + self.attention(h, h, h, need_weights=False)[0]
         return x + self.mlp(self.norm2(x))
+
+
+class RawBlock(nn.Module):
+    """A causal transformer block written as a user might, on its own raw parameters.
+
+    Layer norms through ``F.layer_norm``, projections as ``x @ weight`` (no ``nn.Linear``, no
+    ``F.linear``): one module, no fast path, whose parameters sit on both sides of the attention and
+    of the MLP's activation — the generic split's W starts at the frontier (``docs/wgrad.md``).
+    """
+
+    def __init__(self, width: int, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+
+        def weight(rows: int, columns: int) -> nn.Parameter:
+            return nn.Parameter(torch.randn(rows, columns) / rows**0.5)
+
+        self.norm1_weight, self.norm1_bias = nn.Parameter(torch.ones(width)), nn.Parameter(torch.zeros(width))
+        self.norm2_weight, self.norm2_bias = nn.Parameter(torch.ones(width)), nn.Parameter(torch.zeros(width))
+        self.qkv, self.qkv_bias = weight(width, 3 * width), nn.Parameter(torch.zeros(3 * width))
+        self.out = weight(width, width)
+        self.up, self.down = weight(width, 2 * width), weight(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        h = F.layer_norm(x, (width,), self.norm1_weight, self.norm1_bias)
+        q, k, v = (h @ self.qkv + self.qkv_bias).split(width, dim=-1)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + attended.transpose(1, 2).reshape(batch, length, width) @ self.out
+        h = F.layer_norm(x, (width,), self.norm2_weight, self.norm2_bias)
+        return x + F.gelu(h @ self.up) @ self.down
 
 
 class _LinearHead(nn.Module):

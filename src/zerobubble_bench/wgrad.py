@@ -19,7 +19,7 @@ from torch import nn
 
 from zerobubble_demo.models import Block, GPTConfig
 
-from .split_models import AttentionBlock
+from .split_models import AttentionBlock, RawBlock
 from .tables import Table, median, preserved_torch_state
 from .workloads import mlp_layers
 
@@ -118,7 +118,7 @@ def _keep_freed_memory() -> None:
     libc.mallopt(-3, 1 << 25)  # M_MMAP_THRESHOLD (its maximum): serve tensors below 32 MiB from the heap
 
 
-SPLIT_STAGES = ("mlp", "gpt", "conv", "mha")
+SPLIT_STAGES = ("mlp", "gpt", "conv", "mha", "raw")
 """Names of the stages ``bench wgrad`` measures (``--stages``)."""
 
 
@@ -146,11 +146,17 @@ def _split_stages(names: Sequence[str] | None = None):
             torch.manual_seed(0)
             return AttentionBlock(256, heads=4)
 
+    def raw() -> nn.Module:
+        with preserved_torch_state():
+            torch.manual_seed(0)
+            return RawBlock(256, heads=4)
+
     stages = {
         "mlp": ("MLP 4×Linear(1024)", mlp, lambda rows: (rows, 1024)),
         "gpt": ("GPT block d=256", block, lambda rows: (1, rows, 256)),
         "conv": ("2×(Conv2d+BatchNorm2d) c=32", conv, lambda rows: (rows, 32, 8, 8)),
         "mha": ("MultiheadAttention block d=256", attention, lambda rows: (1, rows, 256)),
+        "raw": ("raw-parameter block d=256", raw, lambda rows: (1, rows, 256)),
     }
     return [stages[name] for name in (SPLIT_STAGES if names is None else names)]
 
