@@ -412,7 +412,7 @@ def test_bench_wgrad_measures_every_split():
         torch.set_num_threads(threads)
     assert [(row[0][:3], row[1]) for row in table.rows] == [
         (stage, split)
-        for stage in ("MLP", "GPT", "2×(", "Mul")
+        for stage in ("MLP", "GPT", "2×(", "Mul", "raw")
         for split in ("fast paths", "generic only", "torch pipelining")
     ]
     assert all(float(row[-1]) > 0 for row in table.rows)
