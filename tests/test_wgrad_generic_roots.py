@@ -222,19 +222,23 @@ def test_fused_backward_through_a_frontier_module_adds_every_gradient_once(share
         torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _b_of_one_microbatch(block: nn.Module) -> WeightGradStore:
+    """Splits ``block`` (default fast paths) and runs B of one microbatch; W is left to the caller."""
+    store = WeightGradStore()
+    install_deferral([block], store, None)
+    loss = block(torch.randn(3, WIDTH, requires_grad=True)).square().sum()
+    store.begin((0, 0), defer=True)
+    loss.backward()
+    store.end()
+    return store
+
+
 def test_w_from_the_frontier_frees_what_b_kept():
     torch.manual_seed(0)
     block = _RecordingBlock()
-    store = WeightGradStore()
-    install_deferral([block], store, None)
-    x = torch.randn(3, WIDTH, requires_grad=True)
     gc.disable()
     try:
-        loss = block(x).square().sum()
-        store.begin((0, 0), defer=True)
-        loss.backward()
-        store.end()
-        del loss
+        store = _b_of_one_microbatch(block)
         assert block.pre_activation() is not None, "W starts below the nonlinearity that saved it"
         assert block.projection() is None, "B must free the nodes above the frontier"
         store.flush((0, 0))
@@ -246,14 +250,7 @@ def test_w_from_the_frontier_frees_what_b_kept():
 
 def test_the_store_reports_what_frontier_work_holds_and_no_parameter_as_held_by_w():
     torch.manual_seed(0)
-    block = MatmulBlock()
-    store = WeightGradStore()
-    install_deferral([block], store, None)
-    x = torch.randn(3, WIDTH, requires_grad=True)
-    loss = block(x).square().sum()
-    store.begin((0, 0), defer=True)
-    loss.backward()
-    store.end()
+    store = _b_of_one_microbatch(MatmulBlock())
     held = store.held_tensors((0, 0))
     # the frontier's kept gradients (one per frontier node) are what the memory meter must see
     assert any(t.shape == (3, 2 * WIDTH) for t in held) and any(t.shape == (3, WIDTH) for t in held)
