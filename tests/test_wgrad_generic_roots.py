@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
 from zerobubble.runtime.wgrad import frontier as frontier_module
 from zerobubble.runtime.wgrad.frontier import find_frontier
-from zerobubble.runtime.wgrad.generic import _DEFERRING_NODES
+from zerobubble.runtime.wgrad.generic import reachable_leaves
 
 WIDTH = 8
 
@@ -156,7 +156,9 @@ def test_a_weight_used_on_both_sides_of_the_frontier_makes_w_start_from_the_outp
     block = MatmulBlock(shared=True)
     x = torch.randn(3, WIDTH, requires_grad=True)
     out = block(x)
-    assert find_frontier([out], [x], [block.w_in], _DEFERRING_NODES) is None
+    leaves = reachable_leaves([out], [x])
+    assert leaves.deferred == [block.w_in] and leaves.graph is not None
+    assert find_frontier([out], [x], leaves.deferred, leaves.graph) is None
     calls = _split_and_compare(MatmulBlock(shared=True), None)
     assert calls["gelu_backward"] == 2 * 2
 

@@ -402,3 +402,55 @@ def test_w_frees_what_routed_calls_kept():
     store.flush((0, 0))
     gc.collect()
     assert kept() is None and store.held_tensors() == []
+
+
+class _Branching(nn.Module):
+    """Its own weight through ``x @ weight`` first; ``F.linear`` on it only when ``linear`` is set.
+
+    Records whether the routing mode was active in each forward.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.linear = False
+        self.routing_seen: list[bool] = []
+
+    def forward(self, x):
+        from zerobubble.runtime.wgrad.routed import LinearRouter
+
+        stack = torch.overrides._get_current_function_mode_stack()
+        self.routing_seen.append(any(isinstance(mode, LinearRouter) for mode in stack))
+        y = torch.tanh(x @ self.weight)
+        return F.linear(y, self.weight) if self.linear else y
+
+
+def test_a_module_whose_first_forward_routed_nothing_is_not_routed_again_and_stays_exact():
+    torch.manual_seed(0)
+    model = _Branching()
+    reference = copy.deepcopy(model)
+    store = WeightGradStore()
+    deferral = install_deferral([model], store, GENERIC_ROUTED)
+    for j, (x,) in enumerate(_hidden(3)):
+        model.linear = reference.linear = j > 0  # the first forward has no F.linear to route
+        reference(x.detach()).square().sum().backward()
+        loss = model(x).square().sum()
+        store.begin((0, j), defer=True)
+        loss.backward()
+        store.end()
+    assert model.weight.grad is None, "B computed the weight's gradient"
+    for j in range(3):
+        store.flush((0, j))
+    # the later F.linear calls were split generically: exact, without the mode's cost per torch call
+    torch.testing.assert_close(model.weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-7)
+    assert model.routing_seen == [True, False, False]
+    assert deferral.summary() == {"generic _Branching": 1}
+
+
+def test_a_module_that_routed_a_call_stays_routed():
+    torch.manual_seed(0)
+    model = _Branching()
+    model.linear = True
+    deferral, _ = _check_split(model, _hidden(3), lambda out: out.square().sum(), GENERIC_ROUTED)
+    assert model.routing_seen == [True] * 3
+    assert deferral.summary() == {"generic+linear _Branching": 1}

@@ -96,35 +96,40 @@ def find_frontier(
     outputs: list[torch.Tensor],
     inputs: list[torch.Tensor],
     deferred: list[torch.Tensor],
-    parameter_edges_skipped: tuple[type, ...],
+    graph: dict[Any, list[Any]],
 ) -> Frontier | None:
     """The frontier of a local graph, or None when W should start from the outputs.
 
-    ``inputs`` are the local inputs, ``deferred`` the leaves W computes; nodes of the types
-    ``parameter_edges_skipped`` (fast-path and routed nodes) defer their own parameters, so only
-    their first (input) edge is followed.
+    ``inputs`` are the local inputs, ``deferred`` the leaves W computes, ``graph`` the children of
+    every node as the walk for the leaves recorded them (:func:`.generic.reachable_leaves`: a leaf
+    child is the ``id`` of the leaf tensor; fast-path and routed nodes list their input only).
+    Runs at every forward of a module with such a graph, so the loops are written out.
     """
     if not EDGE_ROOTS or not inputs or not deferred:
         return None
-    graph = _Reach(inputs, deferred, parameter_edges_skipped)
+    leaf_bits = {id(t): 0 for t in inputs}  # a local input: no leaf bit, but it reaches an input
+    leaf_bits.update((id(leaf), 1 << i) for i, leaf in enumerate(deferred))
+    input_ids = {id(t) for t in inputs}
     roots = [out.grad_fn for out in outputs if out.grad_fn is not None]
-    for root in roots:
-        graph.visit(root)
-        if not graph.to_input[root] and graph.to_leaves[root]:
-            return None  # an output depends on parameters alone: it would need a root of its own
+    to_input, to_leaves = _reach(graph, roots, input_ids, leaf_bits)
+    if any(not to_input[root] and to_leaves[root] for root in roots):
+        return None  # an output depends on parameters alone: it would need a root of its own
     nodes: list[Any] = []
     leaf_sets: list[int] = []
     worth_it = False
-    for node, children in graph.children.items():
-        if not graph.to_input[node] or not graph.to_leaves[node]:
+    for node, reaches_input in to_input.items():
+        if not reaches_input or not to_leaves[node]:
             continue
         parameter_side = mixed_side = 0
-        for child in children:
-            to_input, to_leaves = graph.reach(child)
-            if to_input:
-                mixed_side |= to_leaves
+        for child in graph[node]:
+            if type(child) is int:
+                if child in input_ids:
+                    continue
+                parameter_side |= leaf_bits.get(child, 0)
+            elif to_input[child]:
+                mixed_side |= to_leaves[child]
             else:
-                parameter_side |= to_leaves
+                parameter_side |= to_leaves[child]
         if parameter_side & mixed_side:
             return None  # a parameter behind both sides: starting here would count it twice
         if parameter_side:
@@ -140,60 +145,37 @@ def find_frontier(
     return Frontier(nodes, leaves)
 
 
-class _Reach:
-    """For every node of a local graph: whether it leads to a local input, and to which leaves.
+def _reach(
+    graph: dict[Any, list[Any]], roots: list[Any], input_ids: set[int], leaf_bits: dict[int, int]
+) -> tuple[dict[Any, bool], dict[Any, int]]:
+    """For every node below ``roots``: whether it leads to a local input, and the bit set of the
+    deferred leaves it leads to (bit ``i``: ``deferred[i]``).
 
-    ``to_leaves`` is a bit set over the deferred leaves (bit ``i``: ``deferred[i]``); AccumulateGrad
-    nodes are not nodes here, they end the walk.  Iterative, so deep graphs do not hit Python's
-    recursion limit.
+    Bottom-up over the recorded children (no second walk of autograd's own graph), with an explicit
+    stack, so deep graphs do not hit Python's recursion limit: a node is finished once every child is.
     """
-
-    def __init__(self, inputs: list[torch.Tensor], deferred: list[torch.Tensor], skipped: tuple[type, ...]):
-        self.input_ids = {id(t) for t in inputs}
-        self.leaf_bits = {id(leaf): 1 << i for i, leaf in enumerate(deferred)}
-        self.skipped = skipped
-        self.children: dict[Any, list[Any]] = {}
-        self.to_input: dict[Any, bool] = {}
-        self.to_leaves: dict[Any, int] = {}
-
-    def visit(self, root: Any) -> None:
-        """Fill in ``root`` and every node below it (post-order)."""
-        stack = [(root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if expanded:
-                self._finish(node)
-                continue
-            if node in self.children:
-                continue
-            children: list[Any] = []
-            self.children[node] = children
-            stack.append((node, True))
-            edges = node.next_functions
-            if isinstance(node, self.skipped):
-                edges = edges[:1]
-            for child, _ in edges:
-                if child is None:
-                    continue
-                variable = getattr(child, "variable", None)
-                if variable is not None:  # an AccumulateGrad node: a leaf, where the walk ends
-                    children.append((id(variable) in self.input_ids, self.leaf_bits.get(id(variable), 0)))
-                    continue
-                children.append(child)
-                if child not in self.children:
-                    stack.append((child, False))
-
-    def reach(self, child: Any) -> tuple[bool, int]:
-        """Whether ``child`` (a node, or a leaf's ``(is input, bits)``) leads to an input, and its leaves."""
-        if isinstance(child, tuple):
-            return child
-        return self.to_input[child], self.to_leaves[child]
-
-    def _finish(self, node: Any) -> None:
-        to_input, to_leaves = False, 0
-        for child in self.children[node]:
-            child_input, child_leaves = self.reach(child)
-            to_input = to_input or child_input
-            to_leaves |= child_leaves
-        self.to_input[node] = to_input
-        self.to_leaves[node] = to_leaves
+    to_input: dict[Any, bool] = {}
+    to_leaves: dict[Any, int] = {}
+    stack = list(roots)
+    while stack:
+        node = stack[-1]
+        if node in to_input:
+            stack.pop()
+            continue
+        children = graph[node]
+        pending = [child for child in children if type(child) is not int and child not in to_input]
+        if pending:
+            stack += pending
+            continue
+        stack.pop()
+        reaches_input, bits = False, 0
+        for child in children:
+            if type(child) is int:
+                reaches_input = reaches_input or child in input_ids
+                bits |= leaf_bits.get(child, 0)
+            else:
+                reaches_input = reaches_input or to_input[child]
+                bits |= to_leaves[child]
+        to_input[node] = reaches_input
+        to_leaves[node] = bits
+    return to_input, to_leaves

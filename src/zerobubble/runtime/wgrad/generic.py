@@ -70,8 +70,8 @@ class LocalGraph:
         self.anchor = anchor  # an input of every routed F.linear node (.routed), or None
         # where W starts when not at the outputs (.frontier): found once, here, at forward time
         self.frontier = None
-        if self.leaves and leaves.inner:
-            self.frontier = find_frontier(outputs, inputs, self.leaves, _DEFERRING_NODES)
+        if self.leaves and leaves.graph is not None:
+            self.frontier = find_frontier(outputs, inputs, self.leaves, leaves.graph)
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """B (deferring) or BW: gradients of the local inputs, then of the leaves (None if deferred)."""
@@ -221,9 +221,13 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
 
     With ``routed`` (a set), ``F.linear`` calls on leaf weights in the module's forward take a
     closed-form split (:mod:`.routed`) and the ids of modules where that happened are added to it;
-    without, every parameter is a leaf of the local graph (the generic split alone).
+    without, every parameter is a leaf of the local graph (the generic split alone).  A module whose
+    first routed forward routed no call is not routed again: the mode costs every torch call of the
+    forward a Python call (``docs/wgrad.md``), and a later ``F.linear`` on a leaf weight would still
+    be split exactly, generically.
     """
     router = None if routed is None else LinearRouter(store)
+    nothing_to_route: set[int] = set()  # ids of modules whose routed forward routed no call
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         original = type(module).forward
@@ -246,10 +250,11 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         hooked: list[SavedOnce] = []
         store.local_depth += 1
-        if router is not None:
-            router.begin(local_inputs)
+        routing = router if router is not None and id(module) not in nothing_to_route else None
+        if routing is not None:
+            routing.begin(local_inputs)
         try:
-            with router or _NOT_ROUTING:
+            with routing or _NOT_ROUTING:
                 if hooks is None:
                     result = original(module, *local_args, **local_kwargs)
                 else:  # checkpointing, offloading: save through them, unpack once (see LocalGraph)
@@ -257,9 +262,11 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
                         result = original(module, *local_args, **local_kwargs)
         finally:
             store.local_depth -= 1
-            anchor = None if router is None else router.end()
+            anchor = None if routing is None else routing.end()
         if anchor is not None and routed is not None:
             routed.add(id(module))
+        elif routing is not None:
+            nothing_to_route.add(id(module))
         if isinstance(result, torch.Tensor):  # the common case, without a tree walk
             if not result.requires_grad:
                 return result
@@ -305,13 +312,14 @@ class Leaves(NamedTuple):
     """The leaves of a local graph, by the pass that computes their gradients."""
 
     deferred: list[torch.Tensor]
-    """W computes these, from the local graph's outputs."""
+    """W computes these, from the local graph's outputs or its frontier (:mod:`.frontier`)."""
     in_b: list[torch.Tensor]
     """Parameters only normalisation kernels use: B's call of the kernel computes their gradients."""
-    inner: bool
-    """Whether the graph has two nodes or more that are no views: only then may W start somewhere
-    other than at the outputs (:mod:`.frontier`); one ``addmm``, one norm or one convolution is
-    the frontier itself."""
+    graph: dict[Any, list[Any]] | None
+    """The children of every node the walk passed (a leaf child as its tensor's ``id``), kept when
+    the graph has two nodes or more that are no views: only then may W start somewhere other than
+    at the outputs (:mod:`.frontier`); one ``addmm``, one norm or one convolution is the frontier
+    itself."""
 
 
 def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -> Leaves:
@@ -324,7 +332,7 @@ def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -
     excluded = {id(t) for t in exclude}
     leaves: dict[int, torch.Tensor] = {}
     only_norms: dict[int, bool] = {}  # id of a leaf: every edge into it came from a norm kernel
-    seen: set[Any] = set()
+    graph: dict[Any, list[Any]] = {}  # node: its children, as the frontier's walk reads them
     heavy = 0  # nodes that are no views
     stack = []
     for out in outputs:
@@ -335,9 +343,10 @@ def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -
             only_norms[id(out)] = False
     while stack:
         node = stack.pop()
-        if node in seen:
+        if node in graph:
             continue
-        seen.add(node)
+        children: list[Any] = []
+        graph[node] = children
         edges = node.next_functions
         if isinstance(node, _DEFERRING_NODES):
             edges = edges[:1]  # only the input; its parameters are deferred by the node itself
@@ -350,8 +359,12 @@ def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -
             variable = getattr(next_node, "variable", None)
             if variable is None:
                 stack.append(next_node)
-            elif id(variable) not in excluded:  # an AccumulateGrad node of a leaf
+                children.append(next_node)
+                continue
+            children.append(id(variable))  # an AccumulateGrad node: a leaf, where the walk ends
+            if id(variable) not in excluded:
                 leaves.setdefault(id(variable), variable)
                 only_norms[id(variable)] = only_norms.get(id(variable), True) and norm
     deferred = [leaf for key, leaf in leaves.items() if not only_norms[key]]
-    return Leaves(deferred, [leaf for key, leaf in leaves.items() if only_norms[key]], heavy > 1)
+    in_b = [leaf for key, leaf in leaves.items() if only_norms[key]]
+    return Leaves(deferred, in_b, graph if heavy > 1 else None)
