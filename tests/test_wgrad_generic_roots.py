@@ -144,6 +144,27 @@ def test_w_from_the_frontier_does_not_recompute_the_gradient_between_two_matmuls
     assert calls["mm"] == 2 * 4
 
 
+class RoutedOnTop(nn.Module):
+    """``F.linear(gelu(x @ w_in), w_out)``: the top projection routed, the bottom one a leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(WIDTH, 2 * WIDTH) / WIDTH**0.5)
+        self.w_out = nn.Parameter(torch.randn(WIDTH, 2 * WIDTH) / WIDTH**0.5)
+
+    def forward(self, x):
+        return F.linear(F.gelu(x @ self.w_in), self.w_out)
+
+
+def test_a_routed_call_above_the_frontier_is_not_run_again_by_w():
+    torch.manual_seed(0)
+    calls = _split_and_compare(RoutedOnTop(), None)
+    assert calls["gelu_backward"] == 2
+    # per microbatch: B's input sides of both projections, W's weight sides (the routed one in closed
+    # form: a GEMM into .grad, addmm_, once .grad exists)
+    assert calls["mm"] + calls["addmm_"] == 2 * 4
+
+
 def test_without_gradient_edge_roots_w_starts_from_the_outputs(monkeypatch):
     monkeypatch.setattr(frontier_module, "EDGE_ROOTS", False)
     torch.manual_seed(0)
