@@ -290,3 +290,46 @@ def test_the_profile_counts_no_parameter_as_kept_for_w():
     parameter_bytes = sum(p.numel() * 4 for p in layers[0].parameters())
     # gelu(x @ w_in) @ w_out keeps for W: the input, the hidden activation and two kept gradients
     assert 0 < profile.layers[0].weight_input_bytes < parameter_bytes
+
+
+def test_frontier_roots_under_autocast_give_float32_gradients_close_to_autograd():
+    torch.manual_seed(0)
+    model = RawBlockLike()
+    reference = copy.deepcopy(model)
+    store = WeightGradStore()
+    install_deferral([model], store, None)
+    inputs = [torch.randn(2, 5, WIDTH, requires_grad=True) for _ in range(2)]
+    counter = KernelCounter()
+    for j, x in enumerate(inputs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = reference(x.detach()).float().square().sum()
+            loss = model(x).float().square().sum()
+        expected.backward()
+        with counter:
+            store.begin((0, j), defer=True)
+            loss.backward()
+            store.end()
+    assert all(p.grad is None for p in model.parameters())
+    with counter:
+        for j in range(len(inputs)):
+            store.flush((0, j))
+    assert counter.calls["gelu_backward"] == 2, "W started from the outputs"
+    for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        assert param.grad is not None and param.grad.dtype == torch.float32, name
+        torch.testing.assert_close(param.grad, ref.grad, rtol=2e-2, atol=2e-2, msg=name)
+
+
+class RawBlockLike(nn.Module):
+    """Attention and an MLP on raw parameters, with a functional layer norm (frontier and norm in B)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.qkv = nn.Parameter(torch.randn(WIDTH, 3 * WIDTH) / WIDTH**0.5)
+        self.up = nn.Parameter(torch.randn(WIDTH, 2 * WIDTH) / WIDTH**0.5)
+        self.down = nn.Parameter(torch.randn(2 * WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x):
+        q, k, v = (F.layer_norm(x, (WIDTH,), self.norm) @ self.qkv).split(WIDTH, dim=-1)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + F.gelu(x @ self.up) @ self.down
