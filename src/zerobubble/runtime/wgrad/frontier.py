@@ -107,75 +107,67 @@ def find_frontier(
     """
     if not EDGE_ROOTS or not inputs or not deferred:
         return None
-    leaf_bits = {id(t): 0 for t in inputs}  # a local input: no leaf bit, but it reaches an input
-    leaf_bits.update((id(leaf), 1 << i) for i, leaf in enumerate(deferred))
-    input_ids = {id(t) for t in inputs}
+    # a leaf's code: bit 0 for a local input, bit i + 1 for deferred[i], nothing for other leaves
+    codes = {id(t): 1 for t in inputs}
+    codes.update((id(leaf), 2 << i) for i, leaf in enumerate(deferred))
     roots = [out.grad_fn for out in outputs if out.grad_fn is not None]
-    to_input, to_leaves = _reach(graph, roots, input_ids, leaf_bits)
-    if any(not to_input[root] and to_leaves[root] for root in roots):
+    reach = _reach(graph, roots, codes)
+    if any(reach[root] > 1 and not reach[root] & 1 for root in roots):
         return None  # an output depends on parameters alone: it would need a root of its own
     nodes: list[Any] = []
     leaf_sets: list[int] = []
     worth_it = False
-    for node, reaches_input in to_input.items():
-        if not reaches_input or not to_leaves[node]:
+    for node, bits in reach.items():
+        if not bits & 1 or bits == 1:  # leads to no local input, or to no deferred leaf
             continue
         parameter_side = mixed_side = 0
         for child in graph[node]:
-            if type(child) is int:
-                if child in input_ids:
-                    continue
-                parameter_side |= leaf_bits.get(child, 0)
-            elif to_input[child]:
-                mixed_side |= to_leaves[child]
+            child_bits = codes.get(child, 0) if type(child) is int else reach[child]
+            if child_bits & 1:
+                mixed_side |= child_bits
             else:
-                parameter_side |= to_leaves[child]
+                parameter_side |= child_bits
         if parameter_side & mixed_side:
             return None  # a parameter behind both sides: starting here would count it twice
         if parameter_side:
             nodes.append(node)
             leaf_sets.append(parameter_side)
             # W from the outputs would also run this node's input side, to reach parameters below it
-            worth_it = worth_it or mixed_side != 0
+            worth_it = worth_it or mixed_side > 1
         elif type(node).__name__ not in VIEWS:
             worth_it = True  # W from the outputs would run this node's backward again
     if not worth_it:
         return None
-    leaves = [[leaf for bit, leaf in enumerate(deferred) if bits >> bit & 1] for bits in leaf_sets]
+    leaves = [[leaf for bit, leaf in enumerate(deferred, 1) if bits >> bit & 1] for bits in leaf_sets]
     return Frontier(nodes, leaves)
 
 
-def _reach(
-    graph: dict[Any, list[Any]], roots: list[Any], input_ids: set[int], leaf_bits: dict[int, int]
-) -> tuple[dict[Any, bool], dict[Any, int]]:
-    """For every node below ``roots``: whether it leads to a local input, and the bit set of the
-    deferred leaves it leads to (bit ``i``: ``deferred[i]``).
+def _reach(graph: dict[Any, list[Any]], roots: list[Any], codes: dict[int, int]) -> dict[Any, int]:
+    """For every node below ``roots``, the codes of the leaves it leads to, or-ed (``codes``: bit 0
+    for a local input, bit ``i + 1`` for ``deferred[i]``).
 
     Bottom-up over the recorded children (no second walk of autograd's own graph), with an explicit
     stack, so deep graphs do not hit Python's recursion limit: a node is finished once every child is.
     """
-    to_input: dict[Any, bool] = {}
-    to_leaves: dict[Any, int] = {}
+    reach: dict[Any, int] = {}
     stack = list(roots)
     while stack:
         node = stack[-1]
-        if node in to_input:
+        if node in reach:
             stack.pop()
             continue
-        children = graph[node]
-        pending = [child for child in children if type(child) is not int and child not in to_input]
-        if pending:
-            stack += pending
-            continue
-        stack.pop()
-        reaches_input, bits = False, 0
-        for child in children:
+        bits, pending = 0, False
+        for child in graph[node]:
             if type(child) is int:
-                reaches_input = reaches_input or child in input_ids
-                bits |= leaf_bits.get(child, 0)
+                bits |= codes.get(child, 0)
             else:
-                reaches_input = reaches_input or to_input[child]
-                bits |= to_leaves[child]
-        to_input[node] = reaches_input
-        to_leaves[node] = bits
-    return to_input, to_leaves
+                child_bits = reach.get(child)
+                if child_bits is None:
+                    stack.append(child)
+                    pending = True
+                else:
+                    bits |= child_bits
+        if not pending:
+            stack.pop()
+            reach[node] = bits
+    return reach
