@@ -292,6 +292,22 @@ def test_the_profile_counts_no_parameter_as_kept_for_w():
     assert 0 < profile.layers[0].weight_input_bytes < parameter_bytes
 
 
+class RawBlockLike(nn.Module):
+    """Attention and an MLP on raw parameters, with a functional layer norm (frontier and norm in B)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.qkv = nn.Parameter(torch.randn(WIDTH, 3 * WIDTH) / WIDTH**0.5)
+        self.up = nn.Parameter(torch.randn(WIDTH, 2 * WIDTH) / WIDTH**0.5)
+        self.down = nn.Parameter(torch.randn(2 * WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x):
+        q, k, v = (F.layer_norm(x, (WIDTH,), self.norm) @ self.qkv).split(WIDTH, dim=-1)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + F.gelu(x @ self.up) @ self.down
+
+
 def test_frontier_roots_under_autocast_give_float32_gradients_close_to_autograd():
     torch.manual_seed(0)
     model = RawBlockLike()
@@ -317,19 +333,3 @@ def test_frontier_roots_under_autocast_give_float32_gradients_close_to_autograd(
     for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
         assert param.grad is not None and param.grad.dtype == torch.float32, name
         torch.testing.assert_close(param.grad, ref.grad, rtol=2e-2, atol=2e-2, msg=name)
-
-
-class RawBlockLike(nn.Module):
-    """Attention and an MLP on raw parameters, with a functional layer norm (frontier and norm in B)."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.Parameter(torch.rand(WIDTH) + 0.5)
-        self.qkv = nn.Parameter(torch.randn(WIDTH, 3 * WIDTH) / WIDTH**0.5)
-        self.up = nn.Parameter(torch.randn(WIDTH, 2 * WIDTH) / WIDTH**0.5)
-        self.down = nn.Parameter(torch.randn(2 * WIDTH, WIDTH) / WIDTH**0.5)
-
-    def forward(self, x):
-        q, k, v = (F.layer_norm(x, (WIDTH,), self.norm) @ self.qkv).split(WIDTH, dim=-1)
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return x + F.gelu(x @ self.up) @ self.down
