@@ -184,6 +184,37 @@ def test_a_weight_used_on_both_sides_of_the_frontier_makes_w_start_from_the_outp
     assert calls["gelu_backward"] == 2 * 2
 
 
+class ReturnsItsScale(MatmulBlock):
+    """Returns one of its parameters as it is, next to the projection: no node leads to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+
+    def forward(self, x):
+        return super().forward(x), self.scale
+
+
+def test_a_parameter_returned_as_it_is_still_gets_its_gradient():
+    torch.manual_seed(0)
+    model = ReturnsItsScale()
+    reference = copy.deepcopy(model)
+    store = WeightGradStore()
+    install_deferral([model], store, None)
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    out, scale = reference(x.detach())
+    (out * scale).sum().backward()
+    out, scale = model(x)
+    store.begin((0, 0), defer=True)
+    (out * scale).sum().backward()
+    store.end()
+    assert all(p.grad is None for p in model.parameters())
+    store.flush((0, 0))
+    for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+        assert param.grad is not None, f"{name} got no gradient"
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_frontier_roots_compose_with_checkpointing():
     torch.manual_seed(0)
 

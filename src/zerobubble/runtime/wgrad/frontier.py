@@ -136,7 +136,12 @@ def find_frontier(
             worth_it = worth_it or mixed_side > 1
         elif type(node).__name__ not in VIEWS:
             worth_it = True  # W from the outputs would run this node's backward again
-    if not worth_it:
+    # every deferred leaf behind some frontier node: not so for a parameter the module returns as
+    # it is (no node leads to it), which only W from the outputs reaches
+    covered = 0
+    for bits in leaf_sets:
+        covered |= bits
+    if not worth_it or covered != (2 << len(deferred)) - 2:
         return None
     leaves = [[leaf for bit, leaf in enumerate(deferred, 1) if bits >> bit & 1] for bits in leaf_sets]
     return Frontier(nodes, leaves)
