@@ -34,6 +34,7 @@ import copy
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -228,21 +229,45 @@ class _BOrderStore(WeightGradStore):
                 work()
 
 
-def w_order(rows: int, repeats: int = 61) -> dict[str, dict[str, float]]:
-    """(T_B + T_W) / fused backward per bench stage, W first to last against W last to first."""
+Split = Callable[[nn.Module, nn.Module], tuple[nn.Module, WeightGradStore]]
+"""Splits a fresh copy of a bench stage (given the fused one): the module to run and its store."""
+
+
+def stages_side_by_side(
+    splits: dict[str, Split], rows: int, repeats: int, fresh: bool = False
+) -> dict[str, dict[str, float]]:
+    """(T_B + T_W) / fused backward of every bench stage for each of ``splits``, side by side in one
+    process (:func:`_split_ratios`)."""
     from zerobubble_bench.wgrad import _split_stages
 
     results = {}
     for label, make, shape in _split_stages():
         fused = make()
-        variants = {}
-        for name, store in (("first to last", WeightGradStore()), ("last to first", _BOrderStore())):
-            module = make()
-            install_deferral([module], store)
-            variants[name] = (module, store, True)
+        variants = {name: (*split(make(), fused), True) for name, split in splits.items()}
         x = torch.randn(*shape(rows), requires_grad=True)
-        results[label] = _split_ratios(fused, variants, x, repeats)
+        results[label] = _split_ratios(fused, variants, x, repeats, fresh)
     return results
+
+
+def _installed(
+    module: nn.Module, store: WeightGradStore, paths: FastPaths | None = None
+) -> tuple[nn.Module, WeightGradStore]:
+    install_deferral([module], store, paths)
+    return module, store
+
+
+def _default_split(module: nn.Module, fused: nn.Module) -> tuple[nn.Module, WeightGradStore]:
+    return _installed(module, WeightGradStore())
+
+
+def _b_order_split(module: nn.Module, fused: nn.Module) -> tuple[nn.Module, WeightGradStore]:
+    return _installed(module, _BOrderStore())
+
+
+def w_order(rows: int, repeats: int = 61) -> dict[str, dict[str, float]]:
+    """(T_B + T_W) / fused backward per bench stage, W first to last against W last to first."""
+    splits = {"first to last": _default_split, "last to first": _b_order_split}
+    return stages_side_by_side(splits, rows, repeats)
 
 
 def _attention_variants() -> tuple[nn.Module, dict[str, tuple[nn.Module, WeightGradStore, bool]]]:
@@ -326,19 +351,12 @@ def print_routing() -> None:
 def native_against_function(rows: int, fresh: bool, repeats: int = 41) -> dict[str, dict[str, float]]:
     """(T_B + T_W) / fused backward per bench stage: B through autograd's own nodes (the default)
     against B through the autograd function (:func:`function_fast_paths`), side by side."""
-    from zerobubble_bench.wgrad import _split_stages
 
-    results = {}
-    for label, make, shape in _split_stages():
-        fused = make()
-        variants = {}
-        for name, paths in (("native nodes", None), ("autograd function", function_fast_paths(fused))):
-            module, store = make(), WeightGradStore()
-            install_deferral([module], store, paths)
-            variants[name] = (module, store, True)
-        x = torch.randn(*shape(rows), requires_grad=True)
-        results[label] = _split_ratios(fused, variants, x, repeats, fresh)
-    return results
+    def function_split(module: nn.Module, fused: nn.Module) -> tuple[nn.Module, WeightGradStore]:
+        return _installed(module, WeightGradStore(), function_fast_paths(fused))
+
+    splits = {"native nodes": _default_split, "autograd function": function_split}
+    return stages_side_by_side(splits, rows, repeats, fresh)
 
 
 class _WithSettings(nn.Module):
@@ -369,30 +387,35 @@ each of the two, and without both (the previous release's generic split)."""
 def generic_variants(rows: int, fresh: bool, repeats: int = 41) -> dict[str, dict[str, float]]:
     """(T_B + T_W) / fused backward of each bench stage split generically (an empty registry, no
     routing), for each of :data:`GENERIC_VARIANTS`, side by side."""
-    from zerobubble_bench.wgrad import _split_stages
 
-    results = {}
-    for label, make, shape in _split_stages():
-        fused = make()
-        variants = {}
-        for name, settings in GENERIC_VARIANTS.items():
-            module, store = make(), WeightGradStore()
-            install_deferral([module], store, FastPaths())
-            variants[name] = (_WithSettings(module, settings), store, True)
-        x = torch.randn(*shape(rows), requires_grad=True)
-        results[label] = _split_ratios(fused, variants, x, repeats, fresh)
-    return results
+    def generic_split(settings: dict[tuple[Any, str], Any]) -> Split:
+        def split(module: nn.Module, fused: nn.Module) -> tuple[nn.Module, WeightGradStore]:
+            module, store = _installed(module, WeightGradStore(), FastPaths())
+            return _WithSettings(module, settings), store
+
+        return split
+
+    splits = {name: generic_split(settings) for name, settings in GENERIC_VARIANTS.items()}
+    return stages_side_by_side(splits, rows, repeats, fresh)
 
 
 def _print_generic() -> None:
-    names = list(GENERIC_VARIANTS)
-    print("\n| generic split: stage, rows, .grad | " + " | ".join(names) + " |")
-    print("|---" * (len(names) + 1) + "|")
+    columns = {name: name for name in GENERIC_VARIANTS}
+    _print_regimes("generic split: stage, rows, .grad", columns, generic_variants)
+
+
+def _print_regimes(
+    first: str, columns: dict[str, str], compute: Callable[[int, bool], dict[str, dict[str, float]]]
+) -> None:
+    """A table of ``compute(rows, fresh)`` per stage: ``.grad`` accumulating and fresh, 32 and 128 rows;
+    ``columns`` maps each variant to its header."""
+    print(f"\n| {first} | " + " | ".join(columns.values()) + " |")
+    print("|---" * (len(columns) + 1) + "|")
     for fresh in (False, True):
         for rows in (32, 128):
-            for label, ratios in generic_variants(rows, fresh).items():
+            for label, ratios in compute(rows, fresh).items():
                 regime = "fresh" if fresh else "accumulating"
-                cells = " | ".join(f"{ratios[name]:.3f}" for name in names)
+                cells = " | ".join(f"{ratios[name]:.3f}" for name in columns)
                 print(f"| {label}, {rows}, {regime} | {cells} |", flush=True)
 
 
@@ -451,17 +474,11 @@ def _print_order() -> None:
 
 
 def _print_native() -> None:
-    print("\n| stage, rows, .grad | B through autograd's own nodes | B through the autograd function |")
-    print("|---|---|---|")
-    for fresh in (False, True):
-        for rows in (32, 128):
-            for label, ratios in native_against_function(rows, fresh).items():
-                regime = "fresh" if fresh else "accumulating"
-                print(
-                    f"| {label}, {rows}, {regime} | {ratios['native nodes']:.3f} "
-                    f"| {ratios['autograd function']:.3f} |",
-                    flush=True,
-                )
+    columns = {
+        "native nodes": "B through autograd's own nodes",
+        "autograd function": "B through the autograd function",
+    }
+    _print_regimes("stage, rows, .grad", columns, native_against_function)
 
 
 SECTIONS = {

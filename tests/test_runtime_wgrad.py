@@ -99,6 +99,15 @@ def _assert_grads_equal(model: nn.Module, reference: nn.Module) -> None:
         torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _w_after_b(model: nn.Module, store: WeightGradStore, reference: nn.Module) -> None:
+    """Checks that B wrote no ``.grad``, runs W of every pending key (last first), compares."""
+    assert all(p.grad is None for p in model.parameters()), "no .grad may be written in B"
+    for key in reversed(store.pending_keys()):
+        store.flush(key)
+    assert store.pending_keys() == []
+    _assert_grads_equal(model, reference)
+
+
 def _split_backward(model, store, losses, stage=0):
     for j, loss in enumerate(losses):
         store.begin((stage, j), defer=True)
@@ -285,10 +294,7 @@ def test_autocast_bf16_computes_w_in_saved_dtype_and_accumulates_in_parameter_dt
             out = model(t)
         losses.append(out.float().square().mean())
     _split_backward(model, store, losses)
-    assert all(p.grad is None for p in model.parameters())
-    store.flush((0, 0))
-    store.flush((0, 1))
-    _assert_grads_equal(model, reference)
+    _w_after_b(model, store, reference)
 
 
 class Gate(nn.Module):
@@ -487,10 +493,7 @@ def test_parametrized_weight_takes_the_generic_split_and_reaches_the_real_parame
     deferral = install_deferral([model], store)
     assert deferral.summary() == {"fast Linear": 1, "generic ParametrizedLinear": 1}
     _split_backward(model, store, [model(x).square().sum() for x in batches])
-    assert all(p.grad is None for p in model.parameters())
-    store.flush((0, 0))
-    store.flush((0, 1))
-    _assert_grads_equal(model, reference)
+    _w_after_b(model, store, reference)
 
 
 def test_offloading_hooks_keep_w_of_generically_split_modules_deferred():
@@ -615,10 +618,7 @@ def test_generic_w_passing_through_native_nodes_adds_their_gradients_once():
     deferral = install_deferral([model], store)
     assert deferral.summary() == {"fast Linear": 2, "fast LayerNorm": 1, "generic _GenericAroundNative": 1}
     _split_backward(model, store, [model(x).square().sum() for x in batches])
-    assert all(p.grad is None for p in model.parameters())
-    store.flush((0, 0))
-    store.flush((0, 1))
-    _assert_grads_equal(model, reference)
+    _w_after_b(model, store, reference)
 
 
 class NativeGateRule(GateRule):
@@ -642,10 +642,7 @@ def test_a_registered_rule_with_native_backward_runs_b_in_autograd_nodes():
     names = _node_names(losses[0])
     assert "MulBackward0" in names and names.count("SplitFunctionBackward") == 1, names  # the Linear's
     _split_backward(model, store, losses)
-    assert all(p.grad is None for p in model.parameters())
-    store.flush((0, 1))
-    store.flush((0, 0))
-    _assert_grads_equal(model, reference)
+    _w_after_b(model, store, reference)
 
 
 class _Scaled(nn.Module):

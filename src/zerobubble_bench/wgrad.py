@@ -38,10 +38,11 @@ def wgrad_split_cost(
 
     Stages (``stages``: names from :data:`SPLIT_STAGES`, default all): 4 × (Linear(1024) + ReLU) of
     the MLP, one GPT block (width 256, ``rows`` tokens), two Conv2d(32, 3×3) + BatchNorm2d + ReLU
-    blocks (``rows`` images of 8×8) and one ``nn.MultiheadAttention`` block (width 256, 4 heads,
-    ``rows`` tokens; its projections are ``F.linear`` calls on parameters).  Splits: ``fast paths``
-    (the default registry), ``generic only`` (an empty registry: every module through the generic
-    split) and ``torch pipelining`` (``stage_backward_input``/``stage_backward_weight`` of
+    blocks (``rows`` images of 8×8), one ``nn.MultiheadAttention`` block (width 256, 4 heads,
+    ``rows`` tokens; its projections are ``F.linear`` calls on parameters) and one transformer block
+    on raw parameters (:class:`~.split_models.RawBlock`: only the generic split covers it).  Splits:
+    ``fast paths`` (the default registry), ``generic only`` (an empty registry: every module through
+    the generic split) and ``torch pipelining`` (``stage_backward_input``/``stage_backward_weight`` of
     ``torch.distributed.pipelining``, for reference).  Fused and split backwards alternate within
     each repeat; medians are reported.  With ``accumulate`` gradients add into existing ``.grad``
     tensors (every microbatch of a step but the first); without, ``.grad`` is reset before each
@@ -125,36 +126,32 @@ SPLIT_STAGES = ("mlp", "gpt", "conv", "mha", "raw")
 def _split_stages(names: Sequence[str] | None = None):
     """``(label, make, shape of rows)`` of the stages ``names`` (default: all), in table order."""
 
+    def seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        """``build`` with the same initial weights at every call, the caller's RNG state left as it was."""
+
+        def make() -> nn.Module:
+            with preserved_torch_state():
+                torch.manual_seed(0)
+                return build()
+
+        return make
+
     def mlp() -> nn.Module:
         return nn.Sequential(*mlp_layers(4))
 
-    def block() -> nn.Module:
-        with preserved_torch_state():
-            torch.manual_seed(0)
-            return Block(GPTConfig(vocab=16, seq_len=512, dim=256, heads=4, n_layers=1))
-
     def conv() -> nn.Module:
-        with preserved_torch_state():
-            torch.manual_seed(0)
-            layers: list[nn.Module] = []
-            for _ in range(2):
-                layers += [nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU()]
-            return nn.Sequential(*layers)
+        layers: list[nn.Module] = []
+        for _ in range(2):
+            layers += [nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU()]
+        return nn.Sequential(*layers)
 
-    def attention() -> nn.Module:
-        with preserved_torch_state():
-            torch.manual_seed(0)
-            return AttentionBlock(256, heads=4)
-
-    def raw() -> nn.Module:
-        with preserved_torch_state():
-            torch.manual_seed(0)
-            return RawBlock(256, heads=4)
-
+    block = seeded(lambda: Block(GPTConfig(vocab=16, seq_len=512, dim=256, heads=4, n_layers=1)))
+    attention = seeded(lambda: AttentionBlock(256, heads=4))
+    raw = seeded(lambda: RawBlock(256, heads=4))
     stages = {
         "mlp": ("MLP 4×Linear(1024)", mlp, lambda rows: (rows, 1024)),
         "gpt": ("GPT block d=256", block, lambda rows: (1, rows, 256)),
-        "conv": ("2×(Conv2d+BatchNorm2d) c=32", conv, lambda rows: (rows, 32, 8, 8)),
+        "conv": ("2×(Conv2d+BatchNorm2d) c=32", seeded(conv), lambda rows: (rows, 32, 8, 8)),
         "mha": ("MultiheadAttention block d=256", attention, lambda rows: (1, rows, 256)),
         "raw": ("raw-parameter block d=256", raw, lambda rows: (1, rows, 256)),
     }

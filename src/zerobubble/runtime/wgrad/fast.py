@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .rules import SplitRule
-from .store import WeightGradStore, accumulate
+from .store import WeightGradStore, accumulate_each
 
 _ARGS = 2  # x, plan: the parameters follow
 _top_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) or None
@@ -139,9 +139,7 @@ class FastPlan:
         self._add_grads(self.rule.weight_grads(self.module, saved, grad_output, needed))
 
     def _add_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
-        for param, grad in zip(self.params(), grads):
-            if grad is not None:
-                accumulate(param, grad)
+        accumulate_each(self.params(), grads)
 
 
 class _WeightCapture:

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .fast import SplitFunction
 from .frontier import VIEWS, find_frontier
 from .routed import LinearRouter, LinearSplit
-from .store import WeightGradStore, accumulate
+from .store import WeightGradStore, accumulate_each
 
 _DEFERRING_NODES = (SplitFunction._backward_cls, LinearSplit._backward_cls)
 _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for every call
@@ -50,7 +50,7 @@ _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for ever
 class LocalGraph:
     """One call's local graph: differentiable outputs, local inputs, leaves that get W gradients."""
 
-    __slots__ = ("anchor", "frontier", "hooked", "in_b", "inputs", "leaves", "outputs", "store")
+    __slots__ = ("anchors", "frontier", "hooked", "in_b", "inputs", "leaves", "outputs", "store")
 
     def __init__(
         self,
@@ -67,7 +67,7 @@ class LocalGraph:
         self.leaves = leaves.deferred
         self.in_b = leaves.in_b
         self.hooked = hooked  # what the local graph saved through outer saved-tensor hooks
-        self.anchor = anchor  # an input of every routed F.linear node (.routed), or None
+        self.anchors = () if anchor is None else (anchor,)  # an input of every routed F.linear node
         # where W starts when not at the outputs (.frontier): found once, here, at forward time
         self.frontier = None
         if self.leaves and leaves.graph is not None:
@@ -83,7 +83,7 @@ class LocalGraph:
         pairs = [(out, grad) for out, grad in zip(self.outputs, grads) if grad is not None]
         self.outputs = []  # the W closure holds what it needs; the bridge node keeps nothing
         # the bridge's edges to the leaves and the anchor get no gradient: W adds the leaves'
-        untouched = (None,) * (len(self.leaves) + len(self.in_b) + (self.anchor is not None))
+        untouched = (None,) * (len(self.leaves) + len(self.in_b) + len(self.anchors))
         if not pairs:
             return (None,) * len(self.inputs) + untouched
         outputs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -94,8 +94,7 @@ class LocalGraph:
         input_grads: Sequence[torch.Tensor | None] = ()
         # asking for the anchor's gradient (always None) makes B run every routed node, which queues
         # its weight work, even those whose input needs no gradient
-        anchor = () if self.anchor is None else (self.anchor,)
-        wanted = (*self.inputs, *self.in_b, *anchor)
+        wanted = (*self.inputs, *self.in_b, *self.anchors)
         if self.frontier is not None:
             self.frontier.arm()
         if wanted:  # keep the graph if the W op walks it again
@@ -103,7 +102,7 @@ class LocalGraph:
             count = len(self.inputs)
             input_grads = grads[:count]
             if self.in_b:  # the norm kernels' parameter gradients, computed with the input's
-                self.store.put(partial(_add_grads, self.in_b, grads[count : count + len(self.in_b)]))
+                self.store.put(partial(accumulate_each, self.in_b, grads[count : count + len(self.in_b)]))
         if self.frontier is not None:
             self.store.put(self.frontier.weight_pass)
         elif self.leaves:
@@ -114,14 +113,7 @@ class LocalGraph:
         """The outputs joined to the stage's graph, through a :class:`Bridge` whose inputs are the
         module's arguments ``outer``, the leaves and the anchor (so that B reaches the bridge even
         when nothing else it depends on requires grad: a first stage whose weights are all routed)."""
-        anchor = () if self.anchor is None else (self.anchor,)
-        return Bridge.apply(self, *outer, *self.leaves, *self.in_b, *anchor)
-
-
-def _add_grads(leaves: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    for leaf, grad in zip(leaves, grads):
-        if grad is not None:
-            accumulate(leaf, grad)
+        return Bridge.apply(self, *outer, *self.leaves, *self.in_b, *self.anchors)
 
 
 class SavedOnce:

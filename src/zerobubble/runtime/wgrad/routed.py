@@ -137,20 +137,19 @@ class LinearRouter(TorchFunctionMode):
         if anchor is None:
             anchor = self.anchor = torch.empty(0, device=input.device, requires_grad=True)
         targets = (self.store, weight, bias if bias is not None and bias.requires_grad else None)
-        if torch._C._is_any_autocast_enabled():
-            device = input.device.type
-            if torch.is_autocast_enabled(device):
-                # as fast_forward does for MatmulRule: cast as autocast would, then run without it;
-                # B and W compute in the cast dtype and W adds into .grad in the parameter's dtype
-                dtype = torch.get_autocast_dtype(device)
-                input = input.to(dtype) if input.is_floating_point() else input
-                weight = weight.to(dtype)
-                bias = None if bias is None else bias.to(dtype)
-                added = None if added is None else added.to(dtype)
-                with torch.autocast(device, enabled=False):
-                    out = LinearSplit.apply(input, anchor, weight, bias, targets)
-                return out if added is None else out + added
-        out = LinearSplit.apply(input, anchor, weight, bias, targets)
+        device = input.device.type
+        if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(device):
+            # as fast_forward does for MatmulRule: cast as autocast would, then run without it;
+            # B and W compute in the cast dtype and W adds into .grad in the parameter's dtype
+            dtype = torch.get_autocast_dtype(device)
+            input = input.to(dtype) if input.is_floating_point() else input
+            weight = weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+            added = None if added is None else added.to(dtype)
+            with torch.autocast(device, enabled=False):
+                out = LinearSplit.apply(input, anchor, weight, bias, targets)
+        else:
+            out = LinearSplit.apply(input, anchor, weight, bias, targets)
         return out if added is None else out + added
 
     def _owned_leaf(self, tensor: torch.Tensor) -> bool:

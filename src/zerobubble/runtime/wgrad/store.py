@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -114,6 +114,13 @@ def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad
     else:
         param.grad.add_(grad)
+
+
+def accumulate_each(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """:func:`accumulate` each gradient into its parameter; None (no gradient) is skipped."""
+    for param, grad in zip(params, grads):
+        if grad is not None:
+            accumulate(param, grad)
 
 
 def accumulate_product(param: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
