@@ -22,9 +22,12 @@
 8. the generic split of each bench stage (an empty registry, no routing) as installed, with W
    starting from the outputs instead of the frontier, with the norm kernels' parameter gradients
    computed by a second masked call in W, and with neither (the previous release), side by side.
+9. the generic split as installed against a split without its per-module machinery (one B engine
+   run of the whole stage graph, W from the stage's frontier): what the bridges and nested engine
+   runs cost.
 
     python benchmarks/wgrad_overhead.py [section ...]
-    (sections: layers masks conv order native routing generic)
+    (sections: layers masks conv order native routing generic floor)
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from zerobubble.runtime.wgrad import (
     install_deferral,
 )
 from zerobubble.runtime.wgrad.rules import ConvRule
+from zerobubble.runtime.wgrad.store import accumulate_each
 
 
 def per_layer_overhead(
@@ -419,6 +423,74 @@ def _print_regimes(
                 print(f"| {label}, {rows}, {regime} | {cells} |", flush=True)
 
 
+def stage_frontier_floor(rows: int, fresh: bool, repeats: int = 41) -> dict[str, dict[str, float]]:
+    """(T_B + T_W) / fused backward per bench stage: the generic split as installed (a bridge and a
+    nested engine run per module in B) against a split with neither — B one engine run of the
+    whole stage graph to its input (``torch.autograd.grad``, graph kept; the parameters that only
+    norm kernels use asked for too), W from the frontier of the whole stage, found by the same walk
+    (:func:`.frontier.find_frontier`, not timed: the installed split walks at forward time too).
+    What the per-module machinery costs; side by side, alternating, in one process."""
+    from zerobubble_bench.wgrad import _split_stages
+
+    results = {}
+    for label, make, shape in _split_stages():
+        fused, plain = make(), make()
+        installed, store = _installed(make(), WeightGradStore(), FastPaths())
+        x = torch.randn(*shape(rows), requires_grad=True)
+        ratios: dict[str, list[float]] = {"generic split": [], "stage frontier": []}
+        for repeat in range(repeats + 1):
+            out = fused(x)
+            grad = torch.ones_like(out)
+            started = time.thread_time()
+            out.backward(grad)
+            fused_time = time.thread_time() - started
+            for name in list(ratios) if repeat % 2 else list(ratios)[::-1]:
+                if name == "generic split":
+                    out = installed(x)
+                    started = time.thread_time()
+                    store.begin((0, 0), True)
+                    out.backward(grad)
+                    store.end()
+                    store.flush((0, 0))
+                else:
+                    started = _stage_frontier_step(plain, x, grad)
+                if repeat:
+                    ratios[name].append((time.thread_time() - started) / fused_time)
+                x.grad = None
+            for module in (fused, plain, installed) if fresh else ():
+                module.zero_grad(set_to_none=True)
+        results[label] = {name: statistics.median(values) for name, values in ratios.items()}
+    return results
+
+
+def _stage_frontier_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> float:
+    """Forward, then B and W of the stage-frontier split; returns the clock reading B started at."""
+    out = module(x)
+    leaves = generic.reachable_leaves([out], [x])
+    if leaves.graph is None:
+        raise RuntimeError("a bench stage with a single node: no frontier to start W from")
+    found = frontier.find_frontier([out], [x], leaves.deferred, leaves.graph)
+    started = time.thread_time()
+    if found is not None:
+        found.arm()
+    grads = torch.autograd.grad(out, (x, *leaves.in_b), grad, retain_graph=True)
+    with torch.no_grad():
+        if found is not None:
+            found.weight_pass()
+        else:  # W from the outputs
+            generic.run_engine([out], [grad], leaves.deferred, keep_graph=False, accumulate=True)
+        accumulate_each(leaves.in_b, grads[1:], True)
+    return started
+
+
+def _print_floor() -> None:
+    columns = {
+        "generic split": "generic split (installed)",
+        "stage frontier": "one B run per stage, W from its frontier",
+    }
+    _print_regimes("stage, rows, .grad", columns, stage_frontier_floor)
+
+
 def _print_layers() -> None:
     print(
         "| layer | fused backward (µs) | fast split extra (µs) | same, B in the autograd function (µs) "
@@ -489,6 +561,7 @@ SECTIONS = {
     "native": _print_native,
     "routing": print_routing,
     "generic": _print_generic,
+    "floor": _print_floor,
 }
 
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
@@ -26,16 +28,16 @@ VOCAB = 11
 GENERIC_ROUTED = FastPaths(route_linear=True)  # no rules: nn.Linear children run inside generic modules
 
 
-def _parameter_edges(output: torch.Tensor, model: nn.Module) -> set[str]:
-    """Names of ``model``'s parameters the bridge node producing ``output`` has an edge to."""
+def _local_leaves(output: Any, model: nn.Module) -> set[str] | None:
+    """Names of ``model``'s parameters the local graph behind ``output`` (its first tensor) gets
+    gradients for from autograd (in W, or in B's kernel call for norms) rather than from a routed
+    closed form; None if no bridge produced it.  Read before B, which lets go of the local graph."""
+    first = next(t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor))
+    if first.grad_fn is None or type(first.grad_fn).__name__ != "BridgeBackward":
+        return None
     names = {id(p): n for n, p in model.named_parameters()}
-    assert output.grad_fn is not None and type(output.grad_fn).__name__ == "BridgeBackward"
-    found = set()
-    for node, _ in output.grad_fn.next_functions:
-        variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) in names:
-            found.add(names[id(variable)])
-    return found
+    local = first.grad_fn.local  # the bridge's context holds the LocalGraph
+    return {names[id(leaf)] for leaf in (*local.leaves, *local.in_b) if id(leaf) in names}
 
 
 def _check_split(
@@ -47,8 +49,8 @@ def _check_split(
     autocast: bool = False,
     tolerance: float = 1e-5,
 ):
-    """B then W (``defer``) or fused BW per microbatch against plain autograd; returns the deferral
-    and the outputs of the split model's last forward (for graph checks)."""
+    """B then W (``defer``) or fused BW per microbatch against plain autograd; returns the deferral,
+    the outputs of the split model's last forward and :func:`_local_leaves` of them."""
     reference = copy.deepcopy(model)
     reference_batches = [_clone_inputs(batch) for batch in batches]
     expected_losses = []
@@ -60,11 +62,12 @@ def _check_split(
         expected_losses.append(loss.detach())
     store = WeightGradStore()
     deferral = install_deferral([model], store, paths)
-    losses, out = [], None
+    losses, out, leaves = [], None, None
     for j, batch in enumerate(batches):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(*batch)
         loss = loss_fn(out)
+        leaves = _local_leaves(out, model)
         store.begin((0, j), defer=defer)
         loss.backward()
         store.end()
@@ -86,7 +89,7 @@ def _check_split(
         assert param.grad is not None, f"{name} got no gradient"
         assert param.grad.dtype == param.dtype and not param.grad.requires_grad
         torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=rtol, atol=atol, msg=name)
-    return deferral, out
+    return deferral, out, leaves
 
 
 def _clone_inputs(batch: tuple) -> tuple:
@@ -127,9 +130,9 @@ def _attention_loss(out):
 def test_multihead_attention_projections_are_routed_and_exact(bias, batch_first):
     torch.manual_seed(0)
     model = SelfAttention(bias, batch_first)
-    deferral, (out, _) = _check_split(model, _hidden(), _attention_loss)
+    deferral, _, leaves = _check_split(model, _hidden(), _attention_loss)
     assert deferral.summary()["generic+linear MultiheadAttention"] == 1
-    assert _parameter_edges(out, model) == set(), "W would walk the attention's local graph again"
+    assert leaves == set(), "W would walk the attention's local graph again"
 
 
 @pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
@@ -155,9 +158,9 @@ def test_multihead_attention_cross_attention_and_kdim_route_what_is_a_leaf(defer
         )
         for _ in range(2)
     ]
-    _, out = _check_split(model, batches, lambda out: out.square().mean(), defer=defer)
+    _, _, leaves = _check_split(model, batches, lambda out: out.square().mean(), defer=defer)
     if defer:
-        assert _parameter_edges(out, model) == {"attention.in_proj_bias"}
+        assert leaves == {"attention.in_proj_bias"}
 
 
 class TiedHead(nn.Module):
@@ -192,11 +195,11 @@ def _tokens(count: int = 2) -> list[tuple]:
 def test_tied_head_routes_the_embedding_weight_and_both_uses_accumulate(defer):
     torch.manual_seed(2)
     model = TiedModel()
-    deferral, _ = _check_split(model, _tokens(), lambda out: out.square().mean(), defer=defer)
+    deferral, _, _ = _check_split(model, _tokens(), lambda out: out.square().mean(), defer=defer)
     assert deferral.summary()["generic+linear TiedHead"] == 1
     # the head's local graph: its own scale is a leaf for W, the tied weight was routed
     local_out = model.head(torch.randn(2, WIDTH, requires_grad=True))
-    assert _parameter_edges(local_out, model) == {"head.norm_weight"}
+    assert _local_leaves(local_out, model) == {"head.norm_weight"}
 
 
 class TwiceUsed(nn.Module):
@@ -214,17 +217,17 @@ class TwiceUsed(nn.Module):
 def test_a_parameter_used_twice_gets_both_gradients():
     torch.manual_seed(3)
     model = TwiceUsed()
-    deferral, out = _check_split(model, _hidden(), lambda out: out.sin().sum())
+    deferral, _, leaves = _check_split(model, _hidden(), lambda out: out.sin().sum())
     assert deferral.summary() == {"generic+linear TwiceUsed": 1}
-    assert _parameter_edges(out, model) == set()
+    assert leaves == set()
 
 
 def test_an_empty_registry_is_the_generic_split_alone():
     torch.manual_seed(3)
     model = TwiceUsed()
-    deferral, out = _check_split(model, _hidden(), lambda out: out.sin().sum(), paths=FastPaths())
+    deferral, _, leaves = _check_split(model, _hidden(), lambda out: out.sin().sum(), paths=FastPaths())
     assert deferral.summary() == {"generic TwiceUsed": 1}
-    assert _parameter_edges(out, model) == {"weight", "bias"}
+    assert leaves == {"weight", "bias"}
 
 
 @pytest.mark.parametrize("requires_grad", [True, False], ids=["middle stage", "first stage"])
@@ -232,8 +235,8 @@ def test_a_module_of_only_routed_projections_splits_when_its_input_needs_no_grad
     """A first stage: nothing the bridge joins requires grad but the routed weights themselves."""
     torch.manual_seed(4)
     model = TwiceUsed()
-    _, out = _check_split(model, _hidden(requires_grad=requires_grad), lambda out: out.square().sum())
-    assert out.requires_grad and _parameter_edges(out, model) == set()
+    _, out, leaves = _check_split(model, _hidden(requires_grad=requires_grad), lambda out: out.square().sum())
+    assert out.requires_grad and leaves == set()
 
 
 class OwnEmbeddingHead(nn.Module):
@@ -254,8 +257,8 @@ class OwnEmbeddingHead(nn.Module):
 def test_a_weight_reached_through_a_leaf_and_a_routed_call_is_not_counted_twice():
     torch.manual_seed(5)
     model = OwnEmbeddingHead()
-    _, out = _check_split(model, _tokens(3), lambda out: out.square().mean())
-    assert _parameter_edges(out, model) == {"weight"}  # the embedding's use: W's walk
+    _, _, leaves = _check_split(model, _tokens(3), lambda out: out.square().mean())
+    assert leaves == {"weight"}  # the embedding's use: W's walk
 
 
 class Parametrized(nn.Module):
@@ -294,10 +297,9 @@ def test_parametrized_weights_non_leaf_biases_and_passed_weights_stay_exact():
             return self.inner(x, self.passed)
 
     model = Owner()
-    _, out = _check_split(model, _hidden(), lambda out: out.square().mean())
-    edges = _parameter_edges(out, model)
-    assert "inner.weight" not in edges, "a leaf weight with a computed bias is still routed"
-    assert {"inner.projection.parametrizations.weight.original", "inner.bias_a", "inner.bias_b"} <= edges
+    _, _, leaves = _check_split(model, _hidden(), lambda out: out.square().mean())
+    assert "inner.weight" not in leaves, "a leaf weight with a computed bias is still routed"
+    assert {"inner.projection.parametrizations.weight.original", "inner.bias_a", "inner.bias_b"} <= leaves
 
 
 def test_no_grad_inside_the_forward_is_not_routed():
@@ -333,9 +335,9 @@ class NestedBlock(nn.Module):
 def test_nested_generic_modules_route_into_the_outer_local_graph():
     torch.manual_seed(8)
     model = NestedBlock()
-    deferral, out = _check_split(model, _hidden(), lambda out: out.square().mean(), paths=GENERIC_ROUTED)
+    deferral, _, leaves = _check_split(model, _hidden(), lambda y: y.square().mean(), paths=GENERIC_ROUTED)
     assert deferral.summary() == {"generic+linear NestedBlock": 1}
-    assert _parameter_edges(out, model) == {"scale", "norm.weight", "norm.bias"}
+    assert leaves == {"scale", "norm.weight", "norm.bias"}
 
 
 @pytest.mark.parametrize("module", ["attention", "nested"])
@@ -355,11 +357,11 @@ def test_checkpointing_recomputes_once_and_keeps_routed_w_deferred(module):
     model = Checkpointed()
     batches = _hidden()
     paths = None if module == "attention" else GENERIC_ROUTED
-    _, out = _check_split(model, batches, lambda out: out.square().mean(), paths=paths)
+    _, _, leaves = _check_split(model, batches, lambda out: out.square().mean(), paths=paths)
     # one forward and one recomputation in B per microbatch; none in W (it reads what B unpacked)
     assert model.inner.calls == 2 * len(batches)
     routed_only = {"attention": set(), "nested": {"inner.scale", "inner.norm.weight", "inner.norm.bias"}}
-    assert _parameter_edges(out, model) == routed_only[module]
+    assert leaves == routed_only[module]
 
 
 def test_autocast_bf16_routes_in_the_autocast_dtype_and_accumulates_in_float32():
@@ -376,7 +378,7 @@ def test_autocast_bf16_routes_in_the_autocast_dtype_and_accumulates_in_float32()
             return values
 
     model = Model()
-    deferral, out = _check_split(model, _tokens(), lambda out: out.float().square().mean(), autocast=True)
+    deferral, out, _ = _check_split(model, _tokens(), lambda out: out.float().square().mean(), autocast=True)
     assert out.dtype == torch.bfloat16
     assert deferral.summary()["generic+linear MultiheadAttention"] == 1
     assert deferral.summary()["generic+linear TiedHead"] == 1
@@ -451,6 +453,6 @@ def test_a_module_that_routed_a_call_stays_routed():
     torch.manual_seed(0)
     model = _Branching()
     model.linear = True
-    deferral, _ = _check_split(model, _hidden(3), lambda out: out.square().sum(), GENERIC_ROUTED)
+    deferral, _, _ = _check_split(model, _hidden(3), lambda out: out.square().sum(), GENERIC_ROUTED)
     assert model.routing_seen == [True] * 3
     assert deferral.summary() == {"generic+linear _Branching": 1}

@@ -18,7 +18,7 @@ from torch import nn
 from .rules import SplitRule
 from .store import WeightGradStore, accumulate_each
 
-_ARGS = 2  # x, plan: the parameters follow
+_NO_GRADIENTS = (None, None, None)  # for SplitFunction's plan, parameters and keeper
 _top_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) or None
 
 
@@ -31,7 +31,7 @@ class FastPlan:
     """
 
     __slots__ = (
-        "deferred_tail", "module", "names", "native", "parameters", "rule", "store", "weight_work",
+        "module", "names", "native", "parameters", "rule", "store", "weight_work",
         "weights_in_b",
     )  # fmt: skip
 
@@ -39,7 +39,6 @@ class FastPlan:
         self.rule, self.module, self.store = rule, module, store
         self.names = rule.param_names(module)
         self.parameters = module._parameters  # one dict lookup a name, not nn.Module.__getattr__
-        self.deferred_tail = (None,) * (_ARGS - 1 + len(self.names))
         self.weights_in_b = rule.weights_in_b
         self.native = rule.native_backward
         # W: the rule's own accumulate (e.g. one GEMM into .grad), or its weight_grads added here
@@ -77,7 +76,10 @@ class FastPlan:
                     return self._run_on_aliases(x, params)
             elif x.requires_grad:
                 return self._run_input_only(x, params)
-        return SplitFunction.apply(x, self, *params)
+        # the parameters are no inputs of the node: B would run their hooks with no gradient (and
+        # pay a node task for each); a first stage's output requires grad through the keeper
+        keeper = None if x.requires_grad else self.store.keeper(x.device)
+        return SplitFunction.apply(x, self, params, keeper)
 
     def _run_input_only(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
         # detached parameters: autograd's node computes the input gradient only (its output mask)
@@ -104,7 +106,7 @@ class FastPlan:
         return node
 
     def backward(
-        self, ctx: Any, saved: Any, needs: Sequence[bool], grad_output: torch.Tensor
+        self, ctx: Any, saved: Any, input_needed: bool, needed: Sequence[bool], grad_output: torch.Tensor
     ) -> tuple[Any, ...]:
         """B (deferring: parameter work queued for W) or a fused BW (parameter work done at once).
 
@@ -116,24 +118,23 @@ class FastPlan:
         a local graph) computes only the input gradient.
         """
         rule, module, queue = self.rule, self.module, self.store.queue
-        needed = needs[_ARGS:]
         if ctx.queued:
-            grad_x = rule.input_grad(module, saved, grad_output) if needs[0] else None
-            return (grad_x, *self.deferred_tail)
+            grad_x = rule.input_grad(module, saved, grad_output) if input_needed else None
+            return (grad_x, *_NO_GRADIENTS)
         ctx.queued = queue is not None
         if self.weights_in_b:
-            grad_x, grads = rule.all_grads(module, saved, grad_output, needs[0], needed)
+            grad_x, grads = rule.all_grads(module, saved, grad_output, input_needed, needed)
             if queue is not None:
                 queue.append(partial(self._add_grads, grads))
             else:
                 self._add_grads(grads)
-            return (grad_x, *self.deferred_tail)
-        grad_x = rule.input_grad(module, saved, grad_output) if needs[0] else None
+            return (grad_x, *_NO_GRADIENTS)
+        grad_x = rule.input_grad(module, saved, grad_output) if input_needed else None
         if queue is not None:
             queue.append(partial(self.weight_work, saved, grad_output, needed))
         else:
             self.weight_work(saved, grad_output, needed)
-        return (grad_x, *self.deferred_tail)
+        return (grad_x, *_NO_GRADIENTS)
 
     def _accumulate_weight_grads(self, saved: Any, grad_output: torch.Tensor, needed: Sequence[bool]) -> None:
         self._add_grads(self.rule.weight_grads(self.module, saved, grad_output, needed))
@@ -192,23 +193,25 @@ class _GradsOfAliases:
 class SplitFunction(torch.autograd.Function):
     """A module's forward whose backward computes the input gradient and defers the parameters'.
 
-    The (possibly autocast-cast) parameters are inputs of the function, so its output requires grad
-    even when ``x`` does not (a first stage); in a deferring backward their gradients are None here
-    and the W op later adds them into the module's own parameters.
+    The (possibly autocast-cast) parameters come as a list, not as inputs of the node: their
+    gradients reach ``.grad`` by the plan's own code, in W or at once in a fused backward.
+    ``keeper`` is None, or when ``x`` needs no gradient (a first stage) the store's keeper, an
+    input that makes the output require grad so that B reaches the node.
     """
 
     @staticmethod
-    def forward(ctx, x, plan, *params):
+    def forward(ctx, x, plan, params, keeper):
         out, saved = plan.rule.forward(plan.module, x, params)
         ctx.save_for_backward(*saved)
         ctx.plan = plan
+        ctx.needed = tuple(p.requires_grad for p in params)
         ctx.queued = False
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
         # attributes of ctx are C++ properties building new tuples: each is read once
-        return ctx.plan.backward(ctx, ctx.saved_tensors, ctx.needs_input_grad, grad_output)
+        return ctx.plan.backward(ctx, ctx.saved_tensors, ctx.needs_input_grad[0], ctx.needed, grad_output)
 
 
 def fast_forward(plan: FastPlan, fallback: Callable[..., Any]) -> Callable[..., Any]:

@@ -50,7 +50,7 @@ _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for ever
 class LocalGraph:
     """One call's local graph: differentiable outputs, local inputs, leaves that get W gradients."""
 
-    __slots__ = ("anchors", "frontier", "hooked", "in_b", "inputs", "leaves", "outputs", "store")
+    __slots__ = ("anchors", "frontier", "hooked", "in_b", "inputs", "keeper", "leaves", "outputs", "store")
 
     def __init__(
         self,
@@ -68,6 +68,10 @@ class LocalGraph:
         self.in_b = leaves.in_b
         self.hooked = hooked  # what the local graph saved through outer saved-tensor hooks
         self.anchors = () if anchor is None else (anchor,)  # an input of every routed F.linear node
+        # the bridge's one extra input when no argument requires grad (a first stage), so that its
+        # outputs require grad and B reaches it.  No parameters: an edge to one would run its hooks
+        # in B with no gradient, and each edge costs the stage's engine a node task (2 us)
+        self.keeper = () if inputs else (anchor if anchor is not None else store.keeper(outputs[0].device),)
         # where W starts when not at the outputs (.frontier): found once, here, at forward time
         self.frontier = None
         if self.leaves and leaves.graph is not None:
@@ -82,8 +86,7 @@ class LocalGraph:
         self.hooked = []
         pairs = [(out, grad) for out, grad in zip(self.outputs, grads) if grad is not None]
         self.outputs = []  # the W closure holds what it needs; the bridge node keeps nothing
-        # the bridge's edges to the leaves and the anchor get no gradient: W adds the leaves'
-        untouched = (None,) * (len(self.leaves) + len(self.in_b) + len(self.anchors))
+        untouched = (None,) * len(self.keeper)  # W adds the leaves' gradients, the anchor has none
         if not pairs:
             return (None,) * len(self.inputs) + untouched
         outputs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -102,7 +105,9 @@ class LocalGraph:
             count = len(self.inputs)
             input_grads = grads[:count]
             if self.in_b:  # the norm kernels' parameter gradients, computed with the input's
-                self.store.put(partial(accumulate_each, self.in_b, grads[count : count + len(self.in_b)]))
+                in_b_grads = grads[count : count + len(self.in_b)]
+                # the engine ran the parameters' register_hook hooks when it returned them
+                self.store.put(partial(accumulate_each, self.in_b, in_b_grads, True))
         if self.frontier is not None:
             self.store.put(self.frontier.weight_pass)
         elif self.leaves:
@@ -111,9 +116,8 @@ class LocalGraph:
 
     def bridge(self, outer: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The outputs joined to the stage's graph, through a :class:`Bridge` whose inputs are the
-        module's arguments ``outer``, the leaves and the anchor (so that B reaches the bridge even
-        when nothing else it depends on requires grad: a first stage whose weights are all routed)."""
-        return Bridge.apply(self, *outer, *self.leaves, *self.in_b, *self.anchors)
+        module's arguments ``outer`` (those requiring grad) or, when there are none, the keeper."""
+        return Bridge.apply(self, *outer, *self.keeper)
 
 
 class SavedOnce:

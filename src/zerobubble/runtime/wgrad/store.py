@@ -29,6 +29,19 @@ class WeightGradStore:
         self.queue: list[Callable[[], None]] | None = None
         """The current key's W work while a deferring backward runs (append to defer), else None."""
         self.local_depth = 0  # generic local graphs being built right now (see .generic)
+        self._keepers: dict[torch.device, torch.Tensor] = {}
+
+    def keeper(self, device: torch.device) -> torch.Tensor:
+        """An empty tensor requiring grad on ``device``, never given a gradient.
+
+        A split node takes it as an extra input when nothing else it takes requires grad (a first
+        stage), so that its output requires grad and B reaches it — an edge to a parameter would
+        do that too, but B would then run the parameter's hooks with no gradient.
+        """
+        keeper = self._keepers.get(device)
+        if keeper is None:
+            keeper = self._keepers[device] = torch.empty(0, device=device, requires_grad=True)
+        return keeper
 
     @property
     def deferring(self) -> bool:
@@ -103,30 +116,53 @@ class WeightGradStore:
         self.end()
 
 
-def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+def accumulate(param: torch.Tensor, grad: torch.Tensor, hooked: bool = False) -> None:
     """``param.grad += grad`` as a plain backward would do it, in the parameter's dtype.
 
     Under autocast ``grad`` may be computed in the saved tensors' lower precision; it is cast once.
+    The parameter's hooks run as autograd's ``AccumulateGrad`` runs them: those of
+    ``register_hook`` on the gradient first (one may return a replacement), those of
+    ``register_post_accumulate_grad_hook`` after ``.grad`` is updated.  ``hooked``: ``grad`` came
+    from an engine run asked for it (``torch.autograd.grad``), which already ran the first kind.
     """
     if grad.dtype != param.dtype:
         grad = grad.to(param.dtype)
+    hooks = None if hooked else param._backward_hooks
+    if hooks:
+        for hook in tuple(hooks.values()):
+            replaced = hook(grad)
+            if replaced is not None:
+                grad = replaced
     if param.grad is None:
         param.grad = grad
     else:
         param.grad.add_(grad)
+    _after_accumulate(param)
 
 
-def accumulate_each(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+def _after_accumulate(param: torch.Tensor) -> None:
+    """Run ``param``'s post-accumulate-grad hooks, as ``AccumulateGrad`` does after adding."""
+    hooks = param._post_accumulate_grad_hooks
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(param)
+
+
+def accumulate_each(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], hooked: bool = False
+) -> None:
     """:func:`accumulate` each gradient into its parameter; None (no gradient) is skipped."""
     for param, grad in zip(params, grads):
         if grad is not None:
-            accumulate(param, grad)
+            accumulate(param, grad, hooked)
 
 
 def accumulate_product(param: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """``param.grad += left @ right``, as one GEMM into the existing gradient when dtypes allow."""
+    """``param.grad += left @ right``, as one GEMM into the existing gradient when dtypes allow
+    (and no ``register_hook`` hook needs the product on its own)."""
     grad = param.grad
-    if grad is not None and grad.dtype == left.dtype == right.dtype:
+    if grad is not None and grad.dtype == left.dtype == right.dtype and not param._backward_hooks:
         grad.addmm_(left, right)
+        _after_accumulate(param)
     else:
         accumulate(param, left.mm(right))
