@@ -28,7 +28,7 @@ class SplitRule:
     Subclasses implement :meth:`forward`, :meth:`input_grad` and :meth:`weight_grads`; they may
     override :meth:`applies` (configurations the rule does not cover go to the generic split),
     :meth:`param_names` and :meth:`accumulate` (e.g. one GEMM into an existing ``.grad``; add through
-:func:`~.store.accumulate` or :func:`~.store.accumulate_product`, which run the parameter's hooks).
+    :func:`~.store.accumulate` or :func:`~.store.accumulate_product`, which run the parameter's hooks).
 
     ``autocast`` says what happens under :func:`torch.autocast`: ``"cast"`` — the op is one autocast
     runs in lower precision (matmul, convolution), so its input and parameters are cast to the
