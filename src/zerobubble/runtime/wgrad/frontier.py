@@ -29,6 +29,7 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.graph import GradientEdge
 
+_run_backward = Variable._execution_engine.run_backward  # as in .generic: no Python argument handling
 EDGE_ROOTS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 """Whether the engine takes ``GradientEdge`` roots (torch 2.5 and later); without, W starts from
 the outputs."""
@@ -52,7 +53,7 @@ class Frontier:
 
     __slots__ = ("__weakref__", "armed", "grads", "leaves", "nodes")
 
-    def __init__(self, nodes: list[Any], leaves: list[list[torch.Tensor]]):
+    def __init__(self, nodes: list[Any], leaves: list[tuple[torch.Tensor, ...]]):
         self.nodes = nodes
         self.leaves = leaves  # per node: the parameters its parameter edges lead to
         self.grads: list[Sequence[torch.Tensor | None] | None] = [None] * len(nodes)
@@ -84,12 +85,14 @@ class Frontier:
         for node, node_grads, node_leaves in zip(nodes, grads, leaves):
             if node_grads is None:  # B never reached the node: a plain backward would not either
                 continue
-            edges = [GradientEdge(node, i) for i, grad in enumerate(node_grads) if grad is not None]
-            given = [grad for grad in node_grads if grad is not None]
+            if len(node_grads) == 1 and node_grads[0] is not None:  # most nodes: one output
+                edges: tuple[GradientEdge, ...] = (GradientEdge(node, 0),)
+                given = tuple(node_grads)
+            else:
+                edges = tuple(GradientEdge(node, i) for i, grad in enumerate(node_grads) if grad is not None)
+                given = tuple(grad for grad in node_grads if grad is not None)
             # the graph stays until the last run: a node behind two frontier nodes runs in both
-            Variable._execution_engine.run_backward(
-                tuple(edges), tuple(given), True, False, tuple(node_leaves), True, True
-            )
+            _run_backward(edges, given, True, False, node_leaves, True, True)
 
 
 def find_frontier(
@@ -143,7 +146,7 @@ def find_frontier(
         covered |= bits
     if not worth_it or covered != (2 << len(deferred)) - 2:
         return None
-    leaves = [[leaf for bit, leaf in enumerate(deferred, 1) if bits >> bit & 1] for bits in leaf_sets]
+    leaves = [tuple(leaf for bit, leaf in enumerate(deferred, 1) if bits >> bit & 1) for bits in leaf_sets]
     return Frontier(nodes, leaves)
 
 

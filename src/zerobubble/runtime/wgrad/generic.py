@@ -43,6 +43,9 @@ from .frontier import VIEWS, find_frontier
 from .routed import LinearRouter, LinearSplit
 from .store import WeightGradStore, accumulate_each
 
+_run_backward = Variable._execution_engine.run_backward
+"""The engine's entry point: roots, their gradients, keep graph, create graph, inputs, allow
+unreachable inputs, accumulate into ``.grad`` (:func:`run_engine` with keywords)."""
 _DEFERRING_NODES = (SplitFunction._backward_cls, LinearSplit._backward_cls)
 _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for every call
 
@@ -50,7 +53,10 @@ _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for ever
 class LocalGraph:
     """One call's local graph: differentiable outputs, local inputs, leaves that get W gradients."""
 
-    __slots__ = ("anchors", "frontier", "hooked", "in_b", "inputs", "keeper", "leaves", "outputs", "store")
+    __slots__ = (
+        "anchors", "frontier", "hooked", "in_b", "inputs", "keeper", "leaves", "no_grads", "outputs", "store",
+        "untouched", "wanted",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -72,47 +78,56 @@ class LocalGraph:
         # outputs require grad and B reaches it.  No parameters: an edge to one would run its hooks
         # in B with no gradient, and each edge costs the stage's engine a node task (2 us)
         self.keeper = () if inputs else (anchor if anchor is not None else store.keeper(outputs[0].device),)
+        self.untouched = (None,) * len(self.keeper)  # the keeper's gradient
+        self.no_grads = (None,) * len(self.inputs) + self.untouched  # B's result when no output has one
+        # B asks for the anchor's gradient (always None) too: that makes it run every routed node,
+        # which queues its weight work, even one whose input needs no gradient
+        self.wanted = (*inputs, *self.in_b, *self.anchors)
         # where W starts when not at the outputs (.frontier): found once, here, at forward time
         self.frontier = None
         if self.leaves and leaves.graph is not None:
             self.frontier = find_frontier(outputs, inputs, self.leaves, leaves.graph)
 
     def backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
-        """B (deferring) or BW: gradients of the local inputs, then of the leaves (None if deferred)."""
-        # unpack in the stage's backward, before the local engine runs (each its own graph task,
-        # for which checkpointing would recompute the region again)
-        for saved in self.hooked:
-            saved.get()
-        self.hooked = []
-        pairs = [(out, grad) for out, grad in zip(self.outputs, grads) if grad is not None]
+        """B (deferring) or BW: gradients of the local inputs, then of the keeper (always None)."""
+        # runs once per module and microbatch: what does not change was worked out in __init__
+        if self.hooked:
+            # unpack in the stage's backward, before the local engine runs (each its own graph
+            # task, for which checkpointing would recompute the region again)
+            for saved in self.hooked:
+                saved.get()
+            self.hooked = []
+        outputs = self.outputs
         self.outputs = []  # the W closure holds what it needs; the bridge node keeps nothing
-        untouched = (None,) * len(self.keeper)  # W adds the leaves' gradients, the anchor has none
-        if not pairs:
-            return (None,) * len(self.inputs) + untouched
-        outputs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
-        if not self.store.deferring:
+        first = grads[0]
+        if len(outputs) == 1 and first is not None:
+            out_grads = [first]
+        else:
+            pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None]
+            if not pairs:
+                return self.no_grads
+            outputs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        queue = self.store.queue
+        if queue is None:
             # every leaf at once, fast-path children's parameters included (they are not in leaves)
-            run_engine(outputs, out_grads, (), keep_graph=False, accumulate=True)
-            return (*(x.grad for x in self.inputs), *untouched)
+            _run_backward(tuple(outputs), tuple(out_grads), False, False, (), True, True)
+            return (*(x.grad for x in self.inputs), *self.untouched)
         input_grads: Sequence[torch.Tensor | None] = ()
-        # asking for the anchor's gradient (always None) makes B run every routed node, which queues
-        # its weight work, even those whose input needs no gradient
-        wanted = (*self.inputs, *self.in_b, *self.anchors)
         if self.frontier is not None:
             self.frontier.arm()
-        if wanted:  # keep the graph if the W op walks it again
-            grads = run_engine(outputs, out_grads, wanted, keep_graph=bool(self.leaves))
+        if self.wanted:  # keep the graph if the W op walks it again
+            keep = bool(self.leaves)
+            found = _run_backward(tuple(outputs), tuple(out_grads), keep, False, self.wanted, True, False)
             count = len(self.inputs)
-            input_grads = grads[:count]
+            input_grads = found[:count]
             if self.in_b:  # the norm kernels' parameter gradients, computed with the input's
-                in_b_grads = grads[count : count + len(self.in_b)]
                 # the engine ran the parameters' register_hook hooks when it returned them
-                self.store.put(partial(accumulate_each, self.in_b, in_b_grads, True))
+                queue.append(partial(accumulate_each, self.in_b, found[count : count + len(self.in_b)], True))
         if self.frontier is not None:
-            self.store.put(self.frontier.weight_pass)
+            queue.append(self.frontier.weight_pass)
         elif self.leaves:
             self.store.shared(WeightPass).add(outputs, out_grads, self.leaves)
-        return (*input_grads, *untouched)
+        return (*input_grads, *self.untouched)
 
     def bridge(self, outer: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The outputs joined to the stage's graph, through a :class:`Bridge` whose inputs are the
@@ -192,9 +207,7 @@ def run_engine(
     come from autograd itself, so they already match their outputs.
     ``inputs`` empty with ``accumulate``: every leaf, as ``backward()`` without ``inputs``.
     """
-    return Variable._execution_engine.run_backward(
-        tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate
-    )
+    return _run_backward(tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
 
 
 class Bridge(torch.autograd.Function):
