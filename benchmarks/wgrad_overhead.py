@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -193,30 +194,58 @@ def _split_ratios(
     repeats: int,
     fresh: bool = False,
 ) -> dict[str, float]:
-    """Median (T_B + T_W) / fused backward of each ``(module, store, defer)`` variant, each repeat
-    timing the fused backward and then every variant (their order alternating, so that none always
-    runs right after the fused one); ``defer=False`` runs the split layers without deferring W.
-    ``fresh``: every ``.grad`` is reset after each repeat (a step's first microbatch)."""
-    ratios: dict[str, list[float]] = {name: [] for name in variants}
+    """Median (T_B + T_W) / fused backward of each ``(module, store, defer)`` variant
+    (:func:`_step_ratios`); ``defer=False`` runs the split layers without deferring W."""
+    steps = {name: (variant[0], _store_step(*variant)) for name, variant in variants.items()}
+    return _step_ratios(fused, steps, x, repeats, fresh)
+
+
+Step = Callable[[torch.Tensor, torch.Tensor], float]
+"""One variant's forward on ``x``, then its backward (B and W) for ``grad``: the seconds the backward took."""
+
+
+def _store_step(module: nn.Module, store: WeightGradStore, defer: bool) -> Step:
+    """The step of a module split by :func:`install_deferral` with ``store``."""
+
+    def step(x: torch.Tensor, grad: torch.Tensor) -> float:
+        out = module(x)
+        started = time.thread_time()
+        store.begin((0, 0), defer)
+        out.backward(grad)
+        store.end()
+        if defer:
+            store.flush((0, 0))
+        return time.thread_time() - started
+
+    return step
+
+
+def _step_ratios(
+    fused: nn.Module,
+    steps: dict[str, tuple[nn.Module, Step]],
+    x: torch.Tensor,
+    repeats: int,
+    fresh: bool = False,
+) -> dict[str, float]:
+    """Median (T_B + T_W) / fused backward of each ``(module, step)`` variant, each repeat timing the
+    fused backward and then every variant (their order alternating, so that none always runs right
+    after the fused one).  ``fresh``: every ``.grad`` is reset after each repeat (a step's first
+    microbatch)."""
+    ratios: dict[str, list[float]] = {name: [] for name in steps}
     for repeat in range(repeats + 1):
         out = fused(x)
         grad = torch.ones_like(out)
         started = time.thread_time()
         out.backward(grad)
         fused_time = time.thread_time() - started
-        for name in list(variants) if repeat % 2 else list(variants)[::-1]:
-            module, store, defer = variants[name]
-            out = module(x)
-            started = time.thread_time()
-            store.begin((0, 0), defer)
-            out.backward(grad)
-            store.end()
-            if defer:
-                store.flush((0, 0))
+        for name in list(steps) if repeat % 2 else list(steps)[::-1]:
+            module, step = steps[name]
+            elapsed = step(x, grad)
             if repeat:  # the first repeat warms up
-                ratios[name].append((time.thread_time() - started) / fused_time)
+                ratios[name].append(elapsed / fused_time)
             if fresh:
                 module.zero_grad(set_to_none=True)
+            x.grad = None
         if fresh:
             fused.zero_grad(set_to_none=True)
         x.grad = None
@@ -436,35 +465,17 @@ def stage_frontier_floor(rows: int, fresh: bool, repeats: int = 41) -> dict[str,
     for label, make, shape in _split_stages():
         fused, plain = make(), make()
         installed, store = _installed(make(), WeightGradStore(), FastPaths())
+        steps: dict[str, tuple[nn.Module, Step]] = {
+            "generic split": (installed, _store_step(installed, store, True)),
+            "stage frontier": (plain, partial(_stage_frontier_step, plain)),
+        }
         x = torch.randn(*shape(rows), requires_grad=True)
-        ratios: dict[str, list[float]] = {"generic split": [], "stage frontier": []}
-        for repeat in range(repeats + 1):
-            out = fused(x)
-            grad = torch.ones_like(out)
-            started = time.thread_time()
-            out.backward(grad)
-            fused_time = time.thread_time() - started
-            for name in list(ratios) if repeat % 2 else list(ratios)[::-1]:
-                if name == "generic split":
-                    out = installed(x)
-                    started = time.thread_time()
-                    store.begin((0, 0), True)
-                    out.backward(grad)
-                    store.end()
-                    store.flush((0, 0))
-                else:
-                    started = _stage_frontier_step(plain, x, grad)
-                if repeat:
-                    ratios[name].append((time.thread_time() - started) / fused_time)
-                x.grad = None
-            for module in (fused, plain, installed) if fresh else ():
-                module.zero_grad(set_to_none=True)
-        results[label] = {name: statistics.median(values) for name, values in ratios.items()}
+        results[label] = _step_ratios(fused, steps, x, repeats, fresh)
     return results
 
 
 def _stage_frontier_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> float:
-    """Forward, then B and W of the stage-frontier split; returns the clock reading B started at."""
+    """Forward, then B and W of the stage-frontier split: the seconds B and W took."""
     out = module(x)
     leaves = generic.reachable_leaves([out], [x])
     if leaves.graph is None:
@@ -480,7 +491,7 @@ def _stage_frontier_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor)
         else:  # W from the outputs
             generic.run_engine([out], [grad], leaves.deferred, keep_graph=False, accumulate=True)
         accumulate_each(leaves.in_b, grads[1:], True)
-    return started
+    return time.thread_time() - started
 
 
 def _print_floor() -> None:
