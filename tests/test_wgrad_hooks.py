@@ -162,3 +162,23 @@ def test_hooks_of_a_weight_both_routed_and_a_leaf_run_once_per_microbatch(defer)
     # a plain backward (and a fused BW op) sums the weight's two uses before its hooks run; W adds
     # the routed use's gradient on its own: the hooks run once per use and microbatch
     assert calls == Counter({"weight": 4 if defer else 2, "scale": 2})
+
+
+def test_register_hook_hooks_run_when_the_gradient_is_computed():
+    """In B for the parameters only normalisation kernels use (B's kernel call computes their
+    gradients), in W for every other; post-accumulate hooks all in W."""
+    torch.manual_seed(0)
+    model = MixedStage()
+    store = WeightGradStore()
+    install_deferral([model], store, FastPaths())  # generic only: the norms' parameters are in_b
+    seen: Counter[str] = Counter()
+    for name, param in model.named_parameters():
+        param.register_hook(lambda grad, name=name: seen.update([name]))
+    out = model(torch.randn(2, 5, WIDTH, requires_grad=True))
+    store.begin((0, 0), defer=True)
+    out.square().sum().backward()
+    store.end()
+    norm_only = {"norm.weight", "norm.bias", "norm_weight"}
+    assert set(seen) == norm_only and all(count == 1 for count in seen.values())
+    store.flush((0, 0))
+    assert seen == Counter({name: 1 for name, _ in model.named_parameters()})
