@@ -27,6 +27,7 @@ from zerobubble.runtime.wgrad.frontier import find_frontier
 from zerobubble.runtime.wgrad.generic import reachable_leaves
 
 WIDTH = 8
+GENERIC = FastPaths()  # an empty registry, no routing: every parameter a leaf of a local graph
 
 
 class KernelCounter(TorchDispatchMode):
@@ -103,7 +104,7 @@ def _split_and_compare(model: nn.Module, paths: FastPaths | None, microbatches: 
 
 def test_parameters_only_norm_kernels_use_get_their_gradients_from_bs_kernel_call():
     torch.manual_seed(0)
-    calls = _split_and_compare(FunctionalNorms(), FastPaths(), microbatches=3)
+    calls = _split_and_compare(FunctionalNorms(), GENERIC, microbatches=3)
     # one backward kernel call per norm and microbatch, as in a plain backward (not B's and W's)
     assert calls["native_batch_norm_backward"] == 3
     assert calls["native_layer_norm_backward"] == 3
@@ -113,7 +114,7 @@ def test_parameters_only_norm_kernels_use_get_their_gradients_from_bs_kernel_cal
 def test_nn_norm_modules_split_generically_make_one_kernel_call_too():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.LayerNorm(WIDTH))
-    calls = _split_and_compare(model, FastPaths())  # an empty registry: every module generic
+    calls = _split_and_compare(model, GENERIC)  # every module generic
     assert calls["native_batch_norm_backward"] == 2
     assert calls["native_layer_norm_backward"] == 2
     assert calls["mm"] == 2 * 2  # the Linear's input and weight sides, once each per microbatch
@@ -121,7 +122,7 @@ def test_nn_norm_modules_split_generically_make_one_kernel_call_too():
 
 def test_w_starts_at_the_frontier_and_runs_no_nonlinearity_twice():
     torch.manual_seed(0)
-    calls = _split_and_compare(MatmulBlock(), None)
+    calls = _split_and_compare(MatmulBlock(), GENERIC)
     assert calls["gelu_backward"] == 2, "W ran the nonlinearity's backward again to reach w_in"
 
 
@@ -139,13 +140,14 @@ class LowRank(nn.Module):
 
 def test_w_from_the_frontier_does_not_recompute_the_gradient_between_two_matmuls():
     torch.manual_seed(0)
-    calls = _split_and_compare(LowRank(), None)
+    calls = _split_and_compare(LowRank(), GENERIC)
     # per microbatch: each matmul's input side in B and its weight side in W, as in one backward
     assert calls["mm"] == 2 * 4
 
 
 class RoutedOnTop(nn.Module):
-    """``F.linear(gelu(x @ w_in), w_out)``: the top projection routed, the bottom one a leaf."""
+    """``F.linear(gelu(x.mm(w_in)), w_out)``: the top projection routed, the bottom one a leaf
+    (``torch.mm`` is not routed; ``x @ w_in`` would be)."""
 
     def __init__(self):
         super().__init__()
@@ -153,7 +155,7 @@ class RoutedOnTop(nn.Module):
         self.w_out = nn.Parameter(torch.randn(WIDTH, 2 * WIDTH) / WIDTH**0.5)
 
     def forward(self, x):
-        return F.linear(F.gelu(x @ self.w_in), self.w_out)
+        return F.linear(F.gelu(x.mm(self.w_in)), self.w_out)
 
 
 def test_a_routed_call_above_the_frontier_is_not_run_again_by_w():
@@ -168,7 +170,7 @@ def test_a_routed_call_above_the_frontier_is_not_run_again_by_w():
 def test_without_gradient_edge_roots_w_starts_from_the_outputs(monkeypatch):
     monkeypatch.setattr(frontier_module, "EDGE_ROOTS", False)
     torch.manual_seed(0)
-    calls = _split_and_compare(MatmulBlock(), None)
+    calls = _split_and_compare(MatmulBlock(), GENERIC)
     assert calls["gelu_backward"] == 2 * 2  # once in B, once more in W: exact, only slower
 
 
@@ -180,7 +182,7 @@ def test_a_weight_used_on_both_sides_of_the_frontier_makes_w_start_from_the_outp
     leaves = reachable_leaves([out], [x])
     assert leaves.deferred == [block.w_in] and leaves.graph is not None
     assert find_frontier([out], [x], leaves.deferred, leaves.graph) is None
-    calls = _split_and_compare(MatmulBlock(shared=True), None)
+    calls = _split_and_compare(MatmulBlock(shared=True), GENERIC)
     assert calls["gelu_backward"] == 2 * 2
 
 
@@ -200,7 +202,7 @@ def test_a_parameter_returned_as_it_is_still_gets_its_gradient():
     model = ReturnsItsScale()
     reference = copy.deepcopy(model)
     store = WeightGradStore()
-    install_deferral([model], store, None)
+    install_deferral([model], store, GENERIC)
     x = torch.randn(3, WIDTH, requires_grad=True)
     out, scale = reference(x.detach())
     (out * scale).sum().backward()
@@ -226,7 +228,7 @@ def test_frontier_roots_compose_with_checkpointing():
         def forward(self, x):
             return checkpoint(self.block, x, use_reentrant=False)
 
-    calls = _split_and_compare(Checkpointed(), None)
+    calls = _split_and_compare(Checkpointed(), GENERIC)
     assert calls["gelu_backward"] == 2
     assert calls["gelu"] == 2, "B recomputes the checkpointed forward once per microbatch"
 
@@ -246,7 +248,7 @@ class _RecordingBlock(MatmulBlock):
 def test_a_forward_without_backward_frees_the_local_graph_without_the_garbage_collector():
     torch.manual_seed(0)
     block = _RecordingBlock()
-    install_deferral([block], WeightGradStore(), None)
+    install_deferral([block], WeightGradStore(), GENERIC)
     x = torch.randn(3, WIDTH, requires_grad=True)
     gc.disable()
     try:
@@ -264,7 +266,7 @@ def test_fused_backward_through_a_frontier_module_adds_every_gradient_once(share
     model, reference = MatmulBlock(shared), None
     reference = copy.deepcopy(model)
     store = WeightGradStore()
-    install_deferral([model], store, None)
+    install_deferral([model], store, GENERIC)
     x = torch.randn(4, WIDTH)
     for _ in range(2):
         store.begin((0, 0), defer=False)
@@ -279,7 +281,7 @@ def test_fused_backward_through_a_frontier_module_adds_every_gradient_once(share
 def _b_of_one_microbatch(block: nn.Module) -> WeightGradStore:
     """Splits ``block`` (default fast paths) and runs B of one microbatch; W is left to the caller."""
     store = WeightGradStore()
-    install_deferral([block], store, None)
+    install_deferral([block], store, GENERIC)
     loss = block(torch.randn(3, WIDTH, requires_grad=True)).square().sum()
     store.begin((0, 0), defer=True)
     loss.backward()
@@ -344,7 +346,7 @@ def test_frontier_roots_under_autocast_give_float32_gradients_close_to_autograd(
     model = RawBlockLike()
     reference = copy.deepcopy(model)
     store = WeightGradStore()
-    install_deferral([model], store, None)
+    install_deferral([model], store, GENERIC)
     inputs = [torch.randn(2, 5, WIDTH, requires_grad=True) for _ in range(2)]
     counter = KernelCounter()
     for j, x in enumerate(inputs):

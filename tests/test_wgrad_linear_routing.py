@@ -407,7 +407,8 @@ def test_w_frees_what_routed_calls_kept():
 
 
 class _Branching(nn.Module):
-    """Its own weight through ``x @ weight`` first; ``F.linear`` on it only when ``linear`` is set.
+    """Its own weight's first row as a scale first (nothing to route); ``F.linear`` on the weight
+    only when ``linear`` is set.
 
     Records whether the routing mode was active in each forward.
     """
@@ -423,7 +424,7 @@ class _Branching(nn.Module):
 
         stack = torch.overrides._get_current_function_mode_stack()
         self.routing_seen.append(any(isinstance(mode, LinearRouter) for mode in stack))
-        y = torch.tanh(x @ self.weight)
+        y = torch.tanh(x * self.weight[0])
         return F.linear(y, self.weight) if self.linear else y
 
 
@@ -456,3 +457,72 @@ def test_a_module_that_routed_a_call_stays_routed():
     deferral, _, _ = _check_split(model, _hidden(3), lambda out: out.square().sum(), GENERIC_ROUTED)
     assert model.routing_seen == [True] * 3
     assert deferral.summary() == {"generic+linear _Branching": 1}
+
+
+class Projections(nn.Module):
+    """Projections written as products with the module's own 2-D weights: ``x @ w``,
+    ``torch.matmul(x, w)`` and ``x.matmul(w)``, with a bias added and a nonlinearity between."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(WIDTH, 2 * WIDTH) / WIDTH**0.5)
+        self.b_in = nn.Parameter(torch.randn(2 * WIDTH))
+        self.w_mid = nn.Parameter(torch.randn(2 * WIDTH, 2 * WIDTH) / WIDTH**0.5)
+        self.w_out = nn.Parameter(torch.randn(2 * WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w_in + self.b_in)
+        return torch.matmul(h, self.w_mid).matmul(self.w_out)
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["middle stage", "first stage"])
+def test_products_with_a_leaf_weight_are_routed_and_exact(defer, requires_grad):
+    torch.manual_seed(12)
+    model = Projections()
+    batches = _hidden(requires_grad=requires_grad)
+    deferral, out, leaves = _check_split(model, batches, lambda out: out.square().mean(), defer=defer)
+    assert deferral.summary() == {"generic+linear Projections": 1}
+    assert out.requires_grad
+    # the three weights take the closed form; only the bias (added after the product) is a leaf
+    assert leaves == {"b_in"}
+
+
+def test_routed_products_under_autocast_give_float32_gradients_close_to_autograd():
+    torch.manual_seed(13)
+    model = Projections()
+    deferral, out, leaves = _check_split(
+        model, _hidden(), lambda out: out.float().square().mean(), autocast=True
+    )
+    assert out.dtype == torch.bfloat16
+    assert leaves == {"b_in"}
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+class UnroutedProducts(nn.Module):
+    """Products the router leaves to the generic split: the weight on the left, a vector input and
+    a batched (3-D) weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.left = nn.Parameter(torch.randn(5, 5) / 5**0.5)
+        self.vector = nn.Parameter(torch.randn(WIDTH))
+        self.batched = nn.Parameter(torch.randn(3, WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x):
+        h = self.left @ x  # (5, 5) @ (3, 5, WIDTH): the parameter is the left factor
+        h = h @ self.batched  # a batched product, not a projection
+        return h * (self.vector @ torch.ones(WIDTH, WIDTH))  # a 1-D left factor, no leaf weight
+
+
+def test_other_products_stay_generic_and_exact():
+    torch.manual_seed(14)
+    _, _, leaves = _check_split(UnroutedProducts(), _hidden(), lambda out: out.square().mean())
+    assert leaves == {"left", "vector", "batched"}
+
+
+def test_a_routed_product_of_mismatched_shapes_raises_torchs_own_error():
+    model = Projections()
+    install_deferral([model], WeightGradStore())
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        model(torch.randn(3, 5, WIDTH + 1))

@@ -150,8 +150,9 @@ class RawBlock(nn.Module):
     """A causal transformer block written as a user might, on its own raw parameters.
 
     Layer norms through ``F.layer_norm``, projections as ``x @ weight`` (no ``nn.Linear``, no
-    ``F.linear``): one module, no fast path, whose parameters sit on both sides of the attention and
-    of the MLP's activation — the generic split's W starts at the frontier (``docs/wgrad.md``).
+    ``F.linear``): one module, no fast path.  The default split routes its products to their closed
+    form; the generic split alone (no routing) finds its parameters on both sides of the attention
+    and of the MLP's activation and starts W at the frontier (``docs/wgrad.md``).
     """
 
     def __init__(self, width: int, heads: int = 2):

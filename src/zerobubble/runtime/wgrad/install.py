@@ -59,8 +59,8 @@ def install_deferral(
 
     A module with a rule in ``fast_paths`` (default: :func:`default_fast_paths`) gets that rule; any
     other module owning parameters gets the generic split, which also covers the parameters of its
-    descendants that have no fast path; with ``fast_paths.route_linear`` the ``F.linear`` calls on
-    leaf weights in its forward take the closed form of ``nn.Linear`` (:mod:`.routed`).  Only
+    descendants that have no fast path; with ``fast_paths.route_linear`` the ``F.linear`` calls and
+    ``x @ w`` products on leaf weights in its forward take a closed form (:mod:`.routed`).  Only
     instance ``forward`` attributes change: types, parameters and state_dict names stay.  Modules
     that already have an instance ``forward`` are left alone (their parameters get their gradients
     in B).

@@ -1,4 +1,5 @@
-"""The closed-form split of ``F.linear`` calls on leaf weights inside generically split modules.
+"""The closed-form split of ``F.linear`` calls and ``x @ w`` products on leaf weights inside
+generically split modules.
 
 A module that owns a parameter and calls ``F.linear(x, self.weight, bias)`` in its own forward
 (``nn.MultiheadAttention``, a tied LM head ``F.linear(h, embed.weight)``, a fused QKV layer) takes
@@ -7,8 +8,11 @@ builds its local graph, a :class:`LinearRouter` (a ``TorchFunctionMode``) sends 
 ``F.linear`` call whose weight is a leaf tensor requiring grad — a parameter of this module or of
 any other — through :class:`LinearSplit`: B computes the input gradient, and the weight (and
 bias) gradient is queued for W with :class:`~.rules.MatmulRule`'s math, one GEMM into ``.grad``.
-The leaf walk of the generic split does not follow these nodes' weight edges, so a module whose
-every parameter goes through routed calls has no leaves, and its W runs no engine at all.
+Products ``x @ w`` (``torch.matmul``, ``x.matmul(w)``) with a 2-D leaf weight on the right — a
+projection written on raw weights — go the same way with transformers' ``Conv1D`` math (the
+weight stored in × out).  The leaf walk of the generic split does not follow these nodes' weight
+edges, so a module whose every parameter goes through routed calls has no leaves, and its W runs no
+engine at all.
 
 ``torch.nn.functional``'s own Python functions that call ``linear`` (``multi_head_attention_forward``
 and its helpers) check for torch-function modes first and would hide their ``linear`` calls from
@@ -31,7 +35,10 @@ from .rules import MatmulRule
 from .store import WeightGradStore
 
 _LINEAR = torch._C._nn.linear  # what F.linear is, and what a mode sees for it
-_MATMUL = MatmulRule(weight_is_out_by_in=True)  # stateless: the math shared with nn.Linear's fast path
+# ``x @ w`` and ``x.matmul(w)`` reach a mode as the method, ``torch.matmul(x, w)`` as the function
+_MATMULS = frozenset((torch.matmul, torch._C.TensorBase.matmul))
+_LINEAR_RULE = MatmulRule(weight_is_out_by_in=True)  # stateless: the math of nn.Linear's fast path
+_PROJECTION_RULE = MatmulRule(weight_is_out_by_in=False)  # ``x @ w``: the math of transformers' Conv1D
 
 
 def _accumulate_grad_type() -> type:
@@ -45,11 +52,13 @@ _ACCUMULATE_GRAD = _accumulate_grad_type()
 
 
 class LinearSplit(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose backward computes ``x``'s gradient and defers the rest.
+    """``F.linear(x, weight, bias)`` or ``x @ weight`` whose backward computes ``x``'s gradient and
+    defers the rest.
 
     Inputs: ``x``, the local graph's *anchor* (a tensor B asks autograd for, so that B runs this
     node even when ``x`` needs no gradient), the (possibly autocast-cast) weight and bias, and
-    ``(store, weight leaf, bias leaf or None)``.  A deferring backward (``store.queue``) queues the
+    ``(store, weight leaf, bias leaf or None, rule)`` — the rule of ``F.linear`` (weight out × in)
+    or of ``x @ weight`` (in × out).  A deferring backward (``store.queue``) queues the
     weight work for W and returns no weight gradient; a fused backward returns it.  If W's engine
     run over the local graph passes this node again (``x`` depends on other leaves), only ``x``'s
     gradient is computed: the weight work is already queued.
@@ -60,23 +69,25 @@ class LinearSplit(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.targets = targets
         ctx.queued = False
-        return _LINEAR(x, weight, bias)
+        if targets[3] is _LINEAR_RULE:
+            return _LINEAR(x, weight, bias)
+        return _PROJECTION_RULE.forward(None, x, (weight,))[0]
 
     @staticmethod
     def backward(ctx, grad_output):
         saved = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grad_x = _MATMUL.input_grad(None, saved, grad_output) if needs[0] and _wanted(ctx) else None
+        store, weight, bias, rule = ctx.targets
+        grad_x = rule.input_grad(None, saved, grad_output) if needs[0] and _wanted(ctx) else None
         if ctx.queued:
             return grad_x, None, None, None, None
-        store, weight, bias = ctx.targets
         needed = needs[2:4] if bias is not None else needs[2:3]
         queue = store.queue
         if queue is not None:
             ctx.queued = True
-            queue.append(partial(_MATMUL.accumulate_into, weight, bias, saved, grad_output, needed))
+            queue.append(partial(rule.accumulate_into, weight, bias, saved, grad_output, needed))
             return grad_x, None, None, None, None
-        grads = _MATMUL.weight_grads(None, saved, grad_output, needed)
+        grads = rule.weight_grads(None, saved, grad_output, needed)
         return grad_x, None, grads[0], grads[1] if len(grads) > 1 else None, None
 
 
@@ -119,6 +130,8 @@ class LinearRouter(TorchFunctionMode):
         # every torch call of the forward passes here: kept to a few comparisons
         if func is _LINEAR:
             return self.linear(*args, **kwargs) if kwargs else self.linear(*args)
+        if func in _MATMULS and not kwargs:
+            return self.matmul(*args)
         if type(func) is types.FunctionType:  # a Python function: one of F's calling linear?
             func = self.copies.get(func, func)
         # the mode is off while this runs (torch pops it for the handler): its ops cost nothing extra
@@ -133,10 +146,37 @@ class LinearRouter(TorchFunctionMode):
             # computed from other tensors (or the caller's): added after the routed product, its
             # gradient flows through the local graph as usual
             bias, added = None, bias
+        kept_bias = bias if bias is not None and bias.requires_grad else None
+        return self._split(input, weight, bias, added, (self.store, weight, kept_bias, _LINEAR_RULE))
+
+    def matmul(self, input: Any, other: Any) -> Any:
+        """``input @ other``, through :class:`LinearSplit` when ``other`` is a 2-D leaf requiring
+        grad and ``input`` has two dimensions or more (a projection written as ``x @ weight``)."""
+        if not (
+            isinstance(input, torch.Tensor)
+            and isinstance(other, torch.Tensor)
+            and other.dim() == 2
+            and input.dim() >= 2
+            and input.shape[-1] == other.shape[0]  # else torch.matmul says what is wrong
+            and self._owned_leaf(other)
+            and torch.is_grad_enabled()
+        ):
+            return torch.matmul(input, other)
+        return self._split(input, other, None, None, (self.store, other, None, _PROJECTION_RULE))
+
+    def _split(
+        self,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        added: torch.Tensor | None,
+        targets: tuple[Any, ...],
+    ) -> torch.Tensor:
+        """The routed call: :class:`LinearSplit` on the local graph's anchor, under autocast on cast
+        tensors; ``added`` (a bias that is no leaf) is added after the product."""
         anchor = self.anchor
         if anchor is None:
             anchor = self.anchor = torch.empty(0, device=input.device, requires_grad=True)
-        targets = (self.store, weight, bias if bias is not None and bias.requires_grad else None)
         device = input.device.type
         if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(device):
             # as fast_forward does for MatmulRule: cast as autocast would, then run without it;

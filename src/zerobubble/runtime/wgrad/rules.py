@@ -371,9 +371,9 @@ class FastPaths:
     A rule registered for a class applies to its subclasses too, unless a subclass overrides
     ``forward`` (then the generic split handles it).  Classes of optional libraries are registered
     by qualified name (``"transformers.pytorch_utils.Conv1D"``) so nothing is imported for them.
-    ``route_linear``: whether ``F.linear`` calls on leaf weights inside generically split modules
-    take ``nn.Linear``'s closed form (:mod:`.routed`); on in :func:`default_fast_paths`, off in an
-    empty registry (the generic split alone).
+    ``route_linear``: whether ``F.linear`` calls and ``x @ w`` products on leaf weights inside
+    generically split modules take the closed form of ``nn.Linear`` and ``Conv1D`` (:mod:`.routed`);
+    on in :func:`default_fast_paths`, off in an empty registry (the generic split alone).
     """
 
     def __init__(self, route_linear: bool = False) -> None:
