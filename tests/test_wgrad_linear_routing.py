@@ -491,9 +491,7 @@ def test_products_with_a_leaf_weight_are_routed_and_exact(defer, requires_grad):
 def test_routed_products_under_autocast_give_float32_gradients_close_to_autograd():
     torch.manual_seed(13)
     model = Projections()
-    deferral, out, leaves = _check_split(
-        model, _hidden(), lambda out: out.float().square().mean(), autocast=True
-    )
+    _, out, leaves = _check_split(model, _hidden(), lambda y: y.float().square().mean(), autocast=True)
     assert out.dtype == torch.bfloat16
     assert leaves == {"b_in"}
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
