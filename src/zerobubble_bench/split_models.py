@@ -28,8 +28,8 @@ SPLIT_MODELS = ("gpt2", "llama", "convnet", "checkpointed", "mha", "raw")
 transformer blocks under activation checkpointing (``use_reentrant=False``), and blocks of
 ``nn.MultiheadAttention`` with a head calling ``F.linear`` on its own weight (projections that
 are ``F.linear`` calls on parameters: the generic split's routed closed form), and transformer
-blocks written with raw parameters (matmuls and ``F.layer_norm`` on their own tensors: no fast path
-and no routing, the generic split with W from the frontier and the norms' gradients from B)."""
+blocks written with raw parameters (``x @ weight`` and ``F.layer_norm`` on their own tensors: no
+fast path; the generic split routes the products and takes the norms' gradients from B)."""
 
 
 @dataclass

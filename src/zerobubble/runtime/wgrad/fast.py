@@ -26,8 +26,8 @@ class FastPlan:
     """What every call of one fast-path module shares, worked out once when the split is installed.
 
     The backward of each layer runs once per microbatch, so the per-call Python is kept to a few
-    attribute reads: the rule's parameter names, where the parameters live, the tuple a deferring
-    backward returns and which of the rule's methods W calls are all fixed here.
+    attribute reads: the rule's parameter names, where the parameters live and which of the rule's
+    methods W calls are all fixed here.
     """
 
     __slots__ = (

@@ -29,7 +29,9 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.graph import GradientEdge
 
-_run_backward = Variable._execution_engine.run_backward  # as in .generic: no Python argument handling
+run_backward = Variable._execution_engine.run_backward
+"""The engine's entry point, without ``torch.autograd``'s Python argument handling: roots, their
+gradients, keep graph, create graph, inputs, allow unreachable inputs, accumulate into ``.grad``."""
 EDGE_ROOTS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 """Whether the engine takes ``GradientEdge`` roots (torch 2.5 and later); without, W starts from
 the outputs."""
@@ -92,7 +94,7 @@ class Frontier:
                 edges = tuple(GradientEdge(node, i) for i, grad in enumerate(node_grads) if grad is not None)
                 given = tuple(grad for grad in node_grads if grad is not None)
             # the graph stays until the last run: a node behind two frontier nodes runs in both
-            _run_backward(edges, given, True, False, node_leaves, True, True)
+            run_backward(edges, given, True, False, node_leaves, True, True)
 
 
 def find_frontier(

@@ -35,17 +35,13 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .fast import SplitFunction
-from .frontier import VIEWS, find_frontier
+from .frontier import VIEWS, find_frontier, run_backward
 from .routed import LinearRouter, LinearSplit
 from .store import WeightGradStore, accumulate_each
 
-_run_backward = Variable._execution_engine.run_backward
-"""The engine's entry point: roots, their gradients, keep graph, create graph, inputs, allow
-unreachable inputs, accumulate into ``.grad`` (:func:`run_engine` with keywords)."""
 _DEFERRING_NODES = (SplitFunction._backward_cls, LinearSplit._backward_cls)
 _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for every call
 
@@ -110,14 +106,14 @@ class LocalGraph:
         queue = self.store.queue
         if queue is None:
             # every leaf at once, fast-path children's parameters included (they are not in leaves)
-            _run_backward(tuple(outputs), tuple(out_grads), False, False, (), True, True)
+            run_backward(tuple(outputs), tuple(out_grads), False, False, (), True, True)
             return (*(x.grad for x in self.inputs), *self.untouched)
         input_grads: Sequence[torch.Tensor | None] = ()
         if self.frontier is not None:
             self.frontier.arm()
         if self.wanted:  # keep the graph if the W op walks it again
             keep = bool(self.leaves)
-            found = _run_backward(tuple(outputs), tuple(out_grads), keep, False, self.wanted, True, False)
+            found = run_backward(tuple(outputs), tuple(out_grads), keep, False, self.wanted, True, False)
             count = len(self.inputs)
             input_grads = found[:count]
             if self.in_b:  # the norm kernels' parameter gradients, computed with the input's
@@ -207,7 +203,7 @@ def run_engine(
     come from autograd itself, so they already match their outputs.
     ``inputs`` empty with ``accumulate``: every leaf, as ``backward()`` without ``inputs``.
     """
-    return _run_backward(tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
+    return run_backward(tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate)
 
 
 class Bridge(torch.autograd.Function):

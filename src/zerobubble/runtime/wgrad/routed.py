@@ -69,9 +69,7 @@ class LinearSplit(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.targets = targets
         ctx.queued = False
-        if targets[3] is _LINEAR_RULE:
-            return _LINEAR(x, weight, bias)
-        return _PROJECTION_RULE.forward(None, x, (weight,))[0]
+        return targets[3].forward(None, x, (weight,) if bias is None else (weight, bias))[0]
 
     @staticmethod
     def backward(ctx, grad_output):
