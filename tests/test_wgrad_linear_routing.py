@@ -50,7 +50,10 @@ def _check_split(
     tolerance: float = 1e-5,
 ):
     """B then W (``defer``) or fused BW per microbatch against plain autograd; returns the deferral,
-    the outputs of the split model's last forward and :func:`_local_leaves` of them."""
+    the outputs of the split model's last forward and :func:`_local_leaves` of the first forward's.
+
+    A module whose first forward left no leaves runs its later forwards without a local graph (no
+    bridge): checked here for every such case."""
     reference = copy.deepcopy(model)
     reference_batches = [_clone_inputs(batch) for batch in batches]
     expected_losses = []
@@ -62,12 +65,12 @@ def _check_split(
         expected_losses.append(loss.detach())
     store = WeightGradStore()
     deferral = install_deferral([model], store, paths)
-    losses, out, leaves = [], None, None
+    losses, out, leaves_per_call = [], None, []
     for j, batch in enumerate(batches):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(*batch)
         loss = loss_fn(out)
-        leaves = _local_leaves(out, model)
+        leaves_per_call.append(_local_leaves(out, model))
         store.begin((0, j), defer=defer)
         loss.backward()
         store.end()
@@ -89,6 +92,9 @@ def _check_split(
         assert param.grad is not None, f"{name} got no gradient"
         assert param.grad.dtype == param.dtype and not param.grad.requires_grad
         torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=rtol, atol=atol, msg=name)
+    leaves = leaves_per_call[0]
+    later = [None] if leaves == set() else [leaves]  # no leaves: later forwards on the stage's graph
+    assert all(each in later for each in leaves_per_call[1:]), leaves_per_call
     return deferral, out, leaves
 
 
@@ -404,6 +410,89 @@ def test_w_frees_what_routed_calls_kept():
     store.flush((0, 0))
     gc.collect()
     assert kept() is None and store.held_tensors() == []
+
+
+def _graph_nodes(output: torch.Tensor) -> list[str]:
+    """Names of every autograd node behind ``output``."""
+    names, stack, seen = [], [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_a_fully_routed_module_runs_later_forwards_on_the_stage_graph():
+    """``nn.MultiheadAttention``: every parameter behind a routed call, so after its first forward
+    (a local graph without leaves) no bridge, no nested engine run; B still leaves every gradient
+    to W, and W gives plain autograd's."""
+    torch.manual_seed(0)
+    model = SelfAttention(True, True)
+    batches = _hidden(3)
+    reference = copy.deepcopy(model)
+    store = WeightGradStore()
+    install_deferral([model], store)
+    bridges = []
+    for j, (x,) in enumerate(batches):
+        _attention_loss(reference(x.detach().requires_grad_())).backward()
+        out = model(x)
+        bridges.append(_graph_nodes(out[0]).count("BridgeBackward"))
+        store.begin((0, j), defer=True)
+        _attention_loss(out).backward()
+        store.end()
+        assert all(p.grad is None for p in model.parameters()), "B computed a parameter gradient"
+    assert bridges == [1, 0, 0]
+    for j in range(len(batches)):
+        store.flush((0, j))
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class _ScaledSometimes(nn.Module):
+    """A routed projection, times its own ``scale`` (a parameter used as it is) when ``scaled``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.scaled = False
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        return y * self.scale if self.scaled else y
+
+
+def test_a_direct_forward_using_a_parameter_as_it_is_stays_exact_and_builds_local_graphs_again():
+    """The first forward routes everything (later ones run on the stage's graph); the second uses
+    ``scale`` directly: B computes that gradient (exact, not deferred) and the module takes local
+    graphs again, in which W defers ``scale`` as usual."""
+    torch.manual_seed(0)
+    model = _ScaledSometimes()
+    reference = copy.deepcopy(model)
+    store = WeightGradStore()
+    install_deferral([model], store)
+    scale_in_b, bridges = [], []
+    for j, (x,) in enumerate(_hidden(3)):
+        model.scaled = reference.scaled = j > 0
+        reference(x.detach()).square().sum().backward()
+        out = model(x)
+        bridges.append(_graph_nodes(out).count("BridgeBackward"))
+        before = None if model.scale.grad is None else model.scale.grad.clone()
+        store.begin((0, j), defer=True)
+        out.square().sum().backward()
+        store.end()
+        after = model.scale.grad
+        scale_in_b.append(not (after is None or (before is not None and torch.equal(before, after))))
+    for j in range(3):
+        store.flush((0, j))
+    assert bridges == [1, 0, 1]
+    assert scale_in_b == [False, True, False]
+    for name in ("weight", "scale"):
+        expected = getattr(reference, name).grad
+        torch.testing.assert_close(getattr(model, name).grad, expected, rtol=1e-5, atol=1e-7, msg=name)
 
 
 class _Branching(nn.Module):

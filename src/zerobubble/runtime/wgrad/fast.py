@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from .rules import SplitRule
-from .store import WeightGradStore, accumulate_each
+from .store import WeightCapture, WeightGradStore, accumulate_each, top_saved_tensor_hooks
 
 _NO_GRADIENTS = (None, None, None)  # for SplitFunction's plan, parameters and keeper
-_top_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks  # (pack, unpack) or None
 
 
 class FastPlan:
@@ -70,7 +69,7 @@ class FastPlan:
         reference W keeps would bypass them). Inside a generic module's local graph a norm's alias
         parameters would look like leaves of that graph, so norms use the function there.
         """
-        if self.native and _top_saved_tensor_hooks(False) is None:
+        if self.native and top_saved_tensor_hooks(False) is None:
             if self.weights_in_b:
                 if self.store.local_depth == 0:
                     return self._run_on_aliases(x, params)
@@ -86,7 +85,7 @@ class FastPlan:
         needed = tuple(p.requires_grad for p in params)
         out, saved = self.rule.forward(self.module, x, [p.detach() for p in params])
         # a hook on the node, not on the tensor: an in-place op on ``out`` later moves its grad_fn
-        self._node_of(out).register_prehook(_WeightCapture(self, saved, needed))
+        self._node_of(out).register_prehook(WeightCapture(self.store, self.weight_work, saved, needed))
         return out
 
     def _run_on_aliases(self, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
@@ -141,31 +140,6 @@ class FastPlan:
 
     def _add_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         accumulate_each(self.params(), grads)
-
-
-class _WeightCapture:
-    """Pre-hook of a native node computing only the input gradient: hands W its work.
-
-    B (deferring) queues ``(saved, grad_output)`` for W and lets go of them, so a later engine run
-    through the same node (the generic split's W walking a local graph) adds nothing twice; a fused
-    backward adds the parameter gradients into ``.grad`` right here.
-    """
-
-    __slots__ = ("needed", "plan", "saved")
-
-    def __init__(self, plan: FastPlan, saved: Any, needed: tuple[bool, ...]):
-        self.plan, self.saved, self.needed = plan, saved, needed
-
-    def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
-        saved, grad_output = self.saved, grad_outputs[0]
-        if saved is None or grad_output is None:
-            return
-        queue = self.plan.store.queue
-        if queue is None:
-            self.plan.weight_work(saved, grad_output, self.needed)
-        else:
-            self.saved = None
-            queue.append(partial(self.plan.weight_work, saved, grad_output, self.needed))
 
 
 class _GradsOfAliases:

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .fast import SplitFunction
 from .frontier import VIEWS, find_frontier, run_backward
 from .routed import LinearRouter, LinearSplit
-from .store import WeightGradStore, accumulate_each
+from .store import WeightGradStore, accumulate_each, top_saved_tensor_hooks
 
 _DEFERRING_NODES = (SplitFunction._backward_cls, LinearSplit._backward_cls)
 _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for every call
@@ -229,10 +229,14 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
     without, every parameter is a leaf of the local graph (the generic split alone).  A module whose
     first routed forward routed no call is not routed again: the mode costs every torch call of the
     forward a Python call (``docs/wgrad.md``), and a later ``F.linear`` on a leaf weight would still
-    be split exactly, generically.
+    be split exactly, generically.  A module whose routed forward left its local graph without
+    leaves (every parameter behind a routed call or a fast-path child: ``nn.MultiheadAttention``)
+    runs its later forwards on the stage's graph instead (:func:`_direct_forward`).
     """
     router = None if routed is None else LinearRouter(store)
     nothing_to_route: set[int] = set()  # ids of modules whose routed forward routed no call
+    direct: set[int] = set()  # ids of modules that need no local graph
+    not_direct: set[int] = set()  # ids of modules a direct forward found using a parameter as it is
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         original = type(module).forward
@@ -240,6 +244,12 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
         # graph's walk already collects this module's parameters
         if store.local_depth or not torch.is_grad_enabled():
             return original(module, *args, **kwargs)
+        if router is not None and id(module) in direct:
+            result, leaf_used = _direct_forward(store, router, original, module, args, kwargs)
+            if leaf_used:  # exact, but computed in B this once: the next calls build local graphs
+                direct.discard(id(module))
+                not_direct.add(id(module))
+            return result
         flat, spec = _flatten(args, kwargs)
         outer, local_inputs = [], []
         copies: dict[int, torch.Tensor] = {}
@@ -252,12 +262,13 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
                     local_inputs.append(copy)
                 flat[index] = copy
         local_args, local_kwargs = _unflatten(flat, spec)
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        hooks = top_saved_tensor_hooks(False)
         hooked: list[SavedOnce] = []
         store.local_depth += 1
         routing = router if router is not None and id(module) not in nothing_to_route else None
         if routing is not None:
             routing.begin(local_inputs)
+        anchor, routed_any = None, False
         try:
             with routing or _NOT_ROUTING:
                 if hooks is None:
@@ -267,30 +278,96 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
                         result = original(module, *local_args, **local_kwargs)
         finally:
             store.local_depth -= 1
-            anchor = None if routing is None else routing.end()
-        if anchor is not None and routed is not None:
+            if routing is not None:
+                anchor, routed_any = routing.end()
+        if routed_any and routed is not None:
             routed.add(id(module))
         elif routing is not None:
             nothing_to_route.add(id(module))
         if isinstance(result, torch.Tensor):  # the common case, without a tree walk
             if not result.requires_grad:
                 return result
-            leaves = reachable_leaves([result], local_inputs)
-            local = LocalGraph(store, [result], local_inputs, leaves, hooked, anchor)
-            return local.bridge(outer)[0]
-        out_flat, out_spec = tree_flatten(result)
-        positions = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
-        if not positions:
-            return result
-        outputs = [out_flat[i] for i in positions]
+            positions, outputs = None, [result]
+        else:
+            out_flat, out_spec = tree_flatten(result)
+            positions = [i for i, o in enumerate(out_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not positions:
+                return result
+            outputs = [out_flat[i] for i in positions]
         leaves = reachable_leaves(outputs, local_inputs)
-        local = LocalGraph(store, outputs, local_inputs, leaves, hooked, anchor)
-        bridged = local.bridge(outer)
+        if routed_any and not (leaves.deferred or leaves.in_b) and id(module) not in not_direct:
+            direct.add(id(module))
+        bridged = LocalGraph(store, outputs, local_inputs, leaves, hooked, anchor).bridge(outer)
+        if positions is None:
+            return bridged[0]
         for position, tensor in zip(positions, bridged):
             out_flat[position] = tensor
         return tree_unflatten(out_flat, out_spec)
 
     return forward
+
+
+def _direct_forward(
+    store: WeightGradStore,
+    router: LinearRouter,
+    original: Callable[..., Any],
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+) -> tuple[Any, bool]:
+    """A routed forward on the stage's own graph, for a module no local graph is needed for.
+
+    Its routed calls defer their weights themselves and its fast-path children theirs, so the local
+    graph would only make B pay a bridge node and a nested engine run (``docs/wgrad.md``).  Returns
+    the result and whether it uses a parameter other than through those (a data-dependent branch):
+    the stage's B then computes that gradient (exact, not deferred).
+    """
+    flat, _ = _flatten(args, kwargs)
+    inputs = [item for item in flat if isinstance(item, torch.Tensor) and item.requires_grad]
+    store.local_depth += 1  # as in a local graph: nested generic modules and norms run plainly
+    router.begin(inputs, direct=True)
+    try:
+        with router:
+            result = original(module, *args, **kwargs)
+    finally:
+        store.local_depth -= 1
+        router.end()
+    outputs = [result] if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
+    outputs = [out for out in outputs if isinstance(out, torch.Tensor) and out.requires_grad]
+    return result, _uses_leaf(outputs, inputs, store)
+
+
+def _uses_leaf(outputs: list[torch.Tensor], inputs: list[torch.Tensor], store: WeightGradStore) -> bool:
+    """Whether ``outputs`` depend on a leaf requiring grad other than ``inputs`` and the store's
+    keepers, walking the graph down to the inputs only (fast-path and routed nodes: input edge)."""
+    excluded = {id(t) for t in inputs}
+    excluded.update(id(keeper) for keeper in store.keepers())
+    stops = {t.grad_fn for t in inputs if t.grad_fn is not None}
+    stack = []
+    for out in outputs:
+        if out.grad_fn is None:
+            if id(out) not in excluded:
+                return True
+        elif out.grad_fn not in stops:
+            stack.append(out.grad_fn)
+    seen = set(stops)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        edges = node.next_functions
+        if isinstance(node, _DEFERRING_NODES):
+            edges = edges[:1]
+        for next_node, _ in edges:
+            if next_node is None:
+                continue
+            variable = getattr(next_node, "variable", None)
+            if variable is None:
+                stack.append(next_node)
+            elif id(variable) not in excluded:
+                return True
+    return False
 
 
 def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .rules import MatmulRule
-from .store import WeightGradStore
+from .store import WeightCapture, WeightGradStore, top_saved_tensor_hooks
 
 _LINEAR = torch._C._nn.linear  # what F.linear is, and what a mode sees for it
 # ``x @ w`` and ``x.matmul(w)`` reach a mode as the method, ``torch.matmul(x, w)`` as the function
@@ -53,15 +53,17 @@ _ACCUMULATE_GRAD = _accumulate_grad_type()
 
 class LinearSplit(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` or ``x @ weight`` whose backward computes ``x``'s gradient and
-    defers the rest.
+    defers the rest: a routed call whose input needs no gradient (the anchor makes B reach it) or
+    whose tensors are saved through saved-tensor hooks (checkpointing, offloading).  Other routed
+    calls take autograd's own node (:class:`LinearRouter`).
 
-    Inputs: ``x``, the local graph's *anchor* (a tensor B asks autograd for, so that B runs this
-    node even when ``x`` needs no gradient), the (possibly autocast-cast) weight and bias, and
-    ``(store, weight leaf, bias leaf or None, rule)`` — the rule of ``F.linear`` (weight out × in)
-    or of ``x @ weight`` (in × out).  A deferring backward (``store.queue``) queues the
-    weight work for W and returns no weight gradient; a fused backward returns it.  If W's engine
-    run over the local graph passes this node again (``x`` depends on other leaves), only ``x``'s
-    gradient is computed: the weight work is already queued.
+    Inputs: ``x``, the *anchor* (a tensor B reaches, so that B runs this node even when ``x``
+    needs no gradient), the (possibly autocast-cast) weight and bias, detached — no parameter is an
+    input of the node, so B runs no parameter hook — and ``(store, weight leaf, bias leaf or None,
+    rule)``, the rule of ``F.linear`` (weight out × in) or of ``x @ weight`` (in × out).  A
+    deferring backward (``store.queue``) queues the weight work for W; a fused backward adds the
+    gradients into ``.grad`` at once.  If W's engine run over a local graph passes this node again
+    (``x`` depends on other leaves), only ``x``'s gradient is computed: the weight work is queued.
     """
 
     @staticmethod
@@ -74,19 +76,22 @@ class LinearSplit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        store, weight, bias, rule = ctx.targets
-        grad_x = rule.input_grad(None, saved, grad_output) if needs[0] and _wanted(ctx) else None
-        if ctx.queued:
-            return grad_x, None, None, None, None
-        needed = needs[2:4] if bias is not None else needs[2:3]
-        queue = store.queue
-        if queue is not None:
-            ctx.queued = True
-            queue.append(partial(rule.accumulate_into, weight, bias, saved, grad_output, needed))
-            return grad_x, None, None, None, None
-        grads = rule.weight_grads(None, saved, grad_output, needed)
-        return grad_x, None, grads[0], grads[1] if len(grads) > 1 else None, None
+        grad_x = None
+        if ctx.needs_input_grad[0] and _wanted(ctx):
+            grad_x = ctx.targets[3].input_grad(None, saved, grad_output)
+        if not ctx.queued:
+            store, weight, bias, rule = ctx.targets
+            needed = _NEEDED[bias is not None]
+            queue = store.queue
+            if queue is not None:
+                ctx.queued = True
+                queue.append(partial(rule.accumulate_into, weight, bias, saved, grad_output, needed))
+            else:
+                rule.accumulate_into(weight, bias, saved, grad_output, needed)
+        return grad_x, None, None, None, None
+
+
+_NEEDED = ((True,), (True, True))  # the parameters a routed call adds into: (weight,) or (weight, bias)
 
 
 def _wanted(ctx: Any) -> bool:
@@ -99,12 +104,16 @@ def _wanted(ctx: Any) -> bool:
 
 
 class LinearRouter(TorchFunctionMode):
-    """Routes ``F.linear`` on leaf weights to :class:`LinearSplit` while a local graph is built.
+    """Routes ``F.linear`` on leaf weights to their closed-form split while a module's forward runs.
 
     One router per installation (it holds the copies of ``torch.nn.functional`` functions);
-    :meth:`begin` and :meth:`end` bracket one module's local forward (the outermost generic module:
+    :meth:`begin` and :meth:`end` bracket one module's forward (the outermost generic module:
     nested ones run inside it).  Every torch call of that forward passes through
     :meth:`__torch_function__` (about 1.2 µs more per call on CPU; ``docs/wgrad.md``).
+
+    A routed call whose input requires grad, outside saved-tensor hooks, runs as autograd's own
+    node on the detached weight (it computes the input gradient only) with a pre-hook that hands W
+    its work, as ``nn.Linear``'s fast path does; other routed calls run as :class:`LinearSplit`.
     """
 
     def __init__(self, store: WeightGradStore):
@@ -112,17 +121,25 @@ class LinearRouter(TorchFunctionMode):
         self.store = store
         self.local_ids: set[int] = set()
         self.anchor: torch.Tensor | None = None
+        self.direct = False
+        self.routed = False
         self.copies = _functional_with_linear(self.linear)
 
-    def begin(self, local_inputs: list[torch.Tensor]) -> None:
-        """Start a local forward whose inputs are ``local_inputs`` (never routed as weights)."""
-        self.local_ids = {id(local) for local in local_inputs}
+    def begin(self, inputs: list[torch.Tensor], direct: bool = False) -> None:
+        """Start a module's forward whose inputs requiring grad are ``inputs`` (never routed as
+        weights).  ``direct``: the forward builds on the stage's graph, not a local graph (the
+        anchor is then the store's keeper, which the stage's B reaches)."""
+        self.local_ids = {id(each) for each in inputs}
         self.anchor = None
+        self.direct = direct
+        self.routed = False
 
-    def end(self) -> torch.Tensor | None:
-        """Finish the local forward: its anchor, or None if no call was routed."""
-        anchor, self.anchor, self.local_ids = self.anchor, None, set()
-        return anchor
+    def end(self) -> tuple[torch.Tensor | None, bool]:
+        """Finish the forward: its anchor (None if no :class:`LinearSplit` needed one) and whether
+        any call was routed."""
+        anchor, routed = self.anchor, self.routed
+        self.anchor, self.local_ids, self.routed = None, set(), False
+        return anchor, routed
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         # every torch call of the forward passes here: kept to a few comparisons
@@ -170,25 +187,46 @@ class LinearRouter(TorchFunctionMode):
         added: torch.Tensor | None,
         targets: tuple[Any, ...],
     ) -> torch.Tensor:
-        """The routed call: :class:`LinearSplit` on the local graph's anchor, under autocast on cast
-        tensors; ``added`` (a bias that is no leaf) is added after the product."""
-        anchor = self.anchor
-        if anchor is None:
-            anchor = self.anchor = torch.empty(0, device=input.device, requires_grad=True)
+        """The routed call (autocast: on tensors cast as autocast would, then without it; B and W
+        compute in the cast dtype, W adds into ``.grad`` in the parameter's dtype); ``added`` (a
+        bias that is no leaf) is added after the product."""
+        self.routed = True
+        weight = weight.detach()  # the parameters' gradients reach .grad by W's own code
+        bias = None if bias is None else bias.detach()
         device = input.device.type
         if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(device):
-            # as fast_forward does for MatmulRule: cast as autocast would, then run without it;
-            # B and W compute in the cast dtype and W adds into .grad in the parameter's dtype
             dtype = torch.get_autocast_dtype(device)
             input = input.to(dtype) if input.is_floating_point() else input
             weight = weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
             added = None if added is None else added.to(dtype)
             with torch.autocast(device, enabled=False):
-                out = LinearSplit.apply(input, anchor, weight, bias, targets)
+                out = self._product(input, weight, bias, targets)
         else:
-            out = LinearSplit.apply(input, anchor, weight, bias, targets)
+            out = self._product(input, weight, bias, targets)
         return out if added is None else out + added
+
+    def _product(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: tuple[Any, ...]
+    ) -> torch.Tensor:
+        store, weight_leaf, bias_leaf, rule = targets
+        params = (weight,) if bias is None else (weight, bias)
+        if input.requires_grad and top_saved_tensor_hooks(False) is None:
+            # autograd's own node: no Python in B but the pre-hook (the reference W keeps to the
+            # input would bypass saved-tensor hooks, hence LinearSplit under them)
+            out, saved = rule.forward(None, input, params)
+            work = partial(rule.accumulate_into, weight_leaf, bias_leaf)
+            out.grad_fn.register_prehook(WeightCapture(store, work, saved, _NEEDED[bias_leaf is not None]))
+            return out
+        anchor = self.anchor
+        if anchor is None:
+            # the stage's B reaches the store's keeper; a local graph's B asks for its own anchor
+            if self.direct:
+                anchor = self.store.keeper(input.device)
+            else:
+                anchor = torch.empty(0, device=input.device, requires_grad=True)
+            self.anchor = anchor
+        return LinearSplit.apply(input, anchor, weight, bias, targets)
 
     def _owned_leaf(self, tensor: torch.Tensor) -> bool:
         """A leaf requiring grad that is not one of the module's arguments (their copies are leaves

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -10,6 +11,8 @@ import torch
 from ..tensors import tensors_in
 
 Work = TypeVar("Work", bound=Callable[[], None])
+top_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+"""``top_saved_tensor_hooks(False)``: the innermost saved-tensor hooks' ``(pack, unpack)``, or None."""
 
 
 class WeightGradStore:
@@ -42,6 +45,10 @@ class WeightGradStore:
         if keeper is None:
             keeper = self._keepers[device] = torch.empty(0, device=device, requires_grad=True)
         return keeper
+
+    def keepers(self) -> list[torch.Tensor]:
+        """Every keeper :meth:`keeper` has made (one a device)."""
+        return list(self._keepers.values())
 
     @property
     def deferring(self) -> bool:
@@ -114,6 +121,31 @@ class WeightGradStore:
         self._pending.clear()
         self._shared.clear()
         self.end()
+
+
+class WeightCapture:
+    """Pre-hook of autograd's own node computing only the input gradient (on detached parameters).
+
+    B (deferring) queues ``work(saved, grad_output, needed)`` for W and lets go of ``saved``, so a
+    later engine run through the same node (the generic split's W walking a local graph) adds
+    nothing twice; a fused backward runs the work right here.
+    """
+
+    __slots__ = ("needed", "saved", "store", "work")
+
+    def __init__(self, store: WeightGradStore, work: Callable[..., None], saved: Any, needed: Sequence[bool]):
+        self.store, self.work, self.saved, self.needed = store, work, saved, needed
+
+    def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        saved, grad_output = self.saved, grad_outputs[0]
+        if saved is None or grad_output is None:
+            return
+        queue = self.store.queue
+        if queue is None:
+            self.work(saved, grad_output, self.needed)
+        else:
+            self.saved = None
+            queue.append(partial(self.work, saved, grad_output, self.needed))
 
 
 def accumulate(param: torch.Tensor, grad: torch.Tensor, hooked: bool = False) -> None:
