@@ -28,15 +28,22 @@ VOCAB = 11
 GENERIC_ROUTED = FastPaths(route_linear=True)  # no rules: nn.Linear children run inside generic modules
 
 
+def _local_graph(output: Any) -> Any:
+    """The LocalGraph behind ``output`` (its first tensor), or None if no bridge produced it."""
+    first = next(t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor))
+    if first.grad_fn is None or type(first.grad_fn).__name__ != "BridgeBackward":
+        return None
+    return first.grad_fn.local  # the bridge's context holds the LocalGraph
+
+
 def _local_leaves(output: Any, model: nn.Module) -> set[str] | None:
     """Names of ``model``'s parameters the local graph behind ``output`` (its first tensor) gets
     gradients for from autograd (in W, or in B's kernel call for norms) rather than from a routed
     closed form; None if no bridge produced it.  Read before B, which lets go of the local graph."""
-    first = next(t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor))
-    if first.grad_fn is None or type(first.grad_fn).__name__ != "BridgeBackward":
+    local = _local_graph(output)
+    if local is None:
         return None
     names = {id(p): n for n, p in model.named_parameters()}
-    local = first.grad_fn.local  # the bridge's context holds the LocalGraph
     return {names[id(leaf)] for leaf in (*local.leaves, *local.in_b) if id(leaf) in names}
 
 
@@ -52,8 +59,9 @@ def _check_split(
     """B then W (``defer``) or fused BW per microbatch against plain autograd; returns the deferral,
     the outputs of the split model's last forward and :func:`_local_leaves` of the first forward's.
 
-    A module whose first forward left no leaves runs its later forwards without a local graph (no
-    bridge): checked here for every such case."""
+    A module whose first forward routed a call and left no leaves for W (norm-only parameters
+    aside) may run its later forwards without a local graph (no bridge); otherwise every forward
+    has the first one's leaves."""
     reference = copy.deepcopy(model)
     reference_batches = [_clone_inputs(batch) for batch in batches]
     expected_losses = []
@@ -65,12 +73,13 @@ def _check_split(
         expected_losses.append(loss.detach())
     store = WeightGradStore()
     deferral = install_deferral([model], store, paths)
-    losses, out, leaves_per_call = [], None, []
+    losses, out, leaves_per_call, first_local = [], None, [], None
     for j, batch in enumerate(batches):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(*batch)
         loss = loss_fn(out)
         leaves_per_call.append(_local_leaves(out, model))
+        first_local = _local_graph(out) if j == 0 else first_local
         store.begin((0, j), defer=defer)
         loss.backward()
         store.end()
@@ -93,7 +102,8 @@ def _check_split(
         assert param.grad.dtype == param.dtype and not param.grad.requires_grad
         torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=rtol, atol=atol, msg=name)
     leaves = leaves_per_call[0]
-    later = [None] if leaves == set() else [leaves]  # no leaves: later forwards on the stage's graph
+    direct_allowed = first_local is not None and not first_local.leaves
+    later = [leaves, None] if direct_allowed else [leaves]
     assert all(each in later for each in leaves_per_call[1:]), leaves_per_call
     return deferral, out, leaves
 
@@ -201,11 +211,12 @@ def _tokens(count: int = 2) -> list[tuple]:
 def test_tied_head_routes_the_embedding_weight_and_both_uses_accumulate(defer):
     torch.manual_seed(2)
     model = TiedModel()
-    deferral, _, _ = _check_split(model, _tokens(), lambda out: out.square().mean(), defer=defer)
+    deferral, _, leaves = _check_split(model, _tokens(), lambda out: out.square().mean(), defer=defer)
     assert deferral.summary()["generic+linear TiedHead"] == 1
-    # the head's local graph: its own scale is a leaf for W, the tied weight was routed
-    local_out = model.head(torch.randn(2, WIDTH, requires_grad=True))
-    assert _local_leaves(local_out, model) == {"head.norm_weight"}
+    # the head's scale (a product with its own leaf) and the tied weight are both routed: no leaves,
+    # and the later forwards build no local graph
+    assert leaves == set()
+    assert _local_leaves(model.head(torch.randn(2, WIDTH, requires_grad=True)), model) is None
 
 
 class TwiceUsed(nn.Module):
@@ -305,6 +316,7 @@ def test_parametrized_weights_non_leaf_biases_and_passed_weights_stay_exact():
     model = Owner()
     _, _, leaves = _check_split(model, _hidden(), lambda out: out.square().mean())
     assert "inner.weight" not in leaves, "a leaf weight with a computed bias is still routed"
+    # a product of two parameters is no scale on an activation: both stay leaves
     assert {"inner.projection.parametrizations.weight.original", "inner.bias_a", "inner.bias_b"} <= leaves
 
 
@@ -343,7 +355,7 @@ def test_nested_generic_modules_route_into_the_outer_local_graph():
     model = NestedBlock()
     deferral, _, leaves = _check_split(model, _hidden(), lambda y: y.square().mean(), paths=GENERIC_ROUTED)
     assert deferral.summary() == {"generic+linear NestedBlock": 1}
-    assert leaves == {"scale", "norm.weight", "norm.bias"}
+    assert leaves == {"norm.weight", "norm.bias"}  # the scale is routed, the norm's are B's
 
 
 @pytest.mark.parametrize("module", ["attention", "nested"])
@@ -366,7 +378,7 @@ def test_checkpointing_recomputes_once_and_keeps_routed_w_deferred(module):
     _, _, leaves = _check_split(model, batches, lambda out: out.square().mean(), paths=paths)
     # one forward and one recomputation in B per microbatch; none in W (it reads what B unpacked)
     assert model.inner.calls == 2 * len(batches)
-    routed_only = {"attention": set(), "nested": {"inner.scale", "inner.norm.weight", "inner.norm.bias"}}
+    routed_only = {"attention": set(), "nested": {"inner.norm.weight", "inner.norm.bias"}}
     assert leaves == routed_only[module]
 
 
@@ -452,7 +464,7 @@ def test_a_fully_routed_module_runs_later_forwards_on_the_stage_graph():
 
 
 class _ScaledSometimes(nn.Module):
-    """A routed projection, times its own ``scale`` (a parameter used as it is) when ``scaled``."""
+    """A routed projection, times ``exp(scale)`` (a parameter used as it is) when ``scaled``."""
 
     def __init__(self):
         super().__init__()
@@ -462,7 +474,7 @@ class _ScaledSometimes(nn.Module):
 
     def forward(self, x):
         y = F.linear(x, self.weight)
-        return y * self.scale if self.scaled else y
+        return y * self.scale.exp() if self.scaled else y
 
 
 def test_a_direct_forward_using_a_parameter_as_it_is_stays_exact_and_builds_local_graphs_again():
@@ -573,8 +585,8 @@ def test_products_with_a_leaf_weight_are_routed_and_exact(defer, requires_grad):
     deferral, out, leaves = _check_split(model, batches, lambda out: out.square().mean(), defer=defer)
     assert deferral.summary() == {"generic+linear Projections": 1}
     assert out.requires_grad
-    # the three weights take the closed form; only the bias (added after the product) is a leaf
-    assert leaves == {"b_in"}
+    # the three weights take the closed form, the bias added to the product too: no leaves
+    assert leaves == set()
 
 
 def test_routed_products_under_autocast_give_float32_gradients_close_to_autograd():
@@ -582,7 +594,7 @@ def test_routed_products_under_autocast_give_float32_gradients_close_to_autograd
     model = Projections()
     _, out, leaves = _check_split(model, _hidden(), lambda y: y.float().square().mean(), autocast=True)
     assert out.dtype == torch.bfloat16
-    assert leaves == {"b_in"}
+    assert leaves == set()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
 
@@ -613,3 +625,131 @@ def test_a_routed_product_of_mismatched_shapes_raises_torchs_own_error():
     install_deferral([model], WeightGradStore())
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         model(torch.randn(3, 5, WIDTH + 1))
+
+
+class Affine(nn.Module):
+    """Elementwise uses of the module's own leaves on activations: a broadcast bias, a scale on the
+    left, a gain broadcast over leading dimensions, a shift of the activation's own shape (no
+    reduction) and a 0-dim scalar; one product of two parameters, which stays a leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(WIDTH))
+        self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.gain = nn.Parameter(torch.rand(1, 1, WIDTH) + 0.5)
+        self.shift = nn.Parameter(torch.randn(5, WIDTH))
+        self.scalar = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        h = torch.tanh(x + self.bias)
+        h = self.scale * h
+        h = torch.mul(h, self.gain)
+        h = torch.add(h, self.shift)
+        return h.sin() * self.scalar
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
+def test_elementwise_uses_of_leaves_are_routed_and_exact(defer):
+    torch.manual_seed(14)
+    model = Affine()
+    deferral, _, leaves = _check_split(model, _hidden(3), lambda out: out.square().mean(), defer=defer)
+    assert deferral.summary() == {"generic+linear Affine": 1}
+    assert leaves == set()
+
+
+class Shifted(nn.Module):
+    """``x + shift`` with a shift of the activation's own shape: no broadcast to sum over."""
+
+    def __init__(self):
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(5, WIDTH))
+
+    def forward(self, x):
+        return torch.tanh(x) + self.shift
+
+
+def test_a_routed_shift_without_broadcast_gets_a_gradient_of_its_own():
+    """The shift's gradient is the output gradient itself, a tensor the engine also hands the other
+    side: W adds a copy, so a later in-place update of ``.grad`` changes nothing else."""
+    torch.manual_seed(15)
+    model = Shifted()
+    store = WeightGradStore()
+    install_deferral([model], store)
+    for j in range(2):  # the first forward builds a local graph, the second runs on the stage's
+        out = model(torch.randn(5, WIDTH, requires_grad=True))
+        given = []
+        out.register_hook(given.append)
+        store.begin((0, j), defer=True)
+        out.backward(torch.randn(5, WIDTH))
+        store.end()
+        model.shift.grad = None
+        store.flush((0, j))
+        torch.testing.assert_close(model.shift.grad, given[0])
+        assert model.shift.grad.data_ptr() != given[0].data_ptr()
+
+
+class RawNorms(nn.Module):
+    """``F.layer_norm`` (weight and bias by position, then weight only by keyword) and
+    ``F.group_norm`` on the module's own parameters around a routed projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln_weight, self.ln_bias = nn.Parameter(torch.rand(WIDTH) + 0.5), nn.Parameter(torch.randn(WIDTH))
+        self.ln2_weight = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.gn_weight, self.gn_bias = nn.Parameter(torch.rand(5) + 0.5), nn.Parameter(torch.randn(5))
+        self.projection = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x):
+        h = F.layer_norm(x, (WIDTH,), self.ln_weight, self.ln_bias)
+        h = torch.relu(h @ self.projection)
+        h = F.group_norm(h, 5, self.gn_weight, self.gn_bias)  # (3, 5, WIDTH): 5 channels, 5 groups
+        return F.layer_norm(h, (WIDTH,), weight=self.ln2_weight, eps=1e-6)
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["middle stage", "first stage"])
+def test_norms_on_own_parameters_are_routed_in_forwards_on_the_stage_graph(defer, requires_grad):
+    """The first forward's local graph gets the norms' parameter gradients from B's kernel calls
+    (``in_b``); the later forwards, on the stage's graph, route the norms to per-call aliases."""
+    torch.manual_seed(16)
+    model = RawNorms()
+    batches = _hidden(3, requires_grad=requires_grad)
+    deferral, out, leaves = _check_split(model, batches, lambda out: out.square().mean(), defer=defer)
+    assert leaves == {"ln_weight", "ln_bias", "ln2_weight", "gn_weight", "gn_bias"}
+    assert _local_leaves(out, model) is None, "the later forwards built a local graph"
+    assert deferral.summary() == {"generic+linear RawNorms": 1}
+
+
+def test_the_raw_block_of_the_bench_runs_on_the_stage_graph_after_its_first_forward():
+    from zerobubble_bench.split_models import RawBlock
+
+    torch.manual_seed(17)
+    model = RawBlock(WIDTH, heads=2)
+    _, out, leaves = _check_split(model, _hidden(3), lambda out: out.square().mean())
+    assert leaves == {"norm1_weight", "norm1_bias", "norm2_weight", "norm2_bias"}
+    assert _local_leaves(out, model) is None
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
+def test_an_input_modified_in_place_after_the_forward_is_refused_as_autograd_refuses_it(defer):
+    torch.manual_seed(18)
+    reference = nn.Linear(WIDTH, WIDTH)
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    h = x * 1
+    out = reference(h)
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    model = copy.deepcopy(reference)
+    store = WeightGradStore()
+    install_deferral([model], store)
+    h = x * 1
+    out = model(h)
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an in-place operation after the forward"):
+        store.begin((0, 0), defer=defer)
+        try:
+            out.sum().backward()
+        finally:
+            store.end()
+        store.flush((0, 0))

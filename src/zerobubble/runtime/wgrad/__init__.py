@@ -12,9 +12,9 @@ every module of a stage, with no change to the model:
   costs about what the fused backward does.  :class:`FastPaths` registers rules for other types.
 * **the generic split** (:mod:`.generic`): any other module owning parameters runs on a local
   autograd graph that B walks for the input gradients and W for the parameter gradients; the
-  ``F.linear`` calls and ``x @ w`` products on leaf weights in its forward
+  ``F.linear`` calls, ``x @ w`` products, biases and scales on leaf weights in its forward
   (``nn.MultiheadAttention``'s projections, a tied head, a block on raw weights) take a closed form
-  instead (:mod:`.routed`).
+  instead (:mod:`.routed`), and a module they cover entirely runs without a local graph.
 
 The deferred work of one stage lives in its :class:`WeightGradStore`, keyed by
 ``(stage, microbatch)``, so W ops may run in whatever order the schedule says; W frees what it held.

@@ -17,8 +17,10 @@ The parameters are found by walking the local graph from the outputs to its leav
 that requires grad and is not a local input), so shared parameters, parameters used through
 custom autograd functions or owned by child modules all get their gradient; a fast-path child
 (:class:`~.fast.SplitFunction` node) defers its own parameters, so the walk does not collect them,
-and neither does it the weights of ``F.linear`` calls the forward routed to their closed form
-(:class:`~.routed.LinearSplit` nodes, :mod:`.routed`).
+and neither does it the weights of ``F.linear`` calls, products, biases and scales the forward
+routed to their closed form (:mod:`.routed`).  A module left without leaves by that (norm-only
+parameters aside) needs no local graph: its later forwards run on the stage's graph
+(:func:`_direct_forward`).
 
 Under saved-tensor hooks (activation checkpointing, offloading) the local graph saves through the
 outer hooks (F keeps what checkpointing keeps), wrapped in :class:`SavedOnce`: the bridge unpacks
@@ -295,7 +297,8 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
                 return result
             outputs = [out_flat[i] for i in positions]
         leaves = reachable_leaves(outputs, local_inputs)
-        if routed_any and not (leaves.deferred or leaves.in_b) and id(module) not in not_direct:
+        # parameters only norm kernels use (in_b) are routed in direct forwards (F.layer_norm, ...)
+        if routed_any and not leaves.deferred and id(module) not in not_direct:
             direct.add(id(module))
         bridged = LocalGraph(store, outputs, local_inputs, leaves, hooked, anchor).bridge(outer)
         if positions is None:
@@ -331,16 +334,20 @@ def _direct_forward(
             result = original(module, *args, **kwargs)
     finally:
         store.local_depth -= 1
+        aliases = router.alias_ids
         router.end()
     outputs = [result] if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
     outputs = [out for out in outputs if isinstance(out, torch.Tensor) and out.requires_grad]
-    return result, _uses_leaf(outputs, inputs, store)
+    return result, _uses_leaf(outputs, inputs, aliases, store)
 
 
-def _uses_leaf(outputs: list[torch.Tensor], inputs: list[torch.Tensor], store: WeightGradStore) -> bool:
-    """Whether ``outputs`` depend on a leaf requiring grad other than ``inputs`` and the store's
-    keepers, walking the graph down to the inputs only (fast-path and routed nodes: input edge)."""
-    excluded = {id(t) for t in inputs}
+def _uses_leaf(
+    outputs: list[torch.Tensor], inputs: list[torch.Tensor], aliases: set[int], store: WeightGradStore
+) -> bool:
+    """Whether ``outputs`` depend on a leaf requiring grad other than ``inputs``, the routed norms'
+    ``aliases`` (ids) and the store's keepers, walking the graph down to the inputs only (fast-path
+    and routed nodes: their input edge)."""
+    excluded = {id(t) for t in inputs} | aliases
     excluded.update(id(keeper) for keeper in store.keepers())
     stops = {t.grad_fn for t in inputs if t.grad_fn is not None}
     stack = []

@@ -1,18 +1,20 @@
-"""The closed-form split of ``F.linear`` calls and ``x @ w`` products on leaf weights inside
-generically split modules.
+"""The closed-form split of calls on leaf weights inside generically split modules.
 
 A module that owns a parameter and calls ``F.linear(x, self.weight, bias)`` in its own forward
 (``nn.MultiheadAttention``, a tied LM head ``F.linear(h, embed.weight)``, a fused QKV layer) takes
 the generic split, which costs a second autograd-engine run in W.  While such a module's forward
-builds its local graph, a :class:`LinearRouter` (a ``TorchFunctionMode``) sends every
-``F.linear`` call whose weight is a leaf tensor requiring grad — a parameter of this module or of
-any other — through :class:`LinearSplit`: B computes the input gradient, and the weight (and
-bias) gradient is queued for W with :class:`~.rules.MatmulRule`'s math, one GEMM into ``.grad``.
-Products ``x @ w`` (``torch.matmul``, ``x.matmul(w)``) with a 2-D leaf weight on the right — a
-projection written on raw weights — go the same way with transformers' ``Conv1D`` math (the
-weight stored in × out).  The leaf walk of the generic split does not follow these nodes' weight
-edges, so a module whose every parameter goes through routed calls has no leaves, and its W runs no
-engine at all.
+runs, a :class:`LinearRouter` (a ``TorchFunctionMode``) sends every ``F.linear`` call whose weight
+is a leaf tensor requiring grad — a parameter of this module or of any other — to a closed form:
+B computes the input gradient, and the weight (and bias) gradient is queued for W with
+:class:`~.rules.MatmulRule`'s math, one GEMM into ``.grad``.  Products ``x @ w`` (``torch.matmul``,
+``x.matmul(w)``) with a 2-D leaf weight on the right — a projection written on raw weights — go the
+same way with transformers' ``Conv1D`` math (the weight stored in × out); so do ``x + b`` and
+``x * s`` with a leaf ``b`` or ``s`` and an activation ``x`` (a bias added to a product, a scale),
+and — in forwards on the stage's graph (below) — ``F.layer_norm`` and ``F.group_norm`` on leaf
+weights, whose kernel computes every gradient in B as ``nn.LayerNorm``'s fast path does.  The leaf
+walk of the generic split does not see these weights, so a module whose every parameter goes
+through routed calls has no leaves: it needs no local graph, and after its first forward it runs on
+the stage's graph directly (:func:`.generic.generic_forward`).
 
 ``torch.nn.functional``'s own Python functions that call ``linear`` (``multi_head_attention_forward``
 and its helpers) check for torch-function modes first and would hide their ``linear`` calls from
@@ -23,7 +25,7 @@ the mode; the router runs private copies of them whose ``linear`` is the router'
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -32,11 +34,16 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .rules import MatmulRule
-from .store import WeightCapture, WeightGradStore, top_saved_tensor_hooks
+from .store import WeightCapture, WeightGradStore, accumulate, accumulate_each, top_saved_tensor_hooks
 
 _LINEAR = torch._C._nn.linear  # what F.linear is, and what a mode sees for it
 # ``x @ w`` and ``x.matmul(w)`` reach a mode as the method, ``torch.matmul(x, w)`` as the function
 _MATMULS = frozenset((torch.matmul, torch._C.TensorBase.matmul))
+_ADDS = frozenset((torch.add, torch._C.TensorBase.add))  # also ``a + b``, as the method
+_MULS = frozenset((torch.mul, torch._C.TensorBase.mul))  # also ``a * b``
+_NORMS = frozenset((F.layer_norm, F.group_norm))
+"""Functions whose one kernel computes every parameter gradient with the input's (their weight and
+bias: the arguments after the first two); routed in forwards on the stage's graph only."""
 _LINEAR_RULE = MatmulRule(weight_is_out_by_in=True)  # stateless: the math of nn.Linear's fast path
 _PROJECTION_RULE = MatmulRule(weight_is_out_by_in=False)  # ``x @ w``: the math of transformers' Conv1D
 
@@ -94,6 +101,56 @@ class LinearSplit(torch.autograd.Function):
 _NEEDED = ((True,), (True, True))  # the parameters a routed call adds into: (weight,) or (weight, bias)
 
 
+def _shift_grad(leaf: torch.Tensor, saved: Any, grad_output: torch.Tensor, needed: Any) -> None:
+    """W of ``other + leaf``: the output gradient summed to the leaf's shape."""
+    grad = grad_output.sum_to_size(leaf.shape)
+    # no reduction returns the engine's own tensor, which other nodes were handed as well
+    accumulate(leaf, grad.clone() if grad is grad_output else grad)
+
+
+def _scale_grad(leaf: torch.Tensor, saved: Any, grad_output: torch.Tensor, needed: Any) -> None:
+    """W of ``other * leaf``: ``grad_output * other`` summed to the leaf's shape."""
+    accumulate(leaf, (grad_output * saved[0]).sum_to_size(leaf.shape))
+
+
+def _alias_positions(
+    node: Any, aliases: dict[int, torch.Tensor], params: list[torch.Tensor]
+) -> list[tuple[int, torch.Tensor]] | None:
+    """``(edge index, parameter)`` for each edge of ``node`` into an alias, or None if some alias
+    is not an input of ``node`` itself."""
+    by_alias = {id(aliases[id(p)]): p for p in params}
+    positions = []
+    for index, (next_node, _) in enumerate(() if node is None else node.next_functions):
+        variable = getattr(next_node, "variable", None)
+        if variable is not None and id(variable) in by_alias:
+            positions.append((index, by_alias[id(variable)]))
+    found = {id(p) for _, p in positions}
+    return positions if len(found) == len(params) else None
+
+
+class _NormGrads:
+    """Post-hook of a routed norm's node: its parameter gradients to W (at once in a fused backward);
+    the aliases receive none."""
+
+    __slots__ = ("positions", "store")
+
+    def __init__(self, store: WeightGradStore, positions: list[tuple[int, torch.Tensor]]):
+        self.store, self.positions = store, positions
+
+    def __call__(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: Any) -> tuple[Any, ...]:
+        params = [param for _, param in self.positions]
+        grads = [grad_inputs[index] for index, _ in self.positions]
+        queue = self.store.queue
+        if queue is None:
+            accumulate_each(params, grads)
+        else:
+            queue.append(partial(accumulate_each, params, grads))
+        kept = list(grad_inputs)
+        for index, _ in self.positions:
+            kept[index] = None
+        return tuple(kept)
+
+
 def _wanted(ctx: Any) -> bool:
     """Whether this engine run needs ``x``'s gradient (not when ``x`` only leads to W's leaves in B)."""
     node = ctx.next_functions[0][0]
@@ -123,6 +180,7 @@ class LinearRouter(TorchFunctionMode):
         self.anchor: torch.Tensor | None = None
         self.direct = False
         self.routed = False
+        self.alias_ids: set[int] = set()  # the routed norms' per-call aliases: leaves of no module
         self.copies = _functional_with_linear(self.linear)
 
     def begin(self, inputs: list[torch.Tensor], direct: bool = False) -> None:
@@ -133,6 +191,7 @@ class LinearRouter(TorchFunctionMode):
         self.anchor = None
         self.direct = direct
         self.routed = False
+        self.alias_ids = set()
 
     def end(self) -> tuple[torch.Tensor | None, bool]:
         """Finish the forward: its anchor (None if no :class:`LinearSplit` needed one) and whether
@@ -147,6 +206,10 @@ class LinearRouter(TorchFunctionMode):
             return self.linear(*args, **kwargs) if kwargs else self.linear(*args)
         if func in _MATMULS and not kwargs:
             return self.matmul(*args)
+        if (func in _ADDS or func in _MULS) and len(args) == 2 and not kwargs:
+            return self.elementwise(func, *args)
+        if func in _NORMS and self.direct:
+            return self.norm(func, args, kwargs or {})
         if type(func) is types.FunctionType:  # a Python function: one of F's calling linear?
             func = self.copies.get(func, func)
         # the mode is off while this runs (torch pops it for the handler): its ops cost nothing extra
@@ -178,6 +241,52 @@ class LinearRouter(TorchFunctionMode):
         ):
             return torch.matmul(input, other)
         return self._split(input, other, None, None, (self.store, other, None, _PROJECTION_RULE))
+
+    def elementwise(self, func: Callable[..., Any], a: Any, b: Any) -> Any:
+        """``a + b`` or ``a * b`` with one side a leaf requiring grad and the other a tensor requiring
+        grad that is not such a leaf (a bias, a scale on an activation): autograd's own node on the
+        detached leaf and a pre-hook queueing the leaf's gradient (the output gradient, times the
+        other side for a product, summed over the broadcast dimensions).  Anything else runs as it is."""
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return func(a, b)
+        if self._owned_leaf(b) and a.requires_grad and not self._owned_leaf(a):
+            leaf, other = b, a
+            out = func(a, b.detach())
+        elif self._owned_leaf(a) and b.requires_grad and not self._owned_leaf(b):
+            leaf, other = a, b
+            out = func(a.detach(), b)
+        else:
+            return func(a, b)
+        if out.grad_fn is None:  # grad mode off
+            return out
+        self.routed = True
+        product = func in _MULS
+        work = partial(_scale_grad if product else _shift_grad, leaf)
+        out.grad_fn.register_prehook(WeightCapture(self.store, work, (other,) if product else (), _NEEDED[0]))
+        return out
+
+    def norm(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``F.layer_norm`` or ``F.group_norm`` whose weight or bias is a leaf requiring grad, on
+        per-call aliases of them (as ``nn.LayerNorm``'s fast path): the kernel computes every
+        gradient in B, a post-hook takes the parameters' out of its results and queues them."""
+        given = (*args[2:4], None, None)  # weight and bias, when passed by position
+        weight, bias = kwargs.get("weight", given[0]), kwargs.get("bias", given[1])
+        params = [t for t in (weight, bias) if isinstance(t, torch.Tensor) and self._owned_leaf(t)]
+        if not params or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        aliases = {id(t): t.detach().requires_grad_() for t in params}
+        call_args = tuple(aliases.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in args)
+        call_kwargs = {
+            k: aliases.get(id(t), t) if isinstance(t, torch.Tensor) else t for k, t in kwargs.items()
+        }
+        out = func(*call_args, **call_kwargs)
+        positions = _alias_positions(out.grad_fn, aliases, params)
+        if positions is None:  # not one node taking the aliases (autocast cast them): as it is
+            return func(*args, **kwargs)
+        self.routed = True
+        self.alias_ids.update(id(alias) for alias in aliases.values())
+        out.grad_fn.register_hook(_NormGrads(self.store, positions))
+        return out
 
     def _split(
         self,

@@ -372,8 +372,9 @@ class FastPaths:
     ``forward`` (then the generic split handles it).  Classes of optional libraries are registered
     by qualified name (``"transformers.pytorch_utils.Conv1D"``) so nothing is imported for them.
     ``route_linear``: whether ``F.linear`` calls and ``x @ w`` products on leaf weights inside
-    generically split modules take the closed form of ``nn.Linear`` and ``Conv1D`` (:mod:`.routed`);
-    on in :func:`default_fast_paths`, off in an empty registry (the generic split alone).
+    generically split modules take the closed form of ``nn.Linear`` and ``Conv1D``, and biases,
+    scales and norms on leaf weights theirs (:mod:`.routed`); on in :func:`default_fast_paths`, off
+    in an empty registry (the generic split alone).
     """
 
     def __init__(self, route_linear: bool = False) -> None:

@@ -128,13 +128,15 @@ class WeightCapture:
 
     B (deferring) queues ``work(saved, grad_output, needed)`` for W and lets go of ``saved``, so a
     later engine run through the same node (the generic split's W walking a local graph) adds
-    nothing twice; a fused backward runs the work right here.
+    nothing twice; a fused backward runs the work right here.  As autograd does for the tensors a
+    node saves, the work refuses tensors of ``saved`` modified in place since the forward.
     """
 
-    __slots__ = ("needed", "saved", "store", "work")
+    __slots__ = ("needed", "saved", "store", "versions", "work")
 
     def __init__(self, store: WeightGradStore, work: Callable[..., None], saved: Any, needed: Sequence[bool]):
         self.store, self.work, self.saved, self.needed = store, work, saved, needed
+        self.versions = [None if t is None else t._version for t in saved]
 
     def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         saved, grad_output = self.saved, grad_outputs[0]
@@ -142,10 +144,20 @@ class WeightCapture:
             return
         queue = self.store.queue
         if queue is None:
-            self.work(saved, grad_output, self.needed)
+            self._run(saved, grad_output)
         else:
             self.saved = None
-            queue.append(partial(self.work, saved, grad_output, self.needed))
+            queue.append(partial(self._run, saved, grad_output))
+
+    def _run(self, saved: Any, grad_output: torch.Tensor) -> None:
+        for tensor, version in zip(saved, self.versions):
+            if tensor is not None and tensor._version != version:
+                raise RuntimeError(
+                    f"a tensor of shape {tuple(tensor.shape)} that a weight gradient needs was modified by "
+                    f"an in-place operation after the forward (version {version}, now {tensor._version}); "
+                    "a plain backward fails the same way: modify a copy (clone() it) instead"
+                )
+        self.work(saved, grad_output, self.needed)
 
 
 def accumulate(param: torch.Tensor, grad: torch.Tensor, hooked: bool = False) -> None:
