@@ -720,6 +720,15 @@ def test_norms_on_own_parameters_are_routed_in_forwards_on_the_stage_graph(defer
     assert deferral.summary() == {"generic+linear RawNorms": 1}
 
 
+def test_routed_norms_under_autocast_stay_within_bf16_tolerance():
+    """Autocast runs the norms in float32 on the float32 aliases: still one node taking them."""
+    torch.manual_seed(20)
+    model = RawNorms()
+    _, out, _ = _check_split(model, _hidden(3), lambda out: out.float().square().mean(), autocast=True)
+    assert _local_leaves(out, model) is None
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
 def test_the_raw_block_of_the_bench_runs_on_the_stage_graph_after_its_first_forward():
     from zerobubble_bench.split_models import RawBlock
 
@@ -753,3 +762,25 @@ def test_an_input_modified_in_place_after_the_forward_is_refused_as_autograd_ref
         finally:
             store.end()
         store.flush((0, 0))
+
+
+@pytest.mark.parametrize("layer", ["nn.Linear", "routed F.linear"])
+def test_a_transposed_input_takes_one_gemm_not_a_batched_product(layer):
+    """On a detached weight, ``matmul`` would run a non-contiguous 3-D input (the transposed
+    query of ``nn.MultiheadAttention(batch_first=True)`` with two sequences or more) as one small
+    GEMM per leading index; the split folds it into one GEMM, as a weight requiring grad does."""
+    torch.manual_seed(19)
+
+    class Projection(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+
+        def forward(self, x):
+            return F.linear(x, self.weight)
+
+    model = nn.Linear(WIDTH, WIDTH) if layer == "nn.Linear" else Projection()
+    batches = [(torch.randn(2, 7, WIDTH).transpose(0, 1).requires_grad_(),) for _ in range(2)]
+    _, out, _ = _check_split(model, batches, lambda out: out.square().mean())
+    assert out.shape == (7, 2, WIDTH)
+    assert "BmmBackward0" not in _graph_nodes(out)
