@@ -25,9 +25,12 @@
 9. the generic split as installed against a split without its per-module machinery (one B engine
    run of the whole stage graph, W from the stage's frontier): what the bridges and nested engine
    runs cost.
+10. modules whose parameters all take routed calls (the bench's attention and raw-parameter blocks)
+   running on the stage's graph after their first forward (the default) against a local graph at
+   every forward, side by side.
 
     python benchmarks/wgrad_overhead.py [section ...]
-    (sections: layers masks conv order native routing generic floor)
+    (sections: layers masks conv order native routing generic floor direct)
 """
 
 from __future__ import annotations
@@ -494,6 +497,46 @@ def _stage_frontier_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor)
     return time.thread_time() - started
 
 
+class _LocalGraphs(nn.Module):
+    """A split module whose generic modules build a local graph at every forward: none runs on the
+    stage's graph (``Deferral.direct`` emptied before each forward)."""
+
+    def __init__(self, module: nn.Module, deferral: Any):
+        super().__init__()
+        self.module, self.deferral = module, deferral
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.deferral.direct.clear()
+        return self.module(x)
+
+
+def direct_against_local(rows: int, fresh: bool, repeats: int = 41) -> dict[str, dict[str, float]]:
+    """(T_B + T_W) / fused backward of the bench's attention and raw-parameter blocks (default
+    split): their routed modules on the stage's graph (the default after the first forward) against
+    a local graph at every forward, side by side."""
+    from zerobubble_bench.wgrad import _split_stages
+
+    results = {}
+    for label, make, shape in _split_stages(["mha", "raw"]):
+        variants: dict[str, tuple[nn.Module, WeightGradStore, bool]] = {}
+        for name in ("stage's graph", "local graph"):
+            module, store = make(), WeightGradStore()
+            deferral = install_deferral([module], store)
+            timed = module if name == "stage's graph" else _LocalGraphs(module, deferral)
+            variants[name] = (timed, store, True)
+        x = torch.randn(*shape(rows), requires_grad=True)
+        results[label] = _split_ratios(make(), variants, x, repeats, fresh)
+    return results
+
+
+def _print_direct() -> None:
+    columns = {
+        "stage's graph": "on the stage's graph (default)",
+        "local graph": "a local graph every forward",
+    }
+    _print_regimes("routed modules: stage, rows, .grad", columns, direct_against_local)
+
+
 def _print_floor() -> None:
     columns = {
         "generic split": "generic split (installed)",
@@ -573,6 +616,7 @@ SECTIONS = {
     "routing": print_routing,
     "generic": _print_generic,
     "floor": _print_floor,
+    "direct": _print_direct,
 }
 
 

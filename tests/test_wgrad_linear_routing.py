@@ -446,7 +446,7 @@ def test_a_fully_routed_module_runs_later_forwards_on_the_stage_graph():
     batches = _hidden(3)
     reference = copy.deepcopy(model)
     store = WeightGradStore()
-    install_deferral([model], store)
+    deferral = install_deferral([model], store)
     bridges = []
     for j, (x,) in enumerate(batches):
         _attention_loss(reference(x.detach().requires_grad_())).backward()
@@ -457,6 +457,7 @@ def test_a_fully_routed_module_runs_later_forwards_on_the_stage_graph():
         store.end()
         assert all(p.grad is None for p in model.parameters()), "B computed a parameter gradient"
     assert bridges == [1, 0, 0]
+    assert deferral.direct == {id(model.attention)}
     for j in range(len(batches)):
         store.flush((0, j))
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
@@ -485,7 +486,7 @@ def test_a_direct_forward_using_a_parameter_as_it_is_stays_exact_and_builds_loca
     model = _ScaledSometimes()
     reference = copy.deepcopy(model)
     store = WeightGradStore()
-    install_deferral([model], store)
+    deferral = install_deferral([model], store)
     scale_in_b, bridges = [], []
     for j, (x,) in enumerate(_hidden(3)):
         model.scaled = reference.scaled = j > 0
@@ -502,6 +503,7 @@ def test_a_direct_forward_using_a_parameter_as_it_is_stays_exact_and_builds_loca
         store.flush((0, j))
     assert bridges == [1, 0, 1]
     assert scale_in_b == [False, True, False]
+    assert deferral.direct == set()
     for name in ("weight", "scale"):
         expected = getattr(reference, name).grad
         torch.testing.assert_close(getattr(model, name).grad, expected, rtol=1e-5, atol=1e-7, msg=name)

@@ -223,7 +223,9 @@ class Bridge(torch.autograd.Function):
         return (None, *local.backward(grads))
 
 
-def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> Callable[..., Any]:
+def generic_forward(
+    store: WeightGradStore, routed: set[int] | None = None, direct: set[int] | None = None
+) -> Callable[..., Any]:
     """The forward installed on a module split generically (also the fallback of fast paths).
 
     With ``routed`` (a set), ``F.linear`` calls on leaf weights in the module's forward take a
@@ -233,11 +235,12 @@ def generic_forward(store: WeightGradStore, routed: set[int] | None = None) -> C
     forward a Python call (``docs/wgrad.md``), and a later ``F.linear`` on a leaf weight would still
     be split exactly, generically.  A module whose routed forward left its local graph without
     leaves (every parameter behind a routed call or a fast-path child: ``nn.MultiheadAttention``)
-    runs its later forwards on the stage's graph instead (:func:`_direct_forward`).
+    runs its later forwards on the stage's graph instead (:func:`_direct_forward`); their ids are
+    added to ``direct`` (a set, also with routing).
     """
     router = None if routed is None else LinearRouter(store)
     nothing_to_route: set[int] = set()  # ids of modules whose routed forward routed no call
-    direct: set[int] = set()  # ids of modules that need no local graph
+    direct = set() if direct is None else direct  # ids of modules that need no local graph
     not_direct: set[int] = set()  # ids of modules a direct forward found using a parameter as it is
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

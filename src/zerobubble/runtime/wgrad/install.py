@@ -21,6 +21,9 @@ class Deferral:
         self.generic: list[nn.Module] = []
         self.routed: set[int] = set()
         """Ids of generic modules whose forward routed ``F.linear`` calls (filled in as they run)."""
+        self.direct: set[int] = set()
+        """Ids of generic modules whose next forward runs on the stage's graph, without a local graph
+        (every parameter behind routed calls: ``docs/wgrad.md``, "Modules without a local graph")."""
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -46,7 +49,8 @@ class Deferral:
         for module in self.modules:
             module.__dict__.pop("forward", None)
         self.fast, self.generic = [], []
-        self.routed = set()
+        self.routed.clear()
+        self.direct.clear()
 
 
 def install_deferral(
@@ -72,7 +76,12 @@ def install_deferral(
     """
     paths = default_fast_paths() if fast_paths is None else fast_paths
     deferral = Deferral()
-    fallback = generic_forward(store, deferral.routed if paths.route_linear else None) if generic else _plain
+    if not generic:
+        fallback = _plain
+    elif paths.route_linear:
+        fallback = generic_forward(store, deferral.routed, deferral.direct)
+    else:
+        fallback = generic_forward(store)
     seen: set[int] = set()
 
     def visit(module: nn.Module, covered: bool) -> None:
