@@ -385,7 +385,7 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=["mlp", "gpt", "conv", "mha", "raw"],
         choices=["mlp", "gpt", "conv", "mha", "raw"],
         help="which stages to measure (mha: nn.MultiheadAttention blocks; raw: a transformer block on "
-        "raw parameters: no fast path, its x @ weight products routed)",
+        "raw parameters: no fast path, its products, bias and norms routed)",
     )
     wgrad.add_argument(
         "--models",

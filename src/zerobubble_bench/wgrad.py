@@ -40,7 +40,8 @@ def wgrad_split_cost(
     the MLP, one GPT block (width 256, ``rows`` tokens), two Conv2d(32, 3×3) + BatchNorm2d + ReLU
     blocks (``rows`` images of 8×8), one ``nn.MultiheadAttention`` block (width 256, 4 heads,
     ``rows`` tokens; its projections are ``F.linear`` calls on parameters) and one transformer block
-    on raw parameters (:class:`~.split_models.RawBlock`: no fast path; its products are routed).  Splits:
+    on raw parameters (:class:`~.split_models.RawBlock`: no fast path; its products, bias and norms
+    are routed).  Splits:
     ``fast paths`` (the default registry), ``generic only`` (an empty registry: every module through
     the generic split) and ``torch pipelining`` (``stage_backward_input``/``stage_backward_weight`` of
     ``torch.distributed.pipelining``, for reference).  Fused and split backwards alternate within
