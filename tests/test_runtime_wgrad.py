@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from _graphs import node_names
 from zerobubble.runtime.wgrad import (
     FastPaths,
     SplitRule,
@@ -514,19 +515,6 @@ def test_offloading_hooks_keep_w_of_generically_split_modules_deferred():
     _assert_grads_equal(block, reference)
 
 
-def _node_names(output: torch.Tensor) -> list[str]:
-    """The class names of every autograd node ``output`` depends on."""
-    names, seen, stack = [], set(), [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
-
-
 def _stage_with_shared_and_in_place_layers() -> tuple[nn.Sequential, nn.Sequential]:
     """A first stage (input without gradient) whose first Linear is used again later."""
     shared = nn.Linear(WIDTH, WIDTH)
@@ -555,7 +543,7 @@ def test_autograd_native_nodes_split_exactly_and_the_function_covers_an_input_wi
         store = WeightGradStore()
         install_deferral([model], store)
         losses = [model(x).square().sum() for x in batches]
-        names = _node_names(losses[0])
+        names = node_names(losses[0])
         split_nodes = names.count("SplitFunctionBackward")
         # the first layer's input has no gradient: only a first Linear needs the autograd function;
         # every other layer is autograd's own node (LayerNorm on aliases even as the first layer)
@@ -639,7 +627,7 @@ def test_a_registered_rule_with_native_backward_runs_b_in_autograd_nodes():
     store = WeightGradStore()
     install_deferral([model], store, paths)
     losses = [model(x).square().sum() for x in batches]
-    names = _node_names(losses[0])
+    names = node_names(losses[0])
     assert "MulBackward0" in names and names.count("SplitFunctionBackward") == 1, names  # the Linear's
     _split_backward(model, store, losses)
     _w_after_b(model, store, reference)

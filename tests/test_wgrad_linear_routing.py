@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
+from _graphs import node_names
 from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
 
 WIDTH = 8
@@ -424,19 +425,6 @@ def test_w_frees_what_routed_calls_kept():
     assert kept() is None and store.held_tensors() == []
 
 
-def _graph_nodes(output: torch.Tensor) -> list[str]:
-    """Names of every autograd node behind ``output``."""
-    names, stack, seen = [], [output.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
-
-
 def test_a_fully_routed_module_runs_later_forwards_on_the_stage_graph():
     """``nn.MultiheadAttention``: every parameter behind a routed call, so after its first forward
     (a local graph without leaves) no bridge, no nested engine run; B still leaves every gradient
@@ -451,7 +439,7 @@ def test_a_fully_routed_module_runs_later_forwards_on_the_stage_graph():
     for j, (x,) in enumerate(batches):
         _attention_loss(reference(x.detach().requires_grad_())).backward()
         out = model(x)
-        bridges.append(_graph_nodes(out[0]).count("BridgeBackward"))
+        bridges.append(node_names(out[0]).count("BridgeBackward"))
         store.begin((0, j), defer=True)
         _attention_loss(out).backward()
         store.end()
@@ -492,7 +480,7 @@ def test_a_direct_forward_using_a_parameter_as_it_is_stays_exact_and_builds_loca
         model.scaled = reference.scaled = j > 0
         reference(x.detach()).square().sum().backward()
         out = model(x)
-        bridges.append(_graph_nodes(out).count("BridgeBackward"))
+        bridges.append(node_names(out).count("BridgeBackward"))
         before = None if model.scale.grad is None else model.scale.grad.clone()
         store.begin((0, j), defer=True)
         out.square().sum().backward()
@@ -785,4 +773,4 @@ def test_a_transposed_input_takes_one_gemm_not_a_batched_product(layer):
     batches = [(torch.randn(2, 7, WIDTH).transpose(0, 1).requires_grad_(),) for _ in range(2)]
     _, out, _ = _check_split(model, batches, lambda out: out.square().mean())
     assert out.shape == (7, 2, WIDTH)
-    assert "BmmBackward0" not in _graph_nodes(out)
+    assert "BmmBackward0" not in node_names(out)

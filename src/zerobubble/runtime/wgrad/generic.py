@@ -31,7 +31,7 @@ once per B, not once per engine run), and both engine runs read the unpacked ten
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -337,47 +337,14 @@ def _direct_forward(
             result = original(module, *args, **kwargs)
     finally:
         store.local_depth -= 1
-        aliases = router.alias_ids
+        aliases = router.aliases
         router.end()
     outputs = [result] if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
     outputs = [out for out in outputs if isinstance(out, torch.Tensor) and out.requires_grad]
-    return result, _uses_leaf(outputs, inputs, aliases, store)
-
-
-def _uses_leaf(
-    outputs: list[torch.Tensor], inputs: list[torch.Tensor], aliases: set[int], store: WeightGradStore
-) -> bool:
-    """Whether ``outputs`` depend on a leaf requiring grad other than ``inputs``, the routed norms'
-    ``aliases`` (ids) and the store's keepers, walking the graph down to the inputs only (fast-path
-    and routed nodes: their input edge)."""
-    excluded = {id(t) for t in inputs} | aliases
-    excluded.update(id(keeper) for keeper in store.keepers())
+    # the walk down to the module's inputs, not beyond: the rest of the stage's graph is not its own
     stops = {t.grad_fn for t in inputs if t.grad_fn is not None}
-    stack = []
-    for out in outputs:
-        if out.grad_fn is None:
-            if id(out) not in excluded:
-                return True
-        elif out.grad_fn not in stops:
-            stack.append(out.grad_fn)
-    seen = set(stops)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        edges = node.next_functions
-        if isinstance(node, _DEFERRING_NODES):
-            edges = edges[:1]
-        for next_node, _ in edges:
-            if next_node is None:
-                continue
-            variable = getattr(next_node, "variable", None)
-            if variable is None:
-                stack.append(next_node)
-            elif id(variable) not in excluded:
-                return True
-    return False
+    leaves = reachable_leaves(outputs, [*inputs, *aliases, *store.keepers()], stops)
+    return result, bool(leaves.deferred or leaves.in_b)
 
 
 def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
@@ -414,8 +381,11 @@ class Leaves(NamedTuple):
     itself."""
 
 
-def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -> Leaves:
-    """Leaf tensors requiring grad that ``outputs`` depend on, other than ``exclude``.
+def reachable_leaves(
+    outputs: list[torch.Tensor], exclude: list[torch.Tensor], stops: Collection[Any] = ()
+) -> Leaves:
+    """Leaf tensors requiring grad that ``outputs`` depend on, other than ``exclude``, not looking
+    behind the nodes ``stops`` (a module's inputs when it runs on the stage's graph).
 
     The parameter edges of a fast-path node and of a routed ``F.linear`` node are not followed:
     that node defers its own parameters.  A leaf every edge of which comes from a normalisation
@@ -429,7 +399,8 @@ def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -
     stack = []
     for out in outputs:
         if out.grad_fn is not None:
-            stack.append(out.grad_fn)
+            if out.grad_fn not in stops:
+                stack.append(out.grad_fn)
         elif id(out) not in excluded:  # a leaf returned as it is
             leaves.setdefault(id(out), out)
             only_norms[id(out)] = False
@@ -450,8 +421,9 @@ def reachable_leaves(outputs: list[torch.Tensor], exclude: list[torch.Tensor]) -
                 continue
             variable = getattr(next_node, "variable", None)
             if variable is None:
-                stack.append(next_node)
-                children.append(next_node)
+                if next_node not in stops:
+                    stack.append(next_node)
+                    children.append(next_node)
                 continue
             children.append(id(variable))  # an AccumulateGrad node: a leaf, where the walk ends
             if id(variable) not in excluded:

@@ -180,7 +180,7 @@ class LinearRouter(TorchFunctionMode):
         self.anchor: torch.Tensor | None = None
         self.direct = False
         self.routed = False
-        self.alias_ids: set[int] = set()  # the routed norms' per-call aliases: leaves of no module
+        self.aliases: list[torch.Tensor] = []  # the routed norms' per-call aliases: leaves of no module
         self.copies = _functional_with_linear(self.linear)
 
     def begin(self, inputs: list[torch.Tensor], direct: bool = False) -> None:
@@ -191,13 +191,13 @@ class LinearRouter(TorchFunctionMode):
         self.anchor = None
         self.direct = direct
         self.routed = False
-        self.alias_ids = set()
+        self.aliases = []
 
     def end(self) -> tuple[torch.Tensor | None, bool]:
         """Finish the forward: its anchor (None if no :class:`LinearSplit` needed one) and whether
         any call was routed."""
         anchor, routed = self.anchor, self.routed
-        self.anchor, self.local_ids, self.routed = None, set(), False
+        self.anchor, self.local_ids, self.routed, self.aliases = None, set(), False, []
         return anchor, routed
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
@@ -284,7 +284,7 @@ class LinearRouter(TorchFunctionMode):
         if positions is None:  # not one node taking the aliases (autocast cast them): as it is
             return func(*args, **kwargs)
         self.routed = True
-        self.alias_ids.update(id(alias) for alias in aliases.values())
+        self.aliases.extend(aliases.values())
         out.grad_fn.register_hook(_NormGrads(self.store, positions))
         return out
 
