@@ -774,3 +774,23 @@ def test_a_transposed_input_takes_one_gemm_not_a_batched_product(layer):
     _, out, _ = _check_split(model, batches, lambda out: out.square().mean())
     assert out.shape == (7, 2, WIDTH)
     assert "BmmBackward0" not in node_names(out)
+
+
+@pytest.mark.parametrize("block", ["attention", "raw"])
+def test_reentrant_checkpointing_of_a_module_on_the_stage_graph_stays_exact_and_deferred(block):
+    """``checkpoint(use_reentrant=True)`` runs the forward without grad, then again inside B: the
+    routed calls of that recomputation queue their W work in B, as any other B does."""
+    from zerobubble_bench.split_models import AttentionBlock, RawBlock
+
+    torch.manual_seed(21)
+    inner = AttentionBlock(WIDTH, heads=2) if block == "attention" else RawBlock(WIDTH, heads=2)
+
+    class Reentrant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=True)
+
+    _check_split(Reentrant(), _hidden(3), lambda out: out.square().mean())

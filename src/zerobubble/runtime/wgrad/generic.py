@@ -255,6 +255,10 @@ def generic_forward(
                 direct.discard(id(module))
                 not_direct.add(id(module))
             return result
+        return local_forward(module, original, args, kwargs)
+
+    def local_forward(module: nn.Module, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The module on detached copies of its arguments, joined to the stage's graph by a bridge."""
         flat, spec = _flatten(args, kwargs)
         outer, local_inputs = [], []
         copies: dict[int, torch.Tensor] = {}
