@@ -794,3 +794,21 @@ def test_reentrant_checkpointing_of_a_module_on_the_stage_graph_stays_exact_and_
             return checkpoint(self.inner, x, use_reentrant=True)
 
     _check_split(Reentrant(), _hidden(3), lambda out: out.square().mean())
+
+
+def test_a_real_leaf_times_a_complex_activation_stays_exact():
+    """Not routed (autograd keeps the real part of a real leaf's gradient): exact through W's walk."""
+    torch.manual_seed(22)
+
+    class Phase(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+            self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+
+        def forward(self, x):
+            z = torch.polar(torch.ones_like(x), F.linear(x, self.weight))
+            return (z * self.scale).abs().sum(-1)
+
+    _, _, leaves = _check_split(Phase(), _hidden(2), lambda out: out.square().mean())
+    assert leaves == {"scale"}

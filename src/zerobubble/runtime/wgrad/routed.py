@@ -249,6 +249,8 @@ class LinearRouter(TorchFunctionMode):
         other side for a product, summed over the broadcast dimensions).  Anything else runs as it is."""
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return func(a, b)
+        if not (a.is_floating_point() and b.is_floating_point()):
+            return func(a, b)  # a complex side: autograd takes a real leaf's part of the gradient
         if self._owned_leaf(b) and a.requires_grad and not self._owned_leaf(a):
             leaf, other = b, a
             out = func(a, b.detach())
