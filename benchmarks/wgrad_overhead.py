@@ -28,9 +28,13 @@
 10. modules whose parameters all take routed calls (the bench's attention and raw-parameter blocks)
    running on the stage's graph after their first forward (the default) against a local graph at
    every forward, side by side.
+11. where B's cost above a backward with frozen parameters goes, for the GPT block, the conv stage
+   and the attention block (default split): B as installed, with every capture hook a no-op (the
+   hook calls, not their work), and with no hooks registered at all (the same native nodes); W is
+   not run for the last two.
 
     python benchmarks/wgrad_overhead.py [section ...]
-    (sections: layers masks conv order native routing generic floor direct)
+    (sections: layers masks conv order native routing generic floor direct hooks)
 """
 
 from __future__ import annotations
@@ -52,12 +56,14 @@ from zerobubble.runtime.wgrad import (
     FastPaths,
     WeightGradStore,
     default_fast_paths,
+    fast,
     frontier,
     generic,
     install_deferral,
+    routed,
 )
 from zerobubble.runtime.wgrad.rules import ConvRule
-from zerobubble.runtime.wgrad.store import accumulate_each
+from zerobubble.runtime.wgrad.store import WeightCapture, accumulate_each
 
 
 def per_layer_overhead(
@@ -537,6 +543,88 @@ def _print_direct() -> None:
     _print_regimes("routed modules: stage, rows, .grad", columns, direct_against_local)
 
 
+def _no_op_hooks() -> contextlib.ExitStack:
+    """Capture hooks that return at once: B pays their calls only."""
+
+    def keep_nothing(hook: Any, grads: Any, outputs: Any) -> tuple[Any, ...]:
+        return (grads[0], *(None,) * (len(grads) - 1))  # what the real hook returns, nothing queued
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(WeightCapture, "__call__", lambda hook, grads: None))
+    stack.enter_context(mock.patch.object(fast._GradsOfAliases, "__call__", keep_nothing))
+    return stack
+
+
+def _no_hooks() -> contextlib.ExitStack:
+    """The fast paths' and routed calls' native nodes built without any capture hook."""
+
+    def input_only(plan: Any, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        return plan.rule.forward(plan.module, x, [p.detach() for p in params])[0]
+
+    def on_aliases(plan: Any, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+        return plan.rule.forward(plan.module, x, [p.detach().requires_grad_() for p in params])[0]
+
+    original_product = routed.LinearRouter._product
+
+    def product(router: Any, input: torch.Tensor, weight: Any, bias: Any, targets: Any) -> torch.Tensor:
+        if input.requires_grad:
+            return targets[3].forward(None, input, (weight,) if bias is None else (weight, bias))[0]
+        return original_product(router, input, weight, bias, targets)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(fast.FastPlan, "_run_input_only", input_only))
+    stack.enter_context(mock.patch.object(fast.FastPlan, "_run_on_aliases", on_aliases))
+    stack.enter_context(mock.patch.object(routed.LinearRouter, "_product", product))
+    return stack
+
+
+def b_above_frozen(rows: int, repeats: int = 101) -> dict[str, dict[str, float]]:
+    """Per bench stage: microseconds of B above a backward whose parameters are frozen (which runs
+    the same input-gradient kernels), for B as installed, with no-op capture hooks and with none."""
+    from zerobubble_bench.wgrad import _split_stages
+
+    variants = {"installed": contextlib.ExitStack, "no-op hooks": _no_op_hooks, "no hooks": _no_hooks}
+    results = {}
+    # not the raw-parameter block: its routed biases and norms register hooks of their own
+    for label, make, shape in _split_stages(["gpt", "conv", "mha"]):
+        frozen = make().requires_grad_(False)
+        split = {name: _installed(make(), WeightGradStore()) for name in variants}
+        x = torch.randn(*shape(rows), requires_grad=True)
+        extra: dict[str, list[float]] = {name: [] for name in variants}
+        for repeat in range(repeats + 1):
+            out = frozen(x)
+            started = time.thread_time()
+            out.backward(torch.ones_like(out))
+            reference = time.thread_time() - started
+            for name, patches in variants.items():
+                module, split_store = split[name]
+                with patches():
+                    out = module(x)
+                    started = time.thread_time()
+                    split_store.begin((0, 0), True)
+                    out.backward(torch.ones_like(out))
+                    split_store.end()
+                    elapsed = time.thread_time() - started
+                if name == "installed":
+                    split_store.flush((0, 0))
+                else:  # nothing (or no real work) was queued: drop it and what the aliases got
+                    split_store.clear()
+                module.zero_grad(set_to_none=True)
+                if repeat:
+                    extra[name].append((elapsed - reference) * 1e6)
+            x.grad = None
+        results[label] = {name: statistics.median(values) for name, values in extra.items()}
+    return results
+
+
+def _print_hooks() -> None:
+    print("\n| stage, 32 rows | B above frozen-parameter backward (µs): installed | no-op hooks | no hooks |")
+    print("|---|---|---|---|")
+    for label, extra in b_above_frozen(32).items():
+        cells = " | ".join(f"{extra[name]:.0f}" for name in ("installed", "no-op hooks", "no hooks"))
+        print(f"| {label} | {cells} |")
+
+
 def _print_floor() -> None:
     columns = {
         "generic split": "generic split (installed)",
@@ -617,6 +705,7 @@ SECTIONS = {
     "generic": _print_generic,
     "floor": _print_floor,
     "direct": _print_direct,
+    "hooks": _print_hooks,
 }
 
 
