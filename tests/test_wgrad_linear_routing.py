@@ -812,3 +812,51 @@ def test_a_real_leaf_times_a_complex_activation_stays_exact():
 
     _, _, leaves = _check_split(Phase(), _hidden(2), lambda out: out.square().mean())
     assert leaves == {"scale"}
+
+
+def test_an_activation_a_routed_scale_needs_modified_in_place_is_refused():
+    """``shifted * scale`` keeps ``shifted`` for the scale's gradient: changing it in place afterwards
+    fails as in a plain backward (where the product's node saved it), not with a wrong gradient."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+
+        def forward(self, h):
+            shifted = h + 1  # an activation of the module's own, which it may change in place
+            out = shifted * self.scale
+            shifted.mul_(2.0)
+            return out
+
+    torch.manual_seed(23)
+    reference = Scaled()
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        reference(x * 1).sum().backward()
+    model = copy.deepcopy(reference)
+    store = WeightGradStore()
+    install_deferral([model], store)
+    out = model(x * 1)
+    store.begin((0, 0), defer=True)
+    out.sum().backward()
+    store.end()
+    with pytest.raises(RuntimeError, match="modified by an in-place operation after the forward"):
+        store.flush((0, 0))
+
+
+def test_a_generic_module_changing_its_argument_in_place_gets_a_clear_error():
+    class Doubling(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH))
+
+        def forward(self, x):
+            x.mul_(2.0)
+            return F.linear(x, self.weight)
+
+    model = Doubling()
+    install_deferral([model], WeightGradStore())
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"Doubling.forward changed a leaf .* in place.*out-of-place op"):
+        model(x * 1)

@@ -285,6 +285,10 @@ def generic_forward(
                 else:  # checkpointing, offloading: save through them, unpack once (see LocalGraph)
                     with _local_hooks(hooks, hooked):
                         result = original(module, *local_args, **local_kwargs)
+        except RuntimeError as error:
+            if local_inputs and _IN_PLACE_ON_LEAF in str(error):
+                raise _argument_changed_in_place(module, error) from error
+            raise
         finally:
             store.local_depth -= 1
             if routing is not None:
@@ -315,6 +319,22 @@ def generic_forward(
         return tree_unflatten(out_flat, out_spec)
 
     return forward
+
+
+_IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
+"""The start of autograd's error for an in-place op on a leaf requiring grad (or a view of one)."""
+
+
+def _argument_changed_in_place(module: nn.Module, error: RuntimeError) -> RuntimeError:
+    """What to say when a generically split module changes a tensor argument in place."""
+    return RuntimeError(
+        f"{type(module).__name__}.forward changed a leaf tensor requiring grad in place. Split "
+        "generically (docs/wgrad.md), a module runs on detached copies of its tensor arguments, "
+        "which are such leaves, so an in-place op on an argument (x.mul_(...), x += ..., "
+        "F.relu(x, inplace=True)) fails here although a plain backward allows it: use the "
+        "out-of-place op (x = x * y), or register a fast path for the module (FastPaths.register). "
+        f"(A parameter changed in place fails in a plain backward too.) Autograd said: {error}"
+    )
 
 
 def _direct_forward(
