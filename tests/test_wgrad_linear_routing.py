@@ -619,8 +619,8 @@ def test_a_routed_product_of_mismatched_shapes_raises_torchs_own_error():
 
 class Affine(nn.Module):
     """Elementwise uses of the module's own leaves on activations: a broadcast bias, a scale on the
-    left, a gain broadcast over leading dimensions, a shift of the activation's own shape (no
-    reduction) and a 0-dim scalar; one product of two parameters, which stays a leaf."""
+    left, a gain broadcast over leading dimensions, a shift broadcast over the first dimension
+    (``torch.add``) and a 0-dim scalar."""
 
     def __init__(self):
         super().__init__()
@@ -860,3 +860,26 @@ def test_a_generic_module_changing_its_argument_in_place_gets_a_clear_error():
     x = torch.randn(3, WIDTH, requires_grad=True)
     with pytest.raises(RuntimeError, match=r"Doubling.forward changed a leaf .* in place.*out-of-place op"):
         model(x * 1)
+
+
+@pytest.mark.parametrize("layer", ["nn.Linear", "nn.Conv2d"])
+def test_a_parameter_changed_between_b_and_w_leaves_w_exact(layer):
+    """W reads the saved activations and the output gradient, never a parameter's values: a weight
+    stepped between B and W (an earlier microbatch's optimizer-in-backward hook) is not refused,
+    and the gradient is the one of the forward's weight."""
+    torch.manual_seed(24)
+    reference = nn.Linear(WIDTH, WIDTH) if layer == "nn.Linear" else nn.Conv2d(3, 4, 3, padding=1)
+    model = copy.deepcopy(reference)
+    x = torch.randn(2, WIDTH) if layer == "nn.Linear" else torch.randn(2, 3, 5, 5)
+    reference((x * 1).requires_grad_()).square().sum().backward()
+    store = WeightGradStore()
+    install_deferral([model], store)
+    out = model((x * 1).requires_grad_())
+    store.begin((0, 0), defer=True)
+    out.square().sum().backward()
+    store.end()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    store.flush((0, 0))
+    torch.testing.assert_close(model.weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.bias.grad, reference.bias.grad, rtol=1e-5, atol=1e-6)

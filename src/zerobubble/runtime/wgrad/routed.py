@@ -277,11 +277,11 @@ class LinearRouter(TorchFunctionMode):
         if not params or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         aliases = {id(t): t.detach().requires_grad_() for t in params}
-        call_args = tuple(aliases.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in args)
-        call_kwargs = {
-            k: aliases.get(id(t), t) if isinstance(t, torch.Tensor) else t for k, t in kwargs.items()
-        }
-        out = func(*call_args, **call_kwargs)
+
+        def swap(item: Any) -> Any:  # a routed parameter's alias, anything else as it is
+            return aliases.get(id(item), item) if isinstance(item, torch.Tensor) else item
+
+        out = func(*map(swap, args), **{key: swap(item) for key, item in kwargs.items()})
         positions = _alias_positions(out.grad_fn, aliases, params)
         if positions is None:  # not one node taking the aliases (autocast cast them): as it is
             return func(*args, **kwargs)

@@ -129,14 +129,16 @@ class WeightCapture:
     B (deferring) queues ``work(saved, grad_output, needed)`` for W and lets go of ``saved``, so a
     later engine run through the same node (the generic split's W walking a local graph) adds
     nothing twice; a fused backward runs the work right here.  As autograd does for the tensors a
-    node saves, the work refuses tensors of ``saved`` modified in place since the forward.
+    node saves, the work refuses an activation of ``saved`` (a tensor requiring grad: W reads its
+    values) modified in place since the forward; the parameters come detached, W reads only their
+    shapes, and one may change in between (an earlier microbatch's optimizer-in-backward hook).
     """
 
     __slots__ = ("needed", "saved", "store", "versions", "work")
 
     def __init__(self, store: WeightGradStore, work: Callable[..., None], saved: Any, needed: Sequence[bool]):
         self.store, self.work, self.saved, self.needed = store, work, saved, needed
-        self.versions = [None if t is None else t._version for t in saved]
+        self.versions = [t._version if t is not None and t.requires_grad else None for t in saved]
 
     def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         saved, grad_output = self.saved, grad_outputs[0]
@@ -151,7 +153,7 @@ class WeightCapture:
 
     def _run(self, saved: Any, grad_output: torch.Tensor) -> None:
         for tensor, version in zip(saved, self.versions):
-            if tensor is not None and tensor._version != version:
+            if version is not None and tensor._version != version:
                 raise RuntimeError(
                     f"a tensor of shape {tuple(tensor.shape)} that a weight gradient needs was modified by "
                     f"an in-place operation after the forward (version {version}, now {tensor._version}); "
