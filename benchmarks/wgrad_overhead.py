@@ -578,50 +578,122 @@ def _no_hooks() -> contextlib.ExitStack:
     return stack
 
 
+class _EngineCaptures:
+    """The fast paths' capture hooks replaced by captures inside the autograd engine.
+
+    The forward records each native node's input edge (and each norm's alias leaves) instead of
+    registering a hook; :meth:`backward` asks one ``torch.autograd.grad``-style engine run for the
+    stage input's gradient and those edges' gradients (the engine keeps them in C++, no Python is
+    called per layer), then hands each to the same :class:`WeightCapture` the hook would have run.
+    Fast paths only (not routed calls); a measurement, not a replacement: such a run accumulates
+    nothing into ``.grad``, so a leaf it is not asked for would lose its gradient.
+    """
+
+    def __init__(self) -> None:
+        self.edges: list[Any] = []
+        self.takers: list[Callable[[Any], None]] = []
+
+    def patches(self) -> contextlib.ExitStack:
+        def input_only(plan: Any, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+            needed = tuple(p.requires_grad for p in params)
+            out, saved = plan.rule.forward(plan.module, x, [p.detach() for p in params])
+            self.edges.append(torch.autograd.graph.get_gradient_edge(out))
+            capture = WeightCapture(plan.store, plan.weight_work, saved, needed)
+            self.takers.append(lambda grad: capture((grad,)))
+            return out
+
+        def on_aliases(plan: Any, x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+            aliases = [p.detach().requires_grad_() for p in params]
+            grads: list[torch.Tensor | None] = []
+            for alias in aliases:
+                self.edges.append(torch.autograd.graph.get_gradient_edge(alias))
+                self.takers.append(grads.append)
+            self.takers.append(lambda _: plan.store.put(partial(plan._add_grads, grads)))
+            self.edges.append(None)
+            return plan.rule.forward(plan.module, x, aliases)[0]
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(fast.FastPlan, "_run_input_only", input_only))
+        stack.enter_context(mock.patch.object(fast.FastPlan, "_run_on_aliases", on_aliases))
+        return stack
+
+    def backward(self, out: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
+        """B of ``out``: ``x.grad`` and every recorded capture from one engine run."""
+        edges = (x, *(edge for edge in self.edges if edge is not None))
+        # the engine itself: torch.autograd.grad's argument handling alone costs 100-200 µs here
+        grads = iter(generic.run_engine((out,), (grad,), edges, keep_graph=False))
+        x.grad = next(grads)
+        for edge, take in zip(self.edges, self.takers):
+            take(None if edge is None else next(grads))
+        self.edges, self.takers = [], []
+
+
 def b_above_frozen(rows: int, repeats: int = 101) -> dict[str, dict[str, float]]:
     """Per bench stage: microseconds of B above a backward whose parameters are frozen (which runs
-    the same input-gradient kernels), for B as installed, with no-op capture hooks and with none."""
+    the same input-gradient kernels), for B as installed, with no-op capture hooks, with none, and
+    with the captures made inside the engine (GPT block and conv stage, whose hooks are all fast
+    paths')."""
     from zerobubble_bench.wgrad import _split_stages
 
     variants = {"installed": contextlib.ExitStack, "no-op hooks": _no_op_hooks, "no hooks": _no_hooks}
     results = {}
     # not the raw-parameter block: its routed biases and norms register hooks of their own
-    for label, make, shape in _split_stages(["gpt", "conv", "mha"]):
+    for stage, (label, make, shape) in zip(["gpt", "conv", "mha"], _split_stages(["gpt", "conv", "mha"])):
+        captures = _EngineCaptures() if stage != "mha" else None
+        names = [*variants, *(["engine capture"] if captures else [])]
         frozen = make().requires_grad_(False)
-        split = {name: _installed(make(), WeightGradStore()) for name in variants}
+        split = {name: _installed(make(), WeightGradStore()) for name in names}
         x = torch.randn(*shape(rows), requires_grad=True)
-        extra: dict[str, list[float]] = {name: [] for name in variants}
+        extra: dict[str, list[float]] = {name: [] for name in names}
+        last_grads: dict[str, list[torch.Tensor]] = {}
         for repeat in range(repeats + 1):
-            out = frozen(x)
-            started = time.thread_time()
-            out.backward(torch.ones_like(out))
-            reference = time.thread_time() - started
-            for name, patches in variants.items():
+            # each variant right after its own frozen reference, the variants' order rotating: what
+            # ran just before changes what is still in the caches, by more than these differences
+            for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                out = frozen(x)
+                started = time.thread_time()
+                out.backward(torch.ones_like(out))
+                reference = time.thread_time() - started
+                x.grad = None
                 module, split_store = split[name]
-                with patches():
+                engine_run = name == "engine capture" and captures is not None
+                with captures.patches() if engine_run else variants[name]():
                     out = module(x)
                     started = time.thread_time()
                     split_store.begin((0, 0), True)
-                    out.backward(torch.ones_like(out))
+                    if engine_run:
+                        captures.backward(out, torch.ones_like(out), x)
+                    else:
+                        out.backward(torch.ones_like(out))
                     split_store.end()
                     elapsed = time.thread_time() - started
-                if name == "installed":
+                if name in ("installed", "engine capture"):
                     split_store.flush((0, 0))
                 else:  # nothing (or no real work) was queued: drop it and what the aliases got
                     split_store.clear()
+                if repeat == repeats and name in ("installed", "engine capture"):
+                    last_grads[name] = [p.grad.clone() for p in module.parameters() if p.grad is not None]
                 module.zero_grad(set_to_none=True)
                 if repeat:
                     extra[name].append((elapsed - reference) * 1e6)
             x.grad = None
+        if captures is not None:  # a measurement counts only if the variant computes the same gradients
+            _require_equal(last_grads["engine capture"], last_grads["installed"], f"engine capture, {label}")
         results[label] = {name: statistics.median(values) for name, values in extra.items()}
     return results
 
 
+def _require_equal(grads: list[torch.Tensor], reference: list[torch.Tensor], what: str) -> None:
+    if not reference or len(grads) != len(reference) or not all(map(torch.allclose, grads, reference)):
+        raise RuntimeError(f"{what}: the gradients differ from the installed split's")
+
+
 def _print_hooks() -> None:
-    print("\n| stage, 32 rows | B above frozen-parameter backward (µs): installed | no-op hooks | no hooks |")
-    print("|---|---|---|---|")
+    names = ("installed", "no-op hooks", "no hooks", "engine capture")
+    print("\n| stage, 32 rows | B above frozen-parameter backward (µs): " + " | ".join(names) + " |")
+    print("|---|---|---|---|---|")
     for label, extra in b_above_frozen(32).items():
-        cells = " | ".join(f"{extra[name]:.0f}" for name in ("installed", "no-op hooks", "no hooks"))
+        cells = " | ".join(f"{extra[name]:.0f}" if name in extra else "—" for name in names)
         print(f"| {label} | {cells} |")
 
 

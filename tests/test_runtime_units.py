@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerobubble.runtime import PipelineError
+from zerobubble.runtime import executor as executor_module
 from zerobubble.runtime.comm import HEADER_LENGTH, decode_header, encode_header
 from zerobubble.runtime.data_parallel import chunk_parameters, first_forward, last_gradient_ops
 from zerobubble.runtime.executor import Executor, Hook, StageState
@@ -290,6 +291,38 @@ def _one_rank_executor(log: list) -> Executor:
 def _step(executor: Executor) -> None:
     inputs = [(torch.ones(2, 3),), (torch.ones(2, 3),)]
     executor.run_step(inputs, [torch.zeros(2, 1), torch.zeros(2, 1)])
+
+
+@pytest.mark.parametrize("entry", ["engine entry point", "public backward"])
+def test_the_backward_call_accumulates_as_backward_does(monkeypatch, entry):
+    """B starts the engine through torch's entry point (or ``backward()`` where torch lacks it):
+    the same ``.grad`` as ``torch.autograd.backward`` for given output gradients."""
+    if entry == "public backward":
+        monkeypatch.setattr(executor_module, "_engine_run_backward", None)
+    torch.manual_seed(0)
+    layer, x, grad = nn.Linear(3, 2), torch.randn(4, 3, requires_grad=True), torch.randn(4, 2)
+    for _ in range(2):  # the second call adds into the first's .grad
+        torch.autograd.backward([layer(x)], [grad])
+    reference = [t.grad.clone() for t in (x, *layer.parameters())]
+    for t in (x, *layer.parameters()):
+        t.grad = None
+    for _ in range(2):
+        executor_module._run_backward([layer(x)], [grad])
+    assert all(torch.equal(t.grad, r) for t, r in zip((x, *layer.parameters()), reference))
+
+
+@pytest.mark.parametrize("entry", ["engine entry point", "public backward"])
+def test_a_one_stage_step_gives_the_gradient_of_the_mean_loss(monkeypatch, entry):
+    if entry == "public backward":
+        monkeypatch.setattr(executor_module, "_engine_run_backward", None)
+    executor = _one_rank_executor([])
+    layer = executor.stages[0].module
+    expected = torch.autograd.grad(
+        sum(nn.functional.mse_loss(layer(torch.ones(2, 3)), torch.zeros(2, 1)) for _ in range(2)) / 2,
+        list(layer.parameters()),
+    )
+    _step(executor)
+    assert all(torch.allclose(p.grad, e) for p, e in zip(layer.parameters(), expected))
 
 
 def test_hooks_run_around_their_op_and_survive_a_recompile():

@@ -311,14 +311,15 @@ class Executor:
         """Backward of microbatch ``j`` (weight gradients deferred to W if ``defer``); the input gradients."""
         inputs, outputs = state.saved.pop(j)
         if received is None:
-            tensors, grads = [outputs[0] * self._scale], None
+            loss = outputs[0] * self._scale
+            tensors, grads = [loss], [torch.ones_like(loss)]
         else:
             pairs = [(out, grad) for out, grad in zip(_floating(outputs), received) if out.requires_grad]
             tensors, grads = [p[0] for p in pairs], [p[1] for p in pairs]
         state.store.begin((state.index, j), defer)
         try:
             if tensors:
-                torch.autograd.backward(tensors, grads)
+                _run_backward(tensors, grads)
         finally:
             state.store.end()
         if state.first:
@@ -375,6 +376,24 @@ class Executor:
         if any(word in str(error) for word in _MISMATCH_WORDS):  # only then is the hand-over suspect
             message += f" — check that the outputs of stage {previous} match what stage {state.index} expects"
         return message
+
+
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _run_backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward(tensors, grads)`` without its argument checks (about 40 µs a call,
+    a fifth of a small stage's op: ``docs/runtime.md``, "The backward call").
+
+    The gradients are the next stage's input gradients of these very outputs (or ones for the
+    loss), so their shapes and dtypes already match.  Through torch's own entry to the engine, which
+    keeps what compiled code running on the engine's device threads reads; where a torch lacks it,
+    the public call.
+    """
+    if _engine_run_backward is None:
+        torch.autograd.backward(tensors, grads)
+    else:
+        _engine_run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
 
 
 def _floating(tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
