@@ -96,8 +96,9 @@ def _wgrad_table(
                 )
     allocator = ", glibc keeps freed memory as a caching allocator would" if tuned else ""
     table.notes.append(
-        f"Medians of {repeats} repeats after one warm-up; the ratio is the median of each repeat's "
-        "ratio (fused and split measured back to back). CPU: thread CPU time (load from other "
+        f"Medians of {repeats} repeats over {INSTANCES} module pairs, after one warm-up each; the ratio "
+        "is the median of each repeat's ratio (fused and split back to back, which runs first "
+        "alternating). CPU: thread CPU time (load from other "
         f"processes does not count){allocator}. "
         "Goals at "
         "≥ 32 rows: ≤ 1.05 for fast paths, ≤ 1.15 for the generic split. Conv rows are 8×8 images."
@@ -190,6 +191,11 @@ class _SplitBackward:
         self.store.flush((0, 0))
 
 
+INSTANCES = 3
+"""Module pairs per measurement: identical modules built anew (same weights, other memory) gave
+(T_B + T_W) / fused ratios up to 0.06 apart in one process, so repeats cycle through several."""
+
+
 def _split_times(
     make: Callable[[], nn.Module],
     shape: tuple[int, ...],
@@ -198,40 +204,50 @@ def _split_times(
     mode: str,
     device: torch.device,
 ) -> tuple[float, float, float, float]:
-    """Medians of the fused backward, T_B and T_W (seconds) and of the per-repeat (T_B+T_W)/fused."""
-    fused_module, split_module = make().to(device), make().to(device)
+    """Medians of the fused backward, T_B and T_W (seconds) and of the per-repeat (T_B+T_W)/fused.
+
+    Repeats cycle through :data:`INSTANCES` pairs of a fused and a split module; each pair's first
+    use warms up (and creates the ``.grad`` tensors later repeats accumulate into), and which of the
+    two runs first alternates from one round of pairs to the next.
+    """
     x = torch.randn(*shape, device=device, requires_grad=True)
-    split = _SplitBackward(split_module, mode, x)
+    pairs = []
+    for _ in range(INSTANCES):
+        split_module = make().to(device)
+        pairs.append((make().to(device), split_module, _SplitBackward(split_module, mode, x)))
     # CPU: the thread's CPU time (the torch ops of one thread run on it, backward included), which
     # other processes on a shared machine do not inflate; CUDA: wall time around synchronisations
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     clock = time.perf_counter if device.type == "cuda" else time.thread_time
     fused, split_b, split_w = [], [], []
-    for repeat in range(repeats + 1):
-        out = fused_module(x)
-        grad = torch.ones_like(out)
-        sync()
-        started = clock()
-        out.backward(grad)
-        sync()
-        elapsed_fused = clock() - started
-        out = split_module(x)
-        sync()
-        started = clock()
-        split.input_pass(out, grad)
-        sync()
-        middle = clock()
-        split.weight_pass()
-        sync()
-        ended = clock()
-        if repeat:  # the first repeat warms up (and creates the .grad tensors later repeats accumulate into)
-            fused.append(elapsed_fused)
-            split_b.append(middle - started)
-            split_w.append(ended - middle)
+    for repeat in range(repeats + INSTANCES):
+        fused_module, split_module, split = pairs[repeat % INSTANCES]
+        fused_first = (repeat // INSTANCES) % 2 == 0
+        times: dict[str, float] = {}
+        for side in ("fused", "split") if fused_first else ("split", "fused"):
+            out = (fused_module if side == "fused" else split_module)(x)
+            grad = torch.ones_like(out)
+            sync()
+            started = clock()
+            if side == "fused":
+                out.backward(grad)
+                sync()
+                times["fused"] = clock() - started
+            else:
+                split.input_pass(out, grad)
+                sync()
+                middle = clock()
+                split.weight_pass()
+                sync()
+                times["b"], times["w"] = middle - started, clock() - middle
+            x.grad = None  # neither side adds into the other's input gradient
+        if repeat >= INSTANCES:  # each pair's first use warms up
+            fused.append(times["fused"])
+            split_b.append(times["b"])
+            split_w.append(times["w"])
         if not accumulate:
             fused_module.zero_grad(set_to_none=True)
             split_module.zero_grad(set_to_none=True)
-        x.grad = None
     # the ratio of each repeat's adjacent measurements: drift in the machine's speed cancels out
     ratios = [(b + w) / f for f, b, w in zip(fused, split_b, split_w)]
     return median(fused), median(split_b), median(split_w), median(ratios)
