@@ -710,6 +710,53 @@ def test_norms_on_own_parameters_are_routed_in_forwards_on_the_stage_graph(defer
     assert deferral.summary() == {"generic+linear RawNorms": 1}
 
 
+class RawRmsNorms(nn.Module):
+    """RMS norms on the module's own weights around a routed projection: ``F.rms_norm`` with the
+    weight by position, ``torch.rms_norm`` with it by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.norm2 = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.projection = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x):
+        h = torch.relu(F.rms_norm(x, (WIDTH,), self.norm1, 1e-6) @ self.projection)
+        return torch.rms_norm(h, (WIDTH,), weight=self.norm2)
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
+def test_rms_norms_on_own_weights_are_routed_scales_and_exact(defer):
+    """The weight's gradient waits for W in the local graph as on the stage's graph, so the module
+    needs no local graph after its first forward (its norms were not routed, it would keep one)."""
+    torch.manual_seed(21)
+    model = RawRmsNorms()
+    deferral, out, leaves = _check_split(model, _hidden(3), lambda out: out.square().mean(), defer=defer)
+    assert leaves == set()
+    assert _local_leaves(out, model) is None, "the later forwards built a local graph"
+    assert deferral.summary() == {"generic+linear RawRmsNorms": 1}
+
+
+def test_an_rms_norm_of_a_lower_precision_input_is_not_routed_and_stays_exact():
+    """Under autocast the second norm gets the projection's bfloat16 output: torch computes that
+    norm in float32 and casts the product back, which a routed scale would not; it runs as it is,
+    its weight a leaf of the local graph."""
+    torch.manual_seed(23)
+    model = RawRmsNorms()
+    _, _, leaves = _check_split(model, _hidden(3), lambda out: out.float().square().mean(), autocast=True)
+    assert leaves == {"norm2"}
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_rms_norm_on_a_first_stage_input_stays_an_exact_leaf_of_the_local_graph():
+    """A first stage's input needs no gradient: the scale is not routed, its weight is a leaf of the
+    local graph (as a first stage's ``x + b``)."""
+    torch.manual_seed(22)
+    model = RawRmsNorms()
+    _, _, leaves = _check_split(model, _hidden(3, requires_grad=False), lambda out: out.square().mean())
+    assert leaves == {"norm1"}
+
+
 def test_routed_norms_under_autocast_stay_within_bf16_tolerance():
     """Autocast runs the norms in float32 on the float32 aliases: still one node taking them."""
     torch.manual_seed(20)

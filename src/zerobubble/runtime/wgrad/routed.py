@@ -11,7 +11,9 @@ B computes the input gradient, and the weight (and bias) gradient is queued for 
 same way with transformers' ``Conv1D`` math (the weight stored in × out); so do ``x + b`` and
 ``x * s`` with a leaf ``b`` or ``s`` and an activation ``x`` (a bias added to a product, a scale),
 and — in forwards on the stage's graph (below) — ``F.layer_norm`` and ``F.group_norm`` on leaf
-weights, whose kernel computes every gradient in B as ``nn.LayerNorm``'s fast path does.  The leaf
+weights, whose kernel computes every gradient in B as ``nn.LayerNorm``'s fast path does.
+``F.rms_norm`` / ``torch.rms_norm`` with a leaf weight runs as torch's composite computes it, the
+normalised input times the weight, and that product is routed as a scale.  The leaf
 walk of the generic split does not see these weights, so a module whose every parameter goes
 through routed calls has no leaves: it needs no local graph, and after its first forward it runs on
 the stage's graph directly (:func:`.generic.generic_forward`).
@@ -41,6 +43,8 @@ _LINEAR = torch._C._nn.linear  # what F.linear is, and what a mode sees for it
 _MATMULS = frozenset((torch.matmul, torch._C.TensorBase.matmul))
 _ADDS = frozenset((torch.add, torch._C.TensorBase.add))  # also ``a + b``, as the method
 _MULS = frozenset((torch.mul, torch._C.TensorBase.mul))  # also ``a * b``
+_RMS_NORMS = frozenset((F.rms_norm, torch.rms_norm))
+_WIDE_FLOATS = frozenset((torch.float32, torch.float64))  # where rms_norm's composite is norm × weight
 _NORMS = frozenset((F.layer_norm, F.group_norm))
 """Functions whose one kernel computes every parameter gradient with the input's (their weight and
 bias: the arguments after the first two); routed in forwards on the stage's graph only."""
@@ -210,6 +214,8 @@ class LinearRouter(TorchFunctionMode):
             return self.elementwise(func, *args)
         if func in _NORMS and self.direct:
             return self.norm(func, args, kwargs or {})
+        if func in _RMS_NORMS:
+            return self.rms_norm(*args, **kwargs) if kwargs else self.rms_norm(*args)
         if type(func) is types.FunctionType:  # a Python function: one of F's calling linear?
             func = self.copies.get(func, func)
         # the mode is off while this runs (torch pops it for the handler): its ops cost nothing extra
@@ -266,6 +272,23 @@ class LinearRouter(TorchFunctionMode):
         work = partial(_scale_grad if product else _shift_grad, leaf)
         out.grad_fn.register_prehook(WeightCapture(self.store, work, (other,) if product else (), _NEEDED[0]))
         return out
+
+    def rms_norm(self, input: Any, normalized_shape: Any, weight: Any = None, eps: Any = None) -> Any:
+        """``F.rms_norm`` (or ``torch.rms_norm``) on a float32/64 input with a leaf weight of its
+        dtype requiring grad, as torch's own composite computes it (bit for bit):
+        the normalised input (in its dtype) times the weight, that product routed as a scale
+        (:meth:`elementwise`), so W computes the weight's gradient in local graphs and on the
+        stage's graph alike (``nn.RMSNorm``'s fast path computes the same way)."""
+        if not (
+            isinstance(input, torch.Tensor)
+            and isinstance(weight, torch.Tensor)
+            # lower precision: torch computes in float32, times the weight, then casts back
+            and input.dtype == weight.dtype in _WIDE_FLOATS
+            and self._owned_leaf(weight)
+            and torch.is_grad_enabled()
+        ):
+            return torch.rms_norm(input, normalized_shape, weight, eps)
+        return self.elementwise(torch.mul, torch.rms_norm(input, normalized_shape, None, eps), weight)
 
     def norm(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """``F.layer_norm`` or ``F.group_norm`` whose weight or bias is a leaf requiring grad, on
