@@ -737,6 +737,7 @@ def test_rms_norms_on_own_weights_are_routed_scales_and_exact(defer):
     assert deferral.summary() == {"generic+linear RawRmsNorms": 1}
 
 
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch's, for both models
 def test_an_rms_norm_of_a_lower_precision_input_is_not_routed_and_stays_exact():
     """Under autocast the second norm gets the projection's bfloat16 output: torch computes that
     norm in float32 and casts the product back, which a routed scale would not; it runs as it is,
