@@ -97,10 +97,9 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 class _LocalComm:
     """What a one-rank executor needs of its channels: its device; nothing crosses a rank."""
 
-    monitor = PeerMonitor(None, 0, 1.0)
-
     def __init__(self, device: str):
         self.device = torch.device(device)
+        self.monitor = PeerMonitor(None, 0, 1.0)
 
     def start_step(self, first: bool, forward_only: bool = False) -> None:
         pass

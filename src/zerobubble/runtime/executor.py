@@ -382,8 +382,8 @@ _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", Non
 
 
 def _run_backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """``torch.autograd.backward(tensors, grads)`` without its argument checks (about 40 µs a call,
-    a fifth of a small stage's op: ``docs/runtime.md``, "The backward call").
+    """``torch.autograd.backward(tensors, grads)`` without its argument checks (about 40 µs a call:
+    ``docs/runtime.md``, "The backward call").
 
     The gradients are the next stage's input gradients of these very outputs (or ones for the
     loss), so their shapes and dtypes already match.  Through torch's own entry to the engine, which
