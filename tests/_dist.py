@@ -1,4 +1,4 @@
-"""Helpers for the multi-process runtime tests: test models, a reference backward, rank workers.
+"""Helpers for the runtime tests: test models, a reference backward, rank workers, a one-rank comm.
 
 Workers are module-level functions so spawned ranks can import them; each runs many cases in one
 spawn (the machine has two cores) and returns plain Python numbers to the parent.
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerobubble.runtime import PipelineError
+from zerobubble.runtime.failures import PeerMonitor
 from zerobubble.runtime.launch import init_distributed, launch
 from zerobubble.schedule import REGISTRY, build_schedule
 
@@ -23,6 +24,23 @@ VOCAB, WIDTH, SEQ = 11, 8, 3
 #: Every registry schedule the runtime tests run; zb-ilp is left out because solving its integer program
 #: on every rank of every case would dominate the suite (its schedules are validated in test_ilp.py).
 RUNTIME_SCHEDULES = [name for name in REGISTRY if name != "zb-ilp"]
+
+
+class LocalComm:
+    """What a one-rank executor needs of its channels: its device; nothing crosses a rank."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.monitor = PeerMonitor(None, 0, 1.0)
+
+    def start_step(self, first: bool, forward_only: bool = False) -> None:
+        pass
+
+    def finish_step(self) -> None:
+        pass
+
+    def abort_step(self) -> None:
+        pass
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 170.0) -> list:

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from _dist import LocalComm
 from zerobubble.runtime.executor import Executor, StageState
-from zerobubble.runtime.failures import PeerMonitor
 from zerobubble.runtime.trace import TraceRecorder
 from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
 from zerobubble.schedule import build_schedule
@@ -94,23 +94,6 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
-class _LocalComm:
-    """What a one-rank executor needs of its channels: its device; nothing crosses a rank."""
-
-    def __init__(self, device: str):
-        self.device = torch.device(device)
-        self.monitor = PeerMonitor(None, 0, 1.0)
-
-    def start_step(self, first: bool, forward_only: bool = False) -> None:
-        pass
-
-    def finish_step(self) -> None:
-        pass
-
-    def abort_step(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_two_chunks_on_one_rank_on_the_device_equal_one_process_and_are_traced(device):
     """zb-v's two chunks on one rank (local hand-overs, the B/W split, dropout's per-forward seeds
@@ -128,7 +111,7 @@ def test_two_chunks_on_one_rank_on_the_device_equal_one_process_and_are_traced(d
         install_deferral([chunk], store)
         stages[index] = StageState(index, chunk, store, index == 0, index == 1, f"chunk {index}")
     schedule = build_schedule("zb-v", 1, MICROBATCHES)
-    executor = Executor(schedule, 0, stages, _LocalComm(device), F.mse_loss)  # type: ignore[arg-type]
+    executor = Executor(schedule, 0, stages, LocalComm(device), F.mse_loss)  # type: ignore[arg-type]
     recorder = TraceRecorder(device)
     executor.recorder = recorder
     generator = torch.Generator().manual_seed(1)

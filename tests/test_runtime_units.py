@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _dist import LocalComm
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime import executor as executor_module
 from zerobubble.runtime.comm import HEADER_LENGTH, decode_header, encode_header
@@ -241,22 +242,6 @@ def test_chrome_trace_names_waits_by_message():
 # -- the executor's hooks and the recorder protocol --------------------------------------------------
 
 
-class _LocalComm:
-    """What a one-rank executor needs of its channels: nothing crosses a rank."""
-
-    device = torch.device("cpu")
-    monitor = PeerMonitor(None, 0, 1.0)
-
-    def start_step(self, first: bool, forward_only: bool = False) -> None:
-        pass
-
-    def finish_step(self) -> None:
-        pass
-
-    def abort_step(self) -> None:
-        pass
-
-
 class _Log(RecorderDefaults):
     def __init__(self, log: list):
         self.log = log
@@ -282,7 +267,7 @@ def _logged(handler, kind: Kind, log: list):
 def _one_rank_executor(log: list) -> Executor:
     schedule = build_schedule("zb-h1", 1, 2)
     stage = StageState(0, nn.Linear(3, 1), WeightGradStore(), True, True, "linear")
-    executor = Executor(schedule, 0, {0: stage}, _LocalComm(), nn.functional.mse_loss)  # type: ignore[arg-type]
+    executor = Executor(schedule, 0, {0: stage}, LocalComm(), nn.functional.mse_loss)  # type: ignore[arg-type]
     executor.handlers = {kind: _logged(handler, kind, log) for kind, handler in executor.handlers.items()}
     executor.compile()
     return executor
