@@ -432,6 +432,7 @@ LAYERS = {  # layer, input shape, the split it takes
         "fast",
     ),
     "conv3d no bias": (lambda: nn.Conv3d(2, 3, 2, padding=1, bias=False), (2, 2, 3, 4, 3), "fast"),
+    "conv2d one unbatched image": (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 5, 5), "fast"),
     "conv2d padding='same'": (lambda: nn.Conv2d(2, 3, 3, padding="same"), (2, 2, 5, 5), "generic"),
     "conv2d reflect padding": (
         lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"),
@@ -445,6 +446,23 @@ LAYERS = {  # layer, input shape, the split it takes
     "embedding scale_grad_by_freq": (lambda: nn.Embedding(7, 4, scale_grad_by_freq=True), None, "fast"),
     "embedding max_norm": (lambda: nn.Embedding(7, 4, max_norm=1.0), None, "generic"),
 }
+
+
+def test_an_unbatched_convolution_on_a_first_stage_splits_exactly():
+    """One sample without a batch dimension, needing no input gradient (the autograd function's
+    path, not the native node's): the kernel gets a batch of one in B and W alike."""
+    torch.manual_seed(8)
+    layer = nn.Conv1d(2, 3, 3, stride=2)
+    reference = copy.deepcopy(layer)
+    x = torch.randn(2, 9)
+    reference(x).sin().sum().backward()
+    store = WeightGradStore()
+    install_deferral([layer], store)
+    _split_backward(layer, store, [layer(x).sin().sum()])
+    assert all(p.grad is None for p in layer.parameters())
+    store.flush((0, 0))
+    for param, expected in zip(layer.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", list(LAYERS))

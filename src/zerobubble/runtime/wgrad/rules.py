@@ -212,11 +212,17 @@ class ConvRule(_MaskedRule):
 
     def _backward(self, module, saved, grad_output, mask):
         x, weight = saved
+        unbatched = x.dim() == self.dims + 1
+        if unbatched:  # F.conv*d takes one sample without a batch dimension; the kernel does not
+            x, grad_output = x.unsqueeze(0), grad_output.unsqueeze(0)
         bias_sizes = [weight.shape[0]] if module._parameters.get("bias") is not None else None
-        return _CONVOLUTION_BACKWARD(
+        grads = _CONVOLUTION_BACKWARD(
             grad_output, x, weight, bias_sizes, module.stride, module.padding, module.dilation,
             False, self.output_padding, module.groups, mask,
         )  # fmt: skip
+        if unbatched and grads[0] is not None:
+            return (grads[0].squeeze(0), *grads[1:])
+        return grads
 
 
 class EmbeddingRule(SplitRule):
