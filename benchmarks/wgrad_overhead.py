@@ -29,12 +29,15 @@
    running on the stage's graph after their first forward (the default) against a local graph at
    every forward, side by side.
 11. where B's cost above a backward with frozen parameters goes, for the GPT block, the conv stage
-   and the attention block (default split): B as installed, with every capture hook a no-op (the
-   hook calls, not their work), and with no hooks registered at all (the same native nodes); W is
-   not run for the last two.
+   and the attention block (default split, called directly: a post-hook per norm): B as installed,
+   with every capture hook a no-op (the hook calls, not their work), with no hooks registered at
+   all (the same native nodes; W is not run for these two), and for the first two stages with the
+   captures made inside the autograd engine (one grad-mode run; a measurement, not the runtime's B).
+12. the norms' alias parameters accumulated by autograd itself in a keyed forward (as the executor
+   runs it: no hook on their nodes) against a post-hook per norm (a direct call), side by side.
 
     python benchmarks/wgrad_overhead.py [section ...]
-    (sections: layers masks conv order native routing generic floor direct hooks)
+    (sections: layers masks conv order native routing generic floor direct hooks aliases)
 """
 
 from __future__ import annotations
@@ -689,6 +692,50 @@ def _require_equal(grads: list[torch.Tensor], reference: list[torch.Tensor], wha
         raise RuntimeError(f"{what}: the gradients differ from the installed split's")
 
 
+def _keyed_store_step(module: nn.Module, store: WeightGradStore) -> Step:
+    """The step as the executor runs it: the forward keyed (``begin_forward``), so the norms'
+    aliases take autograd's own accumulation instead of a post-hook."""
+
+    def step(x: torch.Tensor, grad: torch.Tensor) -> float:
+        store.begin_forward((0, 0))
+        try:
+            out = module(x)
+        finally:
+            store.end_forward()
+        started = time.thread_time()
+        store.begin((0, 0), True)
+        out.backward(grad)
+        store.end()
+        store.flush((0, 0))
+        return time.thread_time() - started
+
+    return step
+
+
+def alias_accumulation(rows: int, fresh: bool, repeats: int = 81) -> dict[str, dict[str, float]]:
+    """(T_B + T_W) / fused backward of the bench stages with norms: the forward keyed, as the
+    executor runs it (no hook on the norms' nodes), against a direct call (a post-hook per norm)."""
+    from zerobubble_bench.wgrad import _split_stages
+
+    results = {}
+    for label, make, shape in _split_stages(["gpt", "mha", "conv"]):
+        fused = make()
+        keyed, keyed_store = _installed(make(), WeightGradStore())
+        hooked, hooked_store = _installed(make(), WeightGradStore())
+        steps = {
+            "keyed": (keyed, _keyed_store_step(keyed, keyed_store)),
+            "post-hook": (hooked, _store_step(hooked, hooked_store, True)),
+        }
+        x = torch.randn(*shape(rows), requires_grad=True)
+        results[label] = _step_ratios(fused, steps, x, repeats, fresh)
+    return results
+
+
+def _print_aliases() -> None:
+    columns = {"keyed": "keyed forward (no hook)", "post-hook": "direct call (post-hook)"}
+    _print_regimes("stage, rows, .grad", columns, alias_accumulation)
+
+
 def _print_hooks() -> None:
     names = ("installed", "no-op hooks", "no hooks", "engine capture")
     print("\n| stage, 32 rows | B above frozen-parameter backward (µs): " + " | ".join(names) + " |")
@@ -779,6 +826,7 @@ SECTIONS = {
     "floor": _print_floor,
     "direct": _print_direct,
     "hooks": _print_hooks,
+    "aliases": _print_aliases,
 }
 
 

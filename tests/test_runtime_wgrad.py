@@ -23,6 +23,7 @@ from zerobubble.runtime.wgrad import (
     SplitRule,
     WeightGradStore,
     default_fast_paths,
+    fast,
     install_deferral,
     remove_deferral,
 )
@@ -679,3 +680,57 @@ def test_fast_paths_alone_leave_other_modules_to_plain_autograd():
         store.end()
     assert store.pending_keys() == []
     _assert_grads_equal(model, reference)
+
+
+def _norms() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.BatchNorm1d(6), nn.GroupNorm(2, 6))
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
+def test_norms_in_a_keyed_forward_need_no_hook_and_end_as_plain_autograd(defer, monkeypatch):
+    """In a forward between ``begin_forward`` and ``end_forward`` (the executor's) the norms' alias
+    parameters get their gradients from autograd's own accumulation and the store hands them to W
+    (or adds them at a fused backward's end): no hook on their nodes, the same ``.grad`` and
+    parameter hooks, once per microbatch, as plain autograd."""
+    torch.manual_seed(9)
+    model = _norms()
+    reference = copy.deepcopy(model)
+    store = WeightGradStore()
+    install_deferral([model], store)
+
+    def no_hook(*args):
+        raise AssertionError("a norm's node was hooked in a keyed forward")
+
+    monkeypatch.setattr(fast._GradsOfAliases, "__call__", no_hook)
+    calls: list[str] = []
+    model[1].weight.register_hook(lambda grad: calls.append("hook"))
+    model[1].weight.register_post_accumulate_grad_hook(lambda param: calls.append("post"))
+    for j in range(2):
+        x = torch.randn(5, 4, requires_grad=True)
+        reference(x).sin().sum().backward()
+        store.begin_forward((0, j))
+        out = model(x)
+        store.end_forward()
+        assert store.pending_keys() == [(0, j)], "the norms left no work for the backward"
+        store.begin((0, j), defer=defer)
+        out.sin().sum().backward()
+        store.end()
+        if defer:
+            assert model[1].weight.grad is None or j > 0, "B added into .grad"
+            store.flush((0, j))
+        assert store.pending_keys() == []
+    assert calls == ["hook", "post"] * 2
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_keyed_forward_without_its_backward_is_pending_until_cleared():
+    model = _norms()
+    store = WeightGradStore()
+    install_deferral([model], store)
+    store.begin_forward((0, 0))
+    model(torch.randn(5, 4, requires_grad=True))
+    store.end_forward()
+    assert store.pending_keys() == [(0, 0)]
+    store.clear()  # a failed step
+    assert store.pending_keys() == []

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from _graphs import node_names
-from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
+from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral, routed
 
 WIDTH = 8
 VOCAB = 11
@@ -56,9 +56,11 @@ def _check_split(
     defer: bool = True,
     autocast: bool = False,
     tolerance: float = 1e-5,
+    keyed: bool = False,
 ):
     """B then W (``defer``) or fused BW per microbatch against plain autograd; returns the deferral,
     the outputs of the split model's last forward and :func:`_local_leaves` of the first forward's.
+    ``keyed``: each forward runs between ``begin_forward`` and ``end_forward``, as the executor's.
 
     A module whose first forward routed a call and left no leaves for W (norm-only parameters
     aside) may run its later forwards without a local graph (no bridge); otherwise every forward
@@ -76,8 +78,11 @@ def _check_split(
     deferral = install_deferral([model], store, paths)
     losses, out, leaves_per_call, first_local = [], None, [], None
     for j, batch in enumerate(batches):
+        if keyed:
+            store.begin_forward((0, j))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(*batch)
+        store.end_forward()
         loss = loss_fn(out)
         leaves_per_call.append(_local_leaves(out, model))
         first_local = _local_graph(out) if j == 0 else first_local
@@ -696,15 +701,26 @@ class RawNorms(nn.Module):
         return F.layer_norm(h, (WIDTH,), weight=self.ln2_weight, eps=1e-6)
 
 
+@pytest.mark.parametrize("keyed", [True, False], ids=["executor's forward", "direct call"])
 @pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
 @pytest.mark.parametrize("requires_grad", [True, False], ids=["middle stage", "first stage"])
-def test_norms_on_own_parameters_are_routed_in_forwards_on_the_stage_graph(defer, requires_grad):
+def test_norms_on_own_parameters_are_routed_in_forwards_on_the_stage_graph(
+    defer, requires_grad, keyed, monkeypatch
+):
     """The first forward's local graph gets the norms' parameter gradients from B's kernel calls
-    (``in_b``); the later forwards, on the stage's graph, route the norms to per-call aliases."""
+    (``in_b``); the later forwards, on the stage's graph, route the norms to per-call aliases, whose
+    gradients autograd accumulates in an executor's forward (a post-hook takes them otherwise)."""
+    if keyed:
+
+        def no_hook(*args):
+            raise AssertionError("a routed norm's node was hooked in a keyed forward")
+
+        monkeypatch.setattr(routed._NormGrads, "__call__", no_hook)
     torch.manual_seed(16)
     model = RawNorms()
     batches = _hidden(3, requires_grad=requires_grad)
-    deferral, out, leaves = _check_split(model, batches, lambda out: out.square().mean(), defer=defer)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    deferral, out, leaves = _check_split(model, batches, loss_fn, defer=defer, keyed=keyed)
     assert leaves == {"ln_weight", "ln_bias", "ln2_weight", "gn_weight", "gn_bias"}
     assert _local_leaves(out, model) is None, "the later forwards built a local graph"
     assert deferral.summary() == {"generic+linear RawNorms": 1}

@@ -264,11 +264,14 @@ class Executor:
     ) -> tuple[torch.Tensor, ...]:
         """Run the stage's forward (and the loss on the last stage); keep what B needs; return the outputs."""
         saved_rng = self._enter_stream(state.index, j)
+        if self._keep:  # B or BW of (stage, j) follows: the split may leave work for its end
+            state.store.begin_forward((state.index, j))
         try:
             outputs = state.module(*inputs)
         except Exception as error:
             raise PipelineError(self._forward_failure(state, j, inputs, error)) from error
         finally:
+            state.store.end_forward()
             self._leave_stream(saved_rng)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if state.last:

@@ -92,8 +92,16 @@ class FastPlan:
         # per-call leaves sharing the parameters' storage: autograd's node computes all gradients
         aliases = [p.detach().requires_grad_() if p.requires_grad else p for p in params]
         out = self.rule.forward(self.module, x, aliases)[0]
-        self._node_of(out).register_hook(_GradsOfAliases(self))
+        node = self._node_of(out)
+        # in an executor's forward no hook is needed: autograd accumulates the aliases' gradients
+        # in C++ and the store hands them to W (or adds them at a fused backward's end)
+        if not self.store.after_backward(partial(self._add_alias_grads, aliases)):
+            node.register_hook(_GradsOfAliases(self))
         return out
+
+    def _add_alias_grads(self, aliases: list[torch.Tensor]) -> None:
+        # a frozen parameter is its own "alias": its .grad is not this call's
+        self._add_grads([alias.grad if alias.requires_grad else None for alias in aliases])
 
     def _node_of(self, out: torch.Tensor) -> Any:
         node = out.grad_fn

@@ -155,6 +155,11 @@ class _NormGrads:
         return tuple(kept)
 
 
+def _add_alias_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Add each alias's gradient (accumulated by autograd in B) into its parameter's ``.grad``."""
+    accumulate_each([param for param, _ in pairs], [alias.grad for _, alias in pairs])
+
+
 def _wanted(ctx: Any) -> bool:
     """Whether this engine run needs ``x``'s gradient (not when ``x`` only leads to W's leaves in B)."""
     node = ctx.next_functions[0][0]
@@ -310,7 +315,11 @@ class LinearRouter(TorchFunctionMode):
             return func(*args, **kwargs)
         self.routed = True
         self.aliases.extend(aliases.values())
-        out.grad_fn.register_hook(_NormGrads(self.store, positions))
+        # in an executor's forward autograd accumulates the aliases' gradients, W adds them (as the
+        # norms' fast paths); a direct call takes them out of the node's results with a post-hook
+        pairs = [(param, aliases[id(param)]) for _, param in positions]
+        if not self.store.after_backward(partial(_add_alias_grads, pairs)):
+            out.grad_fn.register_hook(_NormGrads(self.store, positions))
         return out
 
     def _split(

@@ -29,10 +29,13 @@ class WeightGradStore:
         self._pending: dict[tuple[int, int], list[Callable[[], None]]] = {}
         self._shared: dict[tuple[int, int], dict[Callable[[], Any], Any]] = {}
         self._key: tuple[int, int] | None = None
+        self._run_at_end: list[Callable[[], None]] = []  # a fused backward's after-backward work
         self.queue: list[Callable[[], None]] | None = None
         """The current key's W work while a deferring backward runs (append to defer), else None."""
         self.local_depth = 0  # generic local graphs being built right now (see .generic)
         self._keepers: dict[torch.device, torch.Tensor] = {}
+        self._forward_key: tuple[int, int] | None = None
+        self._after_backward: dict[tuple[int, int], list[Callable[[], None]]] = {}
 
     def keeper(self, device: torch.device) -> torch.Tensor:
         """An empty tensor requiring grad on ``device``, never given a gradient.
@@ -55,17 +58,54 @@ class WeightGradStore:
         """Whether the backward running now defers weight gradients to W."""
         return self.queue is not None
 
+    def begin_forward(self, key: tuple[int, int]) -> None:
+        """Start the forward of ``key``, whose backward (B or a fused BW) will follow.
+
+        Until :meth:`end_forward`, :meth:`after_backward` takes work for that backward: the
+        executor's forwards do this; a forward without it (called directly) leaves the fast
+        paths to hook autograd's nodes instead.
+        """
+        self._forward_key = key
+
+    def end_forward(self) -> None:
+        """Finish the forward started by :meth:`begin_forward`."""
+        self._forward_key = None
+
+    def after_backward(self, work: Callable[[], None]) -> bool:
+        """Queue ``work`` to run once the running forward's backward has run — in W when it is a
+        B, at its end when it is a fused BW; False (nothing queued) outside :meth:`begin_forward`.
+
+        For work that needs no hook inside the backward: a norm's alias parameters get their
+        gradients from autograd's own accumulation, which W then reads (a hook on the norm's node
+        costs B an engine call into Python per layer: ``docs/wgrad.md``).
+        """
+        if self._forward_key is None:
+            return False
+        self._after_backward.setdefault(self._forward_key, []).append(work)
+        return True
+
     def begin(self, key: tuple[int, int], defer: bool) -> None:
         """Start the backward of ``key``; ``defer`` says whether weight gradients wait for W."""
         self._key = key
         self.queue = self._pending.setdefault(key, []) if defer else None
+        after = self._after_backward.pop(key, None)
+        if after:
+            if self.queue is None:
+                self._run_at_end = after
+            else:  # W runs its queue last first: these after everything B queues
+                self.queue.extend(after)
 
     def end(self) -> None:
-        """Finish the backward started by :meth:`begin`."""
+        """Finish the backward started by :meth:`begin` (a fused one: run its after-backward work)."""
         if self._key is not None and not self._pending.get(self._key, True):
             del self._pending[self._key]  # nothing was deferred
         self._key = None
         self.queue = None
+        at_end, self._run_at_end = self._run_at_end, []
+        if at_end:
+            with torch.no_grad():
+                for work in at_end:
+                    work()
 
     def put(self, work: Callable[[], None]) -> None:
         """Queue ``work`` (adds weight gradients into ``.grad`` when called) for the current key."""
@@ -113,13 +153,17 @@ class WeightGradStore:
         return tensors_in([self._pending.get(each, []) for each in keys], depth=6)
 
     def pending_keys(self) -> list[tuple[int, int]]:
-        """Keys whose W has not run yet (empty after a complete step)."""
-        return list(self._pending)
+        """Keys whose W (or whose backward, for a forward's after-backward work) has not run yet:
+        empty after a complete step."""
+        return list(self._pending) + [key for key in self._after_backward if key not in self._pending]
 
     def clear(self) -> None:
         """Drop every deferred entry (after a failed step)."""
         self._pending.clear()
         self._shared.clear()
+        self._after_backward.clear()
+        self._forward_key = None
+        self._run_at_end = []
         self.end()
 
 
