@@ -697,11 +697,8 @@ def _keyed_store_step(module: nn.Module, store: WeightGradStore) -> Step:
     aliases take autograd's own accumulation instead of a post-hook."""
 
     def step(x: torch.Tensor, grad: torch.Tensor) -> float:
-        store.begin_forward((0, 0))
-        try:
+        with store.keyed_forward((0, 0)):
             out = module(x)
-        finally:
-            store.end_forward()
         started = time.thread_time()
         store.begin((0, 0), True)
         out.backward(grad)

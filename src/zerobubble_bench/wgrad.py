@@ -176,11 +176,8 @@ class _SplitBackward:
         """The split module's forward, as the executor runs it (its backward follows)."""
         if self.mode == "torch pipelining":
             return self.module(x)
-        self.store.begin_forward((0, 0))
-        try:
+        with self.store.keyed_forward((0, 0)):
             return self.module(x)
-        finally:
-            self.store.end_forward()
 
     def input_pass(self, out: torch.Tensor, grad: torch.Tensor) -> None:
         if self.mode == "torch pipelining":

@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from .rules import SplitRule
-from .store import WeightCapture, WeightGradStore, accumulate_each, top_saved_tensor_hooks
+from .store import (
+    WeightCapture,
+    WeightGradStore,
+    accumulate_aliases,
+    accumulate_each,
+    top_saved_tensor_hooks,
+)
 
 _NO_GRADIENTS = (None, None, None)  # for SplitFunction's plan, parameters and keeper
 
@@ -100,8 +106,7 @@ class FastPlan:
         return out
 
     def _add_alias_grads(self, aliases: list[torch.Tensor]) -> None:
-        # a frozen parameter is its own "alias": its .grad is not this call's
-        self._add_grads([alias.grad if alias.requires_grad else None for alias in aliases])
+        accumulate_aliases(self.params(), aliases)
 
     def _node_of(self, out: torch.Tensor) -> Any:
         node = out.grad_fn

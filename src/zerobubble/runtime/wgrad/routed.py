@@ -36,7 +36,14 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .rules import MatmulRule
-from .store import WeightCapture, WeightGradStore, accumulate, accumulate_each, top_saved_tensor_hooks
+from .store import (
+    WeightCapture,
+    WeightGradStore,
+    accumulate,
+    accumulate_aliases,
+    accumulate_each,
+    top_saved_tensor_hooks,
+)
 
 _LINEAR = torch._C._nn.linear  # what F.linear is, and what a mode sees for it
 # ``x @ w`` and ``x.matmul(w)`` reach a mode as the method, ``torch.matmul(x, w)`` as the function
@@ -153,11 +160,6 @@ class _NormGrads:
         for index, _ in self.positions:
             kept[index] = None
         return tuple(kept)
-
-
-def _add_alias_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Add each alias's gradient (accumulated by autograd in B) into its parameter's ``.grad``."""
-    accumulate_each([param for param, _ in pairs], [alias.grad for _, alias in pairs])
 
 
 def _wanted(ctx: Any) -> bool:
@@ -317,8 +319,8 @@ class LinearRouter(TorchFunctionMode):
         self.aliases.extend(aliases.values())
         # in an executor's forward autograd accumulates the aliases' gradients, W adds them (as the
         # norms' fast paths); a direct call takes them out of the node's results with a post-hook
-        pairs = [(param, aliases[id(param)]) for _, param in positions]
-        if not self.store.after_backward(partial(_add_alias_grads, pairs)):
+        own = [param for _, param in positions]
+        if not self.store.after_backward(partial(accumulate_aliases, own, [aliases[id(p)] for p in own])):
             out.grad_fn.register_hook(_NormGrads(self.store, positions))
         return out
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -70,6 +71,15 @@ class WeightGradStore:
     def end_forward(self) -> None:
         """Finish the forward started by :meth:`begin_forward`."""
         self._forward_key = None
+
+    @contextmanager
+    def keyed_forward(self, key: tuple[int, int]) -> Iterator[None]:
+        """:meth:`begin_forward` ``key`` for the ``with`` block, :meth:`end_forward` after it."""
+        self.begin_forward(key)
+        try:
+            yield
+        finally:
+            self.end_forward()
 
     def after_backward(self, work: Callable[[], None]) -> bool:
         """Queue ``work`` to run once the running forward's backward has run — in W when it is a
@@ -245,6 +255,12 @@ def accumulate_each(
     for param, grad in zip(params, grads):
         if grad is not None:
             accumulate(param, grad, hooked)
+
+
+def accumulate_aliases(params: Sequence[torch.Tensor], aliases: Sequence[torch.Tensor]) -> None:
+    """:func:`accumulate` into each parameter its per-call alias's ``.grad`` (accumulated by
+    autograd in B); a parameter that needs no gradient is its own "alias" and gets nothing."""
+    accumulate_each(params, [alias.grad if alias.requires_grad else None for alias in aliases])
 
 
 def accumulate_product(param: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
