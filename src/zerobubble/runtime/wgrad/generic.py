@@ -78,9 +78,12 @@ class LocalGraph:
         self.keeper = () if inputs else (anchor if anchor is not None else store.keeper(outputs[0].device),)
         self.untouched = (None,) * len(self.keeper)  # the keeper's gradient
         self.no_grads = (None,) * len(self.inputs) + self.untouched  # B's result when no output has one
-        # B asks for the anchor's gradient (always None) too: that makes it run every routed node,
-        # which queues its weight work, even one whose input needs no gradient
-        self.wanted = (*inputs, *self.in_b, *self.anchors)
+        # B asks for the anchor's and the store's keepers' gradients (always None) too: that makes
+        # it run every routed node and every fast-path child whose input needs no gradient (an
+        # embedding's on integer ids), each of which queues its weight work in B.  Without the
+        # keepers B would never reach such a child (no local input is behind it) and W's walk to the
+        # leaves would not either: its parameters would silently get no gradient
+        self.wanted = (*inputs, *self.in_b, *self.anchors, *store.keepers())
         # where W starts when not at the outputs (.frontier): found once, here, at forward time
         self.frontier = None
         if self.leaves and leaves.graph is not None:

@@ -101,8 +101,10 @@ def install_deferral(
         for child in module.children():
             visit(child, covered)
 
+    modules = list(modules)
     for module in modules:
         visit(module, covered=False)
+    store.track(p for module in modules for p in module.parameters())
     return deferral
 
 

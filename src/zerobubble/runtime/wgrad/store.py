@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
@@ -37,6 +37,29 @@ class WeightGradStore:
         self._keepers: dict[torch.device, torch.Tensor] = {}
         self._forward_key: tuple[int, int] | None = None
         self._after_backward: dict[tuple[int, int], list[Callable[[], None]]] = {}
+        self._parameters: list[torch.Tensor] = []  # the stage's, whose hooks run as in plain autograd
+        self._held: HeldHooks | None = None  # the hooked parameters of the backward or W running now
+
+    def track(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Make the hooks of ``parameters`` (the stage's) fire as a plain backward fires them.
+
+        A plain per-microbatch backward runs a parameter's ``register_hook`` hooks once, on the
+        microbatch's whole gradient, then adds it into ``.grad``, then runs its
+        ``register_post_accumulate_grad_hook`` hooks.  The split reaches a parameter in pieces
+        (a tied weight through two routed calls, a B part and a W part): during every B, fused BW
+        and W the store holds such a parameter's hooks back and its ``.grad`` aside, gathers the
+        pieces, and hands the sum to the hooks once — in W (or at a fused BW's end), never in B.
+        """
+        known = {id(p) for p in self._parameters}
+        for param in parameters:
+            if id(param) not in known:
+                known.add(id(param))
+                self._parameters.append(param)
+
+    def _hold_hooks(self) -> HeldHooks | None:
+        params = self._parameters
+        hooked = [p for p in params if p._backward_hooks or p._post_accumulate_grad_hooks]
+        return HeldHooks(hooked) if hooked else None
 
     def keeper(self, device: torch.device) -> torch.Tensor:
         """An empty tensor requiring grad on ``device``, never given a gradient.
@@ -98,6 +121,7 @@ class WeightGradStore:
         """Start the backward of ``key``; ``defer`` says whether weight gradients wait for W."""
         self._key = key
         self.queue = self._pending.setdefault(key, []) if defer else None
+        self._held = self._hold_hooks()
         after = self._after_backward.pop(key, None)
         if after:
             if self.queue is None:
@@ -107,15 +131,26 @@ class WeightGradStore:
 
     def end(self) -> None:
         """Finish the backward started by :meth:`begin` (a fused one: run its after-backward work)."""
+        queue, held = self.queue, self._held
+        self._held = None
+        at_end, self._run_at_end = self._run_at_end, []
+        try:
+            if at_end:
+                with torch.no_grad():
+                    for work in at_end:
+                        work()
+        finally:
+            if held is not None:
+                gathered = held.release()
+                if queue is not None:  # a B: what reached .grad in it waits for W, as the rest
+                    queue.append(partial(_add_held, gathered))
+                else:
+                    with torch.no_grad():
+                        _add_held(gathered)
         if self._key is not None and not self._pending.get(self._key, True):
             del self._pending[self._key]  # nothing was deferred
         self._key = None
         self.queue = None
-        at_end, self._run_at_end = self._run_at_end, []
-        if at_end:
-            with torch.no_grad():
-                for work in at_end:
-                    work()
 
     def put(self, work: Callable[[], None]) -> None:
         """Queue ``work`` (adds weight gradients into ``.grad`` when called) for the current key."""
@@ -145,12 +180,34 @@ class WeightGradStore:
         """
         # no_grad: saved inputs may require grad; a W op must not build a graph into .grad
         self._shared.pop(key, None)
+        pending = self._pending.pop(key, ())
+        if not pending:
+            return
+        held = self._hold_hooks()
         with torch.no_grad():
-            # B queued the stage's layers last to first; W takes them first to last, starting with the
-            # tensors B touched last, still in the caches (4 % of a GPT block's backward at 32 rows
-            # on CPU, neutral elsewhere: benchmarks/wgrad_overhead.py)
-            for work in reversed(self._pending.pop(key, ())):
-                work()
+            try:
+                # B queued the stage's layers last to first; W takes them first to last, starting with
+                # the tensors B touched last, still in the caches (4 % of a GPT block's backward at 32
+                # rows on CPU, neutral elsewhere: benchmarks/wgrad_overhead.py)
+                for work in reversed(pending):
+                    work()
+            finally:
+                if held is not None:
+                    _add_held(held.release())
+
+    @contextmanager
+    def hooks_held(self) -> Iterator[None]:
+        """Hold the tracked parameters' hooks back and their ``.grad`` aside for the ``with`` block;
+        afterwards every ``.grad`` and hook is as before (what the block added is dropped).
+
+        For work that must leave no trace, such as the split guard's check (:mod:`.verify`).
+        """
+        held = self._hold_hooks()
+        try:
+            yield
+        finally:
+            if held is not None:
+                held.release()
 
     def held_tensors(self, key: tuple[int, int] | None = None) -> list[torch.Tensor]:
         """The tensors the deferred work of ``key`` (every key when None) holds on to until W.
@@ -168,13 +225,62 @@ class WeightGradStore:
         return list(self._pending) + [key for key in self._after_backward if key not in self._pending]
 
     def clear(self) -> None:
-        """Drop every deferred entry (after a failed step)."""
+        """Drop every deferred entry (after a failed step); held hooks and ``.grad`` are put back."""
+        if self._held is not None:
+            self._held.release()
+            self._held = None
         self._pending.clear()
         self._shared.clear()
         self._after_backward.clear()
         self._forward_key = None
         self._run_at_end = []
         self.end()
+
+
+class HeldHooks:
+    """Parameters whose hooks are held back: their hook dicts emptied in place (autograd's C++ side
+    reads the same dicts), their ``.grad`` set aside; :meth:`release` puts both back."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.entries = []
+        for param in params:
+            pre, post = param._backward_hooks, param._post_accumulate_grad_hooks
+            self.entries.append((param, param.grad, _emptied(pre), _emptied(post)))
+            param.grad = None
+
+    def release(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Restore every hook and ``.grad``; returns ``(parameter, gradient gathered meanwhile)``."""
+        gathered = []
+        for param, grad, pre, post in self.entries:
+            piece = param.grad
+            param.grad = grad
+            _refill(param._backward_hooks, pre)
+            _refill(param._post_accumulate_grad_hooks, post)
+            if piece is not None:
+                gathered.append((param, piece))
+        self.entries = []
+        return gathered
+
+
+def _emptied(hooks: Any) -> dict[Any, Any] | None:
+    if not hooks:
+        return None
+    kept = dict(hooks)
+    hooks.clear()
+    return kept
+
+
+def _refill(hooks: Any, kept: dict[Any, Any] | None) -> None:
+    if kept is not None:
+        hooks.update(kept)
+
+
+def _add_held(gathered: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each parameter's gathered gradient into ``.grad``, its hooks run once, as autograd does."""
+    for param, grad in gathered:
+        accumulate(param, grad)
 
 
 class WeightCapture:
