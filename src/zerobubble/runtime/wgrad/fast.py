@@ -21,6 +21,7 @@ from .store import (
     WeightGradStore,
     accumulate_aliases,
     accumulate_each,
+    computing_node,
     top_saved_tensor_hooks,
 )
 
@@ -109,7 +110,7 @@ class FastPlan:
         accumulate_aliases(self.params(), aliases)
 
     def _node_of(self, out: torch.Tensor) -> Any:
-        node = out.grad_fn
+        node = computing_node(out)
         if node is None:
             raise RuntimeError(
                 f"{type(self.rule).__name__}.native_backward is set, but its forward returned a "
@@ -193,7 +194,9 @@ class SplitFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.needed = tuple(p.requires_grad for p in params)
         ctx.queued = False
-        return out
+        # a view (F.linear's result on a 3-D input) would make autograd refuse an in-place op on
+        # the output that a plain forward allows; a detached alias of the same memory is no view
+        return out.detach() if out._is_view() else out
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -127,7 +127,7 @@ class LocalGraph:
         if self.frontier is not None:
             queue.append(self.frontier.weight_pass)
         elif self.leaves:
-            self.store.shared(WeightPass).add(outputs, out_grads, self.leaves)
+            self.store.shared(WeightPass).add(outputs, out_grads, self.leaves, self.in_b)
         return (*input_grads, *self.untouched)
 
     def bridge(self, outer: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -182,18 +182,36 @@ class WeightPass:
         self.outputs: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
         self.leaves: dict[int, torch.Tensor] = {}
+        self.graphs: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = []
+        self.in_b: set[int] = set()  # ids of leaves some graph's B computed (norm-only there)
 
-    def add(self, outputs: list[torch.Tensor], grads: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
-        """Queue one local graph's outputs, their gradients and the leaves W computes."""
+    def add(
+        self,
+        outputs: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        leaves: list[torch.Tensor],
+        in_b: Sequence[torch.Tensor] = (),
+    ) -> None:
+        """Queue one local graph's outputs, their gradients, the leaves W computes and those its B
+        computed (``in_b``: W must not reach them through this graph again)."""
         self.outputs += outputs
         self.grads += grads
+        self.graphs.append((outputs, grads, leaves))
         for leaf in leaves:
             self.leaves.setdefault(id(leaf), leaf)
+        self.in_b.update(id(leaf) for leaf in in_b)
 
     def __call__(self) -> None:
-        outputs, grads, leaves = self.outputs, self.grads, list(self.leaves.values())
-        self.outputs, self.grads, self.leaves = [], [], {}
-        run_engine(outputs, grads, leaves, keep_graph=False, accumulate=True)
+        outputs, grads, leaves, graphs = self.outputs, self.grads, list(self.leaves.values()), self.graphs
+        conflict = not self.in_b.isdisjoint(self.leaves)
+        self.outputs, self.grads, self.leaves, self.graphs, self.in_b = [], [], {}, [], set()
+        if not conflict:
+            run_engine(outputs, grads, leaves, keep_graph=False, accumulate=True)
+            return
+        # a weight one graph's B computed (a norm's) that another graph defers (tied to a bias):
+        # one run over every graph would add the first graph's part a second time
+        for graph_outputs, graph_grads, graph_leaves in graphs:
+            run_engine(graph_outputs, graph_grads, graph_leaves, keep_graph=False, accumulate=True)
 
 
 def run_engine(

@@ -42,6 +42,7 @@ from .store import (
     accumulate,
     accumulate_aliases,
     accumulate_each,
+    computing_node,
     top_saved_tensor_hooks,
 )
 
@@ -89,7 +90,8 @@ class LinearSplit(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.targets = targets
         ctx.queued = False
-        return targets[3].forward(None, x, (weight,) if bias is None else (weight, bias))[0]
+        out = targets[3].forward(None, x, (weight,) if bias is None else (weight, bias))[0]
+        return out.detach() if out._is_view() else out  # no view: an in-place op on it stays allowed
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -361,7 +363,7 @@ class LinearRouter(TorchFunctionMode):
             # input would bypass saved-tensor hooks, hence LinearSplit under them)
             out, saved = rule.forward(None, input, params)
             work = partial(rule.accumulate_into, weight_leaf, bias_leaf)
-            out.grad_fn.register_prehook(WeightCapture(store, work, saved, _NEEDED[bias_leaf is not None]))
+            computing_node(out).register_prehook(WeightCapture(store, work, saved, _NEEDED[bias_leaf is not None]))
             return out
         anchor = self.anchor
         if anchor is None:

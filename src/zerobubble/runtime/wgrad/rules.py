@@ -357,7 +357,7 @@ class RMSNormRule(SplitRule):
         eps = getattr(module, self.eps_attribute)
         if eps is None:  # torch's default: the float32 machine epsilon
             eps = torch.finfo(torch.float32).eps
-        h = x.float()
+        h = _at_least_float32(x)
         rstd = torch.rsqrt(h.pow(2).mean(self._dims(module), keepdim=True) + eps)
         normalized = (h * rstd).to(x.dtype)
         return params[0] * normalized, (x, rstd, normalized, params[0])
@@ -365,8 +365,9 @@ class RMSNormRule(SplitRule):
     def input_grad(self, module, saved, grad_output):
         x, rstd, _, weight = saved
         assert x is not None and rstd is not None and weight is not None
-        h = x.float()
-        grad_normalized = (grad_output * weight).float()
+        h = _at_least_float32(x)
+        grad_normalized = grad_output * weight
+        grad_normalized = grad_normalized.to(torch.promote_types(grad_normalized.dtype, h.dtype))
         dims = self._dims(module)
         size = math.prod(h.shape[d] for d in dims)
         dot = (grad_normalized * h).sum(dims, keepdim=True)
@@ -377,6 +378,12 @@ class RMSNormRule(SplitRule):
         assert normalized is not None and weight is not None
         product = grad_output * normalized
         return [product.reshape(-1, *weight.shape).sum(0) if needed[0] else None]
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 if its dtype is narrower (as torch's and transformers' RMS norms compute);
+    a float64 input stays float64 (``x.float()`` would round it to float32)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 class FastPaths:

@@ -237,6 +237,26 @@ class WeightGradStore:
         self.end()
 
 
+_OUTPUT_VIEWS = frozenset(("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"))
+
+
+def computing_node(out: torch.Tensor) -> Any:
+    """The node that computed ``out``, past the views its kernel returns (``F.linear`` on a 3-D
+    input is an ``addmm`` and a view of its result), or None without one.
+
+    A hook belongs there, not on the view's node: an in-place op on the output (``out.mul_(2)``,
+    ``F.relu(out, inplace=True)``) rebases a view's history and drops its node from the graph, so a
+    hook on it would never run and the layer's weight gradient would silently be lost.
+    """
+    node = out.grad_fn
+    while node is not None and type(node).__name__ in _OUTPUT_VIEWS:
+        edges = node.next_functions
+        if len(edges) != 1 or edges[0][0] is None:
+            break
+        node = edges[0][0]
+    return node
+
+
 class HeldHooks:
     """Parameters whose hooks are held back: their hook dicts emptied in place (autograd's C++ side
     reads the same dicts), their ``.grad`` set aside; :meth:`release` puts both back."""
