@@ -2,13 +2,15 @@
 
     python examples/transformers_pipeline.py                      # GPT-2, 2 local CPU ranks, zb-v
     python examples/transformers_pipeline.py --model llama --schedule zb-h1 --steps 30
+    python examples/transformers_pipeline.py --model gemma2     # or qwen2, qwen3, mistral, phi3, opt, …
     torchrun --nproc-per-node 4 examples/transformers_pipeline.py --model llama   # your launcher
 
 A small randomly initialised model (nothing is downloaded) learns a Markov chain's next token.  The
-model is cut into layers with :mod:`zerobubble.hf` — an embedding, one layer per decoder block and a
-head, weights shared with the transformers model — and every parameter's gradient is split into B
-and W without changing the model: GPT-2's ``Conv1D`` projections, embeddings and layer norms take
-fast paths, Llama's ``RMSNorm`` the generic split.  ``--trace DIR`` writes the measured timeline
+model is cut into layers with :func:`zerobubble.hf.pipeline_layers` — an embedding, one layer per
+decoder block and a head, weights shared (and tied) as in the transformers model, each block given
+the causal mask the model would give it — and every parameter's gradient is split into B and W
+without changing the model: GPT-2's ``Conv1D`` projections, linear layers, embeddings and layer
+norms take fast paths, RMS norms the generic split.  ``--trace DIR`` writes the measured timeline
 and prints each stage's W share of the backward.
 """
 
@@ -20,34 +22,40 @@ import os
 import torch
 
 import zerobubble
-from zerobubble.hf import gpt2_layers, llama_layers
+from zerobubble.hf import ADAPTERS, pipeline_layers
 from zerobubble.runtime.launch import launch, under_launcher
 from zerobubble_demo.models import MarkovCorpus, lm_loss
 
+HEADS = 4
+
+#: Options a family's config needs on top of the common sizes (per-head width, OPT's own names).
+FAMILY_OPTIONS = {
+    "gemma": lambda width: {"head_dim": width // HEADS},
+    "gemma2": lambda width: {"head_dim": width // HEADS, "query_pre_attn_scalar": width // HEADS},
+    "qwen3": lambda width: {"head_dim": width // HEADS},
+    "opt": lambda width: {"ffn_dim": 4 * width, "word_embed_proj_dim": width},
+}
+
 
 def build_model(name: str, vocab: int, seq_len: int, width: int, depth: int) -> torch.nn.Module:
-    """A random ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (head untied: it may sit on another rank)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    """A random causal LM of family ``name`` (a ``config.model_type``) built from a config: nothing
+    is downloaded.  The family's default ties (GPT-2's head is its token embedding) are kept."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    if name == "gpt2":
-        config = GPT2Config(
-            vocab_size=vocab, n_positions=seq_len, n_embd=width, n_layer=depth, n_head=4,
-            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        return GPT2LMHeadModel(config)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=depth,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq_len,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
+    sizes = {
+        "vocab_size": vocab, "hidden_size": width, "intermediate_size": 4 * width, "num_hidden_layers": depth,
+        "num_attention_heads": HEADS, "num_key_value_heads": 2, "max_position_embeddings": seq_len,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+    }  # fmt: skip
+    options = FAMILY_OPTIONS.get(name, lambda _: {})(width)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(name, **sizes, **options))
 
 
 def train(args: argparse.Namespace) -> None:
     """One rank's training loop (the same script runs on every rank)."""
     model = build_model(args.model, args.vocab, args.seq_len, args.width, args.depth)
-    layers = gpt2_layers(model) if args.model == "gpt2" else llama_layers(model)
+    layers = pipeline_layers(model)
     del model  # the layers hold the weights; each rank keeps only its own after construction
     pipe = zerobubble.Pipeline(
         layers,
@@ -88,7 +96,7 @@ def _w_shares(timeline) -> dict[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
+    parser.add_argument("--model", choices=sorted(ADAPTERS), default="gpt2", help="the transformers family")
     parser.add_argument("--schedule", default="zb-v")
     parser.add_argument("--ranks", type=int, default=2, help="local ranks to spawn (without torchrun)")
     parser.add_argument("--steps", type=int, default=20)

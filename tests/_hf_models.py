@@ -1,0 +1,141 @@
+"""Tiny random ``transformers`` causal LMs for tests/test_hf.py, and its 2-rank training worker.
+
+Every model is built from a config (2 blocks, hidden 32, 4 heads, vocab 64), nothing is downloaded;
+dropout is off so the cut model and the model's own forward can be compared in training mode too.
+Module-level so that spawned ranks can import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, SEQ, WINDOW = 64, 10, 4  # WINDOW < SEQ: the sliding-window blocks see fewer tokens than the others
+
+_SIZES = {"vocab_size": VOCAB, "num_hidden_layers": 2, "max_position_embeddings": 32}
+_IDS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+_ROTARY = {**_SIZES, **_IDS, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64}
+_GQA = {**_ROTARY, "num_key_value_heads": 2}
+_SLIDING_QWEN = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}
+_PLAIN = {**_SIZES, **_IDS, "hidden_size": 32, "num_attention_heads": 4}
+
+#: family → (config class, its options).
+_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", _GQA),
+    "qwen2": ("Qwen2Config", {**_GQA, **_SLIDING_QWEN}),  # block 0 full, block 1 windowed
+    "qwen3": ("Qwen3Config", {**_GQA, **_SLIDING_QWEN, "head_dim": 8}),
+    "mistral": ("MistralConfig", {**_GQA, "sliding_window": WINDOW}),
+    "gemma": ("GemmaConfig", {**_GQA, "head_dim": 8}),  # scaled embedding, tied head
+    "gemma2": (
+        "Gemma2Config",
+        {
+            **_GQA,
+            "head_dim": 8,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 8,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "phi3": ("Phi3Config", {**_GQA, "sliding_window": WINDOW, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    "gpt_neox": ("GPTNeoXConfig", {**_ROTARY, "rotary_pct": 0.5}),
+    "opt": (  # word_embed_proj_dim ≠ hidden_size: project_in and project_out
+        "OPTConfig",
+        {**_PLAIN, "ffn_dim": 64, "word_embed_proj_dim": 16, "dropout": 0.0},
+    ),
+    "falcon": ("FalconConfig", _PLAIN),
+    "falcon-alibi": ("FalconConfig", {**_PLAIN, "alibi": True}),
+    "gpt2": (
+        "GPT2Config",
+        {
+            **_SIZES,
+            **_IDS,
+            "n_embd": 32,
+            "n_head": 4,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    ),
+}
+
+
+#: Every family the tests cut, with the attention implementations each supports on CPU
+#: (Gemma 2 refuses sdpa: its attention logits are soft-capped).
+FAMILIES = {family: ("eager",) if family == "gemma2" else ("eager", "sdpa") for family in _CONFIGS}
+
+
+def tiny_model(family: str, attn: str = "eager", seed: int = 0) -> nn.Module:
+    """A random tiny causal LM of ``family`` with attention implementation ``attn``, float32."""
+    import transformers
+
+    name, options = _CONFIGS[family]
+    config = getattr(transformers, name)(**options)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def run_layers(layers: list[nn.Module], tokens: torch.Tensor) -> torch.Tensor:
+    """The layers in sequence in this process, as the Pipeline chains them (tuples unpacked)."""
+    values: Any = tokens
+    for layer in layers:
+        values = layer(*values) if isinstance(values, tuple) else layer(values)
+    return values
+
+
+def token_batch(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens and next-token targets, ``(batch, SEQ)`` each."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(VOCAB, (batch, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference in units of ``1e-6 + 1e-5 · max |expected|``: at most 1 when close.
+
+    Absolute below 1e-6: some gradients are zero in exact arithmetic (OPT's key-projection bias
+    shifts each softmax row by a constant), so their computed values are rounding noise.
+    """
+    return float((actual - expected).abs().max()) / (1e-6 + 1e-5 * float(expected.abs().max()))
+
+
+def pipeline_cases(cases: list[tuple[str, str]]) -> dict:
+    """For each ``(family, schedule)``: one Pipeline step against the model's own forward.
+
+    Returns per case the relative loss error (last rank), the gradient error (:func:`_error`) of every
+    parameter this rank holds (named as in the layers), the parameters it covers under their first
+    names and all the model's first names (a tied parameter has one).
+    """
+    from zerobubble import Pipeline
+    from zerobubble.hf import pipeline_layers
+    from zerobubble.runtime.launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=60)
+    tokens, targets = token_batch(8, seed=1)
+    out: dict = {}
+    for family, schedule in cases:
+        model = tiny_model(family).train()
+        layers = pipeline_layers(model)
+        expected_loss = lm_loss(model(tokens).logits, targets)
+        expected_loss.backward()
+        whole = nn.Sequential(*layers)
+        expected = {name: p.grad.clone() for name, p in whole.named_parameters(remove_duplicate=False)}
+        canonical = {id(p): name for name, p in whole.named_parameters()}  # a tied one: its first name
+        model.zero_grad(set_to_none=True)
+        pipe = Pipeline(layers, schedule=schedule, microbatches=4, loss_fn=lm_loss, timeout=60)
+        loss = pipe.step(tokens, targets)
+        out[f"{family} {schedule}"] = {
+            "loss": None if loss is None else abs(loss.item() - expected_loss.item()) / expected_loss.item(),
+            "grads": {n: _error(p.grad, expected[n]) for n, p in pipe.named_parameters()},
+            "covered": sorted({canonical[id(p)] for _, p in pipe.named_parameters()}),
+            "canonical": sorted(canonical.values()),
+        }
+    return out

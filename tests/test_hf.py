@@ -1,0 +1,93 @@
+"""zerobubble.hf: the cut transformers models compute the model's own logits and gradients, for
+every supported family under eager and sdpa attention, and train on 2 ranks like the whole model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from _dist import run_ranks
+from _hf_models import FAMILIES, lm_loss, pipeline_cases, run_layers, tiny_model, token_batch
+from zerobubble.hf import ADAPTER_DOCS, gpt2_layers, llama_layers, pipeline_layers
+
+CASES = [(family, attn) for family, attns in FAMILIES.items() for attn in attns]
+
+
+@pytest.mark.parametrize("family, attn", CASES)
+def test_cut_model_has_the_models_logits_and_gradients(family, attn):
+    model = tiny_model(family, attn).eval()
+    tokens, targets = token_batch(3)
+    expected_logits = model(tokens).logits
+    lm_loss(expected_logits, targets).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    layers = pipeline_layers(model)
+    logits = run_layers(layers, tokens)
+    lm_loss(logits, targets).backward()
+
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma", "opt", "llama"])
+def test_layers_share_the_models_parameters_and_ties(family):
+    model = tiny_model(family)
+    layers = pipeline_layers(model)
+    held = {id(p) for layer in layers for p in layer.parameters()}
+    assert held == {id(p) for p in model.parameters()}, "every parameter is held, none is copied"
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert tied == (family != "llama")  # the tiny configs tie all but Llama's head
+    assert (layers[-1].head.weight is model.get_input_embeddings().weight) == tied
+
+
+def test_the_named_adapters_still_cut_their_models():
+    for family, cut in [("gpt2", gpt2_layers), ("llama", llama_layers)]:
+        model = tiny_model(family).eval()
+        tokens, _ = token_batch(2)
+        torch.testing.assert_close(run_layers(cut(model), tokens), model(tokens).logits, rtol=0, atol=1e-6)
+
+
+def test_an_unsupported_model_is_refused_with_the_supported_families():
+    from transformers import BloomConfig, BloomForCausalLM, LlamaModel
+
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=16, hidden_size=8, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="no pipeline adapter for model_type 'bloom'") as error:
+        pipeline_layers(bloom)
+    assert "gemma2" in str(error.value) and "qwen3" in str(error.value) and ADAPTER_DOCS in str(error.value)
+    with pytest.raises(ValueError, match="no language-model head"):
+        pipeline_layers(LlamaModel(tiny_model("llama").config))
+    with pytest.raises(TypeError, match="transformers causal LM"):
+        pipeline_layers(nn.Linear(2, 2))
+
+
+# -- 2 ranks ----------------------------------------------------------------------------------------
+
+#: Every family trained for one step on 2 gloo ranks on a split schedule (B and W apart).  The tied
+#: ones run zb-h1, which puts the embedding and the head on different ranks; the others zb-v, which
+#: gives each rank two stages.  All of them pass on 1f1b and on the other schedule too.
+TIED = {"gpt2", "gemma", "gemma2", "opt", "falcon", "falcon-alibi"}
+TRAINED = [(family, "zb-h1" if family in TIED else "zb-v") for family in FAMILIES]
+
+
+@pytest.fixture(scope="module")
+def trained() -> list[dict]:
+    return run_ranks(pipeline_cases, 2, TRAINED, timeout=240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family, schedule", TRAINED)
+def test_pipeline_step_matches_the_models_gradients(family, schedule, trained):
+    results = [ranks[f"{family} {schedule}"] for ranks in trained]
+    covered = set().union(*(result["covered"] for result in results))
+    assert covered == set(results[0]["canonical"]), "every parameter is held by some rank"
+    losses = [result["loss"] for result in results if result["loss"] is not None]
+    assert len(losses) == 1 and losses[0] <= 1e-6, losses
+    for result in results:
+        worst = max(result["grads"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1.0, worst  # within 1e-6 + 1e-5 · max |expected|
