@@ -446,7 +446,9 @@ class Stage(nn.Module):
         return inputs
 
 
-def build_stage(blocks: list[BlockChoice], first: bool, tie: bool, dtype: torch.dtype, seed: int) -> nn.Module:
+def build_stage(
+    blocks: list[BlockChoice], first: bool, tie: bool, dtype: torch.dtype, seed: int
+) -> nn.Module:
     """The stage of ``blocks``; ``tie``: the last block's last parameter is the first block's first."""
     torch.manual_seed(seed)
     modules = [FirstBlock(blocks[0]) if first else Block(blocks[0])]

@@ -35,7 +35,9 @@ _MISMATCH_WORDS = ("shape", "size", "dtype", "mat1", "mat2", "Expected", "expect
 class StageState:
     """One virtual stage held by this rank: its module, its W store and its in-flight microbatches."""
 
-    __slots__ = ("first", "index", "last", "module", "name", "next_local", "prev_local", "saved", "store")
+    __slots__ = (
+        "first", "guard", "index", "last", "module", "name", "next_local", "prev_local", "saved", "store",
+    )  # fmt: skip
 
     def __init__(
         self, index: int, module: nn.Module, store: WeightGradStore, first: bool, last: bool, name: str
@@ -49,6 +51,7 @@ class StageState:
         self.saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self.next_local = False
         self.prev_local = False
+        self.guard: Any = None  # a SplitGuard (.wgrad.verify) checking the split before F, or None
 
 
 class Hook:
@@ -264,10 +267,15 @@ class Executor:
     ) -> tuple[torch.Tensor, ...]:
         """Run the stage's forward (and the loss on the last stage); keep what B needs; return the outputs."""
         saved_rng = self._enter_stream(state.index, j)
-        if self._keep:  # B or BW of (stage, j) follows: the split may leave work for its end
-            state.store.begin_forward((state.index, j))
         try:
+            if self._keep:
+                if state.guard is not None:  # the split proves itself on a new path first, with
+                    state.guard.before_forward(inputs)  # this forward's own RNG draws
+                # B or BW of (stage, j) follows: the split may leave work for its end
+                state.store.begin_forward((state.index, j))
             outputs = state.module(*inputs)
+        except PipelineError:
+            raise
         except Exception as error:
             raise PipelineError(self._forward_failure(state, j, inputs, error)) from error
         finally:

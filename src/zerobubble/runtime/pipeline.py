@@ -26,6 +26,7 @@ from torch import nn
 
 from ..schedule import CostModel, Schedule
 from ..schedule.channels import directed_pairs
+from ..schedule.ir import Kind
 from . import PipelineError
 from .comm import Comm
 from .consistency import TiedParameter, agree, broadcast_replicas, find_ties, fingerprint
@@ -53,6 +54,7 @@ from .staging import (
     stage_of,
 )
 from .wgrad import FastPaths, WeightGradStore, install_deferral
+from .wgrad.verify import SplitGuard, SplitRecord
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,8 @@ class Pipeline:
         memory_limit: str | float | None = None,
         example: Any = None,
         calibrate: int = 3,
+        *,
+        verify: bool | str = True,
     ):
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
         self.device = local_device(backend)  # before the first collective (NCCL needs the device)
@@ -183,7 +187,10 @@ class Pipeline:
         self.world_size = self.layout.pipeline_size
         self._monitor = PeerMonitor(self._agreement.key, self.rank, timeout)
         self.module = nn.Module()
-        stages = self._place(named, bounds, fast_paths)
+        if verify not in (True, False, "strict"):
+            raise PipelineError(f'verify={verify!r}: pass True (the default), "strict" or False')
+        self._guards: dict[int, SplitGuard] = {}
+        stages = self._place(named, bounds, fast_paths, verify)
         self.stages = tuple(sorted(stages))
         self._tied = self._tie(ties, bounds)
         self._aliases = {name: tie[0][1] for tie in ties for _, name in tie[1:]}
@@ -233,9 +240,14 @@ class Pipeline:
         return named, bounds, ties
 
     def _place(
-        self, named: list[tuple[str, nn.Module]], bounds: list[int], fast_paths: FastPaths | None
+        self,
+        named: list[tuple[str, nn.Module]],
+        bounds: list[int],
+        fast_paths: FastPaths | None,
+        verify: bool | str,
     ) -> dict[int, StageState]:
-        """Cut the layers into chunks and keep this rank's, registered under their original names."""
+        """Cut the layers into chunks and keep this rank's, registered under their original names;
+        each stage's split gets a guard (:mod:`.wgrad.verify`) unless ``verify`` is False."""
         self.layer_bounds = tuple(bounds)  # chunk s holds layers [bounds[s], bounds[s + 1])
         stages = {}
         for index in self.schedule.placement.stages_of(self.rank):
@@ -245,8 +257,8 @@ class Pipeline:
             layers = [layer for _, layer in chunk]
             store = WeightGradStore()
             # fused schedules too: their BW ops gain the fast paths' cheaper accumulation
-            install_deferral(layers, store, fast_paths, generic=self.schedule.splits_backward)
-            stages[index] = StageState(
+            deferral = install_deferral(layers, store, fast_paths, generic=self.schedule.splits_backward)
+            state = StageState(
                 index,
                 StageModule(layers),
                 store,
@@ -254,7 +266,26 @@ class Pipeline:
                 last=index == self.schedule.num_stages - 1,
                 name=f"layers {chunk[0][0]}..{chunk[-1][0]}",
             )
+            kinds = {op.kind for op in self.schedule.programs[self.rank] if op.stage == index}
+            guard = self._guards[index] = SplitGuard(
+                stage=index,
+                module=state.module,
+                store=store,
+                deferral=deferral,
+                names={id(module): name for name, module in self.module.named_modules()},
+                strict=verify == "strict",
+                deferred=Kind.W in kinds,
+                fused=Kind.BW in kinds,
+            )
+            state.guard = guard if verify is not False else None
+            stages[index] = state
         return stages
+
+    def split_report(self) -> list[SplitRecord]:
+        """How every module of this rank's stages splits its backward: the path it takes (a fast path
+        and its rule, the generic split, routed calls, plain autograd after a fall-back), whether the
+        split guard has checked it, and why a module fell back (``docs/wgrad.md``)."""
+        return [record for index in self.stages for record in self._guards[index].report()]
 
     def _tie(self, ties: list[list[tuple[int, str]]], bounds: list[int]) -> list[TiedParameter]:
         """Groups for the ties spanning several ranks (collective: every replica, every tie, in order)."""

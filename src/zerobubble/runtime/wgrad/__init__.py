@@ -25,12 +25,17 @@ from .generic import Bridge, LocalGraph
 from .install import Deferral, install_deferral, remove_deferral
 from .rules import FastPaths, SplitRule, default_fast_paths
 from .store import WeightGradStore, accumulate, accumulate_product
+from .verify import SplitGuard, SplitMismatchError, SplitMismatchWarning, SplitRecord
 
 __all__ = [
     "Bridge",
     "Deferral",
     "FastPaths",
     "LocalGraph",
+    "SplitGuard",
+    "SplitMismatchError",
+    "SplitMismatchWarning",
+    "SplitRecord",
     "SplitRule",
     "WeightGradStore",
     "accumulate",

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +43,9 @@ from .fast import SplitFunction
 from .frontier import VIEWS, find_frontier, run_backward
 from .routed import LinearRouter, LinearSplit
 from .store import WeightGradStore, accumulate_each, top_saved_tensor_hooks
+
+if TYPE_CHECKING:
+    from .install import Deferral
 
 _DEFERRING_NODES = (SplitFunction._backward_cls, LinearSplit._backward_cls)
 _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for every call
@@ -244,25 +247,24 @@ class Bridge(torch.autograd.Function):
         return (None, *local.backward(grads))
 
 
-def generic_forward(
-    store: WeightGradStore, routed: set[int] | None = None, direct: set[int] | None = None
-) -> Callable[..., Any]:
+def generic_forward(store: WeightGradStore, deferral: Deferral, *, route: bool) -> Callable[..., Any]:
     """The forward installed on a module split generically (also the fallback of fast paths).
 
-    With ``routed`` (a set), ``F.linear`` calls on leaf weights in the module's forward take a
-    closed-form split (:mod:`.routed`) and the ids of modules where that happened are added to it;
-    without, every parameter is a leaf of the local graph (the generic split alone).  A module whose
-    first routed forward routed no call is not routed again: the mode costs every torch call of the
-    forward a Python call (``docs/wgrad.md``), and a later ``F.linear`` on a leaf weight would still
-    be split exactly, generically.  A module whose routed forward left its local graph without
-    leaves (every parameter behind a routed call or a fast-path child: ``nn.MultiheadAttention``)
-    runs its later forwards on the stage's graph instead (:func:`_direct_forward`); their ids are
-    added to ``direct`` (a set, also with routing).
+    With ``route``, ``F.linear`` calls on leaf weights in the module's forward take a closed-form
+    split (:mod:`.routed`) and the ids of modules where that happened are added to
+    ``deferral.routed``; without, every parameter is a leaf of the local graph (the generic split
+    alone).  The module's path is kept in ``deferral``'s sets (its ``version`` changes with it). A
+    module whose first routed forward routed no call is not routed again: the mode costs every torch
+    call of the forward a Python call (``docs/wgrad.md``), and a later ``F.linear`` on a leaf weight
+    would still be split exactly, generically.  A module whose routed forward left its local graph
+    without leaves (every parameter behind a routed call or a fast-path child:
+    ``nn.MultiheadAttention``) runs its later forwards on the stage's graph instead
+    (:func:`_direct_forward`); their ids are added to ``deferral.direct``.
     """
-    router = None if routed is None else LinearRouter(store)
-    nothing_to_route: set[int] = set()  # ids of modules whose routed forward routed no call
-    direct = set() if direct is None else direct  # ids of modules that need no local graph
-    not_direct: set[int] = set()  # ids of modules a direct forward found using a parameter as it is
+    router = LinearRouter(store) if route else None
+    routed, direct = deferral.routed, deferral.direct
+    nothing_to_route = deferral.unrouted  # ids of modules whose routed forward routed no call
+    not_direct = deferral.not_direct  # ids of modules a direct forward found using a parameter as it is
 
     def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         original = type(module).forward
@@ -314,7 +316,7 @@ def generic_forward(
             store.local_depth -= 1
             if routing is not None:
                 anchor, routed_any = routing.end()
-        if routed_any and routed is not None:
+        if routed_any:
             routed.add(id(module))
         elif routing is not None:
             nothing_to_route.add(id(module))

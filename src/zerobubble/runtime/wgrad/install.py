@@ -19,11 +19,55 @@ class Deferral:
     def __init__(self) -> None:
         self.fast: list[nn.Module] = []
         self.generic: list[nn.Module] = []
+        self.rules: dict[int, str] = {}  # id of a fast module: its rule's class name
         self.routed: set[int] = set()
         """Ids of generic modules whose forward routed ``F.linear`` calls (filled in as they run)."""
         self.direct: set[int] = set()
         """Ids of generic modules whose next forward runs on the stage's graph, without a local graph
         (every parameter behind routed calls: ``docs/wgrad.md``, "Modules without a local graph")."""
+        self.not_direct: set[int] = set()
+        """Ids of generic modules a forward on the stage's graph found using a parameter as it is."""
+        self.unrouted: set[int] = set()
+        """Ids of generic modules whose routed forward routed no call (not routed again)."""
+        self.fallen: dict[int, tuple[nn.Module, str]] = {}
+        """Modules given back their own forward by :meth:`fall_back`: ``id: (module, why)``."""
+
+    def version(self) -> tuple[int, ...]:
+        """Changes whenever a module's split takes another path (a generic module routing, going
+        to the stage's graph or back, a fall-back): the split guard checks each version once."""
+        return (
+            len(self.routed),
+            len(self.direct),
+            len(self.not_direct),
+            len(self.unrouted),
+            len(self.fallen),
+        )
+
+    def path_of(self, module: nn.Module) -> str:
+        """How ``module``'s backward is split now, in words (:meth:`paths` lists every module)."""
+        key = id(module)
+        if key in self.fallen:
+            return "plain autograd (fallback)"
+        if key in self.rules:
+            return f"fast path ({self.rules[key]})"
+        if key in self.direct:
+            return "generic, routed, on the stage's graph"
+        if key in self.routed:
+            return "generic, routed calls"
+        return "generic"
+
+    def paths(self) -> list[tuple[nn.Module, str]]:
+        """Every module installed or fallen back, with :meth:`path_of` it."""
+        fallen = [module for module, _ in self.fallen.values()]
+        return [(module, self.path_of(module)) for module in self.fast + self.generic + fallen]
+
+    def fall_back(self, module: nn.Module, why: str) -> None:
+        """Give ``module`` its own forward back: plain autograd computes its parameters' gradients
+        in the stage's backward (exact; B then does W's share for them)."""
+        module.__dict__.pop("forward", None)
+        self.fast = [m for m in self.fast if m is not module]
+        self.generic = [m for m in self.generic if m is not module]
+        self.fallen[id(module)] = (module, why)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -49,8 +93,10 @@ class Deferral:
         for module in self.modules:
             module.__dict__.pop("forward", None)
         self.fast, self.generic = [], []
-        self.routed.clear()
-        self.direct.clear()
+        for ids in (self.routed, self.direct, self.not_direct, self.unrouted):
+            ids.clear()
+        self.fallen.clear()
+        self.rules.clear()
 
 
 def install_deferral(
@@ -78,10 +124,8 @@ def install_deferral(
     deferral = Deferral()
     if not generic:
         fallback = _plain
-    elif paths.route_linear:
-        fallback = generic_forward(store, deferral.routed, deferral.direct)
     else:
-        fallback = generic_forward(store)
+        fallback = generic_forward(store, deferral, route=paths.route_linear)
     seen: set[int] = set()
 
     def visit(module: nn.Module, covered: bool) -> None:
@@ -93,6 +137,7 @@ def install_deferral(
             if rule is not None and FastPlan.covers(rule, module):
                 _set_forward(module, fast_forward(FastPlan(rule, module, store), fallback))
                 deferral.fast.append(module)
+                deferral.rules[id(module)] = type(rule).__name__
                 return
             if generic and not covered and any(p is not None for p in module._parameters.values()):
                 _set_forward(module, fallback)

@@ -363,7 +363,9 @@ class LinearRouter(TorchFunctionMode):
             # input would bypass saved-tensor hooks, hence LinearSplit under them)
             out, saved = rule.forward(None, input, params)
             work = partial(rule.accumulate_into, weight_leaf, bias_leaf)
-            computing_node(out).register_prehook(WeightCapture(store, work, saved, _NEEDED[bias_leaf is not None]))
+            computing_node(out).register_prehook(
+                WeightCapture(store, work, saved, _NEEDED[bias_leaf is not None])
+            )
             return out
         anchor = self.anchor
         if anchor is None:

@@ -56,6 +56,16 @@ class WeightGradStore:
                 known.add(id(param))
                 self._parameters.append(param)
 
+    def tracked(self) -> list[torch.Tensor]:
+        """The parameters :meth:`track` was given (the stage's), in order."""
+        return list(self._parameters)
+
+    def discard(self, key: tuple[int, int]) -> None:
+        """Drop whatever ``key`` still has queued (W work, after-backward work) without running it."""
+        self._pending.pop(key, None)
+        self._shared.pop(key, None)
+        self._after_backward.pop(key, None)
+
     def _hold_hooks(self) -> HeldHooks | None:
         params = self._parameters
         hooked = [p for p in params if p._backward_hooks or p._post_accumulate_grad_hooks]

@@ -1,0 +1,355 @@
+"""The split guard: every stage proves its B/W split against plain autograd on the user's own model.
+
+Before a stage's first training forward — and again whenever the split would take a new path: new
+input shapes or dtypes, autocast switched, a generic module moving to the stage's graph, a module
+falling back — :class:`SplitGuard` runs the microbatch about to go forward twice, aside from the
+step: once with every module's own forward (plain autograd, one ``torch.autograd.grad``) and once
+through the split (its forward, B, then W; and a fused BW where the schedule has those), with the
+same RNG draws and the same random output gradient.  Parameters, input gradients and outputs must
+agree: the same parameters get gradients, within the dtype's tolerance.  Nothing of the check
+stays: ``.grad``, buffers (batch-norm statistics), the RNG streams and hooks are as before it, and
+no parameter hook runs for it.
+
+On a mismatch the module is never trained wrong: the modules owning the parameters that differ
+fall back to their own forward (plain autograd computes their gradients in the stage's backward,
+exact), a :class:`SplitMismatchWarning` names module, parameter, path and error, and the check
+runs again — widening the fall-back to every generically split module, then to every module, until
+the stage agrees with plain autograd.  ``verify="strict"`` raises :class:`SplitMismatchError`
+instead.  ``docs/wgrad.md``, "The split guard", says what it costs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .. import PipelineError
+from .install import Deferral
+from .store import HeldHooks, WeightGradStore
+
+
+class SplitMismatchError(PipelineError):
+    """``verify="strict"``: the B/W split of a module disagrees with plain autograd."""
+
+
+class SplitMismatchWarning(UserWarning):
+    """The B/W split of a module disagreed with plain autograd; it now runs a fused backward."""
+
+
+@dataclass(frozen=True)
+class SplitRecord:
+    """How one module of a stage splits its backward (:meth:`~zerobubble.Pipeline.split_report`)."""
+
+    stage: int
+    module: str
+    """The module's name in the layers given to the Pipeline."""
+    type: str
+    path: str
+    """``"fast path (MatmulRule)"``, ``"generic, routed calls"``, ``"plain autograd (fallback)"``, ..."""
+    verified: bool
+    """Whether the guard has checked the stage since the module took this path."""
+    note: str = ""
+    """Why a module fell back: the parameter, its error, the path it had."""
+
+
+_MAX_ROUNDS = 6  # transitions (local graph -> stage graph -> back) and fall-backs are few and monotone
+
+
+class SplitGuard:
+    """Checks one stage's split against plain autograd, once per path (see the module docstring).
+
+    ``names`` maps module ids to their names in the user's layers; ``deferred``/``fused`` say which
+    backward ops the schedule runs on this stage (B then W, a fused BW).
+    """
+
+    def __init__(
+        self,
+        *,
+        stage: int,
+        module: nn.Module,
+        store: WeightGradStore,
+        deferral: Deferral,
+        names: dict[int, str],
+        strict: bool,
+        deferred: bool,
+        fused: bool,
+    ):
+        self.stage, self.module, self.store, self.deferral = stage, module, store, deferral
+        self.names, self.strict, self.deferred, self.fused = names, strict, deferred, fused
+        self.verified: set[tuple[Any, ...]] = set()
+        self._versions: set[tuple[int, ...]] = set()  # deferral versions some check has covered
+        self._checks = 0
+
+    def signature(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        """What decides the path a forward takes: the split's version, autocast and the inputs."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
+        shapes = tuple(
+            (tuple(x.shape), x.dtype, x.requires_grad, x.device) if isinstance(x, torch.Tensor) else type(x)
+            for x in inputs
+        )
+        return (self.deferral.version(), autocast, torch.is_grad_enabled(), shapes)
+
+    def before_forward(self, inputs: Sequence[Any]) -> None:
+        """Check the stage on ``inputs`` unless this path was checked already (the executor's F)."""
+        if self.signature(inputs) in self.verified:
+            return
+        for _ in range(_MAX_ROUNDS):
+            signature = self.signature(inputs)
+            if signature in self.verified:
+                return
+            if self._check(inputs):
+                self.verified.add(signature)
+                self._versions.add(signature[0])
+        self.verified.add(self.signature(inputs))  # every module fell back: plain autograd is exact
+
+    def report(self) -> list[SplitRecord]:
+        """One record per split (or fallen-back) module of the stage."""
+        current = self.deferral.version() in self._versions
+        records = []
+        for module, path in self.deferral.paths():
+            fallen = self.deferral.fallen.get(id(module))
+            records.append(
+                SplitRecord(
+                    stage=self.stage,
+                    module=self.names.get(id(module), type(module).__name__),
+                    type=type(module).__name__,
+                    path=path,
+                    verified=current or fallen is not None,
+                    note=fallen[1] if fallen is not None else "",
+                )
+            )
+        return records
+
+    # -- one check -----------------------------------------------------------------------------------
+
+    def _check(self, inputs: Sequence[Any]) -> bool:
+        """One comparison; on a mismatch a round of fall-backs (or an error).  True if it agreed."""
+        self._checks += 1
+        params = [p for p in self.store.tracked() if p.requires_grad]
+        buffers = [(b, b.clone()) for b in self.module.buffers()]
+        seed = 0x5EED + self._checks  # of the random output gradients
+        devices = _cuda_devices(inputs)
+        held = HeldHooks(self.store.tracked())  # .grad aside, hooks silent, for the whole check
+        try:
+            # every run starts from the RNG state the real forward will start from (its dropout
+            # masks), and the real forward still finds it so afterwards
+            with torch.random.fork_rng(devices=devices):
+                start = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+                expected = self._plain(inputs, params, seed)
+                runs: list[tuple[bool, _Outcome | Exception]] = []
+                for defer in (True, False):
+                    if (self.deferred and defer) or (self.fused and not defer):
+                        _restore(buffers)
+                        _set_rng(start, devices)
+                        try:
+                            runs.append((defer, self._split(inputs, params, seed, defer)))
+                        except Exception as error:  # the split failed where plain autograd ran
+                            runs.append((defer, error))
+        finally:
+            _restore(buffers)
+            held.release()
+        for defer, actual in runs:
+            kind = "B then W" if defer else "a fused BW"
+            if isinstance(actual, Exception):
+                self._mismatch([], f"failed in {kind} where plain autograd ran: {actual!r}", actual)
+                return False
+            found = _differences(expected, actual, params)
+            if found:
+                self._mismatch([p for p, _ in found if p is not None], _describe(found, kind, self._name_of))
+                return False
+        return True
+
+    def _plain(self, inputs: Sequence[Any], params: list[torch.Tensor], seed: int) -> _Outcome:
+        """The stage with every module's own forward: outputs and gradients of one backward."""
+        # the modules' own forwards until the backward is done: checkpointing recomputes in it
+        forwards = [(m, m.__dict__.pop("forward")) for m in self.deferral.modules if "forward" in m.__dict__]
+        try:
+            local = _copies(inputs)
+            outputs = _differentiable(self.module(*local))
+            wanted = [*params, *_needing_grad(local)]
+            grads: list[torch.Tensor | None] = [None] * len(wanted)
+            if outputs:
+                cotangents = _cotangents(outputs, seed)
+                grads = list(torch.autograd.grad(outputs, wanted, cotangents, allow_unused=True))
+        finally:
+            for module, forward in forwards:
+                module.forward = forward
+        return _Outcome([o.detach() for o in outputs], list(grads[: len(params)]), list(grads[len(params) :]))
+
+    def _split(self, inputs: Sequence[Any], params: list[torch.Tensor], seed: int, defer: bool) -> _Outcome:
+        """The same through the split: its forward, then B and W (``defer``) or a fused BW."""
+        key = (self.stage, -self._checks)  # no real microbatch has a negative index
+        local = _copies(inputs)
+        try:
+            with self.store.keyed_forward(key):
+                outputs = _differentiable(self.module(*local))
+            if outputs:
+                self.store.begin(key, defer)
+                try:
+                    torch.autograd.backward(outputs, _cotangents(outputs, seed))
+                finally:
+                    self.store.end()
+                if defer:
+                    self.store.flush(key)
+        finally:
+            self.store.discard(key)
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return _Outcome([o.detach() for o in outputs], grads, [x.grad for x in _needing_grad(local)])
+
+    # -- what a mismatch does --------------------------------------------------------------------------
+
+    def _mismatch(self, culprits: list[torch.Tensor], what: str, error: Exception | None = None) -> None:
+        if self.strict:
+            raise SplitMismatchError(
+                f"stage {self.stage}: {what}. Pass verify=True to let the Pipeline fall back to a fused "
+                "backward for such modules (exact, slower), or fix or unregister the split rule "
+                "(docs/wgrad.md, 'The split guard')"
+            ) from error
+        suspects = self._owners(culprits) or self._widen()
+        for module in suspects:
+            path = self.deferral.path_of(module)
+            name = self.names.get(id(module), type(module).__name__)
+            self.deferral.fall_back(module, f"{what} (was: {path})")
+            warnings.warn(
+                f"zerobubble: stage {self.stage}, module {name} ({type(module).__name__}, {path}): {what}; "
+                "it now runs a fused backward for its parameters (exact, slower). "
+                "pipe.split_report() lists every module's path; docs/wgrad.md, 'The split guard'",
+                SplitMismatchWarning,
+                stacklevel=2,
+            )
+
+    def _owners(self, culprits: list[torch.Tensor]) -> list[nn.Module]:
+        """The split modules whose own parameters include a culprit (innermost first)."""
+        wanted = {id(p) for p in culprits}
+        fast = {id(p): m for m in self.deferral.fast for p in m.parameters(recurse=False)}
+        owners = [fast[key] for key in wanted if key in fast]
+        rest = wanted - fast.keys()  # a generic module's own, or of its plain descendants
+        for module in self.deferral.generic:
+            if any(id(p) in rest for p in module.parameters()):
+                owners.append(module)
+        return list({id(m): m for m in owners}.values())
+
+    def _widen(self) -> list[nn.Module]:
+        """No owner found (or fallen back already): every generic module, then every module."""
+        return list(self.deferral.generic) or list(self.deferral.modules)
+
+    def _name_of(self, param: torch.Tensor) -> str:
+        for name, candidate in self.module.named_parameters(remove_duplicate=False):
+            if candidate is param:
+                return _layer_name(name, self.names, self.module)
+        return "a parameter"
+
+
+@dataclass
+class _Outcome:
+    outputs: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    input_grads: list[torch.Tensor | None]
+
+
+def _copies(inputs: Sequence[Any]) -> list[Any]:
+    """Fresh leaves with the inputs' values and ``requires_grad``: the check's own arguments."""
+    return [
+        x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+        for x in inputs
+    ]
+
+
+def _needing_grad(inputs: Sequence[Any]) -> list[torch.Tensor]:
+    return [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+def _differentiable(result: Any) -> list[torch.Tensor]:
+    flat = [result] if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+
+
+def _cotangents(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """Random output gradients, the same for both runs: a wrong vector-Jacobian product shows on
+    almost every random vector."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o) for o in outputs]
+
+
+def _set_rng(state: tuple[torch.Tensor, list[torch.Tensor]], devices: list[int]) -> None:
+    torch.set_rng_state(state[0])
+    for device, device_state in zip(devices, state[1]):
+        torch.cuda.set_rng_state(device_state, device)
+
+
+def _restore(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, value in buffers:
+            buffer.copy_(value)
+
+
+def _cuda_devices(inputs: Sequence[Any]) -> list[int]:
+    return sorted({x.device.index or 0 for x in inputs if isinstance(x, torch.Tensor) and x.is_cuda})
+
+
+def _tolerance(*tensors: torch.Tensor) -> float:
+    """Relative tolerance of a comparison of gradients in these dtypes (the coarsest wins); under
+    autocast the products round in 16 bits whatever the parameter's dtype."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.is_autocast_enabled(device) or any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
+        return 5e-2
+    if all(t.dtype == torch.float64 for t in tensors):
+        return 1e-7
+    return 1e-4
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor, floor: float) -> float:
+    difference = (actual.double() - expected.double()).norm().item()
+    return difference / max(expected.double().norm().item(), floor)
+
+
+def _differences(
+    expected: _Outcome, actual: _Outcome, params: list[torch.Tensor]
+) -> list[tuple[torch.Tensor | None, str]]:
+    """``(parameter or None, what differs)`` for every disagreement."""
+    found: list[tuple[torch.Tensor | None, str]] = []
+    largest = max((g.double().norm().item() for g in expected.grads if g is not None), default=0.0)
+    floor = max(1e-4 * largest, 1e-30)  # a gradient zero in exact arithmetic is rounding noise
+    for param, want, got in zip(params, expected.grads, actual.grads):
+        if (want is None) != (got is None):
+            found.append(
+                (param, "gets no gradient" if got is None else "gets a gradient plain autograd does not give")
+            )
+        elif want is not None and got is not None:
+            error = _relative(got, want, floor)
+            if not error <= _tolerance(want, param):  # also NaN
+                found.append((param, f"gets a gradient {error:.1e} relative off plain autograd's"))
+    for index, (want, got) in enumerate(zip(expected.input_grads, actual.input_grads)):
+        if (want is None) != (got is None) or (
+            want is not None and got is not None and not _relative(got, want, 1e-30) <= _tolerance(want)
+        ):
+            found.append((None, f"input {index}'s gradient differs from plain autograd's"))
+    for index, (want, got) in enumerate(zip(expected.outputs, actual.outputs)):
+        if want.shape != got.shape or not _relative(got, want, 1e-30) <= _tolerance(want):
+            found.append((None, f"output {index} differs from plain autograd's"))
+    return found
+
+
+def _describe(
+    found: list[tuple[torch.Tensor | None, str]], kind: str, name_of: Callable[[torch.Tensor], str]
+) -> str:
+    shown = [f"{name_of(p) if p is not None else 'the stage'} {what}" for p, what in found[:3]]
+    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+    return f"with {kind}, " + "; ".join(shown) + more
+
+
+def _layer_name(name: str, names: dict[int, str], module: nn.Module) -> str:
+    """A parameter's name in the user's layers, from its name inside the stage module."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    prefix = names.get(id(owner))
+    return f"{prefix}.{attr}" if prefix else name
