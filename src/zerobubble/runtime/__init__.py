@@ -4,7 +4,8 @@
 * :mod:`.comm` — asynchronous point-to-point transfers, one ordered channel per direction;
 * :mod:`.executor` — runs one rank's program through a dispatch table over op kinds;
 * :mod:`.pipeline` — the user-facing :class:`Pipeline`;
-* :mod:`.consistency` — what the ranks agree on at construction; parameters tied across ranks;
+* :mod:`.consistency` — what the ranks agree on at construction and at every call; tied parameters;
+* :mod:`.checkpoint` — state dicts that merge into (and load from) the unpipelined model's;
 * :mod:`.failures` — error notices between ranks and waits with a deadline;
 * :mod:`.memory` — measuring the activation memory a step keeps;
 * :mod:`.launch` — starts local ranks when the script was not run under ``torchrun``.

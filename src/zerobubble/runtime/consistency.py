@@ -1,4 +1,4 @@
-"""What the ranks of one Pipeline must agree on, checked at construction; tied parameters.
+"""What the ranks of one Pipeline must agree on, at construction and at every call; tied parameters.
 
 Every rank builds the Pipeline from its own copy of the layer list.  Before any channel is created
 the ranks exchange a *fingerprint* — layer types, parameter names/shapes/dtypes, the schedule (name,
@@ -6,6 +6,14 @@ microbatches, stages, a digest of the programs), the cut points, the data-parall
 tied parameters — and every rank raises the same :class:`~zerobubble.runtime.PipelineError` naming
 the first rank and item that differ from rank 0.  A rank that could not even build its part (a bad
 argument) sends its error instead, so the others say which rank failed and why instead of waiting.
+
+Every call: before a :meth:`~zerobubble.runtime.Pipeline.step` or ``evaluate`` sends its first
+message, the ranks of the whole Pipeline (every data-parallel replica too) compare what they were
+called with — the method, the loss scale, the shapes and dtypes of the inputs and of the targets —
+and whether the call failed its local checks (:class:`CallCheck`: one max-reduce of eight int64
+by point-to-point transfers on a gloo group of its own).  A difference or a rank's
+argument error makes every rank raise the same :class:`~zerobubble.runtime.PipelineError` before any
+transfer, and the Pipeline stays usable.
 
 Tied parameters: a Parameter object used by two layers (an embedding reused by the LM head) is
 detected here.  When the two layers land on different ranks each rank holds its own copy; the
@@ -17,6 +25,7 @@ step, so each copy takes the same optimizer step.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +42,7 @@ from . import PipelineError
 def find_ties(named: Sequence[tuple[str, nn.Module]]) -> list[list[tuple[int, str]]]:
     """Parameters shared by two or more layers: per tie, ``(layer index, qualified name)`` in model order.
 
-    The first entry is the tie's canonical name (the one ``state_dict`` keeps).
+    The first entry is the tie's canonical name (the one a checkpoint without the aliases is read from).
     """
     users: dict[int, list[tuple[int, str]]] = {}
     for index, (layer_name, layer) in enumerate(named):
@@ -48,6 +57,8 @@ def fingerprint(
     bounds: Sequence[int],
     data_parallel: int,
     ties: Sequence[Sequence[tuple[int, str]]],
+    *,
+    check_calls: bool = True,
 ) -> dict[str, Any]:
     """The items every rank must agree on, in the order they are compared."""
     programs = hashlib.blake2b(repr(schedule.programs).encode(), digest_size=8).hexdigest()
@@ -66,6 +77,7 @@ def fingerprint(
         "layer cuts": list(bounds),
         "schedule programs": programs,
         "data_parallel": data_parallel,
+        "check_calls": check_calls,
     }
 
 
@@ -157,3 +169,245 @@ def broadcast_replicas(module: nn.Module, group: Any, source: int) -> None:
         ]
         for work in works:
             work.wait()
+
+
+# -- every call: the ranks' arguments to step() / evaluate() ------------------------------------------
+
+BatchSignature = tuple[tuple[tuple[int, ...], str], ...]
+"""The shape and dtype of every tensor of a batch (the inputs or the targets), in order."""
+
+_ABSENT = -(2**63)  # an item a rank does not pass (its inputs are None): below every digest and its negation
+
+
+def batch_signature(batch: Any) -> BatchSignature | None:
+    """``batch``'s shapes and dtypes (a tensor or a tuple of tensors, already checked), None for None."""
+    if batch is None:
+        return None
+    tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+    return tuple((tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in tensors)
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """What one rank passed to ``step`` or ``evaluate``: the items every rank's call must agree on.
+
+    ``inputs`` / ``targets`` are None where the rank passed none (they are compared only among the
+    ranks that pass them); ``problem`` is the rank's own argument error (its call cannot run).
+    """
+
+    call: str
+    loss_scale: float | None = None
+    inputs: BatchSignature | None = None
+    targets: BatchSignature | None = None
+    problem: str | None = None
+
+    def items(self) -> list[int]:
+        """The signature as four 62-bit numbers (:data:`_ABSENT` for an item not passed)."""
+        absent = self.problem is not None
+        return [
+            int(absent),
+            _digest((self.call, self.loss_scale)),
+            _ABSENT if absent or self.inputs is None else _digest(self.inputs),
+            _ABSENT if absent or self.targets is None else _digest(self.targets),
+        ]
+
+
+def _digest(value: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
+
+
+class CallCheck:
+    """Compares every rank's :class:`CallSignature` before a call communicates (one exchange per call).
+
+    ``group`` spans every rank of the Pipeline (all replicas; a gloo group the pipeline's transfers
+    never use); ``monitor`` (a :class:`~.failures.PeerMonitor`) carries every wait (the Pipeline's
+    deadline and error notices); ``name(r)`` names the rank of group rank ``r`` in messages.  The
+    common case costs one max-reduce of eight int64 — each item and its negation, so every rank
+    learns each item's largest and smallest value at once — by recursive doubling over
+    point-to-point transfers (⌈log₂ N⌉ rounds of one simultaneous swap, two more hops when N is not
+    a power of two).  Point-to-point rather than a gloo collective because a wait for a transfer can
+    be ended when a peer posts an error notice or the deadline passes, and a collective's cannot.
+    Only when the values differ, or a rank reports a problem, do the ranks exchange their full
+    signatures to say
+    what differs (:func:`explain_calls`).
+    """
+
+    def __init__(self, group: Any, monitor: Any, name: Callable[[int], str]):
+        self.group = group
+        self.monitor = monitor
+        self.name = name
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.ranks = [dist.get_global_rank(group, r) for r in range(self.size)]  # group rank -> global
+
+    def exchange(self, signature: CallSignature) -> str | None:
+        """Every rank's verdict on this call: None when the ranks agree, else the message to raise."""
+        items = signature.items()
+        values = torch.tensor(
+            [*items, *(_ABSENT if item == _ABSENT else -item for item in items)], dtype=torch.int64
+        )
+        values = self._max_reduce(
+            values, f"every rank to call {signature.call}() (the check of its arguments)"
+        )
+        count = len(items)
+        largest, smallest = values[:count].tolist(), [-v for v in values[count:].tolist()]
+        differ = largest[0] > 0 or any(
+            high != _ABSENT and high != low for high, low in zip(largest[1:], smallest[1:])
+        )
+        if not differ:
+            return None
+        signatures = share_objects(signature, self.group, self.ranks, self.monitor, tag=_SIGNATURES_TAG)
+        return explain_calls(signatures, self.name)
+
+    def _max_reduce(self, values: torch.Tensor, what: str) -> torch.Tensor:
+        """The elementwise maximum of every rank's ``values``, on every rank (recursive doubling).
+
+        The largest power of two ``q ≤ N`` of the ranks swap and combine with the rank whose group
+        rank differs in one bit, bit by bit (⌈log₂ q⌉ rounds of one simultaneous exchange); each rank
+        ``q + i`` first hands its values to rank ``i`` and gets the result from it at the end.
+        """
+        rank, size = self.rank, self.size
+        q = 1 << (size.bit_length() - 1)
+        if rank >= q:
+            self._transfer(dist.isend, values, rank - q, what)
+            self._transfer(dist.irecv, values, rank - q, what)
+            return values
+        incoming = torch.empty_like(values)
+        if rank + q < size:
+            self._transfer(dist.irecv, incoming, rank + q, what)
+            torch.maximum(values, incoming, out=values)
+        mask = 1
+        while mask < q:
+            self._swap(values, incoming, rank ^ mask, what)
+            torch.maximum(values, incoming, out=values)
+            mask <<= 1
+        if rank + q < size:
+            self._transfer(dist.isend, values, rank + q, what)
+        return values
+
+    def _transfer(self, operation: Callable[..., Any], tensor: torch.Tensor, peer: int, what: str) -> None:
+        work = _post(self.monitor, operation, tensor, self.ranks[peer], self.group, _CHECK_TAG, what)
+        self.monitor.wait(work, what)
+
+    def _swap(self, mine: torch.Tensor, theirs: torch.Tensor, peer: int, what: str) -> None:
+        """Send ``mine`` to ``peer`` while receiving its values into ``theirs``."""
+        sent = _post(self.monitor, dist.isend, mine, self.ranks[peer], self.group, _CHECK_TAG, what)
+        received = _post(self.monitor, dist.irecv, theirs, self.ranks[peer], self.group, _CHECK_TAG, what)
+        self.monitor.wait(received, what)
+        self.monitor.wait(sent, what)
+
+
+def _post(
+    monitor: Any,
+    operation: Callable[..., Any],
+    tensor: torch.Tensor,
+    peer: int,
+    group: Any,
+    tag: int,
+    what: str,
+) -> Any:
+    """Post one transfer; a channel a peer closed becomes a PipelineError (or the peer's error notice)."""
+    try:
+        return operation(tensor, peer, group=group, tag=tag)
+    except RuntimeError as error:
+        monitor.explain()  # a peer's error notice says more than a closed channel
+        raise PipelineError(
+            f"rank {monitor.rank}: waiting for {what} failed — a peer rank probably died or stopped "
+            f"with an error ({type(error).__name__}: {error})"
+        ) from error
+
+
+_CHECK_TAG, _SIGNATURES_TAG = 1, 2  # message tags on the check's group (share_objects uses tag and tag + 1)
+STATE_DICT_TAG = 4
+"""The tag of :meth:`~zerobubble.runtime.Pipeline.full_state_dict`'s messages on the check's group."""
+
+
+def share_objects(obj: Any, group: Any, ranks: Sequence[int], monitor: Any, *, tag: int) -> list[Any]:
+    """``obj`` of every rank of ``ranks`` (global ranks of ``group``, this rank among them), in that order.
+
+    Serialised with ``torch.save`` and sent point to point to every other rank on ``group`` (a gloo
+    group: CPU tensors) with tags ``tag`` (sizes) and ``tag + 1``, each wait through ``monitor`` (a
+    :class:`~.failures.PeerMonitor`); every rank of ``ranks`` calls it.  Used on
+    rare paths (explaining a difference, gathering a state dict), where N·(N−1) messages are fine.
+    """
+    me = dist.get_rank()
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    peers = [r for r in ranks if r != me]
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = {peer: torch.zeros(1, dtype=torch.int64) for peer in peers}
+    what = "the other ranks' messages"
+    works = [_post(monitor, dist.isend, size, peer, group, tag, what) for peer in peers]
+    works += [_post(monitor, dist.irecv, sizes[peer], peer, group, tag, what) for peer in peers]
+    for work in works:
+        monitor.wait(work, what)
+    pieces = {peer: torch.empty(int(sizes[peer].item()), dtype=torch.uint8) for peer in peers}
+    works = [_post(monitor, dist.isend, payload, peer, group, tag + 1, what) for peer in peers]
+    works += [_post(monitor, dist.irecv, pieces[peer], peer, group, tag + 1, what) for peer in peers]
+    for work in works:
+        monitor.wait(work, what)
+    # the bytes come from this Pipeline's own ranks (torch.save above); they may hold extra state
+    return [
+        obj if peer == me else torch.load(io.BytesIO(pieces[peer].numpy().tobytes()), weights_only=False)
+        for peer in ranks
+    ]
+
+
+def explain_calls(signatures: Sequence[CallSignature], name: Callable[[int], str] = "rank {}".format) -> str:
+    """The message every rank raises when the ranks' calls differ (the first difference, by rank)."""
+    for rank, signature in enumerate(signatures):
+        if signature.problem is not None:
+            return (
+                f"{name(rank)} cannot run {signature.call}(): {signature.problem} — no rank started this "
+                f"{signature.call}() (every rank raises this error) and the Pipeline stays usable; fix "
+                f"the call on {name(rank)} and call {signature.call}() again on every rank"
+            )
+    reference = signatures[0]
+    for rank, signature in enumerate(signatures[1:], start=1):
+        if signature.call != reference.call:
+            return (
+                f"{name(rank)} called {signature.call}() while {name(0)} called {reference.call}(); every "
+                "rank must make the same calls in the same order — nothing ran, the Pipeline stays usable"
+            )
+        if signature.loss_scale != reference.loss_scale:
+            return (
+                f"{name(rank)} passed loss_scale={_scale(signature.loss_scale)} to step() but {name(0)} "
+                f"passed {_scale(reference.loss_scale)}; the last stage's loss scale scales every gradient "
+                "and optimizer_step(unscale=) divides by it, so pass the same value on every rank — "
+                "nothing ran, the Pipeline stays usable"
+            )
+    for what in ("inputs", "targets"):
+        given = [
+            (rank, getattr(s, what)) for rank, s in enumerate(signatures) if getattr(s, what) is not None
+        ]
+        for rank, actual in given[1:]:
+            first, expected = given[0]
+            if actual != expected:
+                return (
+                    f"the {what} passed to {reference.call}() differ between ranks: "
+                    f"{_batch_difference(expected, actual, name(first), name(rank))}; every rank that "
+                    f"passes {what} must pass the same batch shapes and dtypes (under data parallelism, "
+                    f"equal shards) — or None where they are not needed (the {what} are used "
+                    f"{'on the first stage' if what == 'inputs' else 'on the last stage'}) — nothing ran, "
+                    "the Pipeline stays usable"
+                )
+    return (
+        "the ranks' calls differ (their argument digests disagree); every rank must pass the same arguments"
+    )
+
+
+def _scale(scale: float | None) -> str:
+    return "None" if scale is None else f"{scale:g}"
+
+
+def _batch_difference(expected: BatchSignature, actual: BatchSignature, first: str, other: str) -> str:
+    def show(signature: BatchSignature) -> str:
+        text = ", ".join(f"{list(shape)} {dtype}" for shape, dtype in signature)
+        return text if len(signature) == 1 else f"({text})"
+
+    sizes = [{shape[0] if shape else None for shape, _ in s} for s in (expected, actual)]
+    if len(expected) == len(actual) and all(len(s) == 1 for s in sizes) and sizes[0] != sizes[1]:
+        (a,), (b,) = sizes
+        return f"batch size {a} on {first} but {b} on {other} ({show(expected)} and {show(actual)})"
+    return f"{show(expected)} on {first} but {show(actual)} on {other}"

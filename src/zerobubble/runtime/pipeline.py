@@ -10,7 +10,8 @@
 
 The layers are cut into ``p·v`` chunks (evenly, or at the cut points of ``partition``), placed by the
 schedule's placement, and only this rank's chunks are kept.  Parameter names stay those of
-``layers`` (``"3.mlp.fc.weight"``), so checkpoints are interchangeable with the unpipelined model.
+``layers`` (``"3.mlp.fc.weight"``): the union of the ranks' ``state_dict()`` is the unpipelined
+model's, tied aliases included, and the unpipelined model's loads on every rank (:mod:`.checkpoint`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,20 @@ from ..schedule import CostModel, Schedule
 from ..schedule.channels import directed_pairs
 from ..schedule.ir import Kind
 from . import PipelineError
+from .checkpoint import merge_state_dicts, model_keys, select_entries, strict_error
 from .comm import Comm
-from .consistency import TiedParameter, agree, broadcast_replicas, find_ties, fingerprint
+from .consistency import (
+    STATE_DICT_TAG,
+    CallCheck,
+    CallSignature,
+    TiedParameter,
+    agree,
+    batch_signature,
+    broadcast_replicas,
+    find_ties,
+    fingerprint,
+    share_objects,
+)
 from .data_parallel import (
     GradientAverager,
     chunk_parameters,
@@ -105,9 +118,15 @@ class Pipeline:
     layers, parameters and schedule are compared (:mod:`.consistency`), data-parallel replicas and
     parameters tied across ranks start equal, and tied gradients are summed after every step.  The
     forward of each (step, stage, microbatch) draws from its own RNG stream rooted at ``seed`` (rank
-    0's ``torch.initial_seed()`` when None).  A failure on one rank stops every peer within a
-    fraction of a second with its rank, op and error; the Pipeline then refuses further steps.
-    :meth:`evaluate` runs a forward-only pass.
+    0's ``torch.initial_seed()`` when None).  Before each :meth:`step` and :meth:`evaluate` sends
+    anything, every rank's call is compared (the method, the loss scale, the batch shapes and dtypes,
+    a rank's argument error): a difference raises the same error on every rank and the Pipeline stays
+    usable.  A failure on one rank stops every peer within a fraction of a second with its rank, op
+    and error; the Pipeline then refuses further steps.  :meth:`evaluate` runs a forward-only pass.
+    ``check_calls=False`` (keyword-only) skips the per-call comparison — a max-reduce of eight int64
+    over every rank of the Pipeline per call, by point-to-point transfers on a gloo group of its own
+    (``benchmarks/call_check.py``) — and with it the guarantee: an argument error then stops only the
+    rank that makes it.
     """
 
     def __init__(
@@ -133,6 +152,7 @@ class Pipeline:
         calibrate: int = 3,
         *,
         verify: bool | str = True,
+        check_calls: bool = True,
     ):
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
         self.device = local_device(backend)  # before the first collective (NCCL needs the device)
@@ -171,7 +191,17 @@ class Pipeline:
             schedule, partition, costs = self.plan.schedule, self.plan.partition, self.plan.costs
             microbatches = chunks = None
         named, bounds, ties = self._plan(
-            layers, schedule, microbatches, loss_fn, chunks, partition, costs, group, data_parallel, seed
+            layers,
+            schedule,
+            microbatches,
+            loss_fn,
+            chunks,
+            partition,
+            costs,
+            group,
+            data_parallel,
+            seed,
+            check_calls,
         )
         logger.info(
             "schedule %s: %d ranks, %d microbatches, %d chunks per rank, layers cut at %s",
@@ -186,6 +216,13 @@ class Pipeline:
         self.rank = self.layout.pipeline_rank
         self.world_size = self.layout.pipeline_size
         self._monitor = PeerMonitor(self._agreement.key, self.rank, timeout)
+        # the per-call argument check: a gloo group of its own over every rank (collective: new_group)
+        calls = dist.new_group(list(self.layout.span), backend="gloo", timeout=self.layout.setup_timeout)
+        self._calls = CallCheck(calls, self._monitor, self._rank_name)
+        self._check_calls = bool(check_calls)
+        self._model_keys = model_keys(named)  # the unpipelined state dict's keys, before _place
+        self._known_keys = frozenset(self._model_keys)
+        self._ties = [tuple(name for _, name in tie) for tie in ties]
         self.module = nn.Module()
         if verify not in (True, False, "strict"):
             raise PipelineError(f'verify={verify!r}: pass True (the default), "strict" or False')
@@ -193,7 +230,6 @@ class Pipeline:
         stages = self._place(named, bounds, fast_paths, verify)
         self.stages = tuple(sorted(stages))
         self._tied = self._tie(ties, bounds)
-        self._aliases = {name: tie[0][1] for tie in ties for _, name in tie[1:]}
         if self.layout.data_parallel > 1:  # replicas start from replica 0's weights, as DDP does
             broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
         with self.layout.replicated(directed_pairs(self.schedule)):
@@ -213,7 +249,18 @@ class Pipeline:
         self._init_optimization(post_validation)
 
     def _plan(
-        self, layers, schedule, microbatches, loss_fn, chunks, partition, costs, group, data_parallel, seed
+        self,
+        layers,
+        schedule,
+        microbatches,
+        loss_fn,
+        chunks,
+        partition,
+        costs,
+        group,
+        data_parallel,
+        seed,
+        check_calls,
     ) -> tuple[list[tuple[str, nn.Module]], list[int], list[list[tuple[int, str]]]]:
         """Resolve the schedule and the cut points, then agree with every rank on them (collective).
 
@@ -231,7 +278,9 @@ class Pipeline:
             named = named_layers(layers)
             bounds = partition_bounds(len(named), self.schedule.num_stages, partition)
             ties = find_ties(named)
-            mine = fingerprint(named, self.schedule, bounds, data_parallel, ties)
+            mine = fingerprint(
+                named, self.schedule, bounds, data_parallel, ties, check_calls=bool(check_calls)
+            )
         except PipelineError as error:
             problem = error
         self._agreement = agree(mine, None if problem is None else str(problem), seed, group)
@@ -351,14 +400,16 @@ class Pipeline:
 
         ``loss_scale`` multiplies the loss before the backward (loss scaling for fp16); pass the
         same factor as ``unscale`` to :meth:`optimizer_step`.  The returned loss is unscaled.
+
+        Call it on every rank.  Before any message moves, the ranks (every replica too) compare their
+        calls — ``step`` or :meth:`evaluate`, ``loss_scale``, the shapes and dtypes of the inputs and
+        of the targets among the ranks passing them — and each rank's own argument checks (targets
+        where the last stage lives, inputs where the first one does, a batch that splits): a
+        difference or a failed check raises the same :class:`PipelineError` on every rank, naming the
+        rank and what differs, and the Pipeline stays usable (``check_calls=False`` skips this).
         """
         self._check_usable("step")
-        if not torch.is_grad_enabled():
-            raise PipelineError(
-                "step() runs a backward, but autograd is disabled here (torch.no_grad or inference_mode); "
-                "use pipe.evaluate(inputs, targets) for a forward-only pass"
-            )
-        split_inputs, targets_mb = self._split_batch(inputs, targets, "step")
+        split_inputs, targets_mb = self._prepare_call("step", inputs, targets, loss_scale)
         losses = self._guarded("step", lambda: self._run_program(split_inputs, targets_mb, loss_scale or 1.0))
         if self._calibrator is not None and self._guarded("step", lambda: self._calibrator.after_step(self)):
             self._calibrator = None  # schedule="auto": the plan is calibrated from the recorded steps
@@ -372,10 +423,11 @@ class Pipeline:
         where the last one does); it returns the mean microbatch loss on the last stage's rank
         (over the global batch with data parallelism), None elsewhere.  A pending optimizer step is
         settled first.  The batch may differ in size from the training batches (it still splits into
-        the schedule's microbatches).  Works inside ``torch.no_grad()``.
+        the schedule's microbatches).  Works inside ``torch.no_grad()``.  The ranks' calls are
+        compared first, as for :meth:`step`.
         """
         self._check_usable("evaluate")
-        split_inputs, targets_mb = self._split_batch(inputs, targets, "evaluate")
+        split_inputs, targets_mb = self._prepare_call("evaluate", inputs, targets)
         modes = [(module, module.training) for module in self.module.modules()]
         self.module.eval()
         try:
@@ -388,6 +440,58 @@ class Pipeline:
     def _evaluate(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]) -> list:
         self._settle()  # the parameters must be final before they are read
         return self._executor.run_forward(inputs, targets)
+
+    def _prepare_call(
+        self, call: str, inputs: Any, targets: Any, loss_scale: float | None = None
+    ) -> tuple[list, list]:
+        """Check and split this rank's arguments, then compare the call with every rank's (collective).
+
+        Runs before the call's first message: a rank's own argument error is raised there and named on
+        every other rank, and arguments that differ between ranks raise the same error everywhere
+        (:class:`~.consistency.CallCheck`); nothing has been sent, so the Pipeline stays usable.
+        """
+        problem: Exception | None = None
+        prepared: tuple[list, list] = ([], [])
+        scale, verdict = None, None
+        try:
+            # an iterable batch is read once, here: the split and the signature both see its tensors
+            inputs, targets = (
+                b if b is None or isinstance(b, (torch.Tensor, Mapping)) else tuple(b)
+                for b in (inputs, targets)
+            )
+            if call == "step":
+                if not torch.is_grad_enabled():
+                    raise PipelineError(
+                        "step() runs a backward, but autograd is disabled here (torch.no_grad or "
+                        "inference_mode); use pipe.evaluate(inputs, targets) for a forward-only pass"
+                    )
+                scale = float(loss_scale or 1.0)
+            prepared = self._split_batch(inputs, targets, call)
+        except Exception as error:
+            problem = error
+        if self._check_calls:
+            if problem is None:
+                signature = CallSignature(call, scale, batch_signature(inputs), batch_signature(targets))
+            else:
+                text = (
+                    str(problem)
+                    if isinstance(problem, PipelineError)
+                    else f"{type(problem).__name__}: {problem}"
+                )
+                signature = CallSignature(call, problem=text)
+            verdict = self._guarded(call, lambda: self._calls.exchange(signature))
+        if problem is not None:
+            raise problem
+        if verdict is not None:
+            raise PipelineError(verdict)
+        return prepared
+
+    def _rank_name(self, group_rank: int) -> str:
+        """How messages name the rank of group rank ``group_rank`` (its replica too with data parallelism)."""
+        if self.layout.data_parallel == 1:
+            return f"rank {group_rank}"
+        replica, rank = divmod(group_rank, self.layout.pipeline_size)
+        return f"rank {group_rank} (pipeline rank {rank} of replica {replica})"
 
     def _split_batch(self, inputs: Any, targets: Any, call: str) -> tuple[list, list]:
         m = self.schedule.microbatches
@@ -427,28 +531,64 @@ class Pipeline:
         """This rank's parameters, named as in ``layers`` (``"3.mlp.fc.weight"``)."""
         return self.module.named_parameters()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers under the names they have in ``layers``.
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's entries of the unpipelined model's ``state_dict()``, under the same names.
 
-        A pending optimizer step is settled first (on every rank, like :meth:`synchronize`).  A
-        parameter shared by several layers (tied) appears once, under the name it has in the first
-        of them, and only on the rank holding that layer.
+        Every parameter, persistent buffer and extra state of the layers this rank holds, in the
+        model's order; a tied parameter appears under each of its names whose layer this rank holds
+        (a language model's head weight on the last stage's rank, the embedding weight on the first).
+        The ranks of a pipeline hold disjoint keys: the union of every rank's dict is the unpipelined
+        model's state dict, key for key and value for value (:meth:`full_state_dict` gathers it).
+        A pending optimizer step is settled first (collective, like :meth:`synchronize`: call it on
+        every rank).  The tensors share storage with the parameters, as ``nn.Module.state_dict``'s.
         """
         self.synchronize()
-        return {k: v for k, v in self.module.state_dict().items() if k not in self._aliases}
+        return self.module.state_dict()
 
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> Any:
-        """Load this rank's entries of a (whole-model or per-rank) state dict.
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict on every rank: each rank's :meth:`state_dict` gathered (collective).
 
-        Keys of layers this rank does not hold are ignored, so the full model's checkpoint works; a
-        tied parameter is read under its first name when its other names are absent.
+        Equal, key for key (in the same order) and value for value, to the unpipelined model's
+        ``state_dict()`` — ``nn.Sequential(*layers).load_state_dict(pipe.full_state_dict())`` loads
+        with ``strict=True``.  The tensors are CPU copies; every rank receives the whole model (for a
+        model too large for one host, save each rank's :meth:`state_dict` and merge the files: their
+        union is the same dict).  With data parallelism the ranks of this rank's replica are gathered.
+        Waits honour the Pipeline's ``timeout``.
         """
-        local = set(self.module.state_dict())
-        wanted = {k: v for k, v in state_dict.items() if k in local}
-        for alias, canonical in self._aliases.items():
-            if alias in local and alias not in wanted and canonical in state_dict:
-                wanted[alias] = state_dict[canonical]
-        return self.module.load_state_dict(wanted, strict=strict)
+        local = {
+            k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+            for k, v in self.state_dict().items()
+        }
+        ranks = self.layout.replica_ranks(self.layout.dp_index)
+        parts = self._guarded(
+            "full_state_dict",
+            lambda: share_objects(local, self._calls.group, ranks, self._monitor, tag=STATE_DICT_TAG),
+        )
+        return merge_state_dicts(parts, self._model_keys)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Load this rank's entries of a whole-model state dict, or of this rank's own.
+
+        ``state_dict`` may be the unpipelined model's ``state_dict()``, the union of the ranks' dicts
+        (:meth:`full_state_dict`) or this rank's own :meth:`state_dict`: each rank takes the keys of
+        the layers it holds and ignores those of the other ranks' layers.  Every copy of a tied
+        parameter is set from one value, that of the first of its names the dict holds (so a dict
+        without the alias keys loads too); a dict whose names of one tied parameter hold different
+        values is refused.  With ``strict`` (the default), a key of this rank's layers the dict
+        lacks, or a key of no layer of the model, raises a :class:`PipelineError` naming them; a
+        shape that differs always raises.  Nothing is loaded when it raises.  Returns
+        ``(missing_keys, unexpected_keys)`` as ``nn.Module.load_state_dict`` does.
+
+        A pending optimizer step is settled first (collective, like :meth:`synchronize`: call it on
+        every rank), so that its validation cannot roll back the loaded values.
+        """
+        self.synchronize()
+        local = self.module.state_dict()
+        entries, missing, unexpected = select_entries(state_dict, local, self._known_keys, self._ties)
+        if strict and (missing or unexpected):
+            raise strict_error(missing, unexpected, self.rank)
+        self.module.load_state_dict(entries, strict=False)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of this rank's parameters."""
