@@ -119,7 +119,7 @@ def reference(name: str, seed: int, inputs, targets, microbatches: int) -> dict[
     model = nn.Sequential(*build(name, seed))
     losses = [loss_fn(model(x), y) for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches))]
     (sum(losses) / microbatches).backward()
-    return {n: p.grad for n, p in model.named_parameters()}
+    return {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def split_schedule_cases(cases: list[tuple[str, str, bool]]) -> dict:

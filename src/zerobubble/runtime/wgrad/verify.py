@@ -158,11 +158,11 @@ class SplitGuard:
         for defer, actual in runs:
             kind = "B then W" if defer else "a fused BW"
             if isinstance(actual, Exception):
-                self._mismatch([], f"failed in {kind} where plain autograd ran: {actual!r}", actual)
+                self._mismatch([], kind, f"failed in {kind} where plain autograd ran: {actual!r}", actual)
                 return False
             found = _differences(expected, actual, params)
             if found:
-                self._mismatch([p for p, _ in found if p is not None], _describe(found, kind, self._name_of))
+                self._mismatch(found, kind, _describe(found, kind, self._name_of))
                 return False
         return True
 
@@ -207,17 +207,31 @@ class SplitGuard:
 
     # -- what a mismatch does --------------------------------------------------------------------------
 
-    def _mismatch(self, culprits: list[torch.Tensor], what: str, error: Exception | None = None) -> None:
+    def _mismatch(
+        self,
+        found: list[tuple[torch.Tensor | None, str]],
+        kind: str,
+        what: str,
+        error: Exception | None = None,
+    ) -> None:
+        """Raise (strict), or fall the suspects back, each warned of with its own parameters' errors."""
         if self.strict:
             raise SplitMismatchError(
                 f"stage {self.stage}: {what}. Pass verify=True to let the Pipeline fall back to a fused "
                 "backward for such modules (exact, slower), or fix or unregister the split rule "
                 "(docs/wgrad.md, 'The split guard')"
             ) from error
+        culprits = [p for p, _ in found if p is not None]
         suspects = self._owners(culprits) or self._widen()
         for module in suspects:
             path = self.deferral.path_of(module)
             name = self.names.get(id(module), type(module).__name__)
+            own = {id(p) for p in module.parameters()}
+            mine: list[tuple[torch.Tensor | None, str]] = [
+                (p, t) for p, t in found if p is not None and id(p) in own
+            ]
+            if mine:
+                what = _describe(mine, kind, self._name_of)
             self.deferral.fall_back(module, f"{what} (was: {path})")
             warnings.warn(
                 f"zerobubble: stage {self.stage}, module {name} ({type(module).__name__}, {path}): {what}; "
