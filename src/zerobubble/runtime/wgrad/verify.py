@@ -85,16 +85,17 @@ class SplitGuard:
         self.verified: set[tuple[Any, ...]] = set()
         self._versions: set[tuple[int, ...]] = set()  # deferral versions some check has covered
         self._checks = 0
+        self._autocast_device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def signature(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
         """What decides the path a forward takes: the split's version, autocast and the inputs."""
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        # runs before every training forward: a few attribute reads (a stage's device is fixed)
+        device = self._autocast_device
         autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
         shapes = tuple(
-            (tuple(x.shape), x.dtype, x.requires_grad, x.device) if isinstance(x, torch.Tensor) else type(x)
-            for x in inputs
+            (x.shape, x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x) for x in inputs
         )
-        return (self.deferral.version(), autocast, torch.is_grad_enabled(), shapes)
+        return (self.deferral.version(), autocast, shapes)
 
     def before_forward(self, inputs: Sequence[Any]) -> None:
         """Check the stage on ``inputs`` unless this path was checked already (the executor's F)."""
