@@ -41,6 +41,9 @@ BATCH = 2
 SPLITS = ("fast paths", "generic only", "fast paths only")
 POSITIONS = ("first, ids", "first, no-grad input", "middle", "last")
 
+# the slow profile runs for many minutes: pytest-timeout's 300 s would end it
+slow_enough = pytest.mark.timeout(7200 if SLOW else 300)
+
 fuzz_settings = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -338,6 +341,7 @@ def describe(case: Case) -> str:
     )
 
 
+@slow_enough
 @fuzz_settings
 @given(case=cases())
 def test_generated_stages_split_as_plain_autograd(case):
@@ -366,6 +370,7 @@ def _chunk_loss(outputs, target):
     return F.mse_loss(outputs[0].float(), target.float())
 
 
+@slow_enough
 @settings(fuzz_settings, max_examples=max(EXAMPLES // 10, 30))
 @given(first=cases(), second=cases())
 def test_two_generated_chunks_on_one_rank_train_as_one_process(first, second):
