@@ -80,7 +80,7 @@ class LinearSplit(torch.autograd.Function):
     needs no gradient), the (possibly autocast-cast) weight and bias, detached — no parameter is an
     input of the node, so B runs no parameter hook — and ``(store, weight leaf, bias leaf or None,
     rule)``, the rule of ``F.linear`` (weight out × in) or of ``x @ weight`` (in × out).  A
-    deferring backward (``store.queue``) queues the weight work for W; a fused backward adds the
+    deferring backward (``store.deferring``) queues the weight work for W; a fused backward adds the
     gradients into ``.grad`` at once.  If W's engine run over a local graph passes this node again
     (``x`` depends on other leaves), only ``x``'s gradient is computed: the weight work is queued.
     """
@@ -102,10 +102,9 @@ class LinearSplit(torch.autograd.Function):
         if not ctx.queued:
             store, weight, bias, rule = ctx.targets
             needed = _NEEDED[bias is not None]
-            queue = store.queue
-            if queue is not None:
+            if store.deferring:
                 ctx.queued = True
-                queue.append(partial(rule.accumulate_into, weight, bias, saved, grad_output, needed))
+                store.put(partial(rule.accumulate_into, weight, bias, saved, grad_output, needed))
             else:
                 rule.accumulate_into(weight, bias, saved, grad_output, needed)
         return grad_x, None, None, None, None
@@ -153,11 +152,11 @@ class _NormGrads:
     def __call__(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: Any) -> tuple[Any, ...]:
         params = [param for _, param in self.positions]
         grads = [grad_inputs[index] for index, _ in self.positions]
-        queue = self.store.queue
-        if queue is None:
-            accumulate_each(params, grads)
+        store = self.store
+        if store.deferring:
+            store.put(partial(accumulate_each, params, grads))
         else:
-            queue.append(partial(accumulate_each, params, grads))
+            accumulate_each(params, grads)
         kept = list(grad_inputs)
         for index, _ in self.positions:
             kept[index] = None
