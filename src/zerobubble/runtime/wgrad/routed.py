@@ -16,7 +16,7 @@ weights, whose kernel computes every gradient in B as ``nn.LayerNorm``'s fast pa
 normalised input times the weight, and that product is routed as a scale.  The leaf
 walk of the generic split does not see these weights, so a module whose every parameter goes
 through routed calls has no leaves: it needs no local graph, and after its first forward it runs on
-the stage's graph directly (:func:`.generic.generic_forward`).
+the stage's graph directly (:class:`.generic.ModuleSplit`).
 
 ``torch.nn.functional``'s own Python functions that call ``linear`` (``multi_head_attention_forward``
 and its helpers) check for torch-function modes first and would hide their ``linear`` calls from
