@@ -269,3 +269,34 @@ def test_the_generic_split_alone_passes_on_a_checkpointed_model():
     )  # fmt: skip
     guard.before_forward((torch.randn(2, WIDTH, requires_grad=True),))
     assert not deferral.fallen
+
+
+def test_rules_are_checked_at_registration():
+    """Each flag combination names what it needs; a rule missing it is refused with that."""
+
+    class NoWeights(SplitRule):
+        def forward(self, module, x, params):
+            return x * params[0], (x,)
+
+        def input_grad(self, module, saved, grad_output):
+            return grad_output
+
+    class BadAutocast(ScaleRule):
+        autocast = "sometimes"
+
+    class AllAtOnce(SplitRule):
+        weights_in_b = True
+
+        def forward(self, module, x, params):
+            return x * params[0], (x, params[0])
+
+        def all_grads(self, module, saved, grad_output, input_needed, needed):
+            return grad_output * saved[1], [(grad_output * saved[0]).reshape(-1, WIDTH).sum(0)]
+
+    paths = FastPaths()
+    with pytest.raises(TypeError, match=r"NoWeights .* must implement forward\+input_grad\+weight_grads or"):
+        paths.register(Scale, NoWeights())
+    with pytest.raises(TypeError, match="autocast = 'sometimes': use one of cast, keep, generic"):
+        paths.register(Scale, BadAutocast())
+    paths.register(Scale, AllAtOnce())  # weights_in_b: all_grads is enough
+    paths.register(Scale, ScaleRule())

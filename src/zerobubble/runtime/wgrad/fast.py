@@ -78,7 +78,7 @@ class FastPlan:
         """
         if self.native and top_saved_tensor_hooks(False) is None:
             if self.weights_in_b:
-                if self.store.local_depth == 0:
+                if not self.store.in_local_scope:
                     return self._run_on_aliases(x, params)
             elif x.requires_grad:
                 return self._run_input_only(x, params)
@@ -130,21 +130,21 @@ class FastPlan:
         :class:`~.routed.LinearSplit`): an engine run passing it again (the generic split's W walking
         a local graph) computes only the input gradient.
         """
-        rule, module, queue = self.rule, self.module, self.store.queue
+        rule, module, store = self.rule, self.module, self.store
         if ctx.queued:
             grad_x = rule.input_grad(module, saved, grad_output) if input_needed else None
             return (grad_x, *_NO_GRADIENTS)
-        ctx.queued = queue is not None
+        deferring = ctx.queued = store.deferring
         if self.weights_in_b:
             grad_x, grads = rule.all_grads(module, saved, grad_output, input_needed, needed)
-            if queue is not None:
-                queue.append(partial(self._add_grads, grads))
+            if deferring:
+                store.put(partial(self._add_grads, grads))
             else:
                 self._add_grads(grads)
             return (grad_x, *_NO_GRADIENTS)
         grad_x = rule.input_grad(module, saved, grad_output) if input_needed else None
-        if queue is not None:
-            queue.append(partial(self.weight_work, saved, grad_output, needed))
+        if deferring:
+            store.put(partial(self.weight_work, saved, grad_output, needed))
         else:
             self.weight_work(saved, grad_output, needed)
         return (grad_x, *_NO_GRADIENTS)
@@ -170,11 +170,11 @@ class _GradsOfAliases:
 
     def __call__(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: Any) -> tuple[Any, ...]:
         grads = grad_inputs[1 : 1 + self.count]
-        queue = self.plan.store.queue
-        if queue is None:
-            self.plan._add_grads(grads)
+        store = self.plan.store
+        if store.deferring:
+            store.put(partial(self.plan._add_grads, grads))
         else:
-            queue.append(partial(self.plan._add_grads, grads))
+            self.plan._add_grads(grads)
         return (grad_inputs[0], *(None,) * (len(grad_inputs) - 1))
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -43,9 +43,6 @@ from .fast import SplitFunction
 from .frontier import VIEWS, find_frontier, run_backward
 from .routed import LinearRouter, LinearSplit
 from .store import WeightGradStore, accumulate_each, top_saved_tensor_hooks
-
-if TYPE_CHECKING:
-    from .install import Deferral
 
 _DEFERRING_NODES = (SplitFunction._backward_cls, LinearSplit._backward_cls)
 _NOT_ROUTING = contextlib.nullcontext()  # stateless and reentrant: one for every call
@@ -111,8 +108,8 @@ class LocalGraph:
             if not pairs:
                 return self.no_grads
             outputs, out_grads = [p[0] for p in pairs], [p[1] for p in pairs]
-        queue = self.store.queue
-        if queue is None:
+        store = self.store
+        if not store.deferring:
             # every leaf at once, fast-path children's parameters included (they are not in leaves)
             run_backward(tuple(outputs), tuple(out_grads), False, False, (), True, True)
             return (*(x.grad for x in self.inputs), *self.untouched)
@@ -126,9 +123,9 @@ class LocalGraph:
             input_grads = found[:count]
             if self.in_b:  # the norm kernels' parameter gradients, computed with the input's
                 # the engine ran the parameters' register_hook hooks when it returned them
-                queue.append(partial(accumulate_each, self.in_b, found[count : count + len(self.in_b)], True))
+                store.put(partial(accumulate_each, self.in_b, found[count : count + len(self.in_b)], True))
         if self.frontier is not None:
-            queue.append(self.frontier.weight_pass)
+            store.put(self.frontier.weight_pass)
         elif self.leaves:
             self.store.shared(WeightPass).add(outputs, out_grads, self.leaves, self.in_b)
         return (*input_grads, *self.untouched)
@@ -247,79 +244,86 @@ class Bridge(torch.autograd.Function):
         return (None, *local.backward(grads))
 
 
-def generic_forward(store: WeightGradStore, deferral: Deferral, *, route: bool) -> Callable[..., Any]:
-    """The forward installed on a module split generically (also the fallback of fast paths).
+class Paths:
+    """Counts the path changes of a stage's generic modules (:class:`ModuleSplit`): the split
+    guard checks each count once (:meth:`~.install.Deferral.version`)."""
 
-    With ``route``, ``F.linear`` calls on leaf weights in the module's forward take a closed-form
-    split (:mod:`.routed`) and the ids of modules where that happened are added to
-    ``deferral.routed``; without, every parameter is a leaf of the local graph (the generic split
-    alone).  The module's path is kept in ``deferral``'s sets (its ``version`` changes with it). A
-    module whose first routed forward routed no call is not routed again: the mode costs every torch
-    call of the forward a Python call (``docs/wgrad.md``), and a later ``F.linear`` on a leaf weight
-    would still be split exactly, generically.  A module whose routed forward left its local graph
-    without leaves (every parameter behind a routed call or a fast-path child:
-    ``nn.MultiheadAttention``) runs its later forwards on the stage's graph instead
-    (:func:`_direct_forward`); their ids are added to ``deferral.direct``.
+    __slots__ = ("changes",)
+
+    def __init__(self) -> None:
+        self.changes = 0
+
+
+class ModuleSplit:
+    """The generic split of one module: the forward installed on it and the path it takes now.
+
+    Also the fallback of a fast path (keyword calls, autocast for some rules).  With a ``router``,
+    ``F.linear`` calls, products, biases, scales and norms on leaf weights in the module's forward
+    take a closed-form split (:mod:`.routed`); without, every parameter is a leaf of the local graph
+    (the generic split alone).  The path moves at most twice, each time counted in ``paths``:
+
+    * a first routed forward that routed no call: not routed again (:attr:`unrouted`) — the mode
+      costs every torch call of the forward a Python call (``docs/wgrad.md``), and a later
+      ``F.linear`` on a leaf weight is still split exactly, generically;
+    * a routed forward that left its local graph without leaves (every parameter behind a routed
+      call or a fast-path child: ``nn.MultiheadAttention``): later forwards run on the stage's graph
+      (:attr:`direct`, :meth:`_direct_forward`), until one finds a parameter used as it is
+      (:attr:`not_direct`; local graphs from then on).
     """
-    router = LinearRouter(store) if route else None
-    routed, direct = deferral.routed, deferral.direct
-    nothing_to_route = deferral.unrouted  # ids of modules whose routed forward routed no call
-    not_direct = deferral.not_direct  # ids of modules a direct forward found using a parameter as it is
 
-    def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    __slots__ = ("direct", "module", "not_direct", "paths", "routed", "router", "store", "unrouted")
+
+    def __init__(
+        self, module: nn.Module, store: WeightGradStore, router: LinearRouter | None, paths: Paths
+    ) -> None:
+        self.module, self.store, self.router, self.paths = module, store, router, paths
+        self.routed = False  # a forward routed a call
+        self.unrouted = False  # a routed forward routed nothing: routing is off for this module
+        self.direct = False  # forwards run on the stage's graph
+        self.not_direct = False  # a forward on the stage's graph used a parameter as it is
+
+    @property
+    def path(self) -> str:
+        """The path in words (:meth:`~.install.Deferral.path_of`)."""
+        if self.direct:
+            return "generic, routed, on the stage's graph"
+        return "generic, routed calls" if self.routed else "generic"
+
+    def _moved(self) -> None:
+        self.paths.changes += 1
+
+    def forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The installed forward (bound to ``module`` as an instance attribute)."""
         original = type(module).forward
         # inside another module's local graph (a fast path falling back under autocast) that
         # graph's walk already collects this module's parameters
-        if store.local_depth or not torch.is_grad_enabled():
+        if self.store.in_local_scope or not torch.is_grad_enabled():
             return original(module, *args, **kwargs)
-        if router is not None and id(module) in direct:
-            result, leaf_used = _direct_forward(store, router, original, module, args, kwargs)
+        if self.direct and self.router is not None:
+            result, leaf_used = _direct_forward(self.store, self.router, original, module, args, kwargs)
             if leaf_used:  # exact, but computed in B this once: the next calls build local graphs
-                direct.discard(id(module))
-                not_direct.add(id(module))
+                self.direct, self.not_direct = False, True
+                self._moved()
             return result
-        return local_forward(module, original, args, kwargs)
+        return self._local_forward(module, original, args, kwargs)
 
-    def local_forward(module: nn.Module, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _local_forward(
+        self, module: nn.Module, original: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
         """The module on detached copies of its arguments, joined to the stage's graph by a bridge."""
         flat, spec = _flatten(args, kwargs)
-        outer, local_inputs = [], []
-        copies: dict[int, torch.Tensor] = {}
-        for index, item in enumerate(flat):
-            if isinstance(item, torch.Tensor) and item.requires_grad:
-                copy = copies.get(id(item))
-                if copy is None:  # one copy per tensor: ``mha(x, x, x)`` still sees ``query is key``
-                    copy = copies[id(item)] = item.detach().requires_grad_()
-                    outer.append(item)
-                    local_inputs.append(copy)
-                flat[index] = copy
+        outer, local_inputs = _local_copies(flat)
         local_args, local_kwargs = _unflatten(flat, spec)
-        hooks = top_saved_tensor_hooks(False)
-        hooked: list[SavedOnce] = []
-        store.local_depth += 1
-        routing = router if router is not None and id(module) not in nothing_to_route else None
-        if routing is not None:
-            routing.begin(local_inputs)
-        anchor, routed_any = None, False
-        try:
-            with routing or _NOT_ROUTING:
-                if hooks is None:
-                    result = original(module, *local_args, **local_kwargs)
-                else:  # checkpointing, offloading: save through them, unpack once (see LocalGraph)
-                    with _local_hooks(hooks, hooked):
-                        result = original(module, *local_args, **local_kwargs)
-        except RuntimeError as error:
-            if local_inputs and _IN_PLACE_ON_LEAF in str(error):
-                raise _argument_changed_in_place(module, error) from error
-            raise
-        finally:
-            store.local_depth -= 1
-            if routing is not None:
-                anchor, routed_any = routing.end()
-        if routed_any:
-            routed.add(id(module))
-        elif routing is not None:
-            nothing_to_route.add(id(module))
+        routing = self.router if not self.unrouted else None
+        result, hooked, anchor, routed_any = _run_locally(
+            self.store, routing, module, original, local_inputs, local_args, local_kwargs
+        )
+        if routed_any and not self.routed:
+            self.routed = True
+            self._moved()
+        elif routing is not None and not routed_any:
+            self.unrouted = True
+            self._moved()
         if isinstance(result, torch.Tensor):  # the common case, without a tree walk
             if not result.requires_grad:
                 return result
@@ -332,16 +336,65 @@ def generic_forward(store: WeightGradStore, deferral: Deferral, *, route: bool) 
             outputs = [out_flat[i] for i in positions]
         leaves = reachable_leaves(outputs, local_inputs)
         # parameters only norm kernels use (in_b) are routed in direct forwards (F.layer_norm, ...)
-        if routed_any and not leaves.deferred and id(module) not in not_direct:
-            direct.add(id(module))
-        bridged = LocalGraph(store, outputs, local_inputs, leaves, hooked, anchor).bridge(outer)
+        if routed_any and not leaves.deferred and not self.not_direct and not self.direct:
+            self.direct = True
+            self._moved()
+        bridged = LocalGraph(self.store, outputs, local_inputs, leaves, hooked, anchor).bridge(outer)
         if positions is None:
             return bridged[0]
         for position, tensor in zip(positions, bridged):
             out_flat[position] = tensor
         return tree_unflatten(out_flat, out_spec)
 
-    return forward
+
+def _local_copies(flat: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Replace each tensor requiring grad in ``flat`` by a detached leaf copy (one per tensor:
+    ``mha(x, x, x)`` still sees ``query is key``); returns the originals and their copies."""
+    outer, local_inputs = [], []
+    copies: dict[int, torch.Tensor] = {}
+    for index, item in enumerate(flat):
+        if isinstance(item, torch.Tensor) and item.requires_grad:
+            copy = copies.get(id(item))
+            if copy is None:
+                copy = copies[id(item)] = item.detach().requires_grad_()
+                outer.append(item)
+                local_inputs.append(copy)
+            flat[index] = copy
+    return outer, local_inputs
+
+
+def _run_locally(
+    store: WeightGradStore,
+    routing: LinearRouter | None,
+    module: nn.Module,
+    original: Callable[..., Any],
+    local_inputs: list[torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+) -> tuple[Any, list[SavedOnce], torch.Tensor | None, bool]:
+    """The module's own forward on its local inputs, routed if ``routing``, under the outer
+    saved-tensor hooks (wrapped, see :class:`LocalGraph`): the result, what was saved through the
+    hooks, the routed calls' anchor and whether any call was routed."""
+    hooks = top_saved_tensor_hooks(False)
+    hooked: list[SavedOnce] = []
+    if routing is not None:
+        routing.begin(local_inputs)
+    anchor, routed_any = None, False
+    try:
+        with store.local_scope(), routing or _NOT_ROUTING:
+            if hooks is None:
+                result = original(module, *args, **kwargs)
+            else:  # checkpointing, offloading: save through them, unpack once (see LocalGraph)
+                with _local_hooks(hooks, hooked):
+                    result = original(module, *args, **kwargs)
+    except RuntimeError as error:
+        if local_inputs and _IN_PLACE_ON_LEAF in str(error):
+            raise _argument_changed_in_place(module, error) from error
+        raise
+    finally:
+        if routing is not None:
+            anchor, routed_any = routing.end()
+    return result, hooked, anchor, routed_any
 
 
 _IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
@@ -377,13 +430,12 @@ def _direct_forward(
     """
     flat, _ = _flatten(args, kwargs)
     inputs = [item for item in flat if isinstance(item, torch.Tensor) and item.requires_grad]
-    store.local_depth += 1  # as in a local graph: nested generic modules and norms run plainly
     router.begin(inputs, direct=True)
     try:
-        with router:
+        # as in a local graph: nested generic modules and norms run plainly
+        with store.local_scope(), router:
             result = original(module, *args, **kwargs)
     finally:
-        store.local_depth -= 1
         aliases = router.aliases
         router.end()
     outputs = [result] if isinstance(result, torch.Tensor) else tree_flatten(result)[0]

@@ -4,70 +4,100 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from torch import nn
 
 from .fast import FastPlan, fast_forward
-from .generic import generic_forward
+from .generic import ModuleSplit, Paths
+from .routed import LinearRouter
 from .rules import FastPaths, default_fast_paths
 from .store import WeightGradStore
 
 
+@dataclass
+class _Installed:
+    """One module whose forward the installation replaced."""
+
+    module: nn.Module
+    rule: str | None  # a fast path's rule class name; None for the generic split
+    split: ModuleSplit | None  # the generic split's state: the module's own, or a fast path's fallback
+
+
 class Deferral:
-    """What :func:`install_deferral` changed; :meth:`remove` restores the modules' own forwards."""
+    """What :func:`install_deferral` changed; :meth:`remove` restores the modules' own forwards.
+
+    Each installed module's split state lives in its own object (:class:`~.generic.ModuleSplit`,
+    held here with the module), so nothing outlives the stage or is keyed by ``id``.
+    """
 
     def __init__(self) -> None:
-        self.fast: list[nn.Module] = []
-        self.generic: list[nn.Module] = []
-        self.rules: dict[int, str] = {}  # id of a fast module: its rule's class name
-        self.routed: set[int] = set()
-        """Ids of generic modules whose forward routed ``F.linear`` calls (filled in as they run)."""
-        self.direct: set[int] = set()
-        """Ids of generic modules whose next forward runs on the stage's graph, without a local graph
-        (every parameter behind routed calls: ``docs/wgrad.md``, "Modules without a local graph")."""
-        self.not_direct: set[int] = set()
-        """Ids of generic modules a forward on the stage's graph found using a parameter as it is."""
-        self.unrouted: set[int] = set()
-        """Ids of generic modules whose routed forward routed no call (not routed again)."""
-        self.fallen: dict[int, tuple[nn.Module, str]] = {}
-        """Modules given back their own forward by :meth:`fall_back`: ``id: (module, why)``."""
+        self._installed: list[_Installed] = []
+        self._paths = Paths()
+        self.fallen: list[tuple[nn.Module, str]] = []
+        """Modules given back their own forward by :meth:`fall_back`, with why."""
 
-    def version(self) -> tuple[int, ...]:
+    @property
+    def fast(self) -> list[nn.Module]:
+        """The modules split by a fast path, in installation order."""
+        return [each.module for each in self._installed if each.rule is not None]
+
+    @property
+    def generic(self) -> list[nn.Module]:
+        """The modules split generically, in installation order."""
+        return [each.module for each in self._installed if each.rule is None]
+
+    @property
+    def direct(self) -> set[int]:
+        """Ids of the generic modules whose forwards run on the stage's graph now (no local graph:
+        every parameter behind routed calls, ``docs/wgrad.md``, "Modules without a local graph")."""
+        return {id(e.module) for e in self._installed if e.rule is None and e.split and e.split.direct}
+
+    @property
+    def routed(self) -> set[int]:
+        """Ids of the generic modules whose forward routed a call."""
+        return {id(e.module) for e in self._installed if e.rule is None and e.split and e.split.routed}
+
+    def version(self) -> tuple[int, int]:
         """Changes whenever a module's split takes another path (a generic module routing, going
         to the stage's graph or back, a fall-back): the split guard checks each version once."""
-        return (
-            len(self.routed),
-            len(self.direct),
-            len(self.not_direct),
-            len(self.unrouted),
-            len(self.fallen),
-        )
+        return (self._paths.changes, len(self.fallen))
 
     def path_of(self, module: nn.Module) -> str:
         """How ``module``'s backward is split now, in words (:meth:`paths` lists every module)."""
-        key = id(module)
-        if key in self.fallen:
+        if any(fallen is module for fallen, _ in self.fallen):
             return "plain autograd (fallback)"
-        if key in self.rules:
-            return f"fast path ({self.rules[key]})"
-        if key in self.direct:
-            return "generic, routed, on the stage's graph"
-        if key in self.routed:
-            return "generic, routed calls"
-        return "generic"
+        for each in self._installed:
+            if each.module is module:
+                if each.rule is not None:
+                    return f"fast path ({each.rule})"
+                return each.split.path if each.split is not None else "generic"
+        return "not split"
 
     def paths(self) -> list[tuple[nn.Module, str]]:
         """Every module installed or fallen back, with :meth:`path_of` it."""
-        fallen = [module for module, _ in self.fallen.values()]
-        return [(module, self.path_of(module)) for module in self.fast + self.generic + fallen]
+        modules = self.fast + self.generic + [module for module, _ in self.fallen]
+        return [(module, self.path_of(module)) for module in modules]
+
+    def why_fallen(self, module: nn.Module) -> str | None:
+        """Why ``module`` fell back (:meth:`fall_back`), or None if it did not."""
+        return next((why for fallen, why in self.fallen if fallen is module), None)
 
     def fall_back(self, module: nn.Module, why: str) -> None:
         """Give ``module`` its own forward back: plain autograd computes its parameters' gradients
         in the stage's backward (exact; B then does W's share for them)."""
         module.__dict__.pop("forward", None)
-        self.fast = [m for m in self.fast if m is not module]
-        self.generic = [m for m in self.generic if m is not module]
-        self.fallen[id(module)] = (module, why)
+        self._installed = [each for each in self._installed if each.module is not module]
+        self.fallen.append((module, why))
+
+    def add(self, module: nn.Module, rule: str | None, split: ModuleSplit | None) -> None:
+        """Record that ``module``'s forward was replaced (by :func:`install_deferral`)."""
+        self._installed.append(_Installed(module, rule, split))
+
+    @property
+    def path_changes(self) -> Paths:
+        """The counter every :class:`~.generic.ModuleSplit` of this installation moves."""
+        return self._paths
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -81,9 +111,10 @@ class Deferral:
         closed-form split counts as ``"generic+linear MyLayer"`` (known once it has run forward).
         """
         counts: dict[str, int] = {}
+        routed_ids = self.routed
         for kind, modules in (("fast", self.fast), ("generic", self.generic)):
             for module in modules:
-                routed = kind == "generic" and id(module) in self.routed
+                routed = kind == "generic" and id(module) in routed_ids
                 key = f"{kind}{'+linear' if routed else ''} {type(module).__name__}"
                 counts[key] = counts.get(key, 0) + 1
         return counts
@@ -92,11 +123,8 @@ class Deferral:
         """Undo the installation: the modules use their class's forward again."""
         for module in self.modules:
             module.__dict__.pop("forward", None)
-        self.fast, self.generic = [], []
-        for ids in (self.routed, self.direct, self.not_direct, self.unrouted):
-            ids.clear()
-        self.fallen.clear()
-        self.rules.clear()
+        self._installed = []
+        self.fallen = []
 
 
 def install_deferral(
@@ -122,11 +150,12 @@ def install_deferral(
     """
     paths = default_fast_paths() if fast_paths is None else fast_paths
     deferral = Deferral()
-    if not generic:
-        fallback = _plain
-    else:
-        fallback = generic_forward(store, deferral, route=paths.route_linear)
+    # one router per installation: it holds the copies of torch.nn.functional's functions
+    router = LinearRouter(store) if generic and paths.route_linear else None
     seen: set[int] = set()
+
+    def split_of(module: nn.Module) -> ModuleSplit | None:
+        return ModuleSplit(module, store, router, deferral.path_changes) if generic else None
 
     def visit(module: nn.Module, covered: bool) -> None:
         if id(module) in seen:
@@ -135,13 +164,16 @@ def install_deferral(
         if "forward" not in module.__dict__:
             rule = paths.rule_for(module)
             if rule is not None and FastPlan.covers(rule, module):
+                split = split_of(module)  # its fallback (keyword calls, autocast for some rules)
+                fallback = _plain if split is None else split.forward
                 _set_forward(module, fast_forward(FastPlan(rule, module, store), fallback))
-                deferral.fast.append(module)
-                deferral.rules[id(module)] = type(rule).__name__
+                deferral.add(module, type(rule).__name__, split)
                 return
             if generic and not covered and any(p is not None for p in module._parameters.values()):
-                _set_forward(module, fallback)
-                deferral.generic.append(module)
+                split = split_of(module)
+                assert split is not None
+                _set_forward(module, split.forward)
+                deferral.add(module, None, split)
                 covered = True  # its local graph holds the parameters of its plain descendants
         for child in module.children():
             visit(child, covered)

@@ -16,7 +16,7 @@ weights, whose kernel computes every gradient in B as ``nn.LayerNorm``'s fast pa
 normalised input times the weight, and that product is routed as a scale.  The leaf
 walk of the generic split does not see these weights, so a module whose every parameter goes
 through routed calls has no leaves: it needs no local graph, and after its first forward it runs on
-the stage's graph directly (:func:`.generic.generic_forward`).
+the stage's graph directly (:class:`.generic.ModuleSplit`).
 
 ``torch.nn.functional``'s own Python functions that call ``linear`` (``multi_head_attention_forward``
 and its helpers) check for torch-function modes first and would hide their ``linear`` calls from
@@ -80,7 +80,7 @@ class LinearSplit(torch.autograd.Function):
     needs no gradient), the (possibly autocast-cast) weight and bias, detached — no parameter is an
     input of the node, so B runs no parameter hook — and ``(store, weight leaf, bias leaf or None,
     rule)``, the rule of ``F.linear`` (weight out × in) or of ``x @ weight`` (in × out).  A
-    deferring backward (``store.queue``) queues the weight work for W; a fused backward adds the
+    deferring backward (``store.deferring``) queues the weight work for W; a fused backward adds the
     gradients into ``.grad`` at once.  If W's engine run over a local graph passes this node again
     (``x`` depends on other leaves), only ``x``'s gradient is computed: the weight work is queued.
     """
@@ -102,10 +102,9 @@ class LinearSplit(torch.autograd.Function):
         if not ctx.queued:
             store, weight, bias, rule = ctx.targets
             needed = _NEEDED[bias is not None]
-            queue = store.queue
-            if queue is not None:
+            if store.deferring:
                 ctx.queued = True
-                queue.append(partial(rule.accumulate_into, weight, bias, saved, grad_output, needed))
+                store.put(partial(rule.accumulate_into, weight, bias, saved, grad_output, needed))
             else:
                 rule.accumulate_into(weight, bias, saved, grad_output, needed)
         return grad_x, None, None, None, None
@@ -153,11 +152,11 @@ class _NormGrads:
     def __call__(self, grad_inputs: Sequence[torch.Tensor | None], grad_outputs: Any) -> tuple[Any, ...]:
         params = [param for _, param in self.positions]
         grads = [grad_inputs[index] for index, _ in self.positions]
-        queue = self.store.queue
-        if queue is None:
-            accumulate_each(params, grads)
+        store = self.store
+        if store.deferring:
+            store.put(partial(accumulate_each, params, grads))
         else:
-            queue.append(partial(accumulate_each, params, grads))
+            accumulate_each(params, grads)
         kept = list(grad_inputs)
         for index, _ in self.positions:
             kept[index] = None

@@ -386,6 +386,56 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+RULE_KINDS: dict[tuple[bool, bool], tuple[str, tuple[tuple[str, ...], ...]]] = {
+    # (weights_in_b, native_backward): (how B and W run, the methods one of whose groups it needs)
+    (False, False): (
+        "B: an autograd function calls input_grad; W: accumulate (default: weight_grads, added)",
+        (("forward", "input_grad", "weight_grads"), ("forward", "input_grad", "accumulate")),
+    ),
+    (False, True): (
+        "B: autograd's own node of forward on detached parameters (input gradient only), "
+        "input_grad where that cannot run (a first stage, checkpointing); W: as above",
+        (("forward", "input_grad", "weight_grads"), ("forward", "input_grad", "accumulate")),
+    ),
+    (True, False): (
+        "B: an autograd function calls all_grads (default: input_grad and weight_grads); W adds",
+        (("forward", "all_grads"), ("forward", "input_grad", "weight_grads")),
+    ),
+    (True, True): (
+        "B: autograd's own node of forward on per-call alias parameters computes every gradient, "
+        "all_grads where that cannot run (inside a local graph, checkpointing); W adds",
+        (("forward", "all_grads"), ("forward", "input_grad", "weight_grads")),
+    ),
+}
+"""The valid :class:`SplitRule` flag combinations: every one of the four is, given its methods
+(``docs/wgrad.md``, "Registering a fast path for your own layer")."""
+
+AUTOCAST_POLICIES = ("cast", "keep", "generic")
+
+
+def check_rule(rule: SplitRule) -> None:
+    """Raise ``TypeError`` unless ``rule``'s flags are valid and it implements the methods its
+    combination in :data:`RULE_KINDS` runs."""
+    name = type(rule).__name__
+    if rule.autocast not in AUTOCAST_POLICIES:
+        raise TypeError(f"{name}.autocast = {rule.autocast!r}: use one of {', '.join(AUTOCAST_POLICIES)}")
+    flags = (rule.weights_in_b, rule.native_backward)
+    if not all(isinstance(flag, bool) for flag in flags):
+        raise TypeError(f"{name}: weights_in_b and native_backward must be True or False, not {flags}")
+    how, groups = RULE_KINDS[flags]
+    implemented = {
+        method for method in _METHODS if getattr(type(rule), method) is not getattr(SplitRule, method)
+    }
+    if not any(implemented.issuperset(group) for group in groups):
+        wanted = " or ".join("+".join(group) for group in groups)
+        raise TypeError(
+            f"{name} (weights_in_b={flags[0]}, native_backward={flags[1]}) must implement {wanted}: {how}"
+        )
+
+
+_METHODS = ("forward", "input_grad", "weight_grads", "all_grads", "accumulate")
+
+
 class FastPaths:
     """Which :class:`SplitRule` each module type uses; :func:`default_fast_paths` holds the built-ins.
 
@@ -404,7 +454,12 @@ class FastPaths:
         self.route_linear = route_linear
 
     def register(self, module_type: type[nn.Module] | str, rule: SplitRule) -> None:
-        """Use ``rule`` for ``module_type`` (a class, or its ``"module.QualName"``); replaces any rule."""
+        """Use ``rule`` for ``module_type`` (a class, or its ``"module.QualName"``); replaces any rule.
+
+        The rule's flags and methods are checked against :data:`RULE_KINDS` first: a combination
+        that cannot run raises ``TypeError`` saying what to implement or change.
+        """
+        check_rule(rule)
         if isinstance(module_type, str):
             self._by_name[module_type] = rule
         else:

@@ -31,9 +31,8 @@ class WeightGradStore:
         self._shared: dict[tuple[int, int], dict[Callable[[], Any], Any]] = {}
         self._key: tuple[int, int] | None = None
         self._run_at_end: list[Callable[[], None]] = []  # a fused backward's after-backward work
-        self.queue: list[Callable[[], None]] | None = None
-        """The current key's W work while a deferring backward runs (append to defer), else None."""
-        self.local_depth = 0  # generic local graphs being built right now (see .generic)
+        self._queue: list[Callable[[], None]] | None = None  # the current key's W work in a B
+        self._scope = _LocalScope()
         self._keepers: dict[torch.device, torch.Tensor] = {}
         self._forward_key: tuple[int, int] | None = None
         self._after_backward: dict[tuple[int, int], list[Callable[[], None]]] = {}
@@ -89,8 +88,19 @@ class WeightGradStore:
 
     @property
     def deferring(self) -> bool:
-        """Whether the backward running now defers weight gradients to W."""
-        return self.queue is not None
+        """Whether the backward running now defers weight gradients to W (:meth:`put` then queues)."""
+        return self._queue is not None
+
+    def local_scope(self) -> _LocalScope:
+        """A ``with`` block in which a generic module builds its local graph (or runs its forward
+        on the stage's graph): modules nested in it run as they are (:attr:`in_local_scope`), since
+        the outer module's graph collects their parameters.  Reentrant; one object per store."""
+        return self._scope
+
+    @property
+    def in_local_scope(self) -> bool:
+        """Whether a :meth:`local_scope` block is running."""
+        return self._scope.depth > 0
 
     def begin_forward(self, key: tuple[int, int]) -> None:
         """Start the forward of ``key``, whose backward (B or a fused BW) will follow.
@@ -130,18 +140,18 @@ class WeightGradStore:
     def begin(self, key: tuple[int, int], defer: bool) -> None:
         """Start the backward of ``key``; ``defer`` says whether weight gradients wait for W."""
         self._key = key
-        self.queue = self._pending.setdefault(key, []) if defer else None
+        self._queue = self._pending.setdefault(key, []) if defer else None
         self._held = self._hold_hooks()
         after = self._after_backward.pop(key, None)
         if after:
-            if self.queue is None:
+            if self._queue is None:
                 self._run_at_end = after
             else:  # W runs its queue last first: these after everything B queues
-                self.queue.extend(after)
+                self._queue.extend(after)
 
     def end(self) -> None:
         """Finish the backward started by :meth:`begin` (a fused one: run its after-backward work)."""
-        queue, held = self.queue, self._held
+        queue, held = self._queue, self._held
         self._held = None
         at_end, self._run_at_end = self._run_at_end, []
         try:
@@ -160,13 +170,17 @@ class WeightGradStore:
         if self._key is not None and not self._pending.get(self._key, True):
             del self._pending[self._key]  # nothing was deferred
         self._key = None
-        self.queue = None
+        self._queue = None
 
     def put(self, work: Callable[[], None]) -> None:
-        """Queue ``work`` (adds weight gradients into ``.grad`` when called) for the current key."""
-        if self.queue is None:
-            raise RuntimeError("WeightGradStore.put outside begin()/end(): no backward is deferring")
-        self.queue.append(work)
+        """Queue ``work`` (adds weight gradients into ``.grad`` when called) for the current key's W.
+
+        Only while :attr:`deferring`; a split layer's backward otherwise runs the work at once.
+        """
+        queue = self._queue
+        if queue is None:
+            raise RuntimeError("WeightGradStore.put outside a deferring backward (check store.deferring)")
+        queue.append(work)
 
     def shared(self, kind: Callable[[], Work]) -> Work:
         """The one ``kind()`` work item of the current key, created and queued on first use.
@@ -174,7 +188,7 @@ class WeightGradStore:
         Lets many layers pool their W work into one call (the generic split runs one autograd
         call per W op instead of one per layer).
         """
-        if self._key is None or self.queue is None:
+        if self._key is None or self._queue is None:
             raise RuntimeError("WeightGradStore.shared outside begin()/end(): no backward is deferring")
         per_key = self._shared.setdefault(self._key, {})
         work = per_key.get(kind)
@@ -267,6 +281,22 @@ def computing_node(out: torch.Tensor) -> Any:
     return node
 
 
+class _LocalScope:
+    """The depth of nested local scopes (:meth:`WeightGradStore.local_scope`): a plain counter
+    with ``with`` support, cheaper per call than a generator-based context manager."""
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+
+
 class HeldHooks:
     """Parameters whose hooks are held back: their hook dicts emptied in place (autograd's C++ side
     reads the same dicts), their ``.grad`` set aside; :meth:`release` puts both back."""
@@ -334,12 +364,12 @@ class WeightCapture:
         saved, grad_output = self.saved, grad_outputs[0]
         if saved is None or grad_output is None:
             return
-        queue = self.store.queue
-        if queue is None:
-            self._run(saved, grad_output)
-        else:
+        store = self.store
+        if store.deferring:
             self.saved = None
-            queue.append(partial(self._run, saved, grad_output))
+            store.put(partial(self._run, saved, grad_output))
+        else:
+            self._run(saved, grad_output)
 
     def _run(self, saved: Any, grad_output: torch.Tensor) -> None:
         for tensor, version in zip(saved, self.versions):

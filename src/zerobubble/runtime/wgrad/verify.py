@@ -115,15 +115,15 @@ class SplitGuard:
         current = self.deferral.version() in self._versions
         records = []
         for module, path in self.deferral.paths():
-            fallen = self.deferral.fallen.get(id(module))
+            why = self.deferral.why_fallen(module)
             records.append(
                 SplitRecord(
                     stage=self.stage,
                     module=self.names.get(id(module), type(module).__name__),
                     type=type(module).__name__,
                     path=path,
-                    verified=current or fallen is not None,
-                    note=fallen[1] if fallen is not None else "",
+                    verified=current or why is not None,
+                    note=why or "",
                 )
             )
         return records
