@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zerobubble.schedule import ScheduleError
+from zerobubble.schedule.modelplan import LayerProfile, ModelProfile, format_bytes, parse_bytes, plan
 from zerobubble.schedule.partition import (
     MemoryCap,
     brute_force_partition,
@@ -16,7 +17,6 @@ from zerobubble.schedule.partition import (
     rank_loads,
     rank_memory,
 )
-from zerobubble.schedule.plan import LayerProfile, ModelProfile, format_bytes, parse_bytes, plan
 
 MiB = 2**20
 
@@ -174,11 +174,12 @@ def test_profile_round_trips_through_json(tmp_path):
 
 
 def test_fewer_chunks_win_a_near_tie():
-    from zerobubble.schedule.plan import Candidate, _choose
+    from zerobubble.schedule.modelplan import PlanCandidate
+    from zerobubble.schedule.modelplan.search import _choose
 
-    vshape = Candidate("zb-v", 2, (1, 2, 3), period=1.00, peak_bytes=(1.0,), fits=True)
-    single = Candidate("zb-2p", 1, (2,), period=1.015, peak_bytes=(2.0,), fits=True)
-    slower = Candidate("1f1b", 1, (2,), period=1.10, peak_bytes=(1.0,), fits=True)
+    vshape = PlanCandidate("zb-v", 2, (1, 2, 3), period=1.00, peak_bytes=(1.0,), fits=True)
+    single = PlanCandidate("zb-2p", 1, (2,), period=1.015, peak_bytes=(2.0,), fits=True)
+    slower = PlanCandidate("1f1b", 1, (2,), period=1.10, peak_bytes=(1.0,), fits=True)
     assert _choose([vshape, single, slower], tie_margin=0.02) is single
     assert _choose([vshape, single, slower], tie_margin=0.0) is vshape
     assert _choose([vshape, slower], tie_margin=0.02) is vshape
@@ -202,7 +203,7 @@ def test_fused_schedules_are_predicted_with_the_measured_fused_backward():
 def test_median_profile_takes_each_time_from_the_middle_rank():
     from dataclasses import replace
 
-    from zerobubble.schedule.plan import median_profile
+    from zerobubble.schedule.modelplan import median_profile
 
     base = lm_profile()
     slower = replace(base, layers=tuple(replace(layer, forward=2 * layer.forward) for layer in base.layers))
@@ -235,7 +236,7 @@ def test_search_out_of_budget_returns_its_best_partition_unproven():
 
 def _stage_times(result, profile: ModelProfile, scale=lambda stage: 1.0) -> dict[str, list[float]]:
     """What a run of ``result`` would record per chunk when its ops took ``scale(s)`` × the profile."""
-    from zerobubble.schedule.plan import stage_costs
+    from zerobubble.schedule.modelplan import stage_costs
 
     schedule = result.schedule
     costs = stage_costs(profile, result.partition, schedule.num_stages, fused=not schedule.splits_backward)
@@ -248,7 +249,7 @@ def _bounds(result) -> list[int]:
 
 
 def test_calibration_with_the_profiled_times_keeps_plan_and_prediction():
-    from zerobubble.schedule.calibration import calibrate
+    from zerobubble.schedule.modelplan import calibrate
 
     profile = lm_profile()
     running = plan(profile, 2, 8, optimizer="sync")
@@ -265,7 +266,7 @@ def test_calibration_with_the_profiled_times_keeps_plan_and_prediction():
 
 
 def test_calibration_from_slower_ops_replans_to_the_same_or_a_better_plan():
-    from zerobubble.schedule.calibration import calibrate
+    from zerobubble.schedule.modelplan import calibrate
 
     profile = lm_profile()
     running = plan(profile, 2, 8, optimizer="sync")
@@ -289,7 +290,7 @@ def test_calibration_from_slower_ops_replans_to_the_same_or_a_better_plan():
 
 
 def test_calibrated_plan_json_fields():
-    from zerobubble.schedule.calibration import calibrate
+    from zerobubble.schedule.modelplan import calibrate
 
     profile = lm_profile()
     running = plan(profile, 2, 8)
@@ -308,7 +309,7 @@ def test_calibrated_plan_json_fields():
 
 
 def test_calibration_refuses_bounds_of_another_model():
-    from zerobubble.schedule.calibration import calibrated_profile
+    from zerobubble.schedule.modelplan import calibrated_profile
 
     with pytest.raises(ScheduleError, match="cannot calibrate a profile of 8 layers"):
         calibrated_profile(lm_profile(), [0, 4, 9], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], 0.0)

@@ -12,8 +12,7 @@ from test_plan import MiB, lm_profile
 from zerobubble.cli import main
 from zerobubble.runtime.profile import profile_layers
 from zerobubble.schedule import ScheduleError
-from zerobubble.schedule.calibration import profile_from_trace
-from zerobubble.schedule.plan import LayerProfile, ModelProfile, plan
+from zerobubble.schedule.modelplan import LayerProfile, ModelProfile, plan, profile_from_trace
 
 
 def run(capsys, *argv):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerobubble.schedule.builders import planning, zb_auto, zb_v
+from zerobubble.schedule.builders import planning, v_rounds, zb_auto, zb_v
 from zerobubble.schedule.builders.v_equalised import EQUALISED_VARIANTS, equalised_plan
 from zerobubble.schedule.costs import MEMORY_TOLERANCE, CostModel, within_limit
 from zerobubble.schedule.ir import Placement, Schedule, ScheduleError
@@ -58,7 +58,7 @@ def test_v_planners_are_timed_exactly(problem):
         if plan is not None:
             _check_exact(plan, costs, m)
     for variant in zb_v.ZB_V_ROUND_VARIANTS:
-        plan = zb_v._RoundPlanner(costs, m, variant).run()
+        plan = v_rounds.RoundPlanner(costs, m, variant).run()
         if plan is not None:
             _check_exact(plan, costs, m)
     for variant in EQUALISED_VARIANTS:

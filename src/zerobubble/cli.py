@@ -410,7 +410,7 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .schedule.plan import plan
+    from .schedule.modelplan import plan
 
     result = plan(
         _plan_profile(args),
@@ -437,8 +437,7 @@ def _plan_profile(args: argparse.Namespace) -> Any:
     """The profile ``plan`` works from: a profile file, or a recorded run's summary."""
     from pathlib import Path
 
-    from .schedule.calibration import profile_from_trace
-    from .schedule.plan import ModelProfile
+    from .schedule.modelplan import ModelProfile, profile_from_trace
 
     if bool(args.profile) == bool(args.trace):
         raise UsageError("give exactly one of --profile FILE (from 'zerobubble profile') or --trace DIR")
@@ -481,7 +480,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from zerobubble_demo.models import GPTConfig
     from zerobubble_demo.profile import profile_gpt
 
-    from .schedule.plan import format_bytes
+    from .schedule.modelplan import format_bytes
 
     config = GPTConfig(
         vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, heads=args.heads, n_layers=args.layers

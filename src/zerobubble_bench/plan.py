@@ -73,7 +73,7 @@ def plan_benchmark(
 def _plan_rank(
     model: str, m: int, rows: int, rounds: int, steps: int, warmup: int, calibrate: int, settle: int
 ) -> dict[str, Any]:
-    from zerobubble.schedule.plan import stage_costs
+    from zerobubble.schedule.modelplan import stage_costs
 
     init_distributed(backend="gloo", timeout=300)
     world = dist.get_world_size()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zerobubble.schedule import Schedule, build_schedule, transformer_costs
-from zerobubble.schedule.plan import parse_bytes
+from zerobubble.schedule.modelplan import parse_bytes
 
 from . import ConfigError
 from .models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss

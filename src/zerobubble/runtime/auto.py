@@ -29,8 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import ScheduleError
-from ..schedule.calibration import calibrate
-from ..schedule.plan import ModelProfile, Plan, median_profile, plan
+from ..schedule.modelplan import ModelProfile, Plan, calibrate, median_profile, plan
 from . import PipelineError
 from .profile import measure_transfer, profile_layers
 from .recorder import StepRecorder

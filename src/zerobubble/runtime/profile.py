@@ -1,4 +1,4 @@
-"""Measure a model layer by layer for the planner (:mod:`zerobubble.schedule.plan`).
+"""Measure a model layer by layer for the planner (:mod:`zerobubble.schedule.modelplan`).
 
 :func:`profile_layers` runs every layer on one microbatch, a copy at a time (the model itself, its
 gradients and the random-number state are left as they were), and records per layer:
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedule.plan import LayerProfile, ModelProfile, median_profile
+from ..schedule.modelplan import LayerProfile, ModelProfile, median_profile
 from .tensors import storage_bytes
 from .wgrad import WeightGradStore, install_deferral
 

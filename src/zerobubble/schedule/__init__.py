@@ -3,7 +3,15 @@
 Pure Python — it never imports torch — so it runs in planners, CI jobs and notebooks.
 """
 
-from .builders import REGISTRY, BuilderSpec, build_schedule, get_spec
+from .builders import (
+    REGISTRY,
+    BuilderSpec,
+    build_schedule,
+    get_spec,
+    register_schedule,
+    registered_schedule,
+    unregister_schedule,
+)
 from .costs import CostModel, StageCosts, parse_memory_limit, transformer_costs
 from .ir import BW, B, F, Kind, Op, Placement, Schedule, ScheduleError, W, dependencies
 from .simulate import DeadlockError, Timeline, simulate
@@ -30,7 +38,10 @@ __all__ = [
     "dependencies",
     "get_spec",
     "parse_memory_limit",
+    "register_schedule",
+    "registered_schedule",
     "simulate",
     "transformer_costs",
+    "unregister_schedule",
     "validate_schedule",
 ]

@@ -2,7 +2,8 @@
 
 A :class:`Schedule` is a :class:`Placement` (which rank holds which virtual stage) plus one ordered
 *program* of :class:`Op` per rank.  The simulator, the validator, the renderer, the exporters and the
-runtime all read this and nothing else, so a new schedule is one new builder and nothing more.
+runtime all read this and nothing else, so a new schedule is one new builder and nothing more:
+:func:`~zerobubble.schedule.builders.register_schedule` adds one defined outside the package.
 
 This module is pure Python (no torch) so planners, CI jobs and notebooks can use it anywhere.
 """

@@ -4,12 +4,20 @@ Every builder is a function ``build(stages, microbatches, costs, chunks, **optio
 where ``costs`` is a :class:`~zerobubble.schedule.costs.CostModel` whose ``memory_limit`` is already
 final.  :func:`build_schedule` is the one entry point: it checks the request, applies the schedule's
 memory-limit rule, imports the family's module on first use and validates the result.
+
+A schedule defined outside the package joins the registry with :func:`register_schedule` (no edit
+of the package): from then on :func:`build_schedule`, the CLI, :func:`~..compare.compare_schedules` and the
+model-level planner see it like a built-in one.  Registration is explicit and reversible —
+:func:`unregister_schedule`, or the :func:`registered_schedule` context manager that removes it on
+exit — so a test or a notebook leaves :data:`REGISTRY` as it found it.  Built-in names can be
+neither replaced nor removed.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -25,6 +33,8 @@ class BuilderSpec:
     ``chunks`` is the fixed number of virtual stages per rank, or ``None`` when the user chooses it
     (then ``default_chunks`` applies).  ``memory_limit`` is the limit the schedule plans for when the
     user gives none (``"1p"`` = p·M_B); with ``fixed_memory_limit`` the user cannot change it.
+    ``builder`` is the function itself for a schedule registered from outside the package
+    (:func:`register_schedule`); built-in specs leave it ``None`` and name ``module`` and ``function``.
     """
 
     name: str
@@ -36,6 +46,7 @@ class BuilderSpec:
     memory_limit: str | None = None
     fixed_memory_limit: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
+    builder: Callable[..., Schedule] | None = field(default=None, compare=False, repr=False)
 
     def resolve_chunks(self, chunks: int | None) -> int:
         """The number of chunks per rank this request gets, or a clear error."""
@@ -55,7 +66,9 @@ class BuilderSpec:
         return costs
 
     def load(self) -> Callable[..., Schedule]:
-        """Import the family's module and return the builder function."""
+        """Import the family's module and return the builder function (or the registered function)."""
+        if self.builder is not None:
+            return self.builder
         module = importlib.import_module(f"{__name__}.{self.module}")
         return getattr(module, self.function)
 
@@ -107,7 +120,81 @@ _SPECS = (
     ),
 )
 
-REGISTRY: Mapping[str, BuilderSpec] = MappingProxyType({spec.name: spec for spec in _SPECS})
+_BUILT_IN = frozenset(spec.name for spec in _SPECS)
+_SPECS_BY_NAME: dict[str, BuilderSpec] = {spec.name: spec for spec in _SPECS}
+
+#: Every schedule by name, built-in ones first: a read-only live view (:func:`register_schedule`
+#: and :func:`unregister_schedule` are the only ways to change it).
+REGISTRY: Mapping[str, BuilderSpec] = MappingProxyType(_SPECS_BY_NAME)
+
+
+def register_schedule(
+    name: str,
+    builder: Callable[..., Schedule],
+    summary: str = "",
+    *,
+    chunks: int | None = 1,
+    default_chunks: int = 1,
+    memory_limit: str | None = None,
+    fixed_memory_limit: bool = False,
+    options: Mapping[str, Any] | None = None,
+) -> BuilderSpec:
+    """Add the schedule ``name`` built by ``builder`` to :data:`REGISTRY`; returns its spec.
+
+    ``builder`` has the builders' signature, ``builder(stages, microbatches, costs, chunks, **options)
+    -> Schedule``; ``costs`` arrives with its memory limit already final.  The keywords are those of
+    :class:`BuilderSpec` (``chunks=None``: the user chooses, ``default_chunks`` otherwise).  A name
+    already registered raises :class:`ScheduleError` (unregister it first); the registration lasts
+    until :func:`unregister_schedule` (or the end of :func:`registered_schedule`'s block).
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ScheduleError(f"a schedule name must be a non-empty string, got {name!r}")
+    if name in _SPECS_BY_NAME:
+        kind = "a built-in schedule" if name in _BUILT_IN else "already registered"
+        raise ScheduleError(
+            f"schedule {name!r} is {kind}; choose another name"
+            + ("" if name in _BUILT_IN else f" or call unregister_schedule({name!r}) first")
+        )
+    if not callable(builder):
+        raise ScheduleError(f"the builder of schedule {name!r} must be callable, got {builder!r}")
+    if chunks is not None:
+        check_positive(chunks=chunks)
+    check_positive(default_chunks=default_chunks)
+    spec = BuilderSpec(
+        name,
+        summary or (builder.__doc__ or "").strip().split("\n")[0] or name,
+        getattr(builder, "__module__", "") or "",
+        getattr(builder, "__qualname__", "") or "build",
+        chunks=chunks,
+        default_chunks=default_chunks,
+        memory_limit=memory_limit,
+        fixed_memory_limit=fixed_memory_limit,
+        options=MappingProxyType(dict(options or {})),
+        builder=builder,
+    )
+    _SPECS_BY_NAME[name] = spec
+    return spec
+
+
+def unregister_schedule(name: str) -> None:
+    """Remove a schedule added by :func:`register_schedule` (built-in ones cannot be removed)."""
+    if name in _BUILT_IN:
+        raise ScheduleError(f"schedule {name!r} is built in; only registered schedules can be removed")
+    if name not in _SPECS_BY_NAME:
+        raise ScheduleError(f"schedule {name!r} is not registered")
+    del _SPECS_BY_NAME[name]
+
+
+@contextmanager
+def registered_schedule(
+    name: str, builder: Callable[..., Schedule], summary: str = "", **spec: Any
+) -> Iterator[BuilderSpec]:
+    """:func:`register_schedule` for the ``with`` block only; the schedule is removed on exit."""
+    registered = register_schedule(name, builder, summary, **spec)
+    try:
+        yield registered
+    finally:
+        unregister_schedule(name)
 
 
 def get_spec(name: str) -> BuilderSpec:

@@ -330,7 +330,7 @@ class Planned:
 
 
 @dataclass(frozen=True)
-class Candidate:
+class BuilderCandidate:
     """One way to plan: ``run(bound)`` returns a :class:`Planned`, or None when the candidate gets
     stuck or is sure not to beat ``bound`` (the best iteration time so far)."""
 
@@ -395,7 +395,7 @@ def fixed_candidate(
     costs: StageCosts,
     microbatches: int,
     make_programs: Callable[[], Sequence[Sequence[PlanOp]]],
-) -> Candidate:
+) -> BuilderCandidate:
     """Fixed programs (a pattern, a block, a handcrafted schedule) as a candidate, timed by
     :func:`replay`; skipped when they exceed the memory limit or cannot run."""
 
@@ -403,7 +403,7 @@ def fixed_candidate(
         plan = replay(costs, microbatches, make_programs())
         return Planned.of(plan) if plan is not None else None
 
-    return Candidate(planner, variant, run)
+    return BuilderCandidate(planner, variant, run)
 
 
 def _better(new: Planned, best: Planned | None) -> bool:
@@ -420,7 +420,7 @@ def search(
     name: str,
     costs: StageCosts,
     microbatches: int,
-    candidates: Iterable[Candidate],
+    candidates: Iterable[BuilderCandidate],
     op_budget: float = math.inf,
     floor: float = 0.0,
     **extra_meta: Any,
@@ -432,7 +432,7 @@ def search(
     (at least one candidate always runs).  ``Schedule.meta`` follows :func:`schedule_meta`.
     """
     best: Planned | None = None
-    chosen: Candidate | None = None
+    chosen: BuilderCandidate | None = None
     tried = spent = 0
     ops_per_run = 3 * costs.placement.num_stages * microbatches
     for candidate in candidates:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..costs import StageCosts
 from ..ir import B, F, Op, W
-from .planning import Candidate, as_plan_ops, fixed_candidate
+from .planning import BuilderCandidate, as_plan_ops, fixed_candidate
 
 _TOLERANCE = 1e-9
 
@@ -131,7 +131,7 @@ BLOCK_VARIANTS: tuple[BlockVariant, ...] = (
 )
 
 
-def block_candidate(costs: StageCosts, microbatches: int, variant: BlockVariant) -> Candidate:
+def block_candidate(costs: StageCosts, microbatches: int, variant: BlockVariant) -> BuilderCandidate:
     """One building block as a search candidate (skipped when it exceeds the memory limit)."""
     label = f"block-{variant.interval_factor:g}-depth{variant.depth}-w{variant.eager_w}"
     label += "" if variant.packed else "-unpacked"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from ..costs import StageCosts
-from .planning import BACKWARD, FORWARD, WEIGHT, Candidate, PlanOp, fixed_candidate
+from .planning import BACKWARD, FORWARD, WEIGHT, BuilderCandidate, PlanOp, fixed_candidate
 
 _PERIOD = 6
 Slots = list[list[list[int]]]  # [rank][kind][microbatch] -> unit time slot
@@ -252,7 +252,7 @@ def _programs(slots: Slots, p: int) -> list[list[PlanOp]]:
     return programs
 
 
-def pattern_candidates(costs: StageCosts, microbatches: int, name: str) -> list[Candidate]:
+def pattern_candidates(costs: StageCosts, microbatches: int, name: str) -> list[BuilderCandidate]:
     """The authors' order for ``name`` ("v-half" or "v-min") as a search candidate."""
     if name not in ("v-half", "v-min"):
         return []

@@ -24,7 +24,7 @@ from ..bounds import lower_bound
 from ..costs import CostModel, StageCosts, within_limit
 from ..ir import B, F, Op, Placement, Schedule, ScheduleError, W
 from .planning import (
-    Candidate,
+    BuilderCandidate,
     Planned,
     PlanOp,
     PlanState,
@@ -397,7 +397,9 @@ def _capped_1f1b(costs: StageCosts, microbatches: int) -> list[list[Op]]:
     return programs
 
 
-def _planner_candidate(costs: StageCosts, microbatches: int, variant: Variant | ListVariant) -> Candidate:
+def _planner_candidate(
+    costs: StageCosts, microbatches: int, variant: Variant | ListVariant
+) -> BuilderCandidate:
     def run(bound: float) -> Planned | None:
         planner = variant.planner(costs, microbatches)
         try:
@@ -405,12 +407,12 @@ def _planner_candidate(costs: StageCosts, microbatches: int, variant: Variant | 
         except Stuck:
             return None
 
-    return Candidate("list" if isinstance(variant, ListVariant) else "greedy", variant.label, run)
+    return BuilderCandidate("list" if isinstance(variant, ListVariant) else "greedy", variant.label, run)
 
 
 def _candidates(
     costs: StageCosts, microbatches: int, variants: tuple[Variant | ListVariant, ...]
-) -> Iterator[Candidate]:
+) -> Iterator[BuilderCandidate]:
     """The planners' variants, then the handcrafted ZB-H1, ZB-H2 and the memory-capped 1F1B with
     split backward (each skipped when it exceeds the limit)."""
     p = costs.placement.num_ranks

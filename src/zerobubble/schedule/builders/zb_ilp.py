@@ -17,25 +17,29 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
+from scipy.optimize import Bounds
 
 from ..bounds import lower_bound
-from ..costs import MEMORY_TOLERANCE, CostModel, StageCosts
+from ..costs import CostModel, StageCosts, memory_cap
 from ..ir import B, F, Kind, Op, Placement, Schedule, ScheduleError, W, check_positive
 from ..simulate import Timeline
 from ..validate import validate_schedule
 from . import build_schedule
-
-#: The 0/1 variable of "op u before op v" on a rank, keyed by ``(rank, u, v)``.
-PairIndex = dict[tuple[int, int, int], int]
+from .ilp_program import (
+    RELATIVE_GAP,
+    PairIndex,
+    Program,
+    Rows,
+    closure,
+    covering_pairs,
+    local_index,
+    structural_successors,
+)
+from .planning import check_one_microbatch_fits
 
 _INCUMBENT_BUILDERS = ("zb-auto", "zb-h1", "zb-h2", "1f1b")
-_RELATIVE_GAP = 1e-6
-_MEMORY_TOLERANCE = MEMORY_TOLERANCE  # the one memory rule (costs.within_limit)
 _WINDOW_ROUNDS = 20
 _MAX_PAIRS = 100_000
 _HIGHS_STATUS = {0: "optimal", 1: "time_limit", 2: "infeasible", 3: "unbounded", 4: "error"}
@@ -58,12 +62,12 @@ def build(
         raise ScheduleError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     placement = Placement.loop(stages)
     resolved = costs.resolve(placement)
-    _check_one_microbatch_fits(resolved)
+    check_one_microbatch_fits(resolved, "zb-ilp")
     incumbent = _best_incumbent(stages, microbatches, costs, resolved)
     analytic = lower_bound(stages, microbatches, costs)
     best, solve = incumbent, _Solve(status="bound", dual_bound=analytic, binaries=0)
     pairs = 3 * stages * microbatches * (microbatches - 1) // 2
-    if incumbent.timeline.iteration_time <= analytic * (1 + _RELATIVE_GAP):
+    if incumbent.timeline.iteration_time <= analytic * (1 + RELATIVE_GAP):
         pass
     elif pairs > _MAX_PAIRS:
         solve = _Solve(status="too_large", dual_bound=analytic, binaries=0)
@@ -76,7 +80,7 @@ def build(
 
 
 @dataclass(frozen=True)
-class _Candidate:
+class _IlpCandidate:
     """A schedule, its simulated timeline and where it came from."""
 
     schedule: Schedule
@@ -91,15 +95,6 @@ class _Solve:
     status: str
     dual_bound: float
     binaries: int
-
-
-def _check_one_microbatch_fits(costs: StageCosts) -> None:
-    for rank in range(costs.placement.num_ranks):
-        if costs.mem_b[rank] > costs.memory_limit[rank] * (1 + _MEMORY_TOLERANCE) + _MEMORY_TOLERANCE:
-            raise ScheduleError(
-                f"rank {rank}: one microbatch needs {costs.mem_b[rank]:g} of activation memory, above the "
-                f"limit {costs.memory_limit[rank]:g}; raise the memory limit or use smaller microbatches"
-            )
 
 
 def _split_backward(program: tuple[Op, ...]) -> list[Op]:
@@ -133,7 +128,7 @@ def _relabel(programs: list[list[Op]]) -> list[list[Op]]:
     return relabelled
 
 
-def _best_incumbent(stages: int, microbatches: int, costs: CostModel, resolved: StageCosts) -> _Candidate:
+def _best_incumbent(stages: int, microbatches: int, costs: CostModel, resolved: StageCosts) -> _IlpCandidate:
     """The best validated schedule of the cheaper builders that fits the memory limit."""
     placement = Placement.loop(stages)
     found = []
@@ -148,7 +143,7 @@ def _best_incumbent(stages: int, microbatches: int, costs: CostModel, resolved: 
     for programs, source in found:
         schedule = Schedule("zb-ilp", placement, microbatches, programs)
         try:
-            candidates.append(_Candidate(schedule, validate_schedule(schedule, resolved), source))
+            candidates.append(_IlpCandidate(schedule, validate_schedule(schedule, resolved), source))
         except ScheduleError:
             continue
     # The sequential schedule always fits once one microbatch does (checked before), so this is
@@ -157,12 +152,12 @@ def _best_incumbent(stages: int, microbatches: int, costs: CostModel, resolved: 
 
 
 def _better(
-    incumbent: _Candidate,
+    incumbent: _IlpCandidate,
     programs: list[list[Op]] | None,
     placement: Placement,
     microbatches: int,
     costs: CostModel,
-) -> _Candidate:
+) -> _IlpCandidate:
     """The solver's schedule when it validates and is at least as fast as the incumbent."""
     if programs is None:
         return incumbent
@@ -172,19 +167,24 @@ def _better(
     except ScheduleError:
         return incumbent
     if timeline.iteration_time <= incumbent.timeline.iteration_time:
-        return _Candidate(schedule, timeline, "ilp")
+        return _IlpCandidate(schedule, timeline, "ilp")
     return incumbent
 
 
 def _finish(
-    best: _Candidate, incumbent: _Candidate, solve: _Solve, analytic: float, costs: StageCosts, seconds: float
+    best: _IlpCandidate,
+    incumbent: _IlpCandidate,
+    solve: _Solve,
+    analytic: float,
+    costs: StageCosts,
+    seconds: float,
 ) -> Schedule:
     achieved = best.timeline.iteration_time
     bound = min(max(analytic, solve.dual_bound), achieved)
     limits = [limit if math.isfinite(limit) else None for limit in costs.memory_limit]
     meta = {
         "lower_bound": bound,
-        "optimal": achieved <= max(analytic, solve.dual_bound) * (1 + 2 * _RELATIVE_GAP),
+        "optimal": achieved <= max(analytic, solve.dual_bound) * (1 + 2 * RELATIVE_GAP),
         "solver_status": solve.status,
         "time": seconds,
         "iteration_time": achieved,
@@ -254,12 +254,12 @@ class _OrderModel:
         for i, (backwards, weights) in enumerate(self._memory_minimums(rank) if self.strengthen else ()):
             order[m : m + backwards, i] = True
             order[2 * m : 2 * m + weights, i] = True
-        return _closure(order)
+        return closure(order)
 
     def _memory_minimums(self, rank: int) -> list[tuple[int, int]]:
         """For each F_i, how many B and W ops must precede it so that memory stays in the limit."""
         mem_b, mem_w = self.costs.mem_b[rank], self.costs.mem_w[rank]
-        limit = self.costs.memory_limit[rank] * (1 + _MEMORY_TOLERANCE) + _MEMORY_TOLERANCE
+        limit = memory_cap(self.costs.memory_limit[rank])
         result = []
         for i in range(self.m):
             backwards = (
@@ -333,7 +333,7 @@ class _OrderModel:
                 if np.any(forced & forced.T):
                     return False
                 if np.any(forced):
-                    self.precedes[r] = _closure(order | forced)
+                    self.precedes[r] = closure(order | forced)
                     changed = True
             if not changed:
                 return True
@@ -349,9 +349,9 @@ class _OrderModel:
         free = ~(order | order.T)
         return [(int(u), int(v)) for u, v in zip(*np.nonzero(np.triu(free, 1)))]
 
-    def formulate(self) -> _Program:
+    def formulate(self) -> Program:
         """The program as arrays for :func:`scipy.optimize.milp`."""
-        rows = _Rows()
+        rows = Rows()
         pair_index = self._pair_variables()
         binaries = len(pair_index)
         self._dependency_rows(rows)
@@ -367,7 +367,7 @@ class _OrderModel:
         lower = np.concatenate([(self.earliest + self.duration).ravel(), [self.lower], np.zeros(binaries)])
         upper = np.concatenate([self.latest.ravel(), [self.upper], np.ones(binaries)])
         integrality = np.concatenate([np.zeros(self.p * self.n + 1), np.ones(binaries)])
-        return _Program(
+        return Program(
             objective, integrality, Bounds(lower, np.maximum(lower, upper)), rows.constraint(size), pair_index
         )
 
@@ -379,7 +379,7 @@ class _OrderModel:
         for r, (program, rank_ends) in enumerate(zip(programs, ends)):
             position = {}
             for index, (op, end) in enumerate(zip(program, rank_ends)):
-                local = _local_index(op, self.m)
+                local = local_index(op, self.m)
                 position[local] = index
                 point[self._variable(r, local)] = end / self.scale
             for (rank, u, v), var in pair_index.items():
@@ -399,7 +399,7 @@ class _OrderModel:
         binaries = len(program.pair_index)
         relaxation = program.run(np.zeros_like(program.integrality), time_limit)
         bound = max(self.lower, relaxation.fun) if relaxation.status == 0 else self.lower
-        if bound >= self.upper * (1 - _RELATIVE_GAP):
+        if bound >= self.upper * (1 - RELATIVE_GAP):
             return None, _Solve("relaxation_bound", bound * self.scale, binaries)
         if time.perf_counter() >= deadline:
             return None, _Solve("time_limit", bound * self.scale, binaries)
@@ -408,7 +408,7 @@ class _OrderModel:
         if dual is not None and math.isfinite(dual):
             bound = max(bound, dual)
         if result.status == 0:
-            bound = max(bound, result.fun * (1 - _RELATIVE_GAP))
+            bound = max(bound, result.fun * (1 - RELATIVE_GAP))
         report = _Solve(_HIGHS_STATUS.get(result.status, "error"), bound * self.scale, binaries)
         if result.x is None:
             return None, report
@@ -433,15 +433,15 @@ class _OrderModel:
             return pair_index[(rank, b, a)], -1.0, 1.0
         return None
 
-    def _dependency_rows(self, rows: _Rows) -> None:
+    def _dependency_rows(self, rows: Rows) -> None:
         d = self.duration
         for ru, ku, rv, kv, delay in self._cross_rank():
             rows.add({self._variable(rv, kv): 1.0, self._variable(ru, ku): -1.0}, d[rv, kv] + delay, math.inf)
         for r in range(self.p):
-            for u, v in _covering_pairs(self.precedes[r]):
+            for u, v in covering_pairs(self.precedes[r]):
                 rows.add({self._variable(r, v): 1.0, self._variable(r, u): -1.0}, d[r, v], math.inf)
 
-    def _disjunction_rows(self, rows: _Rows, pair_index: PairIndex) -> None:
+    def _disjunction_rows(self, rows: Rows, pair_index: PairIndex) -> None:
         d, early, late = self.duration, self.earliest, self.latest
         for (r, u, v), x in pair_index.items():
             eu, ev = self._variable(r, u), self._variable(r, v)
@@ -451,11 +451,11 @@ class _OrderModel:
             big_vu = max(0.0, late[r, v] - early[r, u])
             rows.add({eu: 1.0, ev: -1.0, x: big_vu}, d[r, u], math.inf)
 
-    def _monotone_rows(self, rows: _Rows, pair_index: PairIndex) -> None:
+    def _monotone_rows(self, rows: Rows, pair_index: PairIndex) -> None:
         m = self.m
         for r, u, v in list(pair_index):
             for first, second in ((u, v), (v, u)):
-                for after in _structural_successors(second, m):
+                for after in structural_successors(second, m):
                     implied = self._before(pair_index, r, first, after)
                     given = self._before(pair_index, r, first, second)
                     if implied is None or given is None:
@@ -465,9 +465,9 @@ class _OrderModel:
                         coefficients[var] = coefficients.get(var, 0.0) + coef
                     rows.add(coefficients, -math.inf, implied[2] - given[2])
 
-    def _memory_rows(self, rows: _Rows, pair_index: PairIndex) -> None:
+    def _memory_rows(self, rows: Rows, pair_index: PairIndex) -> None:
         for r in range(self.p):
-            limit = self.costs.memory_limit[r] * (1 + _MEMORY_TOLERANCE) + _MEMORY_TOLERANCE
+            limit = memory_cap(self.costs.memory_limit[r])
             if not math.isfinite(limit):
                 continue
             limit /= self.memory_unit
@@ -485,7 +485,7 @@ class _OrderModel:
                 if level + positive > limit:
                     rows.add(coefficients, -math.inf, limit - level)
 
-    def _work_rows(self, rows: _Rows, pair_index: PairIndex) -> None:
+    def _work_rows(self, rows: Rows, pair_index: PairIndex) -> None:
         """Each op starts after all work ordered before it and ends before all work after it.
 
         ``E[v] ≥ first + Σ_{u before v} T(u) + T(v)`` and ``E[v] + Σ_{u after v} T(u) ≤ first + T``
@@ -512,7 +512,7 @@ class _OrderModel:
                 rows.add(start, self.first_start[r] + start_constant, math.inf)
                 rows.add(finish, -math.inf, self.first_start[r] - finish_constant)
 
-    def _objective_rows(self, rows: _Rows) -> None:
+    def _objective_rows(self, rows: Rows) -> None:
         t = self.p * self.n
         for r in range(self.p):
             order = self.precedes[r]
@@ -534,81 +534,3 @@ class _OrderModel:
     def _op(self, rank: int, k: int) -> Op:
         kind = (Kind.F, Kind.B, Kind.W)[k // self.m]
         return Op(kind, rank, k % self.m)
-
-
-@dataclass(frozen=True)
-class _Program:
-    """A formulated program: objective, integrality, variable bounds, rows, binary variables."""
-
-    objective: np.ndarray
-    integrality: np.ndarray
-    bounds: Bounds
-    constraints: LinearConstraint | None
-    pair_index: PairIndex
-
-    def run(self, integrality: np.ndarray, time_limit: float) -> Any:
-        """Solve with HiGHS under ``integrality`` (all zeros for the relaxation)."""
-        return milp(
-            self.objective,
-            integrality=integrality,
-            bounds=self.bounds,
-            constraints=[self.constraints] if self.constraints is not None else None,
-            options={"time_limit": time_limit, "mip_rel_gap": _RELATIVE_GAP, "disp": False},
-        )
-
-
-class _Rows:
-    """Sparse constraint rows ``lower ≤ a·x ≤ upper`` collected before one LinearConstraint."""
-
-    def __init__(self) -> None:
-        self.row: list[int] = []
-        self.col: list[int] = []
-        self.val: list[float] = []
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-
-    def add(self, coefficients: dict[int, float], lower: float, upper: float) -> None:
-        index = len(self.lower)
-        for column, value in coefficients.items():
-            if value != 0.0:
-                self.row.append(index)
-                self.col.append(column)
-                self.val.append(value)
-        self.lower.append(lower)
-        self.upper.append(upper)
-
-    def constraint(self, size: int) -> LinearConstraint | None:
-        if not self.lower:
-            return None
-        matrix = coo_matrix((self.val, (self.row, self.col)), shape=(len(self.lower), size)).tocsr()
-        return LinearConstraint(matrix, np.array(self.lower), np.array(self.upper))
-
-
-def _closure(order: np.ndarray) -> np.ndarray:
-    """Transitive closure of a precedence matrix."""
-    closed = order.copy()
-    while True:
-        step = closed | ((closed.astype(np.int32) @ closed.astype(np.int32)) > 0)
-        if np.array_equal(step, closed):
-            return closed
-        closed = step
-
-
-def _covering_pairs(order: np.ndarray) -> list[tuple[int, int]]:
-    """Precedences not implied by two others (the edges of the transitive reduction)."""
-    implied = (order.astype(np.int32) @ order.astype(np.int32)) > 0
-    return [(int(u), int(v)) for u, v in zip(*np.nonzero(order & ~implied))]
-
-
-def _local_index(op: Op, m: int) -> int:
-    """Position of ``op`` in a rank's local numbering (F_j = j, B_j = m + j, W_j = 2m + j)."""
-    return {Kind.F: 0, Kind.B: 1, Kind.W: 2}[op.kind] * m + op.microbatch
-
-
-def _structural_successors(k: int, m: int) -> tuple[int, ...]:
-    """Ops that always follow local op ``k`` directly: the next of its kind, and its B or W."""
-    kind, j = divmod(k, m)
-    successors = [k + 1] if j + 1 < m else []
-    if kind < 2:
-        successors.append(k + m)
-    return tuple(successors)

@@ -3,7 +3,7 @@
 :func:`calibrate` (called by the runtime's ``schedule="auto"`` after its first recorded steps) scales
 the layer profile a plan came from to the op times the run measured per chunk
 (:func:`calibrated_profile`), simulates the running schedule and partition under it — the
-calibrated prediction — and runs :func:`~.plan.plan` again on it.  :func:`profile_from_trace` does
+calibrated prediction — and runs :func:`~.search.plan` again on it.  :func:`profile_from_trace` does
 the same scaling for a recorded run's ``summary.json`` (``zerobubble plan --trace``).
 
 Pure Python; no torch.
@@ -13,80 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-from .builders import get_spec
-from .compare import iteration_period
-from .ir import ScheduleError
-from .plan import LayerProfile, ModelProfile, Plan, plan, stage_costs
-from .simulate import simulate
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """A running plan checked against the run's own recorded steps, and planned again from them.
-
-    ``measured_f``/``measured_b``/``measured_w`` are the mean op durations per chunk (seconds) over
-    ``steps`` recorded steps (a fused BW counts as B), ``transfer_latency`` the run's median one-way
-    transfer time; ``profile`` is the layer profile scaled to them (:func:`calibrated_profile`).
-    ``predicted_iteration_time`` is the running schedule and partition simulated under that profile
-    (what the plan's period is compared with once calibrated); ``replan`` is :func:`plan` run again
-    on it.  ``keeps_plan`` is True when the re-plan chose the running schedule, chunks and
-    partition, or predicts nothing faster than the running plan by more than the tie margin (the
-    running plan is then the one to keep: switching costs a rebuild); otherwise ``replan.winner``
-    is the better plan for this run.
-    """
-
-    steps: int
-    measured_f: tuple[float, ...]
-    measured_b: tuple[float, ...]
-    measured_w: tuple[float, ...]
-    transfer_latency: float
-    profile: ModelProfile = field(repr=False)
-    initial_iteration_time: float
-    predicted_iteration_time: float
-    replan: Plan = field(repr=False)
-    keeps_plan: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready numbers: the measurement, the calibrated prediction and the re-plan's winner."""
-        winner = self.replan.winner
-        return {
-            "steps": self.steps,
-            "measured_seconds": {
-                "f": list(self.measured_f),
-                "b": list(self.measured_b),
-                "w": list(self.measured_w),
-            },
-            "transfer_latency": self.transfer_latency,
-            "initial_iteration_time": self.initial_iteration_time,
-            "predicted_iteration_time": self.predicted_iteration_time,
-            "keeps_plan": self.keeps_plan,
-            "replan": {
-                "schedule": winner.schedule,
-                "chunks": winner.chunks,
-                "partition": list(winner.partition),
-                "predicted_iteration_time": winner.period,
-            },
-        }
-
-    def describe(self) -> str:
-        """One sentence: the calibrated prediction and what the re-plan chose."""
-        winner = self.replan.winner
-        assert winner.period is not None
-        text = (
-            f"calibrated on {self.steps} recorded steps: predicted "
-            f"{self.predicted_iteration_time * 1e3:.3f} ms (from the profile alone "
-            f"{self.initial_iteration_time * 1e3:.3f} ms; measured transfer latency "
-            f"{self.transfer_latency * 1e3:.3f} ms)"
-        )
-        if self.keeps_plan:
-            return f"{text}; re-planning from the measured costs keeps this plan"
-        return (
-            f"{text}; re-planning from the measured costs prefers {winner.schedule} (v={winner.chunks}) "
-            f"with partition {list(winner.partition)}, predicted {winner.period * 1e3:.3f} ms"
-        )
+from ..builders import get_spec
+from ..compare import iteration_period
+from ..ir import ScheduleError
+from ..simulate import simulate
+from .profile import LayerProfile, ModelProfile, stage_costs
+from .result import Calibration, Plan
+from .search import plan
 
 
 def calibrate(

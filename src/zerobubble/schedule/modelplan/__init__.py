@@ -1,0 +1,38 @@
+"""Model-level planning: which schedule, chunk count and partition to run a measured model with.
+
+The planner of ``schedule="auto"`` and ``zerobubble plan`` (``docs/auto-planning.md``), one layer
+above the builders: it plans *between* registry schedules from a per-layer profile, where the
+builders' own planning core (:mod:`zerobubble.schedule.builders.planning`) plans the ops *inside*
+one schedule.
+
+* :mod:`.amounts` — byte budgets: :func:`parse_bytes`, :func:`format_bytes`;
+* :mod:`.profile` — :class:`LayerProfile`, :class:`ModelProfile`, :func:`median_profile`,
+  :func:`stage_costs`;
+* :mod:`.result` — :class:`PlanCandidate`, :class:`Plan`, :class:`Calibration`;
+* :mod:`.search` — :func:`plan`, the search and the reason text;
+* :mod:`.calibration` — :func:`calibrate`, :func:`calibrated_profile`, :func:`profile_from_trace`.
+
+Each module imports only those listed before it.  Pure Python; no torch.
+"""
+
+from .amounts import format_bytes, parse_bytes
+from .calibration import calibrate, calibrated_profile, profile_from_trace
+from .profile import LayerProfile, ModelProfile, median_profile, stage_costs
+from .result import Calibration, Plan, PlanCandidate
+from .search import plan
+
+__all__ = [
+    "Calibration",
+    "LayerProfile",
+    "ModelProfile",
+    "Plan",
+    "PlanCandidate",
+    "calibrate",
+    "calibrated_profile",
+    "format_bytes",
+    "median_profile",
+    "parse_bytes",
+    "plan",
+    "profile_from_trace",
+    "stage_costs",
+]

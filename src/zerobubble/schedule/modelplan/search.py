@@ -1,0 +1,327 @@
+"""The model-level planner: schedule, chunk count and partition from per-layer costs and a byte budget.
+
+:func:`plan` tries every registry schedule that applies (and chunk counts for the interleaved one):
+for each it takes the partition minimising the busiest rank's compute (the exact
+:func:`~..partition.optimal_partition`), maps the layers onto per-stage costs in seconds and bytes,
+builds the schedule under the memory left after each rank's static bytes, simulates it and refines the
+cut points by the simulator (moves of one cut by one layer while the predicted period drops).  When
+the fastest partition does not fit the budget, a memory-capped partition is tried (each stage's
+activations weighted by the microbatches it held at once in the simulation).  The result names the
+winner and keeps every alternative with its predicted time, bubble and peak bytes; when nothing fits,
+a :class:`~..ir.ScheduleError` names the rank, the bytes it needs and the budget.
+
+Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+
+from ..builders import REGISTRY, build_schedule, get_spec
+from ..compare import OPTIMIZER_MODES, SLOW_SCHEDULES, iteration_period
+from ..ir import Kind, Schedule, ScheduleError
+from ..partition import MemoryCap, even_partition, optimal_partition
+from ..simulate import Timeline, simulate
+from ..validate import validate_schedule
+from .amounts import format_bytes, parse_bytes
+from .profile import ModelProfile, stage_costs
+from .result import Plan, PlanCandidate, one_f_one_b_period
+
+
+def plan(
+    profile: ModelProfile,
+    ranks: int,
+    microbatches: int,
+    memory_limit: str | float | None = None,
+    schedules: Iterable[str] | None = None,
+    interleaved_chunks: Sequence[int] = (2,),
+    optimizer: str = "post-validation",
+    device_memory: float | None = None,
+    refine: int = 12,
+    tie_margin: float = 0.05,
+    cores: int | None = None,
+) -> Plan:
+    """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
+
+    ``memory_limit`` is a byte budget per rank (``"24GiB"``, a number, ``"80%"`` of
+    ``device_memory``); ``schedules`` defaults to every registry schedule but the slow ILP;
+    ``interleaved_chunks`` are the chunk counts tried for interleaved 1F1B; ``optimizer`` selects the
+    period minimised (``"post-validation"``: iteration time, ``"sync"``: makespan); ``refine`` bounds
+    the simulator-guided moves of cut points of each candidate within 10 % of the best; a candidate
+    with fewer chunks whose prediction is within ``tie_margin`` of the fastest wins the tie.
+    ``cores`` fewer than ``ranks`` predicts ranks sharing that many processors (CPU ranks on one
+    machine; the profile then holds each rank's times on a core of its own).  Raises
+    :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it needs and
+    the budget.
+    """
+    if optimizer not in OPTIMIZER_MODES:
+        raise ScheduleError(
+            f"unknown optimizer mode {optimizer!r}; choose one of {', '.join(OPTIMIZER_MODES)}"
+        )
+    if ranks < 1 or microbatches < 1:
+        raise ScheduleError(f"ranks and microbatches must be at least 1, got {ranks} and {microbatches}")
+    budget = parse_bytes(memory_limit, device_memory)
+    names = list(schedules) if schedules is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
+    search = _Search(profile, ranks, microbatches, budget, optimizer, refine, cores)
+    candidates: list[PlanCandidate] = []
+    for name in names:
+        spec = get_spec(name)
+        for chunks in [spec.chunks] if spec.chunks is not None else list(interleaved_chunks):
+            candidates.append(search.candidate(name, chunks))
+    # refining costs simulations: only for candidates that may still win (within 10 % of the best)
+    periods = [c.period for c in candidates if c.fits and c.period is not None]
+    threshold = min(periods) * 1.1 if periods else math.inf
+    candidates = [
+        search.refined(c) if c.period is not None and (c.period <= threshold or not periods) else c
+        for c in candidates
+    ]
+    ordered = tuple(
+        sorted(
+            candidates,
+            key=lambda c: (not c.fits, c.period is None, c.period or 0.0, max(c.peak_bytes or (0,))),
+        )
+    )
+    fitting = [c for c in ordered if c.fits]
+    if not fitting:
+        raise ScheduleError(_nothing_fits(ordered, budget, ranks))
+    winner = _choose(fitting, tie_margin)
+    reason = _reason(winner, ordered, budget)
+    if cores is not None and cores < ranks:
+        reason += f"; {ranks} ranks predicted on {cores} shared cores"
+    return Plan(winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores)
+
+
+def _choose(fitting: Sequence[PlanCandidate], tie_margin: float) -> PlanCandidate:
+    """The fastest prediction, unless one with fewer chunks is within ``tie_margin`` of it.
+
+    A schedule with ``v`` chunks runs ``v`` times the ops and about ``v`` times the transfers, and
+    its balance rests on finer per-layer costs; the runtime's cost per op and per transfer is not in
+    the model, so a prediction this close is a tie, and the simpler schedule wins it.  (Measured on
+    the MLP of ``bench plan``: V schedules predicted 2.3–2.9 % ahead of single-chunk ones ran 0.5–6.5 %
+    behind them; ``docs/auto-planning.md``.)
+    """
+    fastest = fitting[0]
+    assert fastest.period is not None
+    close = [c for c in fitting if c.period is not None and c.period <= fastest.period * (1 + tie_margin)]
+    return min(close, key=lambda c: (c.chunks, c.period, max(c.peak_bytes)))
+
+
+class _Search:
+    """Builds and scores candidates for one profile, rank count and budget."""
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        ranks: int,
+        microbatches: int,
+        budget: float | None,
+        optimizer: str,
+        refine: int,
+        cores: int | None = None,
+    ):
+        self.profile, self.ranks, self.microbatches = profile, ranks, microbatches
+        self.budget, self.optimizer, self.refine, self.cores = budget, optimizer, refine, cores
+        self.work = [layer.work for layer in profile.layers]
+
+    def candidate(self, name: str, chunks: int) -> PlanCandidate:
+        """The better of the bottleneck-optimal and the even partition of ``name`` (or why there is none).
+
+        When neither fits the budget, the partition optimal under the memory cap is tried as well.
+        """
+        stages = self.ranks * chunks
+        if len(self.work) < stages:
+            return PlanCandidate(
+                name, chunks, note=f"needs at least {stages} layers, the model has {len(self.work)}"
+            )
+        try:
+            placement = build_schedule(
+                name, self.ranks, self.microbatches, chunks=chunks, validate=False
+            ).placement
+        except ScheduleError as error:
+            return PlanCandidate(name, chunks, note=str(error))
+        stage_ranks = placement.stage_ranks
+        fastest = optimal_partition(self.work, stage_ranks)
+        assert fastest is not None  # without a memory cap every partition is allowed
+        even = tuple(even_partition(len(self.work), stages))
+        options = [
+            self._built(name, chunks, cuts, stage_ranks) for cuts in dict.fromkeys([fastest.cuts, even])
+        ]
+        best = min(options, key=_rank_key)
+        if not best.fits and best.timeline is not None and self.budget is not None:
+            capped = optimal_partition(self.work, stage_ranks, self._memory_cap(best))
+            if capped is not None and capped.cuts not in (fastest.cuts, even):
+                best = min([best, self._built(name, chunks, capped.cuts, stage_ranks)], key=_rank_key)
+        return best
+
+    def refined(self, candidate: PlanCandidate) -> PlanCandidate:
+        """Move one cut by one layer while that shortens the simulated period (at most ``refine`` moves).
+
+        The moves keep the candidate's op order and only re-simulate it (milliseconds); the final
+        partition is then built afresh and the better of the two kept.
+        """
+        order = candidate.built
+        if order is None or candidate.period is None:
+            return candidate
+        count, stage_ranks = len(self.work), order.placement.stage_ranks
+        best, seen = candidate, {candidate.partition}
+        for _ in range(self.refine):
+            neighbours = []
+            for index, cut in enumerate(best.partition):
+                for step in (-1, 1):
+                    cuts = list(best.partition)
+                    cuts[index] = cut + step
+                    if (
+                        all(a < b for a, b in itertools.pairwise([0, *cuts, count]))
+                        and tuple(cuts) not in seen
+                    ):
+                        neighbours.append(tuple(cuts))
+            seen.update(neighbours)
+            improved = min([best, *(self._simulated(order, cuts) for cuts in neighbours)], key=_rank_key)
+            if improved is best:
+                break
+            best = improved
+        if best is candidate:
+            return candidate
+        rebuilt = self._built(candidate.schedule, candidate.chunks, best.partition, stage_ranks)
+        return min([best, rebuilt], key=_rank_key)
+
+    def _built(
+        self, name: str, chunks: int, cuts: tuple[int, ...], stage_ranks: Sequence[int]
+    ) -> PlanCandidate:
+        """Build ``name`` for the cut points ``cuts`` under the budget left after static bytes; score it."""
+        static = self._static_bytes(cuts, stage_ranks)
+        limits = None
+        if self.budget is not None:
+            limits = [self.budget - s for s in static]
+            worst = max(range(self.ranks), key=lambda r: static[r])
+            if limits[worst] <= 0:
+                note = (
+                    f"rank {worst} holds {format_bytes(static[worst])} of parameters, gradients and "
+                    "optimizer state alone"
+                )
+                return PlanCandidate(name, chunks, cuts, peak_bytes=tuple(static), note=note)
+        try:
+            costs = stage_costs(self.profile, cuts, len(stage_ranks), limits)
+            schedule = build_schedule(
+                name, self.ranks, self.microbatches, costs, chunks=chunks, validate=False
+            )
+            # the budget is checked on static + activation bytes: validate without the limit
+            validate_schedule(schedule, costs.with_memory_limit(None))
+        except ScheduleError as error:
+            return PlanCandidate(name, chunks, cuts, peak_bytes=tuple(static), note=str(error))
+        return self._simulated(schedule, cuts)
+
+    def _simulated(self, schedule: Schedule, cuts: tuple[int, ...]) -> PlanCandidate:
+        """Score a valid ``schedule`` with the layers cut at ``cuts``."""
+        stage_ranks = schedule.placement.stage_ranks
+        static = self._static_bytes(cuts, stage_ranks)
+        # a schedule of BW ops is predicted with the measured fused backward
+        costs = stage_costs(self.profile, cuts, len(stage_ranks), fused=not schedule.splits_backward)
+        timeline = simulate(schedule, costs, cores=self.cores)
+        peaks = tuple(s + a for s, a in zip(static, timeline.peak_memory))
+        fits = self.budget is None or all(peak <= self.budget * (1 + 1e-9) for peak in peaks)
+        over = max(range(self.ranks), key=lambda r: peaks[r])
+        sync = self.optimizer == "sync"
+        return PlanCandidate(
+            schedule.name,
+            schedule.chunks,
+            cuts,
+            period=iteration_period(timeline, self.optimizer),
+            iteration_time=timeline.iteration_time,
+            makespan=timeline.makespan,
+            bubble_rate=timeline.bubble_rate_makespan if sync else timeline.bubble_rate,
+            peak_bytes=peaks,
+            fits=fits,
+            note="" if fits else f"rank {over} needs {format_bytes(peaks[over])}",
+            built=schedule,
+            costs=costs,
+            timeline=timeline,
+        )
+
+    def _static_bytes(self, cuts: Sequence[int], stage_ranks: Sequence[int]) -> list[float]:
+        bounds = [0, *cuts, len(self.work)]
+        static = [0.0] * self.ranks
+        for stage, rank in enumerate(stage_ranks):
+            layers = self.profile.layers[bounds[stage] : bounds[stage + 1]]
+            static[rank] += math.fsum(layer.static_bytes for layer in layers)
+        return static
+
+    def _memory_cap(self, candidate: PlanCandidate) -> MemoryCap:
+        """The budget as a partition constraint: each stage's activations times its peak in-flight count."""
+        assert candidate.timeline is not None and self.budget is not None
+        return MemoryCap(
+            fixed=[layer.static_bytes for layer in self.profile.layers],
+            scaled=[layer.activation_bytes for layer in self.profile.layers],
+            inflight=_peak_inflight(candidate.timeline),
+            capacity=[self.budget] * self.ranks,
+        )
+
+
+def _rank_key(candidate: PlanCandidate) -> tuple[bool, float, float]:
+    return (
+        not candidate.fits,
+        candidate.period if candidate.period is not None else math.inf,
+        max(candidate.peak_bytes or (0.0,)),
+    )
+
+
+def _peak_inflight(timeline: Timeline) -> list[float]:
+    """Per stage, the most microbatches whose forward ran and whose activations are not yet freed."""
+    schedule = timeline.schedule
+    peaks = [0.0] * schedule.num_stages
+    for program in schedule.programs:
+        held = [0] * schedule.num_stages
+        for op in program:
+            if op.kind is Kind.F:
+                held[op.stage] += 1
+                peaks[op.stage] = max(peaks[op.stage], held[op.stage])
+            elif op.kind in (Kind.B, Kind.BW):
+                held[op.stage] -= 1
+    return peaks
+
+
+def _reason(winner: PlanCandidate, candidates: Sequence[PlanCandidate], budget: float | None) -> str:
+    reference = one_f_one_b_period(candidates)
+    fastest = next(c for c in candidates if c.fits)
+    runner_up = next((c for c in candidates if c.fits and c is not winner), None)
+    assert winner.period is not None and fastest.period is not None
+    if fastest is winner:
+        parts = [
+            f"{winner.schedule} (v={winner.chunks}) with partition {list(winner.partition)} has the shortest "
+            f"predicted period among the schedules that fit, {winner.period * 1e3:.3f} ms"
+        ]
+        if runner_up is not None and runner_up.period:
+            parts.append(f"{runner_up.period / winner.period - 1:.1%} ahead of {runner_up.schedule}")
+    else:
+        parts = [
+            f"{winner.schedule} (v={winner.chunks}) with partition {list(winner.partition)}, predicted "
+            f"{winner.period * 1e3:.3f} ms, is within {winner.period / fastest.period - 1:.1%} of the "
+            f"fastest prediction ({fastest.schedule}, v={fastest.chunks}) with fewer chunks: fewer ops and "
+            "transfers, whose overhead the model leaves out"
+        ]
+    if reference:
+        parts.append(f"{reference / winner.period:.3f}x 1f1b")
+    peak = max(winner.peak_bytes)
+    parts.append(
+        f"peak {format_bytes(peak)} per rank"
+        + (f" within the budget {format_bytes(budget)}" if budget else "")
+    )
+    return "; ".join(parts)
+
+
+def _nothing_fits(candidates: Sequence[PlanCandidate], budget: float | None, ranks: int) -> str:
+    measured = [c for c in candidates if c.peak_bytes]
+    if not measured or budget is None:
+        notes = "; ".join(f"{c.schedule}: {c.note}" for c in candidates)
+        return f"no schedule can run on {ranks} ranks: {notes}"
+    smallest = min(measured, key=lambda c: max(c.peak_bytes))
+    rank = max(range(len(smallest.peak_bytes)), key=lambda r: smallest.peak_bytes[r])
+    need = smallest.peak_bytes[rank]
+    return (
+        f"no schedule fits the memory budget of {format_bytes(budget)} per rank: the smallest need is "
+        f"{smallest.schedule} (v={smallest.chunks}, partition {list(smallest.partition)}), whose rank {rank} "
+        f"needs {format_bytes(need)} ({need:.0f} bytes) against the budget of {budget:.0f} bytes; raise the "
+        "budget, use more ranks or smaller microbatches"
+    )
