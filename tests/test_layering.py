@@ -80,3 +80,16 @@ def test_importing_the_library_loads_neither_demo_nor_benchmarks():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_schedule_commands_load_neither_torch_nor_the_benchmarks():
+    """The benchmarks (and torch) load only for a command line naming ``bench``."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from zerobubble.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['schedules']) == 0 and main(['simulate', '-p', '2', '-m', '4']) == 0\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'zerobubble_bench')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

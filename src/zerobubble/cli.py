@@ -3,16 +3,19 @@
 Every user error — the project's own error types: ``UsageError``, ``ScheduleError``,
 ``PipelineError`` and the demo's ``ConfigError`` — ends in one line on stderr
 (``zerobubble: error: …``) and exit status 2; any other exception is a bug and keeps its traceback.
-The demo (``train``, ``profile``) and the benchmarks (``bench``) are imported inside their commands:
-the library never imports them.
+The demo (``train``, ``profile``) is imported inside its commands; the benchmarks (``bench``), and
+torch with them, only for a command line naming ``bench``: each benchmark module declares its own
+options and run (``zerobubble_bench.Benchmark``) and this module only registers them.  The library
+never imports either.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from .schedule import (
@@ -279,134 +282,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    import torch
+def _cmd_bench(benchmark: Any, args: argparse.Namespace) -> int:
+    """Run one ``zerobubble bench`` command (a ``zerobubble_bench.Benchmark``) and print its tables."""
+    from zerobubble_bench.tables import machine_description
 
-    from zerobubble_bench import emulate, pipelines, plan, schedulers, split_models, tables, wgrad
-
-    if args.benchmark == "wgrad" and args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
-    print(f"Machine: {tables.machine_description()}\n")
-    if args.benchmark == "pipelines":
-        results = pipelines.compare_pipelines(
-            args.models,
-            args.microbatches,
-            rounds=args.rounds,
-            steps_per_round=args.steps_per_round,
-            settle=args.settle,
-        )
-    elif args.benchmark == "schedulers":
-        results = [
-            schedulers.scheduler_build_times(args.stages, args.microbatches, args.rounds, args.schedules)
-        ]
-        if args.table5:
-            results.append(schedulers.schedulers_against_authors())
-    elif args.benchmark == "plan":
-        results = plan.plan_benchmark(
-            args.ranks,
-            args.microbatches,
-            rounds=args.rounds,
-            steps_per_round=args.steps_per_round,
-            settle=args.settle,
-        )
-    elif args.benchmark == "wgrad":
-        # this command's process runs nothing else: it may tune glibc's malloc (see zerobubble_bench.wgrad)
-        results = [
-            wgrad.wgrad_split_cost(
-                args.rows,
-                args.repeats,
-                args.threads,
-                accumulate,
-                args.device,
-                args.splits,
-                keep_freed_memory=True,
-                stages=args.stages,
-            )
-            for accumulate in (True, False)
-        ]
-        if args.models:
-            results.append(split_models.w_shares(args.models, args.width, args.seq))
-    else:
-        f, b, w = args.costs
-        results = [
-            emulate.emulated_pipelines(
-                ranks, costs=CostModel(f=f, b=b, w=w), steps=args.steps, schedules=args.schedules
-            )
-            for ranks in args.ranks
-        ]
-    for table in results:
+    if benchmark.check is not None:
+        benchmark.check(args)
+    print(f"Machine: {machine_description()}\n")
+    for table in benchmark.run(args):
         print(table.markdown() + "\n")
     return 0
 
 
-def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_bench_commands(parser: argparse.ArgumentParser) -> None:
+    """One subcommand per benchmark: each declares its own options (``zerobubble_bench.COMMANDS``)."""
+    from zerobubble_bench import benchmarks
+
     kinds = parser.add_subparsers(dest="benchmark", required=True, parser_class=_Parser)
-    pipelines = kinds.add_parser(
-        "pipelines", help="ours vs torch.distributed.pipelining vs one process, 2 ranks"
-    )
-    pipelines.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
-    pipelines.add_argument("--microbatches", type=int, default=8)
-    pipelines.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
-    pipelines.add_argument("--steps-per-round", type=int, default=2)
-    pipelines.add_argument(
-        "--settle", type=int, default=1, help="untimed steps before each configuration's turn in a round"
-    )
-    schedulers = kinds.add_parser("schedulers", help="build time of the searching schedulers")
-    schedulers.add_argument("--stages", type=int, default=32)
-    schedulers.add_argument("--microbatches", type=int, default=256)
-    schedulers.add_argument("--rounds", type=int, default=3, help="rounds of interleaved measurements")
-    schedulers.add_argument("--schedules", nargs="+", default=["zb-1p", "zb-2p", "zb-v", "v-half", "v-min"])
-    schedulers.add_argument(
-        "--table5", action="store_true", help="also compare zb-v, v-half, v-min with the authors' on Table 5"
-    )
-    plan = kinds.add_parser("plan", help='schedule="auto" vs even-split zb-v and torch ZBV; auto on the MLP')
-    plan.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
-    plan.add_argument("--microbatches", type=int, default=8)
-    plan.add_argument("--rounds", type=int, default=8, help="rounds of interleaved measurements")
-    plan.add_argument("--steps-per-round", type=int, default=3)
-    plan.add_argument(
-        "--settle", type=int, default=1, help="untimed steps before each configuration's turn in a round"
-    )
-    wgrad = kinds.add_parser("wgrad", help="T_B + T_W of the B/W split against the fused backward")
-    wgrad.add_argument("--rows", nargs="+", type=int, default=[8, 32, 128, 512], help="microbatch rows")
-    wgrad.add_argument("--repeats", type=int, default=15)
-    wgrad.add_argument("--threads", type=int, default=1)
-    wgrad.add_argument("--device", default="cpu", help="cpu, or cuda (needs a GPU)")
-    wgrad.add_argument(
-        "--splits",
-        nargs="+",
-        default=["fast paths", "generic only", "torch pipelining"],
-        choices=["fast paths", "generic only", "torch pipelining"],
-        help="which splits to measure",
-    )
-    wgrad.add_argument(
-        "--stages",
-        nargs="+",
-        default=["mlp", "gpt", "conv", "mha", "raw"],
-        choices=["mlp", "gpt", "conv", "mha", "raw"],
-        help="which stages to measure (mha: nn.MultiheadAttention blocks; raw: a transformer block on "
-        "raw parameters: no fast path, its products, bias and norms routed)",
-    )
-    wgrad.add_argument(
-        "--models",
-        nargs="*",
-        choices=["gpt2", "llama", "convnet", "checkpointed", "mha", "raw"],
-        help="also measure the W share per stage of these models on 2 ranks (gpt2, llama need transformers)",
-    )
-    wgrad.add_argument("--width", type=int, default=256, help="hidden size of --models")
-    wgrad.add_argument("--seq", type=int, default=64, help="sequence length (image side) of --models")
-    emulate = kinds.add_parser("emulate", help="emulated compute: measured vs predicted iteration time")
-    emulate.add_argument("--ranks", nargs="+", type=int, default=[4, 8])
-    emulate.add_argument("--steps", type=int, default=4)
-    emulate.add_argument("--schedules", nargs="+", help="default: every schedule")
-    emulate.add_argument(
-        "--costs",
-        nargs=3,
-        type=float,
-        default=[10.0, 10.0, 7.0],
-        metavar=("F", "B", "W"),
-        help="emulated op times in milliseconds (default 10 10 7)",
-    )
+    for benchmark in benchmarks():
+        command = kinds.add_parser(benchmark.name, help=benchmark.help)
+        benchmark.add_arguments(command)
+        command.set_defaults(run=functools.partial(_cmd_bench, benchmark))
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -545,69 +441,84 @@ def _is_user_error(error: Exception) -> bool:
     return any(isinstance(error, kind) for kind in kinds if isinstance(kind, type))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``zerobubble`` command."""
+def _no_arguments(parser: argparse.ArgumentParser) -> None:
+    """A command without options."""
+
+
+def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``simulate``, and the first ones of ``show`` and ``export``."""
+    _add_setup_arguments(parser)
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZER_MODES,
+        default="post-validation",
+        help="sync: period = makespan + step; post-validation: iteration time + step",
+    )
+    parser.add_argument("--step-time", type=float, default=0.0, help="optimizer step time (default 0)")
+    parser.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
+
+
+def _add_show_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_simulate_arguments(parser)
+    parser.add_argument("--output", "-o", help="write a picture (.svg or .png) instead of text")
+    parser.add_argument("--width", type=int, help="text width in columns")
+
+
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_simulate_arguments(parser)
+    parser.add_argument("--format", choices=("json", "torch-csv", "chrome-trace"), default="json")
+    parser.add_argument("--output", "-o", help="file to write (default: stdout)")
+
+
+def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_setup_arguments(parser, schedule=False)
+    parser.add_argument("--chunks", type=int, help="chunks for interleaved-1f1b (default 2, or the paper's)")
+    parser.add_argument("--schedules", help="comma-separated names (default: all but zb-ilp)")
+    parser.add_argument("--paper-model", choices=paper_models(), help="use the paper's profiled setup")
+    parser.add_argument("--optimizer", choices=OPTIMIZER_MODES, default="post-validation")
+    parser.add_argument("--step-time", type=float, default=0.0, help="optimizer step time (default 0)")
+    parser.add_argument("--ilp", action="store_true", help="also solve the integer program (zb-ilp)")
+    parser.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
+
+
+# (name, help, add_arguments, run) of each command but ``bench``, in ``zerobubble --help`` order
+_COMMANDS: tuple[
+    tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]], ...
+] = (
+    ("schedules", "list the schedules", _no_arguments, _cmd_schedules),
+    ("simulate", "simulate a schedule and print its numbers", _add_simulate_arguments, _cmd_simulate),
+    ("show", "draw a schedule's timeline (text, or --output FILE.svg|.png)", _add_show_arguments, _cmd_show),
+    ("export", "write a schedule as JSON, torch-csv or a Chrome trace", _add_export_arguments, _cmd_export),
+    ("compare", "compare every schedule for one setup", _add_compare_arguments, _cmd_compare),
+    ("profile", "measure the built-in GPT layer by layer for 'plan'", _add_profile_arguments, _cmd_profile),
+    ("plan", "choose schedule, chunks and partition from a profile or trace", _add_plan_arguments, _cmd_plan),
+    ("train", "train the built-in GPT on local ranks (or under torchrun)", _add_train_arguments, _cmd_train),
+)
+
+
+def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The argument parser of the ``zerobubble`` command.
+
+    ``benchmarks=False`` leaves the ``bench`` subcommands out, and with them the imports of
+    ``zerobubble_bench`` and torch: ``main`` does so for a command line that does not name ``bench``.
+    """
     parser = _Parser(prog="zerobubble", description="Zero-bubble pipeline-parallel schedules and training.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    commands.add_parser("schedules", help="list the schedules").set_defaults(run=_cmd_schedules)
-
-    for name, run, helptext in (
-        ("simulate", _cmd_simulate, "simulate a schedule and print its numbers"),
-        ("show", _cmd_show, "draw a schedule's timeline (text, or --output FILE.svg|.png)"),
-        ("export", _cmd_export, "write a schedule as JSON, torch-csv or a Chrome trace"),
-    ):
+    for name, helptext, add_arguments, run in _COMMANDS:
         command = commands.add_parser(name, help=helptext)
-        _add_setup_arguments(command)
-        command.add_argument(
-            "--optimizer",
-            choices=OPTIMIZER_MODES,
-            default="post-validation",
-            help="sync: period = makespan + step; post-validation: iteration time + step",
-        )
-        command.add_argument("--step-time", type=float, default=0.0, help="optimizer step time (default 0)")
-        command.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
+        add_arguments(command)
         command.set_defaults(run=run)
-        if name == "show":
-            command.add_argument("--output", "-o", help="write a picture (.svg or .png) instead of text")
-            command.add_argument("--width", type=int, help="text width in columns")
-        if name == "export":
-            command.add_argument("--format", choices=("json", "torch-csv", "chrome-trace"), default="json")
-            command.add_argument("--output", "-o", help="file to write (default: stdout)")
-
-    compare = commands.add_parser("compare", help="compare every schedule for one setup")
-    _add_setup_arguments(compare, schedule=False)
-    compare.add_argument("--chunks", type=int, help="chunks for interleaved-1f1b (default 2, or the paper's)")
-    compare.add_argument("--schedules", help="comma-separated names (default: all but zb-ilp)")
-    compare.add_argument("--paper-model", choices=paper_models(), help="use the paper's profiled setup")
-    compare.add_argument("--optimizer", choices=OPTIMIZER_MODES, default="post-validation")
-    compare.add_argument("--step-time", type=float, default=0.0, help="optimizer step time (default 0)")
-    compare.add_argument("--ilp", action="store_true", help="also solve the integer program (zb-ilp)")
-    compare.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
-    compare.set_defaults(run=_cmd_compare)
-
-    profile = commands.add_parser("profile", help="measure the built-in GPT layer by layer for 'plan'")
-    _add_profile_arguments(profile)
-    profile.set_defaults(run=_cmd_profile)
-
-    plan = commands.add_parser("plan", help="choose schedule, chunks and partition from a profile or trace")
-    _add_plan_arguments(plan)
-    plan.set_defaults(run=_cmd_plan)
-
-    train = commands.add_parser("train", help="train the built-in GPT on local ranks (or under torchrun)")
-    _add_train_arguments(train)
-    train.set_defaults(run=_cmd_train)
-
     bench = commands.add_parser("bench", help="benchmarks of the runtime (results as Markdown tables)")
-    _add_bench_arguments(bench)
-    bench.set_defaults(run=_cmd_bench)
+    if benchmarks:
+        _add_bench_commands(bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``zerobubble`` command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(benchmarks="bench" in argv).parse_args(argv)
         return args.run(args)
     except Exception as error:
         if not _is_user_error(error):

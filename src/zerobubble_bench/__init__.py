@@ -5,4 +5,48 @@ Not part of the library (``zerobubble``).  One module per benchmark — :mod:`.p
 :mod:`.memory` — over the shared models and runners of :mod:`.workloads` and the result
 :class:`~.tables.Table` of :mod:`.tables`.  Every benchmark measures its configurations side by
 side in one run and reports medians and ratios.
+
+Each module behind a ``zerobubble bench NAME`` command declares it as ``BENCHMARK``, a
+:class:`Benchmark` (its arguments and its run); :data:`COMMANDS` lists those modules and
+:func:`benchmarks` loads them for the library's CLI, which only registers them.  This module
+imports neither torch nor the benchmark modules.
 """
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .tables import Table
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One ``zerobubble bench NAME`` command.
+
+    ``add_arguments`` declares its options on its subparser; ``check`` (optional) raises the user
+    errors argparse cannot see (as ``zerobubble.cli.UsageError``) before anything is printed or run;
+    ``run`` measures and returns the tables, which the CLI prints under the machine line.
+    """
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], list[Table]]
+    check: Callable[[argparse.Namespace], None] | None = None
+
+
+# the modules that declare a ``BENCHMARK``, in ``zerobubble bench --help`` order; each command is
+# named after its module
+COMMANDS = ("pipelines", "schedulers", "plan", "wgrad", "emulate")
+
+
+def benchmarks() -> list[Benchmark]:
+    """Every ``zerobubble bench`` command, in :data:`COMMANDS` order (this imports them, and torch)."""
+    found = [importlib.import_module(f"{__name__}.{name}").BENCHMARK for name in COMMANDS]
+    assert [benchmark.name for benchmark in found] == list(COMMANDS), "a command is named after its module"
+    return found

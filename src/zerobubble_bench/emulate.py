@@ -7,6 +7,7 @@ duration (:mod:`zerobubble.runtime.emulate`); the table compares the measured it
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from zerobubble.runtime.launch import init_distributed, launch
 from zerobubble.runtime.pipeline import Pipeline
 from zerobubble.schedule import REGISTRY, CostModel, build_schedule, simulate
 
+from . import Benchmark
 from .tables import Table, median
 from .workloads import tiny_layers
 
@@ -128,3 +130,33 @@ def _emulate_rank(names: list[str], m: int, costs: CostModel, steps: int) -> dic
                 1.0 - predicted.ideal / 1e3 / measured.iteration_time,
             )
     return results
+
+
+# ---- the ``zerobubble bench emulate`` command ----
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``zerobubble bench emulate``."""
+    parser.add_argument("--ranks", nargs="+", type=int, default=[4, 8])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--schedules", nargs="+", help="default: every schedule")
+    parser.add_argument(
+        "--costs",
+        nargs=3,
+        type=float,
+        default=[10.0, 10.0, 7.0],
+        metavar=("F", "B", "W"),
+        help="emulated op times in milliseconds (default 10 10 7)",
+    )
+
+
+def run(args: argparse.Namespace) -> list[Table]:
+    """``zerobubble bench emulate``: one table per rank count."""
+    f, b, w = args.costs
+    return [
+        emulated_pipelines(ranks, costs=CostModel(f=f, b=b, w=w), steps=args.steps, schedules=args.schedules)
+        for ranks in args.ranks
+    ]
+
+
+BENCHMARK = Benchmark("emulate", "emulated compute: measured vs predicted iteration time", add_arguments, run)

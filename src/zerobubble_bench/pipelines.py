@@ -7,11 +7,13 @@ thread each), measured in rotating rounds; one :class:`.tables.Table` per model.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Sequence
 
 from zerobubble.runtime.launch import init_distributed, launch
 from zerobubble.runtime.pipeline import Pipeline
 
+from . import Benchmark
 from .tables import Table, median
 from .workloads import (
     OUR_SCHEDULES,
@@ -107,3 +109,33 @@ def _comparison_table(model: str, m: int, rows: int, times: dict[str, list[float
         "Configurations measured in rotating rounds."
     )
     return table
+
+
+# ---- the ``zerobubble bench pipelines`` command ----
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``zerobubble bench pipelines``."""
+    parser.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
+    parser.add_argument("--steps-per-round", type=int, default=2)
+    parser.add_argument(
+        "--settle", type=int, default=1, help="untimed steps before each configuration's turn in a round"
+    )
+
+
+def run(args: argparse.Namespace) -> list[Table]:
+    """``zerobubble bench pipelines``: one table per model."""
+    return compare_pipelines(
+        args.models,
+        args.microbatches,
+        rounds=args.rounds,
+        steps_per_round=args.steps_per_round,
+        settle=args.settle,
+    )
+
+
+BENCHMARK = Benchmark(
+    "pipelines", "ours vs torch.distributed.pipelining vs one process, 2 ranks", add_arguments, run
+)

@@ -9,6 +9,7 @@ from the profile calibrated by auto's own first recorded steps (``pipe.plan.cali
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from zerobubble.runtime.pipeline import Pipeline
 from zerobubble.schedule import simulate
 from zerobubble.schedule.partition import even_partition
 
+from . import Benchmark
 from .tables import Table, median
 from .workloads import (
     OUR_SCHEDULES,
@@ -195,3 +197,33 @@ def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any
 def _round_medians(values: list[float], per_round: int) -> list[float]:
     """The median step of each round (``values`` holds ``per_round`` steps a round, in round order)."""
     return [median(values[i : i + per_round]) for i in range(0, len(values), per_round)]
+
+
+# ---- the ``zerobubble bench plan`` command ----
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``zerobubble bench plan``."""
+    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of interleaved measurements")
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument(
+        "--settle", type=int, default=1, help="untimed steps before each configuration's turn in a round"
+    )
+
+
+def run(args: argparse.Namespace) -> list[Table]:
+    """``zerobubble bench plan``: one table per rank count on the uneven LM, then the MLP's."""
+    return plan_benchmark(
+        args.ranks,
+        args.microbatches,
+        rounds=args.rounds,
+        steps_per_round=args.steps_per_round,
+        settle=args.settle,
+    )
+
+
+BENCHMARK = Benchmark(
+    "plan", 'schedule="auto" vs even-split zb-v and torch ZBV; auto on the MLP', add_arguments, run
+)

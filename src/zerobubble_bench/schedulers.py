@@ -7,12 +7,14 @@ on the paper's Table 5 setups.  Pure schedule layer: no ranks, no torch.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import time
 from collections.abc import Sequence
 
 from zerobubble.schedule import REGISTRY, CostModel, build_schedule, simulate
 
+from . import Benchmark
 from .tables import Table, median
 
 #: The builders ``zerobubble bench schedulers`` times by default.
@@ -103,3 +105,28 @@ def schedulers_against_authors() -> Table:
         "simulator, under the same costs and memory limits (`src/zerobubble/data/authors_*.json`)."
     )
     return table
+
+
+# ---- the ``zerobubble bench schedulers`` command ----
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``zerobubble bench schedulers``."""
+    parser.add_argument("--stages", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of interleaved measurements")
+    parser.add_argument("--schedules", nargs="+", default=list(BENCH_SCHEDULERS))
+    parser.add_argument(
+        "--table5", action="store_true", help="also compare zb-v, v-half, v-min with the authors' on Table 5"
+    )
+
+
+def run(args: argparse.Namespace) -> list[Table]:
+    """``zerobubble bench schedulers``: the build times, and with ``--table5`` the authors' comparison."""
+    results = [scheduler_build_times(args.stages, args.microbatches, args.rounds, args.schedules)]
+    if args.table5:
+        results.append(schedulers_against_authors())
+    return results
+
+
+BENCHMARK = Benchmark("schedulers", "build time of the searching schedulers", add_arguments, run)

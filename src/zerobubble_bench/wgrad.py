@@ -9,6 +9,7 @@ That is a process-wide allocator setting, so library callers and tests leave it 
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import time
 from collections.abc import Callable, Sequence
@@ -17,9 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerobubble.cli import UsageError
 from zerobubble_demo.models import Block, GPTConfig
 
-from .split_models import AttentionBlock, RawBlock
+from . import Benchmark
+from .split_models import SPLIT_MODELS, AttentionBlock, RawBlock, w_shares
 from .tables import Table, median, preserved_torch_state
 from .workloads import mlp_layers
 
@@ -258,3 +261,69 @@ def _split_times(
     # the ratio of each repeat's adjacent measurements: drift in the machine's speed cancels out
     ratios = [(b + w) / f for f, b, w in zip(fused, split_b, split_w)]
     return median(fused), median(split_b), median(split_w), median(ratios)
+
+
+# ---- the ``zerobubble bench wgrad`` command ----
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``zerobubble bench wgrad``."""
+    parser.add_argument("--rows", nargs="+", type=int, default=[8, 32, 128, 512], help="microbatch rows")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (needs a GPU)")
+    parser.add_argument(
+        "--splits",
+        nargs="+",
+        default=["fast paths", "generic only", "torch pipelining"],
+        choices=["fast paths", "generic only", "torch pipelining"],
+        help="which splits to measure",
+    )
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        default=list(SPLIT_STAGES),
+        choices=list(SPLIT_STAGES),
+        help="which stages to measure (mha: nn.MultiheadAttention blocks; raw: a transformer block on "
+        "raw parameters: no fast path, its products, bias and norms routed)",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="*",
+        choices=list(SPLIT_MODELS),
+        help="also measure the W share per stage of these models on 2 ranks (gpt2, llama need transformers)",
+    )
+    parser.add_argument("--width", type=int, default=256, help="hidden size of --models")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (image side) of --models")
+
+
+def check(args: argparse.Namespace) -> None:
+    """``--device cuda`` needs a GPU: a user error, before the machine line."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
+
+
+def run(args: argparse.Namespace) -> list[Table]:
+    """``zerobubble bench wgrad``: with and without accumulation, then ``--models``' W shares."""
+    # this command's process runs nothing else: it may tune glibc's malloc (``keep_freed_memory``)
+    results = [
+        wgrad_split_cost(
+            args.rows,
+            args.repeats,
+            args.threads,
+            accumulate,
+            args.device,
+            args.splits,
+            keep_freed_memory=True,
+            stages=args.stages,
+        )
+        for accumulate in (True, False)
+    ]
+    if args.models:
+        results.append(w_shares(args.models, args.width, args.seq))
+    return results
+
+
+BENCHMARK = Benchmark(
+    "wgrad", "T_B + T_W of the B/W split against the fused backward", add_arguments, run, check
+)
