@@ -393,7 +393,7 @@ def _small_cases() -> dict:
     attempt(
         "non-tensor output",
         lambda: Pipeline(
-            [nn.Linear(WIDTH, WIDTH), Tagged(), Untag(), nn.Linear(WIDTH, WIDTH)], "1f1b", **options
+            [nn.Linear(WIDTH, WIDTH), Tagged(), Untag(), nn.Linear(WIDTH, WIDTH)], schedule="1f1b", **options
         ),
         lambda pipe: pipe.step(inputs, targets),
     )
@@ -407,12 +407,12 @@ def _small_cases() -> dict:
 
     attempt(
         "rank without parameters",
-        lambda: Pipeline([nn.Linear(WIDTH, WIDTH), Scale()], "1f1b", partition=[1], **options),
+        lambda: Pipeline([nn.Linear(WIDTH, WIDTH), Scale()], schedule="1f1b", partition=[1], **options),
         no_parameters,
     )
     attempt(
         "layer error",
-        lambda: Pipeline([nn.Linear(WIDTH, WIDTH), Raises()], "1f1b", partition=[1], **options),
+        lambda: Pipeline([nn.Linear(WIDTH, WIDTH), Raises()], schedule="1f1b", partition=[1], **options),
         lambda pipe: pipe.step(inputs, targets),
     )
     return out

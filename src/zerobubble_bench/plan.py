@@ -93,9 +93,11 @@ def _plan_rank(
     )
     for _ in range(1 + calibrate):  # the calibration's steps, all before any timed step
         our_step(auto, load.batch)()
-    calibration = auto.plan.calibration
+    plan, layer_profile = auto.plan, auto.profile
+    assert plan is not None and layer_profile is not None
+    calibration = plan.calibration
     assert calibration is not None
-    pipes = {f"auto ({auto.schedule.name}, cuts {list(auto.plan.partition)})": auto}
+    pipes = {f"auto ({auto.schedule.name}, cuts {list(plan.partition)})": auto}
     count = len(load.make_layers())
     names = ("zb-v",) if model == "lm" else OUR_SCHEDULES
     for name in names:
@@ -122,7 +124,7 @@ def _plan_rank(
         # the profile holds times on a core of its own, the plan's cores model the ranks sharing them;
         # the calibrated times were measured while sharing them: simulated as they are
         for kind, profile, cores in (
-            ("profile", auto.profile, auto.plan.cores),
+            ("profile", layer_profile, plan.cores),
             ("calibrated", calibration.profile, None),
         ):
             costs = stage_costs(profile, bounds[1:-1], len(bounds) - 1, fused=fused)
@@ -131,7 +133,7 @@ def _plan_rank(
         "times": times,
         "steps_per_round": steps,
         "predicted": predicted,
-        "reason": auto.plan.reason,
+        "reason": plan.reason,
         "calibration": calibration.describe(),
     }
 

@@ -1,14 +1,14 @@
 """``Pipeline(schedule="auto")``: profile, plan once, broadcast, so every rank runs the same plan.
 
-:func:`plan_for_pipeline` is called by the Pipeline before it places any layer.  Ranks 0 and 1 of
-the group time a transfer (:func:`~.profile.measure_transfer`); every rank profiles the layers on the
-first microbatch of the example batch (on copies: the model, its gradients and the random state are
-untouched) — all at once, or in turns when the ranks outnumber the CPU cores
-(:func:`profiling_turns`); rank 0
-takes the median of each time over the ranks and runs :func:`zerobubble.schedule.plan.plan`; the
-resulting :class:`Plan` — or the error saying why nothing fits — is broadcast, so every rank either
-runs the same schedule and partition or raises the same :class:`PipelineError` before allocating
-anything.
+:func:`resolve_auto` is called by the Pipeline before it places any layer: :func:`plan_for_pipeline`
+decides, :func:`~.resolve.from_plan` makes the plan the Pipeline's :class:`~.resolve.Resolution`.
+Ranks 0 and 1 of the group time a transfer (:func:`~.profile.measure_transfer`); every rank
+profiles the layers on the first microbatch of the example batch (on copies: the model, its
+gradients and the random state are untouched) — all at once, or in turns when the ranks outnumber
+the CPU cores (:func:`profiling_turns`); rank 0 takes the median of each time over the ranks and
+runs :func:`zerobubble.schedule.plan.plan`; the resulting :class:`Plan` — or the error saying why
+nothing fits — is broadcast, so every rank either runs the same schedule and partition or raises
+the same :class:`PipelineError` before allocating anything.
 
 :class:`Calibrator` then records the run's own first steps and calibrates the plan from them
 (:func:`zerobubble.schedule.calibration.calibrate`): ``pipe.plan.calibration`` holds the prediction from
@@ -22,7 +22,7 @@ import math
 import os
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,11 @@ from ..schedule import ScheduleError
 from ..schedule.modelplan import ModelProfile, Plan, calibrate, median_profile, plan
 from . import PipelineError
 from .profile import measure_transfer, profile_layers
-from .recorder import StepRecorder
+from .recorder import OpRecorder, StepRecorder
+
+if TYPE_CHECKING:
+    from .resolve import Resolution
+    from .trace import MeasuredTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,45 @@ def plan_for_pipeline(
     if isinstance(outcome, str):
         raise PipelineError(f'schedule="auto" cannot run: {outcome}')
     return outcome
+
+
+def resolve_auto(
+    layers: nn.Sequential | Sequence[nn.Module],
+    example: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    group: dist.ProcessGroup | None,
+    ranks: int,
+    microbatches: int | None,
+    memory_limit: str | float | None,
+    post_validation: bool,
+    device: torch.device,
+    schedules: Sequence[str] | None = None,
+    chunks: int | None = None,
+) -> Resolution:
+    """The Pipeline's arguments resolved by the planner (collective): :func:`plan_for_pipeline`'s
+    plan as a :class:`~.resolve.Resolution`, the same on every rank; or the same error on every rank.
+
+    ``ranks`` is the pipeline's size; ``microbatches`` defaults to
+    :data:`~.staging.DEFAULT_MICROBATCHES`; ``schedules`` and ``chunks`` as for :func:`plan_for_pipeline`.
+    """
+    from .resolve import from_plan
+    from .staging import DEFAULT_MICROBATCHES, checked_loss_fn, named_layers
+
+    named, loss = named_layers(layers), checked_loss_fn(loss_fn)
+    chosen, profile = plan_for_pipeline(
+        named,
+        example,
+        loss,
+        group,
+        ranks,
+        microbatches or DEFAULT_MICROBATCHES,
+        memory_limit,
+        post_validation,
+        device,
+        schedules=schedules,
+        chunks=chunks,
+    )
+    return from_plan(named, chosen, profile, loss)
 
 
 def profiling_turns(world: int, device: torch.device) -> int:
@@ -198,16 +241,38 @@ def _object_device(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
+class Calibrated(Protocol):
+    """What a :class:`Calibrator` sees of the Pipeline it calibrates: the resolution it runs (its
+    schedule, layer bounds, plan and profile), its group and device, and its recorder slot."""
+
+    @property
+    def resolution(self) -> Resolution: ...
+
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def recorder(self) -> OpRecorder | None: ...
+
+    @recorder.setter
+    def recorder(self, recorder: OpRecorder | None) -> None: ...
+
+
 class Calibrator:
     """Calibrates a ``schedule="auto"`` Pipeline's plan from the run's own first steps (collective).
 
-    The Pipeline calls :meth:`after_step` after every step until it returns True.  The first step is
-    left out (it also exchanges shape headers and allocates); the next ``steps`` are recorded — by
-    the Pipeline's own recorder with ``trace=True``, else by a :class:`~.trace.TraceRecorder`
-    attached for them only — then every rank of the pipeline sends its op intervals to rank 0, which
-    takes per chunk and kind the median over the steps of the mean op time, runs
-    :func:`~zerobubble.schedule.calibration.calibrate` and broadcasts the calibrated plan.  A
-    calibration that fails leaves the plan as it was and logs why: training goes on.
+        The Pipeline calls :meth:`after_step` after every step until it returns the calibrated plan; the
+    Calibrator sees the Pipeline only through :class:`Calibrated`: the resolution it runs, where it
+    runs, and its recorder slot (the one thing it changes, for the recorded steps).  The first step is
+        left out (it also exchanges shape headers and allocates); the next ``steps`` are recorded — by
+        the Pipeline's own recorder with ``trace=True``, else by a :class:`~.trace.TraceRecorder`
+        attached for them only — then every rank of the pipeline sends its op intervals to rank 0, which
+        takes per chunk and kind the median over the steps of the mean op time, runs
+        :func:`~zerobubble.schedule.calibration.calibrate` and broadcasts the calibrated plan.  A
+        calibration that fails leaves the plan as it was and logs why: training goes on.
     """
 
     def __init__(self, steps: int):
@@ -216,24 +281,28 @@ class Calibrator:
         self.steps = steps
         self.completed = 0
         self.recorder: StepRecorder | None = None
-        self.replaced: Any = None  # a recorder of the caller's, attached again after the recorded steps
+        # a recorder of the caller's, attached again after the recorded steps
+        self.replaced: OpRecorder | None = None
         self.attached = False
 
-    def after_step(self, pipe: Any) -> bool:
-        """Count a finished step; attach the recorder after the first, calibrate after the last one."""
+    def after_step(self, pipe: Calibrated) -> Plan | None:
+        """Count a finished step; attach the recorder after the first, calibrate after the last one.
+
+        Returns None until the recorded steps are done, then the plan with its calibration (the
+        running plan unchanged when the calibration failed); the Pipeline adopts it as its ``plan``.
+        """
         self.completed += 1
         if self.completed == 1:
             self._attach(pipe)
         if self.completed < 1 + self.steps:
-            return False
+            return None
         try:
-            pipe.plan = self._calibrated(pipe)
+            return self._calibrated(pipe)
         finally:
             if self.attached:
                 pipe.recorder = self.replaced
-        return True
 
-    def _attach(self, pipe: Any) -> None:
+    def _attach(self, pipe: Calibrated) -> None:
         """Record with the Pipeline's step recorder, or attach one for the recorded steps (a recorder
         of the caller's that keeps no steps is put back afterwards; every rank records alike)."""
         if isinstance(pipe.recorder, StepRecorder):
@@ -246,27 +315,17 @@ class Calibrator:
         pipe.recorder = self.recorder
         self.attached = True
 
-    def _calibrated(self, pipe: Any) -> Plan:
+    def _calibrated(self, pipe: Calibrated) -> Plan:
         """The plan with its calibration, the same on every rank of the pipeline (collective)."""
-        from .trace import gather_timelines, measured_costs, transfer_latencies
+        from .trace import gather_timelines
 
-        assert self.recorder is not None
-        timelines = gather_timelines(self.recorder, pipe.schedule, pipe.group, pipe.device)
+        resolved = pipe.resolution
+        assert self.recorder is not None and resolved.plan is not None and resolved.profile is not None
+        timelines = gather_timelines(self.recorder, resolved.schedule, pipe.group, pipe.device)
         payload: list[Any] = [None]
         if timelines is not None:  # pipeline rank 0
             try:
-                recorded = timelines[-self.steps :]
-                per_step = [measured_costs([timeline]) for timeline in recorded]
-                # the median step's op time per chunk: a burst of load elsewhere during one step is left out
-                costs = {
-                    kind: [statistics.median(values) for values in zip(*(getattr(c, kind) for c in per_step))]
-                    for kind in ("f", "b", "w")
-                }
-                latencies = sorted(x for t in recorded for x in transfer_latencies(t))
-                latency = latencies[len(latencies) // 2] if latencies else pipe.profile.comm_latency
-                payload[0] = calibrate(
-                    pipe.plan, pipe.profile, pipe.layer_bounds, costs, latency, len(recorded)
-                )
+                payload[0] = self._calibrate(resolved, timelines[-self.steps :])
             except Exception as error:  # every rank must learn of it, or the others wait in the broadcast
                 payload[0] = f"{type(error).__name__}: {error}"
         source = dist.get_global_rank(pipe.group, 0) if pipe.group is not None else 0
@@ -274,6 +333,22 @@ class Calibrator:
         outcome = payload[0]
         if isinstance(outcome, str):
             logger.warning('schedule="auto": calibrating the plan from recorded steps failed: %s', outcome)
-            return pipe.plan
+            return resolved.plan
         logger.info('schedule="auto": %s', outcome.calibration.describe())
         return outcome
+
+    @staticmethod
+    def _calibrate(resolved: Resolution, recorded: Sequence[MeasuredTimeline]) -> Plan:
+        """Rank 0's calibrated plan from the recorded steps' timelines."""
+        from .trace import measured_costs, transfer_latencies
+
+        assert resolved.plan is not None and resolved.profile is not None
+        per_step = [measured_costs([timeline]) for timeline in recorded]
+        # the median step's op time per chunk: a burst of load elsewhere during one step is left out
+        costs = {
+            kind: [statistics.median(values) for values in zip(*(getattr(c, kind) for c in per_step))]
+            for kind in ("f", "b", "w")
+        }
+        latencies = sorted(x for t in recorded for x in transfer_latencies(t))
+        latency = latencies[len(latencies) // 2] if latencies else resolved.profile.comm_latency
+        return calibrate(resolved.plan, resolved.profile, resolved.bounds, costs, latency, len(recorded))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,6 +295,55 @@ class CallCheck:
         received = _post(self.monitor, dist.irecv, theirs, self.ranks[peer], self.group, _CHECK_TAG, what)
         self.monitor.wait(received, what)
         self.monitor.wait(sent, what)
+
+
+def prepare_call(
+    call: str,
+    inputs: Any,
+    targets: Any,
+    loss_scale: float | None,
+    split: Callable[[Any, Any], tuple[list, list]],
+    exchange: Callable[[CallSignature], str | None] | None,
+) -> tuple[list, list]:
+    """Check and ``split`` a rank's arguments of ``call``, then compare the call with every rank's.
+
+    Runs before the call's first message: a rank's own argument error is raised there and named on
+    every other rank, and arguments that differ between ranks raise the same error everywhere
+    (``exchange``, :meth:`CallCheck.exchange`; None skips the comparison); nothing has been sent,
+    so the Pipeline stays usable.
+    """
+    problem: Exception | None = None
+    prepared: tuple[list, list] = ([], [])
+    scale, verdict = None, None
+    try:
+        # an iterable batch is read once, here: the split and the signature both see its tensors
+        inputs, targets = (
+            b if b is None or isinstance(b, (torch.Tensor, Mapping)) else tuple(b) for b in (inputs, targets)
+        )
+        if call == "step":
+            if not torch.is_grad_enabled():
+                raise PipelineError(
+                    "step() runs a backward, but autograd is disabled here (torch.no_grad or "
+                    "inference_mode); use pipe.evaluate(inputs, targets) for a forward-only pass"
+                )
+            scale = float(loss_scale or 1.0)
+        prepared = split(inputs, targets)
+    except Exception as error:
+        problem = error
+    if exchange is not None:
+        if problem is None:
+            signature = CallSignature(call, scale, batch_signature(inputs), batch_signature(targets))
+        else:
+            text = (
+                str(problem) if isinstance(problem, PipelineError) else f"{type(problem).__name__}: {problem}"
+            )
+            signature = CallSignature(call, problem=text)
+        verdict = exchange(signature)
+    if problem is not None:
+        raise problem
+    if verdict is not None:
+        raise PipelineError(verdict)
+    return prepared
 
 
 def _post(

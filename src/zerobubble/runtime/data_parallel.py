@@ -53,6 +53,13 @@ class ParallelLayout:
         replica = self.dp_index if dp_index is None else dp_index
         return self.span[replica * self.pipeline_size + pipeline_rank]
 
+    def rank_name(self, group_rank: int) -> str:
+        """How messages name the rank of group rank ``group_rank`` (its replica too with data parallelism)."""
+        if self.data_parallel == 1:
+            return f"rank {group_rank}"
+        replica, rank = divmod(group_rank, self.pipeline_size)
+        return f"rank {group_rank} (pipeline rank {rank} of replica {replica})"
+
     def replica_ranks(self, dp_index: int) -> list[int]:
         """Global ranks of replica ``dp_index`` in pipeline-rank order."""
         return [self.global_rank(r, dp_index) for r in range(self.pipeline_size)]
@@ -231,3 +238,16 @@ def chunk_parameters(stages: Mapping[int, Any], last_ops: Mapping[int, int]) -> 
                 seen.add(id(param))
                 chunks[stage].append(param)
     return chunks
+
+
+def mean_loss(
+    losses: Sequence[torch.Tensor], layout: ParallelLayout, wait: Callable[..., Any]
+) -> torch.Tensor:
+    """A step's mean loss from its microbatch ``losses``, over the global batch when there are several
+    replicas (an all-reduce over the data-parallel group, waited on with ``wait``)."""
+    mean = torch.stack(list(losses)).float().mean()
+    if layout.data_parallel > 1:
+        work = dist.all_reduce(mean, group=layout.dp_group, async_op=True)
+        wait(work, "the data-parallel loss average")
+        mean /= layout.data_parallel
+    return mean

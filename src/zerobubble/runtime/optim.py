@@ -20,12 +20,13 @@ import dataclasses
 import enum
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from . import PipelineError
 from .rollback import OptimizerValidationError, ReversibleStep, rollback_support
@@ -491,3 +492,13 @@ class PipelineOptimizer:
             self.validator.close()
             self._retired = self.stats
             self.validator = None
+
+
+@torch.no_grad()
+def unscale_gradients(parameters: Iterable[nn.Parameter], scale: float) -> None:
+    """Divide the gradients of ``parameters`` by the loss scale ``scale`` (``GradScaler.unscale_``)."""
+    if not scale > 0.0:
+        raise PipelineError(f"unscale must be a positive loss scale, got {scale!r}")
+    for param in parameters:
+        if param.grad is not None:
+            param.grad.div_(scale)

@@ -16,58 +16,49 @@ model's, tied aliases included, and the unpipelined model's loads on every rank 
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedule import CostModel, Schedule
+from ..schedule import CostModel, Schedule, Timeline
 from ..schedule.channels import directed_pairs
-from ..schedule.ir import Kind
 from . import PipelineError
+from .build import chain_optimizer, install_averager, place_stages, tie_parameters
 from .checkpoint import merge_state_dicts, model_keys, select_entries, strict_error
 from .comm import Comm
 from .consistency import (
     STATE_DICT_TAG,
     CallCheck,
     CallSignature,
-    TiedParameter,
-    agree,
-    batch_signature,
     broadcast_replicas,
-    find_ties,
-    fingerprint,
+    prepare_call,
     share_objects,
 )
 from .data_parallel import (
-    GradientAverager,
-    chunk_parameters,
     create_layout,
     first_forward,
-    last_gradient_ops,
+    mean_loss,
     pipeline_size_of,
 )
-from .executor import Executor, Hook, StageState
+from .executor import Executor, Hook
 from .failures import PeerFailure, PeerMonitor
 from .launch import init_distributed, local_device
-from .optim import OptimizerStats, PipelineOptimizer, validation_chain
+from .optim import OptimizerStats, unscale_gradients
 from .recorder import OpRecorder, StepRecorder, as_recorder
-from .staging import (
-    DEFAULT_MICROBATCHES,
-    StageModule,
-    checked_loss_fn,
-    named_layers,
-    partition_bounds,
-    resolve_schedule,
-    split_batch,
-    stage_of,
-)
-from .wgrad import FastPaths, WeightGradStore, install_deferral
-from .wgrad.verify import SplitGuard, SplitRecord
+from .resolve import LossFn, Resolution, agree_on, resolve, wants_profile
+from .staging import split_call
+from .wgrad import FastPaths
+from .wgrad.verify import SplitRecord
+
+if TYPE_CHECKING:
+    from ..schedule.plan import ModelProfile, Plan
+    from .auto import Calibrator
+    from .trace import MeasuredTimeline, TraceReport
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +99,10 @@ class Pipeline:
     steps with optimizer post-validation (:mod:`.optim`); ``post_validation=False`` makes it a
     plain synchronous step.
 
-    Only this rank's layers are referenced after construction (moved to its device); the others
-    are freed once the caller drops ``layers``.  With a schedule that has W ops every parameter
+    Construction resolves the arguments into one frozen :class:`~.resolve.Resolution`
+    (:attr:`resolution`), agreed by every rank, then builds this rank's part (:mod:`.build`).  Only
+    this rank's layers are referenced afterwards (moved to its device); the others are freed once
+    the caller drops ``layers``.  With a schedule that has W ops every parameter
     gets its gradient in W (:mod:`.wgrad`; ``fast_paths`` adds split rules for your own layer
     types); module types and parameter names do not change.  Without ``costs`` the schedule is
     planned with :func:`.staging.default_costs` (W keeps M_B until it runs).
@@ -123,18 +116,19 @@ class Pipeline:
     a rank's argument error): a difference raises the same error on every rank and the Pipeline stays
     usable.  A failure on one rank stops every peer within a fraction of a second with its rank, op
     and error; the Pipeline then refuses further steps.  :meth:`evaluate` runs a forward-only pass.
-    ``check_calls=False`` (keyword-only) skips the per-call comparison — a max-reduce of eight int64
-    over every rank of the Pipeline per call, by point-to-point transfers on a gloo group of its own
-    (``benchmarks/call_check.py``) — and with it the guarantee: an argument error then stops only the
-    rank that makes it.
+    ``check_calls=False`` skips the per-call comparison — a max-reduce of eight int64 over every rank
+    per call, point to point on a gloo group of its own (``benchmarks/call_check.py``) — and with it
+    the guarantee: an argument error then stops only the rank that makes it.  Every argument after
+    ``layers`` is keyword-only.
     """
 
     def __init__(
         self,
         layers: nn.Sequential | Sequence[nn.Module],
+        *,
         schedule: str | Schedule = "zb-v",
         microbatches: int | None = None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        loss_fn: LossFn | None = None,
         chunks: int | None = None,
         partition: Sequence[int] | str | None = None,
         group: dist.ProcessGroup | None = None,
@@ -150,93 +144,109 @@ class Pipeline:
         memory_limit: str | float | None = None,
         example: Any = None,
         calibrate: int = 3,
-        *,
         verify: bool | str = True,
         check_calls: bool = True,
     ):
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
-        self.device = local_device(backend)  # before the first collective (NCCL needs the device)
+        self.device: torch.device = local_device(backend)  # before the first collective (NCCL needs it)
         self.timeout = timeout
         self._failure: str | None = None
         self._placeholder: torch.optim.Optimizer | None = None
         self._recorder: OpRecorder | None = None
-        self.plan: Any = None  # the Plan of schedule="auto", and the ModelProfile it came from
-        self.profile: Any = None
-        self._calibrator: Any = None
-        profiled = isinstance(partition, str)
-        if profiled and (partition != "profile" or not isinstance(schedule, str) or schedule == "auto"):
-            raise PipelineError(
-                f'partition={partition!r}: pass a list of cut points, None (even), or "profile" with a '
-                'schedule name (schedule="auto" always chooses its partition from the profile)'
-            )
-        if schedule == "auto" or profiled:  # profile, plan once, broadcast: .auto
-            from .auto import Calibrator, plan_for_pipeline
+        self._calibrator: Calibrator | None = None
+        size = dist.get_world_size(group)
+        planned: Resolution | None = None
+        if wants_profile(schedule, partition):  # profile, plan once, broadcast: .auto
+            from .auto import Calibrator, resolve_auto
 
-            if calibrate:  # checked before the collectives below, on every rank alike
-                self._calibrator = Calibrator(calibrate)
-
-            self.plan, self.profile = plan_for_pipeline(
-                named_layers(layers),
+            self._calibrator = Calibrator(calibrate) if calibrate else None  # checked before collectives
+            planned = resolve_auto(
+                layers,
                 example,
-                checked_loss_fn(loss_fn),
+                loss_fn,
                 group,
-                pipeline_size_of(dist.get_world_size(group), data_parallel),
-                microbatches or DEFAULT_MICROBATCHES,
+                pipeline_size_of(size, data_parallel),
+                microbatches,
                 memory_limit,
                 post_validation,
                 self.device,
-                schedules=[schedule] if profiled else None,  # type: ignore[list-item]  # a str here
+                schedules=[schedule] if isinstance(schedule, str) and partition == "profile" else None,
                 chunks=chunks,
             )
-            schedule, partition, costs = self.plan.schedule, self.plan.partition, self.plan.costs
-            microbatches = chunks = None
-        named, bounds, ties = self._plan(
-            layers,
-            schedule,
-            microbatches,
-            loss_fn,
-            chunks,
-            partition,
-            costs,
-            group,
-            data_parallel,
-            seed,
-            check_calls,
+        resolution, self._agreement = agree_on(  # collective: every rank checks every rank's
+            lambda: (
+                planned
+                or resolve(
+                    layers,
+                    ranks=size,
+                    data_parallel=data_parallel,
+                    schedule=schedule,
+                    microbatches=microbatches,
+                    loss_fn=loss_fn,
+                    chunks=chunks,
+                    partition=None if isinstance(partition, str) else partition,
+                    costs=costs,
+                )
+            ),
+            data_parallel=data_parallel,
+            seed=seed,
+            group=group,
+            verify=verify,
+            check_calls=bool(check_calls),
         )
-        logger.info(
-            "schedule %s: %d ranks, %d microbatches, %d chunks per rank, layers cut at %s",
-            self.schedule.name,
-            self.schedule.num_ranks,
-            self.schedule.microbatches,
-            self.schedule.chunks,
-            bounds[1:-1],
-        )
-        self.layout = create_layout(group, data_parallel, timeout)  # collective: new_group
-        group = self.group = self.layout.pipeline_group
+        self._build(resolution, group, data_parallel, static_shapes, fast_paths, verify, check_calls)
+        self._build_recording(trace, emulate)
+        self._init_optimization(post_validation)
+
+    def _build(
+        self,
+        resolution: Resolution,
+        group: dist.ProcessGroup | None,
+        data_parallel: int,
+        static_shapes: bool,
+        fast_paths: FastPaths | None,
+        verify: bool | str,
+        check_calls: bool,
+    ) -> None:
+        """Build this rank's part of the agreed ``resolution`` (collective: the layout's, the call
+        check's, the ties' and the channels' groups); nothing is resolved or validated here."""
+        self.resolution = resolution
+        self.schedule: Schedule = resolution.schedule
+        self.timeline: Timeline = resolution.timeline
+        self.layer_bounds = resolution.bounds  # chunk s holds layers [bounds[s], bounds[s + 1])
+        self.plan: Plan | None = resolution.plan  # schedule="auto": what was chosen and why
+        self.profile: ModelProfile | None = resolution.profile  # and the layer profile it came from
+        logger.info("%s", resolution.describe())
+        self.layout = create_layout(group, data_parallel, self.timeout)  # collective: new_group
+        self.group: dist.ProcessGroup | None = self.layout.pipeline_group
         self.rank = self.layout.pipeline_rank
         self.world_size = self.layout.pipeline_size
-        self._monitor = PeerMonitor(self._agreement.key, self.rank, timeout)
+        self._monitor = PeerMonitor(self._agreement.key, self.rank, self.timeout)
         # the per-call argument check: a gloo group of its own over every rank (collective: new_group)
         calls = dist.new_group(list(self.layout.span), backend="gloo", timeout=self.layout.setup_timeout)
-        self._calls = CallCheck(calls, self._monitor, self._rank_name)
+        self._calls = CallCheck(calls, self._monitor, self.layout.rank_name)
         self._check_calls = bool(check_calls)
-        self._model_keys = model_keys(named)  # the unpipelined state dict's keys, before _place
+        self._model_keys = model_keys(resolution.layers)  # the unpipelined state dict's keys
         self._known_keys = frozenset(self._model_keys)
-        self._ties = [tuple(name for _, name in tie) for tie in ties]
+        self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
         self.module = nn.Module()
-        if verify not in (True, False, "strict"):
-            raise PipelineError(f'verify={verify!r}: pass True (the default), "strict" or False')
-        self._guards: dict[int, SplitGuard] = {}
-        stages = self._place(named, bounds, fast_paths, verify)
+        stages, self._guards = place_stages(
+            resolution, self.rank, self.device, self.module, fast_paths, verify
+        )
         self.stages = tuple(sorted(stages))
-        self._tied = self._tie(ties, bounds)
+        self._tied = tie_parameters(resolution, self.rank, self.layout, self.module)
         if self.layout.data_parallel > 1:  # replicas start from replica 0's weights, as DDP does
             broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
         with self.layout.replicated(directed_pairs(self.schedule)):
-            comm = Comm(self.schedule, group, self.device, timeout, static_shapes, monitor=self._monitor)
+            comm = Comm(
+                self.schedule, self.group, self.device, self.timeout, static_shapes, monitor=self._monitor
+            )
         self._executor = Executor(
-            self.schedule, self.rank, stages, comm, checked_loss_fn(loss_fn), self._agreement.seed
+            self.schedule, self.rank, stages, comm, resolution.loss_fn, self._agreement.seed
         )
+        self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
+
+    def _build_recording(self, trace: bool, emulate: CostModel | None) -> None:
         if emulate is not None:  # each op lasts its modelled duration (ms), see .emulate
             from .emulate import install_emulation
 
@@ -245,119 +255,12 @@ class Pipeline:
             from .trace import TraceRecorder
 
             self.recorder = TraceRecorder(self.device)
-        self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
-        self._init_optimization(post_validation)
-
-    def _plan(
-        self,
-        layers,
-        schedule,
-        microbatches,
-        loss_fn,
-        chunks,
-        partition,
-        costs,
-        group,
-        data_parallel,
-        seed,
-        check_calls,
-    ) -> tuple[list[tuple[str, nn.Module]], list[int], list[list[tuple[int, str]]]]:
-        """Resolve the schedule and the cut points, then agree with every rank on them (collective).
-
-        A rank whose arguments are wrong still joins the exchange, so its peers raise naming it
-        instead of waiting for it.
-        """
-        problem, mine = None, None
-        named: list[tuple[str, nn.Module]] = []
-        bounds: list[int] = []
-        ties: list[list[tuple[int, str]]] = []
-        try:
-            checked_loss_fn(loss_fn)
-            size = pipeline_size_of(dist.get_world_size(group), data_parallel)
-            self.schedule, self.timeline = resolve_schedule(schedule, size, microbatches, chunks, costs)
-            named = named_layers(layers)
-            bounds = partition_bounds(len(named), self.schedule.num_stages, partition)
-            ties = find_ties(named)
-            mine = fingerprint(
-                named, self.schedule, bounds, data_parallel, ties, check_calls=bool(check_calls)
-            )
-        except PipelineError as error:
-            problem = error
-        self._agreement = agree(mine, None if problem is None else str(problem), seed, group)
-        if problem is not None:
-            raise problem
-        return named, bounds, ties
-
-    def _place(
-        self,
-        named: list[tuple[str, nn.Module]],
-        bounds: list[int],
-        fast_paths: FastPaths | None,
-        verify: bool | str,
-    ) -> dict[int, StageState]:
-        """Cut the layers into chunks and keep this rank's, registered under their original names;
-        each stage's split gets a guard (:mod:`.wgrad.verify`) unless ``verify`` is False."""
-        self.layer_bounds = tuple(bounds)  # chunk s holds layers [bounds[s], bounds[s + 1])
-        stages = {}
-        for index in self.schedule.placement.stages_of(self.rank):
-            chunk = named[bounds[index] : bounds[index + 1]]
-            for name, layer in chunk:
-                self.module.add_module(name, layer.to(self.device))
-            layers = [layer for _, layer in chunk]
-            store = WeightGradStore()
-            # fused schedules too: their BW ops gain the fast paths' cheaper accumulation
-            deferral = install_deferral(layers, store, fast_paths, generic=self.schedule.splits_backward)
-            state = StageState(
-                index,
-                StageModule(layers),
-                store,
-                first=index == 0,
-                last=index == self.schedule.num_stages - 1,
-                name=f"layers {chunk[0][0]}..{chunk[-1][0]}",
-            )
-            kinds = {op.kind for op in self.schedule.programs[self.rank] if op.stage == index}
-            guard = self._guards[index] = SplitGuard(
-                stage=index,
-                module=state.module,
-                store=store,
-                deferral=deferral,
-                names={id(module): name for name, module in self.module.named_modules()},
-                strict=verify == "strict",
-                deferred=Kind.W in kinds,
-                fused=Kind.BW in kinds,
-            )
-            state.guard = guard if verify is not False else None
-            stages[index] = state
-        return stages
 
     def split_report(self) -> list[SplitRecord]:
         """How every module of this rank's stages splits its backward: the path it takes (a fast path
         and its rule, the generic split, routed calls, plain autograd after a fall-back), whether the
         split guard has checked it, and why a module fell back (``docs/wgrad.md``)."""
         return [record for index in self.stages for record in self._guards[index].report()]
-
-    def _tie(self, ties: list[list[tuple[int, str]]], bounds: list[int]) -> list[TiedParameter]:
-        """Groups for the ties spanning several ranks (collective: every replica, every tie, in order)."""
-        placement, layout, tied = self.schedule.placement, self.layout, []
-        for uses in ties:
-            holders = sorted({placement.rank_of(stage_of(index, bounds)) for index, _ in uses})
-            if len(holders) < 2:
-                continue  # one rank holds every use: autograd accumulates into the one Parameter
-            source = placement.rank_of(stage_of(uses[0][0], bounds))
-            for replica in range(layout.data_parallel):
-                ranks = [layout.global_rank(rank, replica) for rank in holders]
-                created = dist.new_group(ranks, timeout=layout.setup_timeout)
-                if replica == layout.dp_index and self.rank in holders:
-                    local = next(
-                        name
-                        for index, name in uses
-                        if self.rank == placement.rank_of(stage_of(index, bounds))
-                    )
-                    param = self.module.get_parameter(local)
-                    tied.append(TiedParameter(uses[0][1], param, created, layout.global_rank(source)))
-        for tie in tied:
-            tie.broadcast_value()
-        return tied
 
     # -- training ----------------------------------------------------------------------------------
 
@@ -367,7 +270,7 @@ class Pipeline:
         return self._last
 
     @property
-    def recorder(self) -> Any:
+    def recorder(self) -> OpRecorder | None:
         """An optional :class:`~.recorder.Recorder` timing every op, runtime event and transfer wait.
 
         It needs at least ``op(op, start, end)`` and ``wait(key, start, end)``; the rest of the
@@ -411,9 +314,12 @@ class Pipeline:
         self._check_usable("step")
         split_inputs, targets_mb = self._prepare_call("step", inputs, targets, loss_scale)
         losses = self._guarded("step", lambda: self._run_program(split_inputs, targets_mb, loss_scale or 1.0))
-        if self._calibrator is not None and self._guarded("step", lambda: self._calibrator.after_step(self)):
-            self._calibrator = None  # schedule="auto": the plan is calibrated from the recorded steps
-        return self._mean_loss(losses) if self._last else None
+        calibrator = self._calibrator
+        if calibrator is not None:  # schedule="auto": the plan is calibrated from the recorded steps
+            calibrated = self._guarded("step", lambda: calibrator.after_step(self))
+            if calibrated is not None:
+                self.plan, self._calibrator = calibrated, None
+        return mean_loss(losses, self.layout, self._monitor.wait) if self._last else None
 
     @torch.no_grad()
     def evaluate(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
@@ -435,7 +341,7 @@ class Pipeline:
         finally:
             for module, training in modes:
                 module.training = training
-        return self._mean_loss(losses) if self._last else None
+        return mean_loss(losses, self.layout, self._monitor.wait) if self._last else None
 
     def _evaluate(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]) -> list:
         self._settle()  # the parameters must be final before they are read
@@ -444,65 +350,22 @@ class Pipeline:
     def _prepare_call(
         self, call: str, inputs: Any, targets: Any, loss_scale: float | None = None
     ) -> tuple[list, list]:
-        """Check and split this rank's arguments, then compare the call with every rank's (collective).
+        """Check and split this rank's arguments, then compare the call with every rank's (collective,
+        unless ``check_calls=False``): :func:`~.consistency.prepare_call`."""
 
-        Runs before the call's first message: a rank's own argument error is raised there and named on
-        every other rank, and arguments that differ between ranks raise the same error everywhere
-        (:class:`~.consistency.CallCheck`); nothing has been sent, so the Pipeline stays usable.
-        """
-        problem: Exception | None = None
-        prepared: tuple[list, list] = ([], [])
-        scale, verdict = None, None
-        try:
-            # an iterable batch is read once, here: the split and the signature both see its tensors
-            inputs, targets = (
-                b if b is None or isinstance(b, (torch.Tensor, Mapping)) else tuple(b)
-                for b in (inputs, targets)
-            )
-            if call == "step":
-                if not torch.is_grad_enabled():
-                    raise PipelineError(
-                        "step() runs a backward, but autograd is disabled here (torch.no_grad or "
-                        "inference_mode); use pipe.evaluate(inputs, targets) for a forward-only pass"
-                    )
-                scale = float(loss_scale or 1.0)
-            prepared = self._split_batch(inputs, targets, call)
-        except Exception as error:
-            problem = error
-        if self._check_calls:
-            if problem is None:
-                signature = CallSignature(call, scale, batch_signature(inputs), batch_signature(targets))
-            else:
-                text = (
-                    str(problem)
-                    if isinstance(problem, PipelineError)
-                    else f"{type(problem).__name__}: {problem}"
-                )
-                signature = CallSignature(call, problem=text)
-            verdict = self._guarded(call, lambda: self._calls.exchange(signature))
-        if problem is not None:
-            raise problem
-        if verdict is not None:
-            raise PipelineError(verdict)
-        return prepared
+        ends = (self._first, self._last)
 
-    def _rank_name(self, group_rank: int) -> str:
-        """How messages name the rank of group rank ``group_rank`` (its replica too with data parallelism)."""
-        if self.layout.data_parallel == 1:
-            return f"rank {group_rank}"
-        replica, rank = divmod(group_rank, self.layout.pipeline_size)
-        return f"rank {group_rank} (pipeline rank {rank} of replica {replica})"
+        def exchange(signature: CallSignature) -> str | None:
+            return self._guarded(call, lambda: self._calls.exchange(signature))
 
-    def _split_batch(self, inputs: Any, targets: Any, call: str) -> tuple[list, list]:
-        m = self.schedule.microbatches
-        split_inputs = split_batch(inputs, m, "inputs", self.device)
-        split_targets = split_batch(targets, m, "targets", self.device)
-        if self._first and split_inputs is None:
-            raise PipelineError(f"rank {self.rank} holds the first stage: pass the batch inputs to {call}()")
-        if self._last and split_targets is None:
-            raise PipelineError(f"rank {self.rank} holds the last stage: pass the targets to {call}()")
-        targets_mb = [t[0] if len(t) == 1 else t for t in split_targets] if split_targets else []
-        return split_inputs or [], targets_mb
+        return prepare_call(
+            call,
+            inputs,
+            targets,
+            loss_scale,
+            lambda i, t: split_call(i, t, self.schedule.microbatches, self.device, call, self.rank, ends),
+            exchange if self._check_calls else None,
+        )
 
     def _check_usable(self, call: str) -> None:
         if self._failure is not None:
@@ -596,7 +459,7 @@ class Pipeline:
 
     # -- recorded timelines (trace=True) ------------------------------------------------------------
 
-    def measured_timelines(self) -> list[Any] | None:
+    def measured_timelines(self) -> list[MeasuredTimeline] | None:
         """The recorded steps as :class:`~.trace.MeasuredTimeline` objects on rank 0, None elsewhere.
 
         Collective (every rank calls it); needs ``trace=True`` or another
@@ -609,7 +472,7 @@ class Pipeline:
             raise PipelineError("no timeline was recorded: build the Pipeline with trace=True")
         return gather_timelines(recorder, self.schedule, self.group, self.device)
 
-    def write_trace(self, directory: Any) -> Any:
+    def write_trace(self, directory: str | Path) -> TraceReport | None:
         """Write the recorded timeline, the prediction and a picture to ``directory`` (collective).
 
         See :func:`~.trace.write_trace`; the pipeline's first step is left out when later ones were
@@ -623,7 +486,7 @@ class Pipeline:
             return None
         if not timelines:
             raise PipelineError("no step was recorded: run pipe.step() with trace=True before write_trace")
-        if len(timelines) > 1 and self.recorder.keeps_first_step:
+        if len(timelines) > 1 and getattr(self.recorder, "keeps_first_step", False):
             timelines = timelines[1:]
         profile = self.profile.to_dict() if self.profile is not None else None
         return write_trace(
@@ -669,7 +532,7 @@ class Pipeline:
                 )
             optimizer = self._empty_optimizer()
         if unscale is not None:
-            self._unscale(float(unscale))
+            unscale_gradients(self.parameters(), float(unscale))
         self._guarded("optimizer_step", lambda: self._optimizer.step(optimizer, max_norm))
 
     def _empty_optimizer(self) -> torch.optim.Optimizer:
@@ -677,14 +540,6 @@ class Pipeline:
         if self._placeholder is None:
             self._placeholder = torch.optim.SGD([torch.zeros(0, requires_grad=True)], lr=0.0)
         return self._placeholder
-
-    @torch.no_grad()
-    def _unscale(self, scale: float) -> None:
-        if not scale > 0.0:
-            raise PipelineError(f"unscale must be a positive loss scale, got {scale!r}")
-        for param in self.parameters():
-            if param.grad is not None:
-                param.grad.div_(scale)
 
     def synchronize(self) -> None:
         """Settle a pending optimizer step now (collective over the pipeline: every rank calls it).
@@ -703,32 +558,19 @@ class Pipeline:
 
     def _init_optimization(self, post_validation: bool) -> None:
         """Chain the ranks for the optimizer step; plan the data-parallel reductions and the op hooks."""
-        layout, program = self.layout, self.schedule.programs[self.rank]
-        finish_times = [ends[-1] if ends else 0.0 for ends in self.timeline.end]
-        chain = [layout.global_rank(rank) for rank in validation_chain(finish_times)]
-        self._optimizer = PipelineOptimizer(
-            chain,
-            layout.global_rank(self.rank),
-            layout.control_group,
-            post_validation,
+        self._optimizer = chain_optimizer(
+            self.resolution,
+            self.layout,
+            self.rank,
             self.device,
-            wait=self._monitor.wait,
-            # a tied parameter's summed gradient is counted once, by the holder of its first layer
-            norm_excludes=[t.param for t in self._tied if t.source != layout.global_rank(self.rank)],
+            post_validation,
+            self._monitor.wait,
+            self._tied,
         )
-        executor = self._executor
+        program = self.schedule.programs[self.rank]
         # the parameters are first read by the first forward: the pending step must be settled then
-        executor.add_hook(first_forward(program), Hook("optimizer settle", self._settle))
-        self._averager: GradientAverager | None = None
-        if layout.data_parallel > 1:
-            last_ops = last_gradient_ops(program)
-            chunks = chunk_parameters(executor.stages, last_ops)
-            self._averager = GradientAverager(
-                chunks, layout.dp_group, layout.data_parallel, wait=self._monitor.wait
-            )
-            for stage, position in last_ops.items():  # a chunk's gradients are final after this op
-                start = functools.partial(self._averager.start, stage)
-                executor.add_hook(position, Hook(f"all-reduce start (stage {stage})", start), after=True)
+        self._executor.add_hook(first_forward(program), Hook("optimizer settle", self._settle))
+        self._averager = install_averager(self._executor, program, self.layout, self._monitor.wait)
 
     def _settle(self) -> None:
         """Settle the pending optimizer step (confirm it or roll it back); log a rollback."""
@@ -756,12 +598,3 @@ class Pipeline:
         for tie in self._tied:
             tie.sum_gradients(self._monitor.wait)
         return losses
-
-    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The step's mean loss, over the global batch when there are several replicas."""
-        mean = torch.stack(losses).float().mean()
-        if self.layout.data_parallel > 1:
-            work = dist.all_reduce(mean, group=self.layout.dp_group, async_op=True)
-            self._monitor.wait(work, "the data-parallel loss average")
-            mean /= self.layout.data_parallel
-        return mean

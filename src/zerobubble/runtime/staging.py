@@ -159,3 +159,25 @@ def split_batch(
             )
     pieces = [t.to(device, non_blocking=True).chunk(microbatches) for t in tensors]
     return [tuple(piece[j] for piece in pieces) for j in range(microbatches)]
+
+
+def split_call(
+    inputs: Any,
+    targets: Any,
+    microbatches: int,
+    device: torch.device,
+    call: str,
+    rank: int,
+    ends: tuple[bool, bool],
+) -> tuple[list[tuple[torch.Tensor, ...]], list[Any]]:
+    """A call's ``(inputs, targets)`` as microbatches on rank ``rank``; ``ends`` says whether it holds
+    the first and the last stage (which need the inputs, the targets).  A target microbatch of one
+    tensor is that tensor."""
+    split_inputs = split_batch(inputs, microbatches, "inputs", device)
+    split_targets = split_batch(targets, microbatches, "targets", device)
+    if ends[0] and split_inputs is None:
+        raise PipelineError(f"rank {rank} holds the first stage: pass the batch inputs to {call}()")
+    if ends[1] and split_targets is None:
+        raise PipelineError(f"rank {rank} holds the last stage: pass the targets to {call}()")
+    targets_mb = [t[0] if len(t) == 1 else t for t in split_targets] if split_targets else []
+    return split_inputs or [], targets_mb
