@@ -6,12 +6,12 @@ Ranks 0 and 1 of the group time a transfer (:func:`~.profile.measure_transfer`);
 profiles the layers on the first microbatch of the example batch (on copies: the model, its
 gradients and the random state are untouched) — all at once, or in turns when the ranks outnumber
 the CPU cores (:func:`profiling_turns`); rank 0 takes the median of each time over the ranks and
-runs :func:`zerobubble.schedule.plan.plan`; the resulting :class:`Plan` — or the error saying why
+runs :func:`zerobubble.schedule.modelplan.plan`; the resulting :class:`Plan` — or the error saying why
 nothing fits — is broadcast, so every rank either runs the same schedule and partition or raises
 the same :class:`PipelineError` before allocating anything.
 
 :class:`Calibrator` then records the run's own first steps and calibrates the plan from them
-(:func:`zerobubble.schedule.calibration.calibrate`): ``pipe.plan.calibration`` holds the prediction from
+(:func:`zerobubble.schedule.modelplan.calibrate`): ``pipe.plan.calibration`` holds the prediction from
 the measured op times and the plan they would choose.
 """
 
@@ -271,7 +271,7 @@ class Calibrator:
         the Pipeline's own recorder with ``trace=True``, else by a :class:`~.trace.TraceRecorder`
         attached for them only — then every rank of the pipeline sends its op intervals to rank 0, which
         takes per chunk and kind the median over the steps of the mean op time, runs
-        :func:`~zerobubble.schedule.calibration.calibrate` and broadcasts the calibrated plan.  A
+        :func:`~zerobubble.schedule.modelplan.calibrate` and broadcasts the calibrated plan.  A
         calibration that fails leaves the plan as it was and logs why: training goes on.
     """
 

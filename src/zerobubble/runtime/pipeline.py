@@ -56,7 +56,7 @@ from .wgrad import FastPaths
 from .wgrad.verify import SplitRecord
 
 if TYPE_CHECKING:
-    from ..schedule.plan import ModelProfile, Plan
+    from ..schedule.modelplan import ModelProfile, Plan
     from .auto import Calibrator
     from .trace import MeasuredTimeline, TraceReport
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import CostModel, Schedule, Timeline, simulate
-from ..schedule.plan import ModelProfile, Plan
+from ..schedule.modelplan import ModelProfile, Plan
 from . import PipelineError
 from .consistency import Agreement, agree, find_ties, fingerprint
 from .data_parallel import pipeline_size_of
