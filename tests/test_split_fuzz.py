@@ -366,6 +366,17 @@ class _Chunk(nn.Module):
         return self.stage(*inputs)
 
 
+def _without_dropout(case: Case) -> Case:
+    """``case`` with each dropout op an activation: the executor seeds each forward its own way,
+    so dropout masks would differ from the reference's; everything else is compared."""
+
+    def swap(op: OpChoice) -> OpChoice:
+        return OpChoice("activation", op.on_child, op.residual) if op.kind == "dropout" else op
+
+    blocks = tuple(BlockChoice(block.entry, tuple(swap(op) for op in block.ops)) for block in case.blocks)
+    return Case(**{**case.__dict__, "blocks": blocks})
+
+
 def _chunk_loss(outputs, target):
     return F.mse_loss(outputs[0].float(), target.float())
 
@@ -392,6 +403,7 @@ def test_two_generated_chunks_on_one_rank_train_as_one_process(first, second):
             "blocks": tuple(BlockChoice(None, b.ops) for b in second.blocks),
         }
     )
+    first, second = _without_dropout(first), _without_dropout(second)
     microbatches = 4
     generator = torch.Generator().manual_seed(first.seed)
     inputs = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),) for _ in range(microbatches)]
@@ -410,10 +422,7 @@ def test_two_generated_chunks_on_one_rank_train_as_one_process(first, second):
     for j, ((ids,), target) in enumerate(zip(inputs, targets)):
         torch.manual_seed(j)
         losses.append(_chunk_loss(reference[1](*reference[0](ids)), target))
-    # dropout draws differ between the executor's per-forward seeds and these: no dropout compared
     pipelined = chunks()
-    if any(isinstance(m, nn.Dropout) for chunk in pipelined for m in chunk.modules()):
-        return
     (sum(losses) / microbatches).backward()
     stages = {}
     for index, chunk in enumerate(pipelined):
