@@ -211,17 +211,24 @@ def run_plain(case: Case) -> Outcome:
 
 
 def rounding(case: Case, expected: Outcome) -> dict[str, float]:
-    """Per parameter, how far bf16 autocast's own rounding moves plain autograd's gradient (the
-    float32 run without autocast against ``expected``): the split may differ from plain autocast
-    by as much, since it rounds the same bf16 products in another order.  Empty without autocast."""
+    """Per parameter gradient, input gradient (``"input j"``) and output (``"output j"``), how far
+    bf16 autocast's own rounding moves plain autograd's (the float32 run without autocast against
+    ``expected``): the split may differ from plain autocast by as much, since it rounds the same
+    bf16 products in another order.  Empty without autocast."""
     if not case.autocast:
         return {}
     exact = run_plain(Case(**{**case.__dict__, "autocast": False, "precision": torch.float32}))
-    return {
-        name: _relative(grad, exact.grads[name], 1e-12)
+    noise = {
+        name: _relative(grad, exact.grads[name])
         for name, grad in expected.grads.items()
         if name in exact.grads
     }
+    for j, (got, want) in enumerate(zip(expected.input_grads, exact.input_grads)):
+        if got is not None and want is not None:
+            noise[f"input {j}"] = _relative(got, want)
+    for j, (got, want) in enumerate(zip(expected.outputs, exact.outputs)):
+        noise[f"output {j}"] = _relative(got, want)
+    return noise
 
 
 def run_split(case: Case, split: str) -> Outcome:
@@ -311,10 +318,11 @@ def differences(
         if error > max(tolerance, 3 * noise.get(name, 0.0)):
             found.append(f"{name}: gradient off by {error:.2e} relative")
     for j, (got, want) in enumerate(zip(actual.input_grads, expected.input_grads)):
-        if (got is None) != (want is None) or (want is not None and _relative(got, want) > tolerance):
+        limit = max(tolerance, 3 * noise.get(f"input {j}", 0.0))
+        if (got is None) != (want is None) or (want is not None and _relative(got, want) > limit):
             found.append(f"input gradient of microbatch {j} differs")
     for j, (got, want) in enumerate(zip(actual.outputs, expected.outputs)):
-        if _relative(got, want) > tolerance:
+        if _relative(got, want) > max(tolerance, 3 * noise.get(f"output {j}", 0.0)):
             found.append(f"output of microbatch {j} differs")
     for name, want in expected.buffers.items():
         got = actual.buffers[name]
