@@ -264,6 +264,20 @@ def _error_case(case: str) -> str:
             pipe = Pipeline(rich_layers(0), schedule="1f1b", microbatches=4, **options)
             pipe.step(inputs, targets)
             pipe.step(*rich_batch(16, seed=1))
+        elif case == "ddp_layer":  # only rank 1 wraps a layer: every rank must still raise
+            layers = rich_layers(0)
+            alone = torch.distributed.new_group([1])  # collective: every rank makes it
+            if rank == 1:
+                layers[1] = nn.parallel.DistributedDataParallel(layers[1], process_group=alone)
+            Pipeline(layers, schedule="zb-h1", microbatches=4, **options)
+        elif case == "dtensor_layer":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import distribute_module
+
+            layers = rich_layers(0)
+            mesh = init_device_mesh("cpu", (2,))
+            layers[1] = distribute_module(layers[1], mesh)  # replicated DTensor parameters
+            Pipeline(layers, schedule="zb-h1", microbatches=4, **options)
         elif case in ("stalled_rank", "killed_rank"):
             pipe = Pipeline(rich_layers(0), schedule="1f1b", microbatches=4, **options)
             pipe.step(inputs, targets)

@@ -19,6 +19,8 @@ SEQUENTIAL = [
     "shape_mismatch",
     "dtype_mismatch",
     "shape_changed",
+    "ddp_layer",
+    "dtensor_layer",
     "stalled_rank",
 ]
 
@@ -26,6 +28,18 @@ SEQUENTIAL = [
 @pytest.fixture(scope="module")
 def messages() -> list[dict[str, str]]:
     return run_ranks(error_cases, 2, SEQUENTIAL, timeout=150)
+
+
+def test_a_ddp_wrapped_layer_is_refused_on_every_rank(messages):
+    """DDP reduces from autograd's accumulation hooks, which W never fires: silently no reduction."""
+    assert "is wrapped in DistributedDataParallel" in messages[1]["ddp_layer"]
+    assert "data_parallel=D" in messages[1]["ddp_layer"]
+    assert "rank 1" in messages[0]["ddp_layer"] and "DistributedDataParallel" in messages[0]["ddp_layer"]
+
+
+def test_dtensor_parameters_are_refused_on_every_rank(messages):
+    for rank_messages in messages:
+        assert "is a DTensor (FSDP2 fully_shard or tensor parallelism)" in rank_messages["dtensor_layer"]
 
 
 def test_world_size_that_the_schedule_does_not_fit(messages):

@@ -105,12 +105,42 @@ def stage_of(layer: int, bounds: list[int]) -> int:
 def named_layers(layers: nn.Sequential | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
     """``(name, layer)`` in model order: a Sequential's child names, else the list positions."""
     if isinstance(layers, nn.Sequential):
-        return list(layers.named_children())
-    named = [(str(index), layer) for index, layer in enumerate(layers)]
+        named = list(layers.named_children())
+    else:
+        named = [(str(index), layer) for index, layer in enumerate(layers)]
     for name, layer in named:
         if not isinstance(layer, nn.Module):
             raise PipelineError(f"layer {name} is a {type(layer).__name__}, not an nn.Module")
+        _refuse_reducing_wrappers(name, layer)
     return named
+
+
+def _refuse_reducing_wrappers(name: str, layer: nn.Module) -> None:
+    """Wrappers whose gradient reduction the B/W split would silently bypass are an error.
+
+    ``DistributedDataParallel`` and FSDP1 reduce from autograd's accumulation hooks, which W's own
+    accumulation into ``.grad`` never fires (no reduction, no error); FSDP2's ``fully_shard`` and
+    tensor parallelism make the parameters ``DTensor``s, onto which W would write full-size plain
+    gradients.  The Pipeline's own ``data_parallel=D`` replicates and averages correctly.
+    """
+    for path, module in layer.named_modules():
+        kind = type(module).__name__
+        if kind in ("DistributedDataParallel", "FullyShardedDataParallel"):
+            where = f"layer {name}" + (f" ({path})" if path else "")
+            raise PipelineError(
+                f"{where} is wrapped in {kind}, whose gradient reduction runs from autograd's "
+                "accumulation hooks: the zero-bubble split computes weight gradients in W, where those "
+                "hooks never fire, so the replicas would silently drift apart. Pass the unwrapped "
+                "module and Pipeline(..., data_parallel=D) for data-parallel replicas"
+            )
+    for param_name, param in layer.named_parameters():
+        if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
+            raise PipelineError(
+                f"layer {name}'s parameter {param_name} is a DTensor (FSDP2 fully_shard or tensor "
+                "parallelism): the Pipeline does not run sharded parameters yet and W would write "
+                "full-size plain gradients onto it. Pass plain parameters; Pipeline(..., "
+                "data_parallel=D) replicates the stages for data parallelism"
+            )
 
 
 def partition_bounds(count: int, stages: int, partition: Sequence[int] | None) -> list[int]:
