@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from _safety import tied_layers as safety_tied_layers
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.launch import init_distributed
 
@@ -48,22 +49,9 @@ class Block(nn.Module):
         return hidden + torch.tanh(self.fc(self.norm(hidden))) + self.shift
 
 
-class TiedHead(nn.Module):
-    """Projects to the vocabulary with the embedding's weight (tied, as GPT-2 does)."""
-
-    def __init__(self, embed: Embed):
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.weight = embed.embed.weight
-
-    def forward(self, hidden):
-        return F.linear(self.norm(hidden), self.weight)
-
-
 def tied_layers(seed: int) -> list[nn.Module]:
-    torch.manual_seed(seed)
-    embed = Embed()
-    return [embed, Block(), Block(), Block(), Block(), TiedHead(embed)]
+    """The tied model of ``_safety`` with this module's buffered embedding and blocks."""
+    return safety_tied_layers(seed, Embed, Block)
 
 
 def token_loss(logits, targets):

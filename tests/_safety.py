@@ -128,7 +128,7 @@ class Block(nn.Module):
 class TiedHead(nn.Module):
     """Projects to the vocabulary with the embedding's weight (tied, as GPT-2 does)."""
 
-    def __init__(self, embed: Embed):
+    def __init__(self, embed: nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(WIDTH)
         self.weight = embed.embed.weight
@@ -137,10 +137,13 @@ class TiedHead(nn.Module):
         return F.linear(self.norm(hidden), self.weight)
 
 
-def tied_layers(seed: int) -> list[nn.Module]:
+def tied_layers(
+    seed: int, embed_type: type[nn.Module] = Embed, block_type: type[nn.Module] = Block
+) -> list[nn.Module]:
+    """An embedding, four blocks and a head tied to the embedding (``embed_type`` has ``.embed``)."""
     torch.manual_seed(seed)
-    embed = Embed()
-    return [embed, Block(), Block(), Block(), Block(), TiedHead(embed)]
+    embed = embed_type()
+    return [embed, *(block_type() for _ in range(4)), TiedHead(embed)]
 
 
 TIED_NAMES = ("0.embed.weight", "5.weight")

@@ -50,3 +50,14 @@ def benchmarks() -> list[Benchmark]:
     found = [importlib.import_module(f"{__name__}.{name}").BENCHMARK for name in COMMANDS]
     assert [benchmark.name for benchmark in found] == list(COMMANDS), "a command is named after its module"
     return found
+
+
+def add_round_arguments(parser: argparse.ArgumentParser, *, rounds: int, steps_per_round: int) -> None:
+    """The options of a benchmark that times its configurations in interleaved rounds:
+    ``--microbatches``, ``--rounds``, ``--steps-per-round`` and ``--settle``."""
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=rounds, help="rounds of interleaved measurements")
+    parser.add_argument("--steps-per-round", type=int, default=steps_per_round)
+    parser.add_argument(
+        "--settle", type=int, default=1, help="untimed steps before each configuration's turn in a round"
+    )

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from zerobubble.runtime.launch import init_distributed, launch
 from zerobubble.runtime.pipeline import Pipeline
 
-from . import Benchmark
+from . import Benchmark, add_round_arguments
 from .tables import Table, median
 from .workloads import (
     OUR_SCHEDULES,
@@ -117,12 +117,7 @@ def _comparison_table(model: str, m: int, rows: int, times: dict[str, list[float
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``zerobubble bench pipelines``."""
     parser.add_argument("--models", nargs="+", default=["mlp", "gpt"], choices=["mlp", "gpt"])
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of interleaved measurements")
-    parser.add_argument("--steps-per-round", type=int, default=2)
-    parser.add_argument(
-        "--settle", type=int, default=1, help="untimed steps before each configuration's turn in a round"
-    )
+    add_round_arguments(parser, rounds=5, steps_per_round=2)
 
 
 def run(args: argparse.Namespace) -> list[Table]:

@@ -20,7 +20,7 @@ from zerobubble.runtime.pipeline import Pipeline
 from zerobubble.schedule import simulate
 from zerobubble.schedule.partition import even_partition
 
-from . import Benchmark
+from . import Benchmark, add_round_arguments
 from .tables import Table, median
 from .workloads import (
     OUR_SCHEDULES,
@@ -207,12 +207,7 @@ def _round_medians(values: list[float], per_round: int) -> list[float]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``zerobubble bench plan``."""
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=8, help="rounds of interleaved measurements")
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument(
-        "--settle", type=int, default=1, help="untimed steps before each configuration's turn in a round"
-    )
+    add_round_arguments(parser, rounds=8, steps_per_round=3)
 
 
 def run(args: argparse.Namespace) -> list[Table]:
