@@ -300,3 +300,15 @@ def test_rules_are_checked_at_registration():
         paths.register(Scale, BadAutocast())
     paths.register(Scale, AllAtOnce())  # weights_in_b: all_grads is enough
     paths.register(Scale, ScaleRule())
+
+
+def test_a_stage_that_never_agrees_ends_on_plain_autograd():
+    """Checks that keep failing (a path that keeps moving) end with every module falling back,
+    never with the disagreeing split marked as checked."""
+    layers = _layers()
+    _, _, deferral, guard = _guarded(layers)
+    guard._check = lambda inputs: False  # type: ignore[method-assign]
+    with pytest.warns(SplitMismatchWarning, match="no agreement with plain autograd within 6 checks"):
+        guard.before_forward((torch.randn(4, WIDTH),))
+    assert deferral.modules == [] and len(deferral.fallen) == 4
+    assert all(record.path == "plain autograd (fallback)" and record.verified for record in guard.report())

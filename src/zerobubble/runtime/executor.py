@@ -28,6 +28,7 @@ from .comm import Comm
 from .failures import PeerFailure
 from .recorder import Recorder
 from .wgrad import WeightGradStore
+from .wgrad.verify import SplitGuard
 
 _MISMATCH_WORDS = ("shape", "size", "dtype", "mat1", "mat2", "Expected", "expected", "must match")
 
@@ -51,7 +52,7 @@ class StageState:
         self.saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self.next_local = False
         self.prev_local = False
-        self.guard: Any = None  # a SplitGuard (.wgrad.verify) checking the split before F, or None
+        self.guard: SplitGuard | None = None  # checks the split before F (.wgrad.verify), or None
 
 
 class Hook:

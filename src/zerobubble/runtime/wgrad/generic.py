@@ -244,7 +244,7 @@ class Bridge(torch.autograd.Function):
         return (None, *local.backward(grads))
 
 
-class Paths:
+class PathChanges:
     """Counts the path changes of a stage's generic modules (:class:`ModuleSplit`): the split
     guard checks each count once (:meth:`~.install.Deferral.version`)."""
 
@@ -274,7 +274,7 @@ class ModuleSplit:
     __slots__ = ("direct", "module", "not_direct", "paths", "routed", "router", "store", "unrouted")
 
     def __init__(
-        self, module: nn.Module, store: WeightGradStore, router: LinearRouter | None, paths: Paths
+        self, module: nn.Module, store: WeightGradStore, router: LinearRouter | None, paths: PathChanges
     ) -> None:
         self.module, self.store, self.router, self.paths = module, store, router, paths
         self.routed = False  # a forward routed a call

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .fast import FastPlan, fast_forward
-from .generic import ModuleSplit, Paths
+from .generic import ModuleSplit, PathChanges
 from .routed import LinearRouter
 from .rules import FastPaths, default_fast_paths
 from .store import WeightGradStore
@@ -33,7 +33,7 @@ class Deferral:
 
     def __init__(self) -> None:
         self._installed: list[_Installed] = []
-        self._paths = Paths()
+        self._paths = PathChanges()
         self.fallen: list[tuple[nn.Module, str]] = []
         """Modules given back their own forward by :meth:`fall_back`, with why."""
 
@@ -95,7 +95,7 @@ class Deferral:
         self._installed.append(_Installed(module, rule, split))
 
     @property
-    def path_changes(self) -> Paths:
+    def path_changes(self) -> PathChanges:
         """The counter every :class:`~.generic.ModuleSplit` of this installation moves."""
         return self._paths
 

@@ -163,7 +163,8 @@ class WeightGradStore:
             if held is not None:
                 gathered = held.release()
                 if queue is not None:  # a B: what reached .grad in it waits for W, as the rest
-                    queue.append(partial(_add_held, gathered))
+                    if gathered:
+                        queue.append(partial(_add_held, gathered))
                 else:
                     with torch.no_grad():
                         _add_held(gathered)
@@ -218,20 +219,6 @@ class WeightGradStore:
             finally:
                 if held is not None:
                     _add_held(held.release())
-
-    @contextmanager
-    def hooks_held(self) -> Iterator[None]:
-        """Hold the tracked parameters' hooks back and their ``.grad`` aside for the ``with`` block;
-        afterwards every ``.grad`` and hook is as before (what the block added is dropped).
-
-        For work that must leave no trace, such as the split guard's check (:mod:`.verify`).
-        """
-        held = self._hold_hooks()
-        try:
-            yield
-        finally:
-            if held is not None:
-                held.release()
 
     def held_tensors(self, key: tuple[int, int] | None = None) -> list[torch.Tensor]:
         """The tensors the deferred work of ``key`` (every key when None) holds on to until W.

@@ -85,17 +85,14 @@ class SplitGuard:
         self.verified: set[tuple[Any, ...]] = set()
         self._versions: set[tuple[int, ...]] = set()  # deferral versions some check has covered
         self._checks = 0
-        self._autocast_device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def signature(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
         """What decides the path a forward takes: the split's version, autocast and the inputs."""
-        # runs before every training forward: a few attribute reads (a stage's device is fixed)
-        device = self._autocast_device
-        autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
+        # runs before every training forward: a few attribute reads
         shapes = tuple(
             (x.shape, x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x) for x in inputs
         )
-        return (self.deferral.version(), autocast, shapes)
+        return (self.deferral.version(), _autocast_state(), shapes)
 
     def before_forward(self, inputs: Sequence[Any]) -> None:
         """Check the stage on ``inputs`` unless this path was checked already (the executor's F)."""
@@ -108,7 +105,18 @@ class SplitGuard:
             if self._check(inputs):
                 self.verified.add(signature)
                 self._versions.add(signature[0])
-        self.verified.add(self.signature(inputs))  # every module fell back: plain autograd is exact
+        if self.signature(inputs) in self.verified:
+            return
+        # still moving or still disagreeing after every round: plain autograd is exact by definition
+        if self.strict:
+            raise SplitMismatchError(
+                f"stage {self.stage}: the split did not settle on a checked path within {_MAX_ROUNDS} checks"
+            )
+        for module in self.deferral.modules:
+            self._fall_back(module, f"no agreement with plain autograd within {_MAX_ROUNDS} checks")
+        signature = self.signature(inputs)
+        self.verified.add(signature)
+        self._versions.add(signature[0])
 
     def report(self) -> list[SplitRecord]:
         """One record per split (or fallen-back) module of the stage."""
@@ -225,22 +233,24 @@ class SplitGuard:
         culprits = [p for p, _ in found if p is not None]
         suspects = self._owners(culprits) or self._widen()
         for module in suspects:
-            path = self.deferral.path_of(module)
-            name = self.names.get(id(module), type(module).__name__)
             own = {id(p) for p in module.parameters()}
             mine: list[tuple[torch.Tensor | None, str]] = [
                 (p, t) for p, t in found if p is not None and id(p) in own
             ]
-            if mine:
-                what = _describe(mine, kind, self._name_of)
-            self.deferral.fall_back(module, f"{what} (was: {path})")
-            warnings.warn(
-                f"zerobubble: stage {self.stage}, module {name} ({type(module).__name__}, {path}): {what}; "
-                "it now runs a fused backward for its parameters (exact, slower). "
-                "pipe.split_report() lists every module's path; docs/wgrad.md, 'The split guard'",
-                SplitMismatchWarning,
-                stacklevel=2,
-            )
+            self._fall_back(module, _describe(mine, kind, self._name_of) if mine else what)
+
+    def _fall_back(self, module: nn.Module, what: str) -> None:
+        """Give ``module`` plain autograd back and say so (:class:`SplitMismatchWarning`)."""
+        path = self.deferral.path_of(module)
+        name = self.names.get(id(module), type(module).__name__)
+        self.deferral.fall_back(module, f"{what} (was: {path})")
+        warnings.warn(
+            f"zerobubble: stage {self.stage}, module {name} ({type(module).__name__}, {path}): {what}; "
+            "it now runs a fused backward for its parameters (exact, slower). "
+            "pipe.split_report() lists every module's path; docs/wgrad.md, 'The split guard'",
+            SplitMismatchWarning,
+            stacklevel=3,
+        )
 
     def _owners(self, culprits: list[torch.Tensor]) -> list[nn.Module]:
         """The split modules whose own parameters include a culprit (innermost first)."""
@@ -314,12 +324,21 @@ def _cuda_devices(inputs: Sequence[Any]) -> list[int]:
 def _tolerance(*tensors: torch.Tensor) -> float:
     """Relative tolerance of a comparison of gradients in these dtypes (the coarsest wins); under
     autocast the products round in 16 bits whatever the parameter's dtype."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if torch.is_autocast_enabled(device) or any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
+    if _autocast_state() or any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
         return 5e-2
     if all(t.dtype == torch.float64 for t in tensors):
         return 1e-7
     return 1e-4
+
+
+def _autocast_state() -> tuple[Any, ...] | bool:
+    """False outside autocast (one flag read, torch's own); else each device type's dtype."""
+    if not torch._C._is_any_autocast_enabled():
+        return False
+    return tuple(
+        torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        for device in ("cpu", "cuda")
+    )
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor, floor: float) -> float:
