@@ -2,7 +2,7 @@
 
 :func:`place_stages` keeps this rank's chunks (moved to its device, registered under their original
 names, each with its weight-gradient store, deferral and split guard); :func:`tie_parameters`
-creates the groups of the parameters tied across ranks and starts their copies equal.  The
+finds the parameters tied across ranks and starts their copies equal.  The
 :func:`chain_optimizer` and :func:`install_averager` set up the optimizer step and the data-parallel
 reductions.  The :class:`~.pipeline.Pipeline` calls them once every rank has agreed on the resolution.
 """
@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..schedule.ir import Kind, Op
@@ -74,27 +73,33 @@ def place_stages(
 
 
 def tie_parameters(
-    resolution: Resolution, rank: int, layout: ParallelLayout, module: nn.Module
+    resolution: Resolution,
+    rank: int,
+    layout: ParallelLayout,
+    module: nn.Module,
+    wait: Callable[[Any, str], None],
 ) -> list[TiedParameter]:
-    """Groups for the ties spanning several ranks (collective: every replica, every tie, in order);
-    each copy then holds the value of the tie's first holder."""
+    """This rank's copies of the parameters tied across ranks; each copy then holds the value of the
+    tie's first holder (point to point over the layout's ties group, collective over the holders)."""
     placement, bounds, tied = resolution.schedule.placement, list(resolution.bounds), []
-    for uses in resolution.ties:
+    for tag, uses in enumerate(resolution.ties):
         holders = sorted({placement.rank_of(stage_of(index, bounds)) for index, _ in uses})
-        if len(holders) < 2:
+        if len(holders) < 2 or rank not in holders:
             continue  # one rank holds every use: autograd accumulates into the one Parameter
         source = placement.rank_of(stage_of(uses[0][0], bounds))
-        for replica in range(layout.data_parallel):
-            ranks = [layout.global_rank(holder, replica) for holder in holders]
-            created = dist.new_group(ranks, timeout=layout.setup_timeout)
-            if replica == layout.dp_index and rank in holders:
-                local = next(
-                    name for index, name in uses if rank == placement.rank_of(stage_of(index, bounds))
-                )
-                param = module.get_parameter(local)
-                tied.append(TiedParameter(uses[0][1], param, created, layout.global_rank(source)))
+        local = next(name for index, name in uses if rank == placement.rank_of(stage_of(index, bounds)))
+        tied.append(
+            TiedParameter(
+                uses[0][1],
+                module.get_parameter(local),
+                layout.ties_group,
+                [layout.global_rank(holder) for holder in holders],
+                layout.global_rank(source),
+                tag,
+            )
+        )
     for tie in tied:
-        tie.broadcast_value()
+        tie.broadcast_value(wait)
     return tied
 
 

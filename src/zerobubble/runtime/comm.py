@@ -1,9 +1,10 @@
 """Point-to-point transfers between pipeline ranks.
 
-Every ordered pair of ranks that exchanges tensors gets its own process group used in one direction,
-so a channel is a FIFO: the receiver posts receives in the sender's program order, which the schedule
-layer predicts (:mod:`~zerobubble.schedule.channels`), so no tags are needed and an early receive
-never blocks the other direction.  A message is the tuple of tensors crossing one stage boundary for
+Every ordered pair of ranks that exchanges tensors is a channel used in one direction (two groups
+carry them all, one per direction of travel), so a channel is a FIFO: the receiver posts receives in
+the sender's program order, which the schedule layer predicts
+(:mod:`~zerobubble.schedule.channels`), so no tags are needed and an early receive never blocks the
+other direction.  A message is the tuple of tensors crossing one stage boundary for
 one microbatch (a :class:`~zerobubble.schedule.channels.MessageKey`).  The first step sends shape
 headers; afterwards shapes are cached and receives are posted ahead so transfers overlap compute.
 Every wait goes through a :class:`~.failures.PeerMonitor`: it ends at completion, at a peer's error
@@ -26,6 +27,7 @@ from ..schedule.channels import GRADIENTS, MessageKey, channel_messages, directe
 from ..schedule.ir import Schedule
 from . import PipelineError
 from .failures import PeerMonitor
+from .groups import local_group
 from .recorder import Recorder
 
 logger = logging.getLogger(__name__)
@@ -88,8 +90,8 @@ class Comm:
     """The point-to-point channels of one rank for one schedule.
 
     ``group`` is the pipeline's process group (its rank ``i`` runs ``schedule.programs[i]``).
-    Creating a Comm is collective: every rank of the world (``new_group`` needs all of them) must
-    create one for the same schedule, in the same order as other Comms.  ``monitor`` carries every
+    Creating a Comm is collective over ``group``: each of its ranks creates one for the same
+    schedule, in the same order as its other groups (:mod:`.groups`).  ``monitor`` carries every
     wait (deadline and peers' error notices).
     """
 
@@ -133,21 +135,29 @@ class Comm:
     def _connect(
         self, pairs: list[tuple[int, int]], group
     ) -> dict[tuple[int, int], tuple[dist.ProcessGroup, int]]:
-        """One process group per directed pair; this rank keeps its own as ``(src, dst) -> (group, peer)``.
+        """This rank's channels as ``(src, dst) -> (group, global peer)``.
 
-        ``new_group`` is collective over the whole world, so every rank creates every pair's group in
-        the same order.  NCCL enforces the pipeline timeout through its watchdog; gloo gets a longer
-        one for connecting (a peer may still be busy) and each wait carries the pipeline timeout.
+        Two groups over the pipeline's ranks carry every channel: one the transfers to a higher rank,
+        one those to a lower rank.  So a group holds at most one channel per rank pair, each a FIFO
+        in one direction, and a posted receive never holds up a send the other way (NCCL runs a
+        pair's transfers in one stream per communicator).  Both are created by the pipeline's ranks
+        only, every rank creating both (:mod:`.groups`).  NCCL enforces the pipeline timeout
+        through its watchdog; gloo gets a longer one for connecting (a peer may still be busy) and
+        each wait carries the pipeline timeout.
         """
+        if not pairs:
+            return {}
         nccl = dist.get_backend(group) == "nccl"
         setup = timedelta(seconds=self.timeout if nccl else max(self.timeout, _SETUP_TIMEOUT))
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        upward = local_group(ranks, timeout=setup)
+        downward = local_group(ranks, timeout=setup)
         to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-        groups = {}
-        for src, dst in pairs:
-            subgroup = dist.new_group(sorted((to_global(src), to_global(dst))), timeout=setup)
-            if self.rank in (src, dst):
-                groups[(src, dst)] = (subgroup, to_global(dst if self.rank == src else src))
-        return groups
+        return {
+            (src, dst): (upward if dst > src else downward, to_global(dst if self.rank == src else src))
+            for src, dst in pairs
+            if self.rank in (src, dst)
+        }
 
     def _handshake(self, pairs: list[tuple[int, int]]) -> None:
         """Exchange one tiny message per channel, pair by pair in one global order.

@@ -55,7 +55,7 @@ def fingerprint(
     named: Sequence[tuple[str, nn.Module]],
     schedule: Schedule,
     bounds: Sequence[int],
-    data_parallel: int,
+    data_parallel: int | str,
     ties: Sequence[Sequence[tuple[int, str]]],
     *,
     check_calls: bool = True,
@@ -136,28 +136,53 @@ def _difference(expected: Any, actual: Any) -> str:
 class TiedParameter:
     """One parameter shared by layers on different ranks of this pipeline, held by this rank.
 
-    ``param`` is this rank's copy; ``group`` the process group of the holders (this replica's),
-    ``source`` the global rank holding the tie's first layer.
+    ``param`` is this rank's copy; ``holders`` the global ranks holding a copy (sorted),
+    ``source`` the one holding the tie's first layer; ``group`` a group of this replica spanning
+    them (the layout's ties group) and ``tag`` this tie's tag on it.  The copies exchange point to
+    point, so no group of just the holders is needed (:mod:`.groups`).
     """
 
-    def __init__(self, name: str, param: nn.Parameter, group: Any, source: int):
+    def __init__(
+        self, name: str, param: nn.Parameter, group: Any, holders: Sequence[int], source: int, tag: int
+    ):
         self.name = name
         self.param = param
         self.group = group
+        self.holders = tuple(sorted(holders))
         self.source = source
+        self.tag = tag
 
     @torch.no_grad()
-    def broadcast_value(self) -> None:
+    def broadcast_value(self, wait: Callable[[Any, str], None]) -> None:
         """Make this copy equal to the first holder's (collective over the holders)."""
-        dist.broadcast(self.param.data, src=self.source, group=self.group)
+        me = dist.get_rank()
+        if me == self.source:
+            peers = [rank for rank in self.holders if rank != me]
+            ops = [dist.P2POp(dist.isend, self.param.data, peer, self.group, self.tag) for peer in peers]
+        else:
+            ops = [dist.P2POp(dist.irecv, self.param.data, self.source, self.group, self.tag)]
+        for work in dist.batch_isend_irecv(ops):
+            wait(work, f"the value of the tied parameter {self.name}")
 
     @torch.no_grad()
     def sum_gradients(self, wait: Callable[[Any, str], None]) -> None:
-        """Sum the holders' gradients (collective over the holders); ``wait`` waits for the reduction."""
+        """Sum the holders' gradients (collective over the holders), in holder order on every holder
+        so that the copies stay bitwise equal; ``wait`` waits for each transfer."""
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
-        work = dist.all_reduce(self.param.grad, group=self.group, async_op=True)
-        wait(work, f"the gradient sum of the tied parameter {self.name}")
+        me, grad = dist.get_rank(), self.param.grad
+        received = {rank: torch.empty_like(grad) for rank in self.holders if rank != me}
+        ops = [dist.P2POp(dist.isend, grad, rank, self.group, self.tag) for rank in received]
+        ops += [
+            dist.P2POp(dist.irecv, buffer, rank, self.group, self.tag) for rank, buffer in received.items()
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            wait(work, f"the gradient sum of the tied parameter {self.name}")
+        parts = [grad if rank == me else received[rank] for rank in self.holders]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total.add_(part)
+        grad.copy_(total)
 
 
 def broadcast_replicas(module: nn.Module, group: Any, source: int) -> None:

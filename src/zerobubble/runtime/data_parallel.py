@@ -4,17 +4,16 @@
 ``dp_index · p + pipeline_rank``); the data-parallel group of pipeline rank ``r`` holds the same
 chunks in every replica.  As soon as a chunk's last gradient op has run, its gradients are
 all-reduced asynchronously over that group (a hook of the executor), overlapping the rest of the
-step; the step waits at its end and divides by ``D``.  :class:`ParallelLayout` creates every process
-group on every rank in the same order, as ``new_group`` requires.
+step; the step waits at its end and divides by ``D``.  :func:`create_layout` and :mod:`.mesh` create
+the layout's groups with local synchronisation (:mod:`.groups`).
 
 Why the groups are created that way: ``docs/runtime.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch import nn
 
 from ..schedule.ir import Kind, Op
 from . import PipelineError
+from .groups import local_group
 
 _GRADIENT_KINDS = (Kind.B, Kind.W, Kind.BW)
 
@@ -32,10 +32,13 @@ _GRADIENT_KINDS = (Kind.B, Kind.W, Kind.BW)
 class ParallelLayout:
     """Where this rank sits in a ``D × p`` grid of data-parallel pipeline replicas.
 
-    ``span`` lists the global ranks of the whole grid in group-rank order.  ``pipeline_group`` is
-    this replica's group (the caller's group itself when ``D = 1``), ``dp_group`` the group of the
-    ranks holding the same chunks (None when ``D = 1``), ``control_group`` a group of this replica's
-    ranks reserved for the optimizer's small messages (never used by the pipeline's transfers).
+    ``span`` lists the global ranks of the grid in group-rank order (``dp_index · p + pipeline
+    rank``).  ``pipeline_group`` is this replica's group, ``dp_group`` the group of the ranks holding
+    the same chunks (None when ``D = 1``), ``control_group`` a group of this replica's ranks reserved
+    for the optimizer's small messages and ``ties_group`` one for the sums of tied parameters (neither
+    is used by the pipeline's transfers).  ``everyone`` lists every rank taking part in the Pipeline,
+    sorted — the grid's ranks, and on a mesh those of its other dimensions (tensor parallelism) too;
+    ``labels`` names a global rank by its mesh coordinates.  ``mesh`` is the user's mesh, if any.
     """
 
     pipeline_size: int
@@ -47,6 +50,10 @@ class ParallelLayout:
     dp_group: Any
     control_group: Any
     setup_timeout: timedelta
+    ties_group: Any = None
+    everyone: tuple[int, ...] = ()
+    labels: Mapping[int, str] = field(default_factory=dict)
+    mesh: Any = None
 
     def global_rank(self, pipeline_rank: int, dp_index: int | None = None) -> int:
         """The global rank of ``pipeline_rank`` in replica ``dp_index`` (this rank's replica by default)."""
@@ -54,51 +61,27 @@ class ParallelLayout:
         return self.span[replica * self.pipeline_size + pipeline_rank]
 
     def rank_name(self, group_rank: int) -> str:
-        """How messages name the rank of group rank ``group_rank`` (its replica too with data parallelism)."""
+        """How messages name the rank at position ``group_rank`` of :attr:`everyone` (the call check's
+        group): its global rank, with its mesh coordinates or its replica where there are several."""
+        rank = self.everyone[group_rank] if self.everyone else group_rank
+        if rank in self.labels:
+            return f"rank {rank} ({self.labels[rank]})"
         if self.data_parallel == 1:
-            return f"rank {group_rank}"
-        replica, rank = divmod(group_rank, self.pipeline_size)
-        return f"rank {group_rank} (pipeline rank {rank} of replica {replica})"
+            return f"rank {rank}"
+        replica, pipeline_rank = divmod(self.span.index(rank), self.pipeline_size)
+        return f"rank {rank} (pipeline rank {pipeline_rank} of replica {replica})"
 
     def replica_ranks(self, dp_index: int) -> list[int]:
         """Global ranks of replica ``dp_index`` in pipeline-rank order."""
         return [self.global_rank(r, dp_index) for r in range(self.pipeline_size)]
 
-    @contextmanager
-    def replicated(self, channels: Sequence[tuple[int, int]]) -> Iterator[None]:
-        """Run the body (which creates one group per pipeline-rank pair in ``channels``) in replica order.
-
-        Before the body, the ranks of this rank's replica make, as non-members, the ``new_group``
-        calls of every earlier replica's body; after it, those of every later one.  The body must
-        create exactly one group per pair of ``channels``, in that order (what
-        :class:`~.comm.Comm` does with :func:`~zerobubble.schedule.channels.directed_pairs`); this is checked.
-        """
-        if self.data_parallel == 1:
-            yield
-            return
-        for replica in range(self.dp_index):
-            self._mirror(channels, replica)
-        before = dist.get_pg_count()
-        yield
-        made = dist.get_pg_count() - before
-        if made != len(channels):
-            raise PipelineError(
-                f"the pipeline's channels created {made} process groups, {len(channels)} expected; the "
-                "data-parallel replicas cannot keep their group creation in step (update data_parallel.py)"
-            )
-        for replica in range(self.dp_index + 1, self.data_parallel):
-            self._mirror(channels, replica)
-
-    def _mirror(self, channels: Sequence[tuple[int, int]], replica: int) -> None:
-        for src, dst in channels:
-            ranks = sorted((self.global_rank(src, replica), self.global_rank(dst, replica)))
-            dist.new_group(ranks, timeout=self.setup_timeout)
-
 
 def create_layout(group: Any, data_parallel: int, timeout: float) -> ParallelLayout:
-    """Split ``group`` (the world when None) into ``data_parallel`` pipeline replicas; collective.
+    """Split ``group`` (the world when None) into ``data_parallel`` pipeline replicas.
 
-    Every rank of the world must call this in the same order as its other group creations.
+    Collective over ``group`` only: every group is created by its members (:mod:`.groups`), each rank
+    creating the same sequence — its replica's group and its data-parallel column's (when ``D > 1``),
+    then its replica's control and ties groups.
     """
     size = dist.get_world_size(group)
     pipeline_size_of(size, data_parallel)
@@ -106,16 +89,12 @@ def create_layout(group: Any, data_parallel: int, timeout: float) -> ParallelLay
     pipeline_size = size // data_parallel
     dp_index, pipeline_rank = divmod(dist.get_rank(group), pipeline_size)
     setup = timedelta(seconds=max(timeout, 60.0))
-    layout = ParallelLayout(
-        pipeline_size, data_parallel, pipeline_rank, dp_index, span, group, None, None, setup
-    )
-    replicas = [layout.replica_ranks(d) for d in range(data_parallel)]
+    replica = [span[dp_index * pipeline_size + r] for r in range(pipeline_size)]
     pipeline_group, dp_group = group, None
     if data_parallel > 1:
-        pipeline_group = _own_group(replicas, layout, setup)
-        columns = [[layout.global_rank(r, d) for d in range(data_parallel)] for r in range(pipeline_size)]
-        dp_group = _own_group(columns, layout, setup)
-    control_group = _own_group(replicas, layout, setup)
+        pipeline_group = local_group(replica, timeout=setup)
+        column = [span[d * pipeline_size + pipeline_rank] for d in range(data_parallel)]
+        dp_group = local_group(column, timeout=setup)
     return ParallelLayout(
         pipeline_size,
         data_parallel,
@@ -124,8 +103,10 @@ def create_layout(group: Any, data_parallel: int, timeout: float) -> ParallelLay
         span,
         pipeline_group,
         dp_group,
-        control_group,
-        setup,
+        control_group=local_group(replica, timeout=setup),
+        setup_timeout=setup,
+        ties_group=local_group(replica, timeout=setup),
+        everyone=tuple(sorted(span)),
     )
 
 
@@ -139,16 +120,6 @@ def pipeline_size_of(size: int, data_parallel: Any) -> int:
             f"start a multiple of {data_parallel} ranks (pipeline size × data_parallel)"
         )
     return size // data_parallel
-
-
-def _own_group(rank_lists: list[list[int]], layout: ParallelLayout, timeout: timedelta) -> Any:
-    """Create a group for every list (all ranks, same order); return the one holding this rank."""
-    me, own = layout.global_rank(layout.pipeline_rank), None
-    for ranks in rank_lists:
-        created = dist.new_group(ranks, timeout=timeout)
-        if me in ranks:
-            own = created
-    return own
 
 
 # -- gradient averaging --------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import CostModel, Schedule, Timeline
-from ..schedule.channels import directed_pairs
 from . import PipelineError
 from .build import chain_optimizer, install_averager, place_stages, tie_parameters
 from .checkpoint import merge_state_dicts, model_keys, select_entries, strict_error
@@ -47,7 +47,10 @@ from .data_parallel import (
 )
 from .executor import Executor, Hook
 from .failures import PeerFailure, PeerMonitor
+from .groups import equalize_group_counts, local_group
 from .launch import init_distributed, local_device
+from .mesh import layout_of_mesh, mesh_groups, mesh_ranks, parallel_size
+from .mesh import mesh_dims as mesh_dims_of
 from .optim import OptimizerStats, unscale_gradients
 from .recorder import OpRecorder, StepRecorder, as_recorder
 from .resolve import LossFn, Resolution, agree_on, resolve, wants_profile
@@ -56,6 +59,8 @@ from .wgrad import FastPaths
 from .wgrad.verify import SplitRecord
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from ..schedule.modelplan import ModelProfile, Plan
     from .auto import Calibrator
     from .trace import MeasuredTimeline, TraceReport
@@ -137,7 +142,9 @@ class Pipeline:
         static_shapes: bool = True,
         trace: bool = False,
         emulate: CostModel | None = None,
-        data_parallel: int = 1,
+        data_parallel: int | str | None = None,
+        mesh: DeviceMesh | None = None,
+        mesh_dims: Mapping[str, str] | None = None,
         post_validation: bool = True,
         seed: int | None = None,
         fast_paths: FastPaths | None = None,
@@ -147,6 +154,8 @@ class Pipeline:
         verify: bool | str = True,
         check_calls: bool = True,
     ):
+        if mesh is not None and group is not None:
+            raise PipelineError("pass mesh= or group=, not both (the mesh's pipeline dimension is the group)")
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
         self.device: torch.device = local_device(backend)  # before the first collective (NCCL needs it)
         self.timeout = timeout
@@ -154,7 +163,14 @@ class Pipeline:
         self._placeholder: torch.optim.Optimizer | None = None
         self._recorder: OpRecorder | None = None
         self._calibrator: Calibrator | None = None
-        size = dist.get_world_size(group)
+        self._mesh = mesh
+        self._dims = mesh_dims_of(mesh, mesh_dims) if mesh is not None else None
+        # local groups are named by each rank's group count: make the counts equal first (.groups)
+        setup = timedelta(seconds=max(timeout, 60.0))
+        equalize_group_counts(mesh_groups(mesh) if mesh is not None else [group], timeout=setup)
+        if mesh is not None:  # the Pipeline's world: every rank of the mesh (agreement, planning)
+            group = local_group(mesh_ranks(mesh), timeout=setup)
+        size, data_parallel, self._sharding = parallel_size(data_parallel, mesh, self._dims, group)
         planned: Resolution | None = None
         if wants_profile(schedule, partition):  # profile, plan once, broadcast: .auto
             from .auto import Calibrator, resolve_auto
@@ -188,7 +204,7 @@ class Pipeline:
                     costs=costs,
                 )
             ),
-            data_parallel=data_parallel,
+            data_parallel=data_parallel if self._sharding is None else f"{data_parallel} ({self._sharding})",
             seed=seed,
             group=group,
             verify=verify,
@@ -217,13 +233,16 @@ class Pipeline:
         self.plan: Plan | None = resolution.plan  # schedule="auto": what was chosen and why
         self.profile: ModelProfile | None = resolution.profile  # and the layer profile it came from
         logger.info("%s", resolution.describe())
-        self.layout = create_layout(group, data_parallel, self.timeout)  # collective: new_group
+        if self._mesh is not None and self._dims is not None:
+            self.layout = layout_of_mesh(self._mesh, self._dims, self.timeout)  # collective: local groups
+        else:
+            self.layout = create_layout(group, data_parallel, self.timeout)  # collective: local groups
         self.group: dist.ProcessGroup | None = self.layout.pipeline_group
         self.rank = self.layout.pipeline_rank
         self.world_size = self.layout.pipeline_size
         self._monitor = PeerMonitor(self._agreement.key, self.rank, self.timeout)
-        # the per-call argument check: a gloo group of its own over every rank (collective: new_group)
-        calls = dist.new_group(list(self.layout.span), backend="gloo", timeout=self.layout.setup_timeout)
+        # the per-call argument check: a gloo group of its own over every rank (collective: local group)
+        calls = local_group(self.layout.everyone, backend="gloo", timeout=self.layout.setup_timeout)
         self._calls = CallCheck(calls, self._monitor, self.layout.rank_name)
         self._check_calls = bool(check_calls)
         self._model_keys = model_keys(resolution.layers)  # the unpipelined state dict's keys
@@ -234,13 +253,12 @@ class Pipeline:
             resolution, self.rank, self.device, self.module, fast_paths, verify
         )
         self.stages = tuple(sorted(stages))
-        self._tied = tie_parameters(resolution, self.rank, self.layout, self.module)
+        self._tied = tie_parameters(resolution, self.rank, self.layout, self.module, self._monitor.wait)
         if self.layout.data_parallel > 1:  # replicas start from replica 0's weights, as DDP does
             broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
-        with self.layout.replicated(directed_pairs(self.schedule)):
-            comm = Comm(
-                self.schedule, self.group, self.device, self.timeout, static_shapes, monitor=self._monitor
-            )
+        comm = Comm(
+            self.schedule, self.group, self.device, self.timeout, static_shapes, monitor=self._monitor
+        )
         self._executor = Executor(
             self.schedule, self.rank, stages, comm, resolution.loss_fn, self._agreement.seed
         )

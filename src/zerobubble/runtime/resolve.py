@@ -133,7 +133,7 @@ def from_plan(layers: Sequence[NamedLayer], plan: Plan, profile: ModelProfile, l
 def agree_on(
     attempt: Callable[[], Resolution],
     *,
-    data_parallel: int,
+    data_parallel: int | str,
     seed: int | None,
     group: dist.ProcessGroup | None,
     verify: bool | str = True,
