@@ -95,6 +95,31 @@ def test_train_config_rejects_a_data_parallel_size_that_does_not_divide_the_rank
         run_training(TrainConfig(ranks=2, data_parallel=2, batch_size=12, microbatches=4, progress=False))
 
 
+def test_a_mesh_sets_the_ranks_replicas_and_pipeline_size():
+    config = TrainConfig(mesh="pp=2,dp=3", data_parallel="fsdp", batch_size=12, microbatches=2)
+    assert (config.world, config.replicas, config.pipeline_ranks) == (6, 3, 2)
+    assert TrainConfig().world == 2 and TrainConfig(ranks=4, data_parallel=2).pipeline_ranks == 2
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"mesh": "dp=2"}, "has no pp dimension"),
+        ({"mesh": "pp=2,pp=2"}, "write each dimension once as name=size"),
+        ({"mesh": "pp=two"}, "write each dimension once"),
+        ({"mesh": "pp=2,cp=2"}, "unknown dimensions ['cp']"),
+        ({"mesh": "pp=2,dp=2", "ranks": 2}, "ranks=2 but the mesh 'pp=2,dp=2' has 4 ranks"),
+        ({"mesh": "pp=2", "data_parallel": "fsdp"}, "has none"),
+        ({"mesh": "pp=2,dp=2", "data_parallel": 3}, "replicate or fsdp along its dp dimension"),
+        ({"data_parallel": "fsdp"}, "add --mesh pp=P,dp=D"),
+    ],
+)
+def test_train_config_rejects_a_mesh_that_cannot_train(settings, message):
+    with pytest.raises(ConfigError) as error:
+        run_training(TrainConfig(progress=False, **settings))
+    assert message in str(error.value)
+
+
 def test_print_summary_leaves_the_process_group_to_whoever_created_it(tmp_path, capsys):
     """A caller that set up torch.distributed keeps its group after printing (rank 0 prints)."""
     import torch.distributed as dist

@@ -249,15 +249,31 @@ _TRAIN_OPTIONS = (
     ("--backend", str, "gloo or nccl (default: nccl with CUDA, else gloo)"),
     ("--timeout", float, "seconds before a stuck rank is an error (default 120)"),
     ("--max-norm", float, "gradient clipping norm (default 1.0)"),
-    ("--data-parallel", int, "pipeline replicas D; --ranks counts all p·D processes (default 1)"),
+    (
+        "--data-parallel",
+        "_data_parallel",
+        "pipeline replicas D (--ranks counts all p·D processes; default 1); with --mesh: replicate "
+        "(default) or fsdp along its dp dimension",
+    ),
+    ("--mesh", str, "a DeviceMesh as name=size in order, e.g. pp=2,dp=2 (dimensions pp, dp, tp)"),
     ("--memory-limit", str, "per-rank byte budget for --schedule auto, e.g. 24GiB or 80%% (GPU)"),
     ("--partition", str, "even (default): layers split evenly by count; profile: where a profile says"),
 )
 
 
+def _data_parallel(text: str) -> int | str:
+    """``--data-parallel``: a replica count, or how a mesh's dp dimension holds the parameters."""
+    if text in ("replicate", "fsdp"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a replica count, replicate or fsdp") from None
+
+
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, helptext in _TRAIN_OPTIONS:
-        parser.add_argument(flag, type=kind, help=helptext)
+        parser.add_argument(flag, type=_data_parallel if kind == "_data_parallel" else kind, help=helptext)
     parser.add_argument(
         "--no-progress", dest="progress", action="store_false", default=None, help="no progress bar"
     )

@@ -17,6 +17,7 @@ available, one device per local rank).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ class TrainConfig:
     """What to train and how: schedule, ranks, steps, batch split, model size, optimiser, runtime.
 
     ``ranks`` counts every process: ``data_parallel`` pipelines of ``ranks / data_parallel`` ranks.
+    ``mesh`` (``"pp=2,dp=2"``, dimensions in mesh order) lays the ranks out on a ``DeviceMesh``
+    instead — ``ranks`` is then the product of its sizes (None: 2 without a mesh) and
+    ``data_parallel`` ``"replicate"`` (the default) or ``"fsdp"`` along its ``dp`` dimension.
     ``batch_size`` is the global batch, split equally over the replicas and then into
     ``microbatches``.  ``max_norm`` clips the global gradient norm (None: no clipping).
     ``partition`` is ``"even"`` (layers split evenly by count) or ``"profile"`` (a named schedule's
@@ -44,7 +48,7 @@ class TrainConfig:
     """
 
     schedule: str = "zb-v"
-    ranks: int = 2
+    ranks: int | None = None
     steps: int = 50
     microbatches: int = 4
     batch_size: int = 16
@@ -58,7 +62,8 @@ class TrainConfig:
     lr: float = 3e-3
     max_norm: float | None = 1.0
     post_validation: bool = True
-    data_parallel: int = 1
+    data_parallel: int | str = 1
+    mesh: str | None = None
     backend: str | None = None
     timeout: float = 120.0
     progress: bool = True
@@ -67,9 +72,43 @@ class TrainConfig:
     partition: str = "even"
 
     @property
+    def mesh_shape(self) -> dict[str, int]:
+        """The mesh's dimensions and sizes in order (``{"pp": 2, "dp": 2}``), empty without a mesh."""
+        if self.mesh is None:
+            return {}
+        shape = {}
+        for part in self.mesh.split(","):
+            name, _, size = part.partition("=")
+            if not name.strip() or not size.strip().isdigit() or int(size) < 1 or name.strip() in shape:
+                raise ConfigError(
+                    f"mesh {self.mesh!r}: write each dimension once as name=size, e.g. pp=2,dp=2"
+                )
+            shape[name.strip()] = int(size)
+        if "pp" not in shape:
+            raise ConfigError(f"mesh {self.mesh!r} has no pp dimension (the pipeline's)")
+        return shape
+
+    @property
+    def world(self) -> int:
+        """Every process: the mesh's ranks, or ``ranks`` (2 when not given)."""
+        shape = self.mesh_shape
+        if shape:
+            return math.prod(shape.values())
+        return 2 if self.ranks is None else self.ranks
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas of the pipeline (``D``)."""
+        if self.mesh is not None:
+            return self.mesh_shape.get("dp", 1)
+        return self.data_parallel if isinstance(self.data_parallel, int) else 1
+
+    @property
     def pipeline_ranks(self) -> int:
         """Ranks of one pipeline replica (``p``)."""
-        return self.ranks // self.data_parallel
+        if self.mesh is not None:
+            return self.mesh_shape["pp"]
+        return self.world // self.replicas
 
     @property
     def model(self) -> GPTConfig:
@@ -102,6 +141,7 @@ class TrainSummary:
     entropy_floor: float
     losses: list[float] = field(default_factory=list)
     data_parallel: int = 1
+    mesh: str | None = None
     steps_clipped: int = 0
     steps_skipped: int = 0
     steps_rolled_back: int = 0
@@ -110,6 +150,8 @@ class TrainSummary:
     def lines(self) -> list[str]:
         """A short human-readable report."""
         layout = f" ({self.data_parallel} data-parallel replicas)" if self.data_parallel > 1 else ""
+        if self.mesh is not None:
+            layout = f" (mesh {self.mesh})"
         return [
             f"schedule {self.schedule} on {self.ranks} ranks{layout}, {self.microbatches} microbatches, "
             f"{self.steps} steps",
@@ -133,23 +175,30 @@ def check_config(config: TrainConfig) -> Schedule | None:
     """
     for name in ("ranks", "steps", "microbatches", "batch_size", "data_parallel"):
         value = getattr(config, name)
+        if (name == "ranks" and value is None) or (name == "data_parallel" and config.mesh is not None):
+            continue
+        if name == "data_parallel" and value in ("replicate", "fsdp"):
+            raise ConfigError(
+                f"data-parallel {value} is a mode of a mesh's dp dimension: add --mesh pp=P,dp=D"
+            )
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    _check_mesh(config)
     if not config.timeout > 0:
         raise ConfigError(f"timeout must be positive (seconds), got {config.timeout!r}")
     if not config.lr > 0:
         raise ConfigError(f"lr must be positive, got {config.lr!r}")
     if config.max_norm is not None and not config.max_norm > 0:
         raise ConfigError(f"max-norm must be positive, got {config.max_norm!r}")
-    if config.ranks % config.data_parallel:
+    if config.world % config.replicas:
         raise ConfigError(
-            f"data-parallel {config.data_parallel} does not divide ranks={config.ranks}; ranks counts every "
+            f"data-parallel {config.data_parallel} does not divide ranks={config.world}; ranks counts every "
             "process (pipeline ranks × data-parallel)"
         )
-    split = config.microbatches * config.data_parallel
+    split = config.microbatches * config.replicas
     if config.batch_size % split:
         raise ConfigError(
-            f"batch size {config.batch_size} does not split into {config.data_parallel} replicas × "
+            f"batch size {config.batch_size} does not split into {config.replicas} replicas × "
             f"{config.microbatches} microbatches; use a multiple of {split}"
         )
     model = config.model  # validates the model size
@@ -170,6 +219,28 @@ def check_config(config: TrainConfig) -> Schedule | None:
     return schedule
 
 
+def _check_mesh(config: TrainConfig) -> None:
+    """With a mesh: known dimensions, a matching ``ranks``, ``data_parallel`` a mode of the ``dp`` one."""
+    shape = config.mesh_shape
+    if not shape:
+        return
+    unknown = sorted(set(shape) - {"pp", "dp", "tp"})
+    if unknown:
+        raise ConfigError(f"mesh {config.mesh!r}: unknown dimensions {unknown}; use pp, dp and tp")
+    if config.ranks is not None and config.ranks != config.world:
+        raise ConfigError(f"ranks={config.ranks} but the mesh {config.mesh!r} has {config.world} ranks")
+    if config.data_parallel not in (1, "replicate", "fsdp"):
+        raise ConfigError(
+            f"data-parallel {config.data_parallel!r} with a mesh: replicate or fsdp along its dp dimension"
+        )
+    if config.data_parallel == "fsdp" and "dp" not in shape:
+        raise ConfigError(
+            f"data-parallel fsdp shards along the mesh's dp dimension; {config.mesh!r} has none"
+        )
+    if "tp" in shape and config.model.dim % shape["tp"]:
+        raise ConfigError(f"dim {config.dim} does not split over tp={shape['tp']}")
+
+
 def run_training(config: TrainConfig) -> TrainSummary:
     """Train as ``config`` says and return rank 0's summary (spawning local ranks if needed).
 
@@ -185,17 +256,17 @@ def run_training(config: TrainConfig) -> TrainSummary:
         finally:
             if not joined and dist.is_initialized():  # this call created the group: it destroys it
                 dist.destroy_process_group()
-    threads = max(1, (os.cpu_count() or 1) // config.ranks)
-    return launch(_train_rank, config.ranks, (config, schedule), threads=threads)[0]
+    threads = max(1, (os.cpu_count() or 1) // config.world)
+    return launch(_train_rank, config.world, (config, schedule), threads=threads)[0]
 
 
 def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
     from zerobubble.runtime.launch import init_distributed
     from zerobubble.runtime.pipeline import Pipeline
 
-    init_distributed(config.backend, config.timeout)
+    backend = init_distributed(config.backend, config.timeout)
     torch.manual_seed(config.seed)
-    shard_size = config.batch_size // config.data_parallel
+    shard_size = config.batch_size // config.replicas
     # schedule="auto" profiles on an example batch: from a corpus of its own, so training data is unchanged
     example = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed + 7).batch(shard_size)
     profiled = schedule is not None and config.partition == "profile"
@@ -209,7 +280,7 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         loss_fn=lm_loss,
         costs=_costs(config),
         timeout=config.timeout,
-        data_parallel=config.data_parallel,
+        **_parallelism(config, backend),
         post_validation=config.post_validation,
         trace=config.trace is not None,
         memory_limit=config.memory_limit,
@@ -248,12 +319,36 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         predicted_bubble=pipe.timeline.bubble_rate,
         entropy_floor=corpus.entropy,
         losses=losses,
-        data_parallel=config.data_parallel,
+        data_parallel=config.replicas,
+        mesh=_describe_mesh(config),
         steps_clipped=clipped,
         steps_skipped=skipped,
         steps_rolled_back=rolled_back,
         trace_lines=(*_plan_lines(pipe), *(report.lines() if report is not None else ())),
     )
+
+
+def _parallelism(config: TrainConfig, backend: str) -> dict[str, Any]:
+    """The Pipeline's layout arguments: a mesh of ``config.mesh`` or a replica count."""
+    shape = config.mesh_shape
+    if not shape:
+        return {"data_parallel": config.data_parallel}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    mode = "replicate" if config.data_parallel == 1 else config.data_parallel
+    return {"mesh": mesh, "data_parallel": mode if "dp" in shape else None}
+
+
+def _describe_mesh(config: TrainConfig) -> str | None:
+    """``"pp 2 × dp 2, fsdp"``: the mesh's sizes and how its dp dimension holds the parameters."""
+    shape = config.mesh_shape
+    if not shape:
+        return None
+    sizes = " × ".join(f"{name} {size}" for name, size in shape.items())
+    mode = "replicate" if config.data_parallel == 1 else config.data_parallel
+    return f"{sizes}, {mode}" if "dp" in shape else sizes
 
 
 def _plan_lines(pipe) -> tuple[str, ...]:
@@ -269,7 +364,7 @@ def _plan_lines(pipe) -> tuple[str, ...]:
 
 
 def _costs(config: TrainConfig):
-    micro_batch = max(1, config.batch_size // (config.microbatches * config.data_parallel))
+    micro_batch = max(1, config.batch_size // (config.microbatches * config.replicas))
     pipeline_ranks = max(1, config.pipeline_ranks)
     return transformer_costs(
         config.dim, config.heads, config.seq_len, micro_batch, max(config.layers, 1) / pipeline_ranks

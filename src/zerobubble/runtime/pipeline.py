@@ -77,8 +77,9 @@ class Pipeline:
     indices where a new chunk starts; ``costs`` goes to the builder (cost-aware schedules) and the
     validator; ``timeout`` (seconds) bounds every wait on another rank.  ``group`` is the process
     group of the pipeline (the default group when None; it is initialised from the environment if
-    needed); its channels are created with ``new_group``, so every rank of the world constructs the
-    Pipeline.  With ``static_shapes`` the tensors crossing stage boundaries keep the shapes of the
+    needed); every rank of it constructs the Pipeline, and the groups the Pipeline creates are made
+    by their members only (:mod:`.groups`), so a Pipeline may run on any slice of the world.  With
+    ``static_shapes`` the tensors crossing stage boundaries keep the shapes of the
     first step, which lets receives be posted ahead of time.
 
     ``partition="profile"`` with a schedule name cuts the layers where the profile says (the same
@@ -100,7 +101,13 @@ class Pipeline:
     ``data_parallel = D`` runs ``D`` replicas of a ``p``-rank pipeline over the ``p·D`` ranks of
     ``group`` (group rank ``dp_index · p + pipeline rank``, see :mod:`.data_parallel`); each replica
     steps on its shard of the batch and the gradients are averaged over the replicas, chunk by
-    chunk as soon as a chunk's last weight-gradient op has run.  :meth:`optimizer_step` clips and
+    chunk as soon as a chunk's last weight-gradient op has run.
+
+    ``mesh`` (a ``DeviceMesh``, instead of ``group``) lays the ranks out by its named dimensions
+    (:mod:`.mesh`): the pipeline along ``"pp"``, the replicas along ``"dp"`` (if present) — then
+    ``data_parallel`` is ``"replicate"`` (the default) or ``"fsdp"`` — and every other dimension
+    (``"tp"``) inside a stage; ``mesh_dims`` renames the roles (``{"pp": "pipe"}``).  Every rank of
+    the mesh constructs the Pipeline.  :meth:`optimizer_step` clips and
     steps with optimizer post-validation (:mod:`.optim`); ``post_validation=False`` makes it a
     plain synchronous step.
 
