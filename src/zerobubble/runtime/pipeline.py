@@ -118,8 +118,13 @@ class Pipeline:
     and error; the Pipeline then refuses further steps.  :meth:`evaluate` runs a forward-only pass.
     ``check_calls=False`` skips the per-call comparison — a max-reduce of eight int64 over every rank
     per call, point to point on a gloo group of its own (``benchmarks/call_check.py``) — and with it
-    the guarantee: an argument error then stops only the rank that makes it.  Every argument after
-    ``layers`` is keyword-only.
+    the guarantee: an argument error then stops only the rank that makes it.
+
+    ``parallelize(layer, mesh)`` (tensor parallelism inside a stage, ``docs/guide.md``) is called on
+    each layer this rank holds, on its device, before its backward is split; it returns the layer to
+    use (e.g. ``parallelize_module(layer, mesh["tp"], plan)``), whose ``DTensor`` parameters keep the
+    layer's own names.  ``mesh`` is only passed on to it here.  Every argument after ``layers`` is
+    keyword-only.
     """
 
     def __init__(
@@ -146,6 +151,8 @@ class Pipeline:
         calibrate: int = 3,
         verify: bool | str = True,
         check_calls: bool = True,
+        mesh: Any = None,
+        parallelize: Callable[[nn.Module, Any], nn.Module] | None = None,
     ):
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
         self.device: torch.device = local_device(backend)  # before the first collective (NCCL needs it)
@@ -194,7 +201,8 @@ class Pipeline:
             verify=verify,
             check_calls=bool(check_calls),
         )
-        self._build(resolution, group, data_parallel, static_shapes, fast_paths, verify, check_calls)
+        tp = (parallelize, mesh)
+        self._build(resolution, group, data_parallel, static_shapes, fast_paths, verify, check_calls, tp)
         self._build_recording(trace, emulate)
         self._init_optimization(post_validation)
 
@@ -207,6 +215,7 @@ class Pipeline:
         fast_paths: FastPaths | None,
         verify: bool | str,
         check_calls: bool,
+        parallelize: tuple[Callable[[nn.Module, Any], nn.Module] | None, Any] = (None, None),
     ) -> None:
         """Build this rank's part of the agreed ``resolution`` (collective: the layout's, the call
         check's, the ties' and the channels' groups); nothing is resolved or validated here."""
@@ -217,6 +226,11 @@ class Pipeline:
         self.plan: Plan | None = resolution.plan  # schedule="auto": what was chosen and why
         self.profile: ModelProfile | None = resolution.profile  # and the layer profile it came from
         logger.info("%s", resolution.describe())
+        if parallelize[0] is not None and data_parallel > 1:  # before any collective, on every rank
+            raise PipelineError(
+                "parallelize= (tensor parallelism) with data_parallel > 1 is not supported yet: the "
+                "replicas' broadcast and gradient average take plain parameters"
+            )
         self.layout = create_layout(group, data_parallel, self.timeout)  # collective: new_group
         self.group: dist.ProcessGroup | None = self.layout.pipeline_group
         self.rank = self.layout.pipeline_rank
@@ -231,10 +245,12 @@ class Pipeline:
         self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
         self.module = nn.Module()
         stages, self._guards = place_stages(
-            resolution, self.rank, self.device, self.module, fast_paths, verify
+            resolution, self.rank, self.device, self.module, fast_paths, verify, *parallelize
         )
         self.stages = tuple(sorted(stages))
-        self._tied = tie_parameters(resolution, self.rank, self.layout, self.module)
+        self._tied = tie_parameters(
+            resolution, self.rank, self.layout, self.module, parallelized=parallelize[0] is not None
+        )
         if self.layout.data_parallel > 1:  # replicas start from replica 0's weights, as DDP does
             broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
         with self.layout.replicated(directed_pairs(self.schedule)):

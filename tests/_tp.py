@@ -1,0 +1,210 @@
+"""Helpers of the tensor-parallel tests: a small transformer-ish block, its tp plan, rank workers.
+
+Workers are module-level functions so spawned gloo ranks can import them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH, HEADS, SEQ = 8, 2, 3
+
+
+class Attention(nn.Module):
+    """Self-attention on q/k/v/o Linear layers; the head count follows the local width (tp-agnostic)."""
+
+    def __init__(self, width: int = WIDTH, heads: int = HEADS):
+        super().__init__()
+        self.head_dim = width // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+
+        def heads(t):
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        scores = (q @ k.transpose(-1, -2)) / self.head_dim**0.5
+        mixed = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, -1)
+        return self.o(mixed)
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: LayerNorm, attention, LayerNorm, MLP, residuals."""
+
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = Attention(width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = MLP(width)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def tp_plan() -> dict:
+    """Megatron-style: q/k/v and fc1 column-wise, o and fc2 row-wise (the block's own names)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.o": RowwiseParallel(),
+        "mlp.fc1": ColwiseParallel(),
+        "mlp.fc2": RowwiseParallel(),
+    }
+
+
+def parallelize(layer: nn.Module, mesh) -> nn.Module:
+    """The Pipeline's ``parallelize=`` hook: blocks get the tp plan on the mesh's "tp" dimension."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if not isinstance(layer, Block):
+        return layer
+    tp = mesh["tp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
+    return parallelize_module(layer, tp, tp_plan())
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (collective over its mesh); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+# -- rank workers ----------------------------------------------------------------------------------
+
+
+def _mirrored_new_group(pipelines: list[list[int]]):
+    """A stand-in for ``dist.new_group`` while several pipelines (the mesh's pp groups) construct.
+
+    TEMPORARY, until the Pipeline creates its groups from the mesh / with local synchronisation:
+    ``new_group`` is world-synchronised and names groups by a global counter, so two pipelines
+    creating their own groups at once would collide and hang.  Here each call for ranks of this
+    rank's pipeline creates the same group of every pipeline, in pipeline order, on every rank (as
+    ``data_parallel.py`` mirrors its replicas), and returns this rank's.
+    """
+    import torch.distributed as dist
+
+    real = dist.new_group
+    me = dist.get_rank()
+    own = next(index for index, ranks in enumerate(pipelines) if me in ranks)
+
+    def new_group(ranks=None, *args, **kwargs):
+        if ranks is None or not set(ranks) <= set(pipelines[own]):
+            return real(ranks, *args, **kwargs)
+        positions = [pipelines[own].index(r) for r in ranks]
+        made = [real([pipeline[p] for p in positions], *args, **kwargs) for pipeline in pipelines]
+        return made[own]
+
+    return real, new_group
+
+
+def _model(seed: int) -> list[nn.Module]:
+    """Three blocks and a head (LayerNorm + Linear), float64."""
+    torch.manual_seed(seed)
+    head = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH))
+    return [Block().double(), Block().double(), Block().double(), head.double()]
+
+
+def _batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, SEQ, WIDTH, generator=generator, dtype=torch.float64)
+    return x, torch.randn(batch, SEQ, WIDTH, generator=generator, dtype=torch.float64)
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative error, absolute below a norm of 1e-6 (the key projection's bias gets a gradient
+    that is zero in exact arithmetic: softmax ignores a shift of a whole row of scores)."""
+    return (actual - expected).norm().item() / max(expected.norm().item(), 1e-6)
+
+
+def pipeline_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
+    """On pp 2 × tp 2: for each schedule, ``steps`` AdamW steps clipped to ``max_norm`` of a
+    Pipeline of :func:`_model` with its blocks tensor-parallel, against one process on the whole
+    batch.  Returns, per schedule, the worst relative error of the gradients (each step) and of
+    the parameters (after the steps), the split report of the parallelized Linear layers and the
+    optimizer counters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerobubble import Pipeline
+    from zerobubble.runtime.launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=60)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pipelines = [list(map(int, row)) for row in mesh.mesh.t()]  # each tp index's pp ranks
+    loss_fn = F.mse_loss
+    results = {}
+    for case, schedule in enumerate(schedules):
+        model = nn.Sequential(*_model(seed=case))
+        ref_opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        real, mirrored = _mirrored_new_group(pipelines)
+        dist.new_group = mirrored
+        try:
+            pipe = Pipeline(
+                _model(seed=case),
+                schedule=schedule,
+                microbatches=4,
+                loss_fn=loss_fn,
+                group=mesh["pp"].get_group(),
+                mesh=mesh,
+                parallelize=parallelize,
+                timeout=60,
+            )
+        finally:
+            dist.new_group = real
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.1)
+        grad_error = param_error = 0.0
+        worst = None
+        for step in range(steps):
+            x, y = _batch(8, seed=100 + step)
+            loss_fn(model(x), y).backward()
+            expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            pipe.step(x, y)
+            for name, param in pipe.named_parameters():  # every tp rank in the same order: full()
+                error = _relative(full(param.grad), expected[name])
+                if error > grad_error:
+                    worst = (step, name, error)
+                grad_error = max(grad_error, error)
+            pipe.optimizer_step(optimizer, max_norm=max_norm)
+            optimizer.zero_grad(set_to_none=True)
+        pipe.synchronize()
+        wanted = dict(model.named_parameters())
+        for name, param in pipe.named_parameters():
+            param_error = max(param_error, _relative(full(param.detach()), wanted[name].detach()))
+        report = sorted(
+            {(r.module, r.type, r.path, r.verified) for r in pipe.split_report() if r.type == "Linear"}
+        )
+        stats = pipe.optimizer_stats
+        results[schedule] = {
+            "grads": grad_error,
+            "worst": worst if grad_error > 0 else None,
+            "params": param_error,
+            "report": report,
+            "clipped": stats.clipped,
+            "steps": stats.steps,
+            "rolled_back": stats.rolled_back,
+            "dtensors": sorted(n for n, p in pipe.named_parameters() if type(p).__name__ == "DTensor"),
+        }
+    return results
