@@ -208,3 +208,91 @@ def pipeline_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
             "dtensors": sorted(n for n, p in pipe.named_parameters() if type(p).__name__ == "DTensor"),
         }
     return results
+
+
+def split_cases() -> dict:
+    """On a 2-rank tp mesh: one :class:`Block` parallelized, split by each path (fast paths, the
+    generic split alone, routed calls), as a first or a middle stage, B then W or a fused BW, against
+    the unparallelized block under plain autograd.  Also the split guard (strict) on it, the
+    parameters' hooks and the optimizer's local norm state of DTensor gradients."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerobubble.runtime.launch import init_distributed
+    from zerobubble.runtime.optim import local_state
+    from zerobubble.runtime.staging import StageModule
+    from zerobubble.runtime.wgrad import (
+        FastPaths,
+        SplitGuard,
+        WeightGradStore,
+        default_fast_paths,
+        install_deferral,
+    )
+
+    init_distributed(backend="gloo", timeout=60)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    registries = {
+        "fast": default_fast_paths,
+        "generic": FastPaths,
+        "routed": lambda: FastPaths(route_linear=True),
+    }
+    results: dict = {}
+    for kind, registry in registries.items():
+        for first in (True, False):
+            for defer in (True, False):
+                torch.manual_seed(0)
+                block = Block().double()
+                plain = copy.deepcopy(block)
+                split = parallelize(copy.deepcopy(block), mesh)
+                store = WeightGradStore()
+                deferral = install_deferral([split], store, registry())
+                stage = StageModule([split])
+                guard = SplitGuard(
+                    stage=0, module=stage, store=store, deferral=deferral, strict=True,
+                    names={id(m): n for n, m in stage.named_modules()}, deferred=defer, fused=not defer,
+                )  # fmt: skip
+                hooks = []
+                for param in split.parameters():
+                    param.register_post_accumulate_grad_hook(lambda p, fired=hooks: fired.append(1))
+                generator = torch.Generator().manual_seed(1)
+                case: dict = {"early": [], "input": 0.0}
+                for j in range(2):
+                    x = torch.randn(2, SEQ, WIDTH, generator=generator, dtype=torch.float64)
+                    g = torch.randn(2, SEQ, WIDTH, generator=generator, dtype=torch.float64)
+                    local, reference = (x.clone().requires_grad_(not first) for _ in range(2))
+                    guard.before_forward((local,))
+                    with store.keyed_forward((0, j)):
+                        out = stage(local)
+                    store.begin((0, j), defer)
+                    out.backward(g)
+                    store.end()
+                    if defer and j == 0:
+                        case["early"] = [n for n, p in split.named_parameters() if p.grad is not None]
+                    if defer:
+                        store.flush((0, j))
+                    plain(reference).backward(g)
+                    if not first:
+                        case["input"] = max(case["input"], _relative(local.grad, reference.grad))
+                expected = dict(plain.named_parameters())
+                case["grads"] = max(
+                    _relative(full(p.grad), expected[n].grad) for n, p in split.named_parameters()
+                )
+                case["placements"] = all(
+                    p.grad.placements == p.placements for p in split.parameters() if hasattr(p, "placements")
+                )
+                case["dtensors"] = sum(hasattr(p, "placements") for p in split.parameters())
+                case["hooks"] = len(hooks) / (2 * len(list(split.parameters())))  # once a param, a microbatch
+                case["paths"] = sorted({path for _, path in deferral.paths()})
+                case["verified"] = all(record.verified for record in guard.report()) and not deferral.fallen
+                results[(kind, first, defer)] = case
+    # the optimizer's state of DTensor gradients: the norm of the full tensors, a non-finite flag
+    grads = [p.grad for p in split.parameters()]
+    want = torch.stack([full(g).norm() for g in grads]).pow(2).sum()
+    state = local_state(grads, 2.0, torch.device("cpu"))
+    results["norm"] = (abs(state[0].item() - want.item()) / want.item(), state[1].item())
+    shard = split.attn.q.weight.grad.to_local()  # a DTensor gradient: an inf in rank 1's shard only
+    shard[0, 0] = float("inf") if torch.distributed.get_rank() == 1 else 0.0
+    results["nonfinite"] = local_state(grads, 2.0, torch.device("cpu"))[1].item()
+    return results

@@ -381,7 +381,7 @@ def _differences(
 
 def _placements(tensor: torch.Tensor) -> Any:
     """A DTensor's placements (tensor parallelism), None for a plain tensor."""
-    return tuple(tensor.placements) if is_dtensor(tensor) else None
+    return tuple(getattr(tensor, "placements", ())) if is_dtensor(tensor) else None
 
 
 def _full(outcome: _Outcome) -> _Outcome:
