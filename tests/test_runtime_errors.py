@@ -39,7 +39,9 @@ def test_a_ddp_wrapped_layer_is_refused_on_every_rank(messages):
 
 def test_dtensor_parameters_are_refused_on_every_rank(messages):
     for rank_messages in messages:
-        assert "is a DTensor (FSDP2 fully_shard or tensor parallelism)" in rank_messages["dtensor_layer"]
+        message = rank_messages["dtensor_layer"]
+        assert "is a DTensor (FSDP2 fully_shard or tensor parallelism" in message
+        assert "parallelize=fn" in message  # what to use instead
 
 
 def test_world_size_that_the_schedule_does_not_fit(messages):

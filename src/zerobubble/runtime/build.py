@@ -14,15 +14,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..schedule.ir import Kind, Op
+from . import PipelineError
 from .consistency import TiedParameter
 from .data_parallel import GradientAverager, ParallelLayout, chunk_parameters, last_gradient_ops
 from .executor import Executor, Hook, StageState
 from .optim import PipelineOptimizer, validation_chain
 from .resolve import Resolution
 from .staging import StageModule, stage_of
+from .tensors import is_dtensor
 from .wgrad import FastPaths, WeightGradStore, install_deferral
 from .wgrad.verify import SplitGuard
 
@@ -34,16 +37,24 @@ def place_stages(
     module: nn.Module,
     fast_paths: FastPaths | None,
     verify: bool | str,
+    parallelize: Callable[[nn.Module, Any], nn.Module] | None = None,
+    mesh: Any = None,
 ) -> tuple[dict[int, StageState], dict[int, SplitGuard]]:
     """Cut the layers into chunks and keep rank ``rank``'s, registered in ``module`` under their
     original names: ``(stages, guards)`` by stage index.  Each stage's split gets a guard
-    (:mod:`.wgrad.verify`), checking it unless ``verify`` is False."""
+    (:mod:`.wgrad.verify`), checking it unless ``verify`` is False.
+
+    ``parallelize(layer, mesh)`` (tensor parallelism) replaces each layer once it is on ``device``
+    and before its backward is split (:func:`parallelized`)."""
     schedule, named, bounds = resolution.schedule, resolution.layers, resolution.bounds
     stages, guards = {}, {}
     for index in schedule.placement.stages_of(rank):
-        chunk = named[bounds[index] : bounds[index + 1]]
+        chunk = [
+            (name, parallelized(name, layer.to(device), parallelize, mesh))
+            for name, layer in named[bounds[index] : bounds[index + 1]]
+        ]
         for name, layer in chunk:
-            module.add_module(name, layer.to(device))
+            module.add_module(name, layer)
         layers = [layer for _, layer in chunk]
         store = WeightGradStore()
         # fused schedules too: their BW ops gain the fast paths' cheaper accumulation
@@ -69,7 +80,50 @@ def place_stages(
         )
         state.guard = guard if verify is not False else None
         stages[index] = state
+    if parallelize is not None:
+        _check_local_ties(resolution, set(stages), module)
     return stages, guards
+
+
+def _check_local_ties(resolution: Resolution, held: set[int], module: nn.Module) -> None:
+    """The uses of a tied parameter on this rank still share one Parameter after ``parallelize``
+    (sharding one use's module replaces its Parameter and would silently untie them)."""
+    bounds = list(resolution.bounds)
+    for uses in resolution.ties:
+        names = [name for index, name in uses if stage_of(index, bounds) in held]
+        if len({id(module.get_parameter(name)) for name in names}) > 1:
+            raise PipelineError(
+                f"parallelize untied the parameters {', '.join(names)} (tied in the layers given): "
+                "leave the modules that use a tied parameter unparallelized"
+            )
+
+
+def parallelized(
+    name: str, layer: nn.Module, parallelize: Callable[[nn.Module, Any], nn.Module] | None, mesh: Any
+) -> nn.Module:
+    """``parallelize(layer, mesh)`` (``layer`` itself without a hook), checked: an ``nn.Module``
+    whose parameter names are the layer's own (checkpoints, ties and the consistency check use them).
+
+    Its parameters may be ``DTensor``s (tensor parallelism): the split computes their gradients as
+    ``DTensor``s with the placements plain autograd gives them (``docs/guide.md``).
+    """
+    if parallelize is None:
+        return layer
+    names = [n for n, _ in layer.named_parameters(remove_duplicate=False)]
+    result = parallelize(layer, mesh)
+    if not isinstance(result, nn.Module):
+        raise PipelineError(
+            f"parallelize(layer, mesh) returned a {type(result).__name__} for layer {name}; return the "
+            "layer to use (parallelize_module returns the module it was given)"
+        )
+    changed = [n for n, _ in result.named_parameters(remove_duplicate=False)]
+    if changed != names:
+        raise PipelineError(
+            f"parallelize(layer, mesh) changed the parameter names of layer {name} ({names[:4]} -> "
+            f"{changed[:4]}): parallelize the layer's submodules in place (parallelize_module on the "
+            "layer, with a plan of its own submodule names) and return it, without wrapping it"
+        )
+    return result
 
 
 def tie_parameters(
@@ -80,7 +134,8 @@ def tie_parameters(
     wait: Callable[[Any, str], None],
 ) -> list[TiedParameter]:
     """This rank's copies of the parameters tied across ranks; each copy then holds the value of the
-    tie's first holder (point to point over the layout's ties group, collective over the holders)."""
+    tie's first holder (point to point over the layout's ties group, collective over the replica).
+    A tie across ranks whose copy ``parallelize`` made a DTensor is refused on every rank."""
     placement, bounds, tied = resolution.schedule.placement, list(resolution.bounds), []
     for tag, uses in enumerate(resolution.ties):
         holders = sorted({placement.rank_of(stage_of(index, bounds)) for index, _ in uses})
@@ -98,9 +153,27 @@ def tie_parameters(
                 tag,
             )
         )
+    if any(len({placement.rank_of(stage_of(i, bounds)) for i, _ in uses}) > 1 for uses in resolution.ties):
+        _refuse_sharded_ties(tied, layout.ties_group, module)
     for tie in tied:
         tie.broadcast_value(wait)
     return tied
+
+
+def _refuse_sharded_ties(tied: Sequence[TiedParameter], group: Any, module: nn.Module) -> None:
+    """A parameter tied across ranks that ``parallelize`` made a ``DTensor`` on some holder is an
+    error on every rank of the replica (one max-reduce over ``group``): its copies are broadcast
+    and their gradients summed as plain tensors."""
+    sharded = [tie.name for tie in tied if is_dtensor(tie.param)]
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    flag = torch.tensor([float(bool(sharded))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item() > 0:
+        raise PipelineError(
+            f"a parameter tied across pipeline ranks ({', '.join(sharded) or 'on another rank'}) is a "
+            "DTensor after parallelize: ties across ranks hold plain parameters only; leave that layer "
+            "unparallelized or place the tied layers on one rank"
+        )
 
 
 def chain_optimizer(

@@ -30,6 +30,7 @@ from torch import nn
 
 from . import PipelineError
 from .rollback import OptimizerValidationError, ReversibleStep, rollback_support
+from .tensors import full_value
 
 __all__ = [
     "OptimizerStats",
@@ -79,10 +80,17 @@ def clip_coefficient(total_norm: float, max_norm: float | None, dtype: torch.dty
 
 @torch.no_grad()
 def local_state(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """``[Σ ‖g‖_p^p (max ‖g‖_∞ for p = inf), non-finite flag]`` of ``grads``, float64 on ``device``."""
+    """``[Σ ‖g‖_p^p (max ‖g‖_∞ for p = inf), non-finite flag]`` of ``grads``, float64 on ``device``.
+
+    A DTensor gradient (tensor parallelism) counts with the norm of its full tensor, the same on
+    every rank of its mesh (a collective over it, in the same order on each of them): each tp rank's
+    pipeline thus reaches the norm of the whole model, every tensor counted once.
+    """
     if not grads:
         return torch.zeros(2, dtype=torch.float64, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads])
+    norms = torch.stack(
+        [full_value(torch.linalg.vector_norm(g, norm_type)).to(device, torch.float64) for g in grads]
+    )
     nonfinite = (~torch.isfinite(norms)).any().to(torch.float64)
     part = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
     return torch.stack([part, nonfinite])

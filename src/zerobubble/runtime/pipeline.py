@@ -130,7 +130,12 @@ class Pipeline:
     and error; the Pipeline then refuses further steps.  :meth:`evaluate` runs a forward-only pass.
     ``check_calls=False`` skips the per-call comparison — a max-reduce of eight int64 over every rank
     per call, point to point on a gloo group of its own (``benchmarks/call_check.py``) — and with it
-    the guarantee: an argument error then stops only the rank that makes it.  Every argument after
+    the guarantee: an argument error then stops only the rank that makes it.
+
+    ``parallelize(layer, mesh)`` (tensor parallelism inside a stage, ``docs/guide.md``) is called on
+    each layer this rank holds, on its device, before its backward is split; it returns the layer to
+    use (e.g. ``parallelize_module(layer, mesh["tp"], plan)``), whose ``DTensor`` parameters keep the
+    layer's own names; ``mesh`` is the Pipeline's (None without one).  Every argument after
     ``layers`` is keyword-only.
     """
 
@@ -160,6 +165,7 @@ class Pipeline:
         calibrate: int = 3,
         verify: bool | str = True,
         check_calls: bool = True,
+        parallelize: Callable[[nn.Module, Any], nn.Module] | None = None,
     ):
         if mesh is not None and group is not None:
             raise PipelineError("pass mesh= or group=, not both (the mesh's pipeline dimension is the group)")
@@ -171,6 +177,7 @@ class Pipeline:
         self._recorder: OpRecorder | None = None
         self._calibrator: Calibrator | None = None
         self._mesh = mesh
+        self._parallelize = parallelize
         self._dims = mesh_dims_of(mesh, mesh_dims) if mesh is not None else None
         # local groups are named by each rank's group count: make the counts equal first (.groups)
         setup = timedelta(seconds=max(timeout, 60.0))
@@ -257,7 +264,7 @@ class Pipeline:
         self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
         self.module = nn.Module()
         stages, self._guards = place_stages(
-            resolution, self.rank, self.device, self.module, fast_paths, verify
+            resolution, self.rank, self.device, self.module, fast_paths, verify, self._parallelize, self._mesh
         )
         self.stages = tuple(sorted(stages))
         self._tied = tie_parameters(resolution, self.rank, self.layout, self.module, self._monitor.wait)

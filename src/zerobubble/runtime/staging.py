@@ -17,6 +17,7 @@ from torch import nn
 from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, validate_schedule
 from ..schedule.partition import even_partition
 from . import PipelineError
+from .tensors import is_dtensor
 
 DEFAULT_MICROBATCHES = 8
 """The microbatch count of a Pipeline built from a registry name without ``microbatches``."""
@@ -119,9 +120,10 @@ def _refuse_reducing_wrappers(name: str, layer: nn.Module) -> None:
     """Wrappers whose gradient reduction the B/W split would silently bypass are an error.
 
     ``DistributedDataParallel`` and FSDP1 reduce from autograd's accumulation hooks, which W's own
-    accumulation into ``.grad`` never fires (no reduction, no error); FSDP2's ``fully_shard`` and
-    tensor parallelism make the parameters ``DTensor``s, onto which W would write full-size plain
-    gradients.  The Pipeline's own ``data_parallel=D`` replicates and averages correctly.
+    accumulation into ``.grad`` never fires (no reduction, no error).  ``DTensor`` parameters
+    (FSDP2's ``fully_shard``, tensor parallelism) are refused in the layers given: tensor
+    parallelism goes through ``Pipeline(parallelize=...)``, applied to this rank's layers only.
+    The Pipeline's own ``data_parallel=D`` replicates and averages correctly.
     """
     for path, module in layer.named_modules():
         kind = type(module).__name__
@@ -134,12 +136,13 @@ def _refuse_reducing_wrappers(name: str, layer: nn.Module) -> None:
                 "module and Pipeline(..., data_parallel=D) for data-parallel replicas"
             )
     for param_name, param in layer.named_parameters():
-        if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
+        if is_dtensor(param):
             raise PipelineError(
                 f"layer {name}'s parameter {param_name} is a DTensor (FSDP2 fully_shard or tensor "
-                "parallelism): the Pipeline does not run sharded parameters yet and W would write "
-                "full-size plain gradients onto it. Pass plain parameters; Pipeline(..., "
-                "data_parallel=D) replicates the stages for data parallelism"
+                "parallelism applied before the Pipeline cut the layers): pass plain layers and "
+                "Pipeline(..., mesh=mesh, parallelize=fn), which calls fn(layer, mesh) on each layer "
+                "of this rank's stages (e.g. parallelize_module(layer, mesh['tp'], plan)) before "
+                "splitting its backward; Pipeline(..., data_parallel=D) replicates the stages"
             )
 
 

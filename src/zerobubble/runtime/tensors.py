@@ -8,6 +8,7 @@ each distinct storage once, so views and aliases are not counted twice.
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -68,3 +69,19 @@ def _slot_values(value: Any) -> list[Any]:
             if name not in ("__dict__", "__weakref__") and hasattr(value, name):
                 values.append(getattr(value, name))
     return values
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (tensor parallelism, FSDP2), or a
+    Parameter holding one.  Never imports that package (a second at import time): where it is not
+    imported yet, no DTensor exists."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    if dtensor is None:
+        return False
+    return isinstance(tensor, dtensor) or isinstance(getattr(tensor, "data", None), dtensor)
+
+
+def full_value(tensor: Any) -> Any:
+    """A DTensor's full value (``full_tensor()``: collective over its mesh); anything else as it is."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import PipelineError
+from ..tensors import full_value, is_dtensor
 from .install import Deferral
 from .store import HeldHooks, WeightGradStore
 
@@ -351,6 +352,11 @@ def _differences(
 ) -> list[tuple[torch.Tensor | None, str]]:
     """``(parameter or None, what differs)`` for every disagreement."""
     found: list[tuple[torch.Tensor | None, str]] = []
+    for param, want, got in zip(params, expected.grads, actual.grads):
+        if want is not None and got is not None and _placements(got) != _placements(want):
+            placed = f"gets a gradient placed {_placements(got)}, plain autograd's {_placements(want)}"
+            found.append((param, placed))
+    expected, actual = _full(expected), _full(actual)
     largest = max((g.double().norm().item() for g in expected.grads if g is not None), default=0.0)
     floor = max(1e-4 * largest, 1e-30)  # a gradient zero in exact arithmetic is rounding noise
     for param, want, got in zip(params, expected.grads, actual.grads):
@@ -371,6 +377,23 @@ def _differences(
         if want.shape != got.shape or not _relative(got, want, 1e-30) <= _tolerance(want):
             found.append((None, f"output {index} differs from plain autograd's"))
     return found
+
+
+def _placements(tensor: torch.Tensor) -> Any:
+    """A DTensor's placements (tensor parallelism), None for a plain tensor."""
+    return tuple(getattr(tensor, "placements", ())) if is_dtensor(tensor) else None
+
+
+def _full(outcome: _Outcome) -> _Outcome:
+    """``outcome`` with every DTensor as its full tensor, so that every rank of its mesh compares the
+    same values and takes the same decision (collective over the mesh: its ranks check alike)."""
+
+    def full(tensors: list[Any]) -> list[Any]:
+        return [full_value(t) for t in tensors]
+
+    if not any(is_dtensor(t) for part in vars(outcome).values() for t in part):
+        return outcome
+    return _Outcome(full(outcome.outputs), full(outcome.grads), full(outcome.input_grads))
 
 
 def _describe(

@@ -1,0 +1,265 @@
+"""Helpers of the tensor-parallel tests: a small transformer-ish block, its tp plan, rank workers.
+
+Workers are module-level functions so spawned gloo ranks can import them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH, HEADS, SEQ = 8, 2, 3
+
+
+class Attention(nn.Module):
+    """Self-attention on q/k/v/o Linear layers; the head count follows the local width (tp-agnostic)."""
+
+    def __init__(self, width: int = WIDTH, heads: int = HEADS):
+        super().__init__()
+        self.head_dim = width // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+
+        def heads(t):
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        scores = (q @ k.transpose(-1, -2)) / self.head_dim**0.5
+        mixed = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, -1)
+        return self.o(mixed)
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: LayerNorm, attention, LayerNorm, MLP, residuals."""
+
+    def __init__(self, width: int = WIDTH):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = Attention(width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = MLP(width)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def tp_plan() -> dict:
+    """Megatron-style: q/k/v and fc1 column-wise, o and fc2 row-wise (the block's own names)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.o": RowwiseParallel(),
+        "mlp.fc1": ColwiseParallel(),
+        "mlp.fc2": RowwiseParallel(),
+    }
+
+
+def parallelize(layer: nn.Module, mesh) -> nn.Module:
+    """The Pipeline's ``parallelize=`` hook: blocks get the tp plan on the mesh's "tp" dimension."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if not isinstance(layer, Block):
+        return layer
+    tp = mesh["tp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
+    return parallelize_module(layer, tp, tp_plan())
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (collective over its mesh); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+# -- rank workers ----------------------------------------------------------------------------------
+
+
+def _model(seed: int) -> list[nn.Module]:
+    """Three blocks and a head (LayerNorm + Linear), float64."""
+    torch.manual_seed(seed)
+    head = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH))
+    return [Block().double(), Block().double(), Block().double(), head.double()]
+
+
+def _batch(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, SEQ, WIDTH, generator=generator, dtype=torch.float64)
+    return x, torch.randn(batch, SEQ, WIDTH, generator=generator, dtype=torch.float64)
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative error, absolute below a norm of 1e-6 (the key projection's bias gets a gradient
+    that is zero in exact arithmetic: softmax ignores a shift of a whole row of scores)."""
+    return (actual - expected).norm().item() / max(expected.norm().item(), 1e-6)
+
+
+def pipeline_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
+    """On pp 2 × tp 2: for each schedule, ``steps`` AdamW steps clipped to ``max_norm`` of a
+    Pipeline of :func:`_model` with its blocks tensor-parallel, against one process on the whole
+    batch.  Returns, per schedule, the worst relative error of the gradients (each step) and of
+    the parameters (after the steps), the split report of the parallelized Linear layers and the
+    optimizer counters."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerobubble import Pipeline
+    from zerobubble.runtime.launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=60)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    loss_fn = F.mse_loss
+    results = {}
+    for case, schedule in enumerate(schedules):
+        model = nn.Sequential(*_model(seed=case))
+        ref_opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        pipe = Pipeline(
+            _model(seed=case),
+            schedule=schedule,
+            microbatches=4,
+            loss_fn=loss_fn,
+            mesh=mesh,
+            parallelize=parallelize,
+            timeout=60,
+        )
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.1)
+        grad_error = param_error = 0.0
+        worst = None
+        for step in range(steps):
+            x, y = _batch(8, seed=100 + step)
+            loss_fn(model(x), y).backward()
+            expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            pipe.step(x, y)
+            for name, param in pipe.named_parameters():  # every tp rank in the same order: full()
+                error = _relative(full(param.grad), expected[name])
+                if error > grad_error:
+                    worst = (step, name, error)
+                grad_error = max(grad_error, error)
+            pipe.optimizer_step(optimizer, max_norm=max_norm)
+            optimizer.zero_grad(set_to_none=True)
+        pipe.synchronize()
+        wanted = dict(model.named_parameters())
+        for name, param in pipe.named_parameters():
+            param_error = max(param_error, _relative(full(param.detach()), wanted[name].detach()))
+        report = sorted(
+            {(r.module, r.type, r.path, r.verified) for r in pipe.split_report() if r.type == "Linear"}
+        )
+        stats = pipe.optimizer_stats
+        results[schedule] = {
+            "grads": grad_error,
+            "worst": worst if grad_error > 0 else None,
+            "params": param_error,
+            "report": report,
+            "clipped": stats.clipped,
+            "steps": stats.steps,
+            "rolled_back": stats.rolled_back,
+            "dtensors": sorted(n for n, p in pipe.named_parameters() if type(p).__name__ == "DTensor"),
+        }
+    return results
+
+
+def split_cases() -> dict:
+    """On a 2-rank tp mesh: one :class:`Block` parallelized, split by each path (fast paths, the
+    generic split alone, routed calls), as a first or a middle stage, B then W or a fused BW, against
+    the unparallelized block under plain autograd.  Also the split guard (strict) on it, the
+    parameters' hooks and the optimizer's local norm state of DTensor gradients."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerobubble.runtime.launch import init_distributed
+    from zerobubble.runtime.optim import local_state
+    from zerobubble.runtime.staging import StageModule
+    from zerobubble.runtime.wgrad import (
+        FastPaths,
+        SplitGuard,
+        WeightGradStore,
+        default_fast_paths,
+        install_deferral,
+    )
+
+    init_distributed(backend="gloo", timeout=60)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    registries = {
+        "fast": default_fast_paths,
+        "generic": FastPaths,
+        "routed": lambda: FastPaths(route_linear=True),
+    }
+    results: dict = {}
+    for kind, registry in registries.items():
+        for first in (True, False):
+            for defer in (True, False):
+                torch.manual_seed(0)
+                block = Block().double()
+                plain = copy.deepcopy(block)
+                split = parallelize(copy.deepcopy(block), mesh)
+                store = WeightGradStore()
+                deferral = install_deferral([split], store, registry())
+                stage = StageModule([split])
+                guard = SplitGuard(
+                    stage=0, module=stage, store=store, deferral=deferral, strict=True,
+                    names={id(m): n for n, m in stage.named_modules()}, deferred=defer, fused=not defer,
+                )  # fmt: skip
+                hooks = []
+                for param in split.parameters():
+                    param.register_post_accumulate_grad_hook(lambda p, fired=hooks: fired.append(1))
+                generator = torch.Generator().manual_seed(1)
+                case: dict = {"early": [], "input": 0.0}
+                for j in range(2):
+                    x = torch.randn(2, SEQ, WIDTH, generator=generator, dtype=torch.float64)
+                    g = torch.randn(2, SEQ, WIDTH, generator=generator, dtype=torch.float64)
+                    local, reference = (x.clone().requires_grad_(not first) for _ in range(2))
+                    guard.before_forward((local,))
+                    with store.keyed_forward((0, j)):
+                        out = stage(local)
+                    store.begin((0, j), defer)
+                    out.backward(g)
+                    store.end()
+                    if defer and j == 0:
+                        case["early"] = [n for n, p in split.named_parameters() if p.grad is not None]
+                    if defer:
+                        store.flush((0, j))
+                    plain(reference).backward(g)
+                    if not first:
+                        case["input"] = max(case["input"], _relative(local.grad, reference.grad))
+                expected = dict(plain.named_parameters())
+                case["grads"] = max(
+                    _relative(full(p.grad), expected[n].grad) for n, p in split.named_parameters()
+                )
+                case["placements"] = all(
+                    p.grad.placements == p.placements for p in split.parameters() if hasattr(p, "placements")
+                )
+                case["dtensors"] = sum(hasattr(p, "placements") for p in split.parameters())
+                case["hooks"] = len(hooks) / (2 * len(list(split.parameters())))  # once a param, a microbatch
+                case["paths"] = sorted({path for _, path in deferral.paths()})
+                case["verified"] = all(record.verified for record in guard.report()) and not deferral.fallen
+                results[(kind, first, defer)] = case
+    # the optimizer's state of DTensor gradients: the norm of the full tensors, a non-finite flag
+    grads = [p.grad for p in split.parameters()]
+    want = torch.stack([full(g).norm() for g in grads]).pow(2).sum()
+    state = local_state(grads, 2.0, torch.device("cpu"))
+    results["norm"] = (abs(state[0].item() - want.item()) / want.item(), state[1].item())
+    shard = split.attn.q.weight.grad.to_local()  # a DTensor gradient: an inf in rank 1's shard only
+    shard[0, 0] = float("inf") if torch.distributed.get_rank() == 1 else 0.0
+    results["nonfinite"] = local_state(grads, 2.0, torch.device("cpu"))[1].item()
+    return results
