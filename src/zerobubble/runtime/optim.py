@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import PipelineError
-from .rollback import OptimizerValidationError, ReversibleStep, rollback_support
+from .rollback import OptimizerValidationError, ReversibleStep, rollback_support, zero_local_optimizer
 from .tensors import full_value
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "Verdict",
     "chain_neighbours",
     "check_max_norm",
+    "check_sharded_optimizer",
     "clip_coefficient",
     "combine_states",
     "local_state",
@@ -395,8 +396,8 @@ class PostValidator:
         """Make the step what the full state says it must be; update counters."""
         verdict, norm, coef = self._verdict(full)
         rolled_back = stepped and verdict is not Verdict.PLAIN
-        if rolled_back:
-            self._step.rollback()
+        if rolled_back:  # a clipped step taken again at once re-syncs a ZeRO shard itself
+            self._step.rollback(sync=verdict is not Verdict.CLIP)
         if verdict is Verdict.CLIP:
             self._step.apply(torch.tensor(coef, dtype=self._norm_dtype))
         elif verdict is Verdict.PLAIN and not stepped:
@@ -500,6 +501,29 @@ class PipelineOptimizer:
             self.validator.close()
             self._retired = self.stats
             self.validator = None
+
+
+def check_sharded_optimizer(optimizer: torch.optim.Optimizer, dp_ranks: Sequence[int]) -> None:
+    """Refuse a ``ZeroRedundancyOptimizer`` that does not shard over the data-parallel group.
+
+    ``dp_ranks`` are the global ranks holding this rank's chunks (this rank alone without data
+    parallelism).  Sharding over other ranks would pair parameters that are not the same, and its
+    broadcasts would wait on ranks that never step this optimizer.
+    """
+    if zero_local_optimizer(optimizer) is None:
+        return
+    group = getattr(optimizer, "process_group", None)
+    ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else []
+    if ranks != sorted(dp_ranks):
+        fix = (
+            "build it with process_group=pipe.layout.dp_group"
+            if len(dp_ranks) > 1
+            else "with data_parallel=1 there is nothing to shard: pass the plain optimizer"
+        )
+        raise OptimizerValidationError(
+            f"this ZeroRedundancyOptimizer shards over ranks {ranks}, but the ranks holding the same "
+            f"parameters are {sorted(dp_ranks)}; {fix}"
+        )
 
 
 @torch.no_grad()

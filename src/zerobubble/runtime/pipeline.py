@@ -51,7 +51,7 @@ from .groups import equalize_group_counts, local_group
 from .launch import init_distributed, local_device
 from .mesh import layout_of_mesh, mesh_groups, mesh_ranks, parallel_size
 from .mesh import mesh_dims as mesh_dims_of
-from .optim import OptimizerStats, unscale_gradients
+from .optim import OptimizerStats, check_sharded_optimizer, unscale_gradients
 from .recorder import OpRecorder, StepRecorder, as_recorder
 from .resolve import LossFn, Resolution, agree_on, resolve, wants_profile
 from .staging import split_call
@@ -555,6 +555,12 @@ class Pipeline:
         ``unscale`` divides this rank's gradients by the ``loss_scale`` given to :meth:`step` first
         (what ``GradScaler.unscale_`` does); an overflow then shows as a skipped step on every rank.
         ``optimizer`` may be None on a rank that holds no parameters.
+
+        A ``torch.distributed.optim.ZeroRedundancyOptimizer`` must shard over
+        ``self.layout.dp_group`` (refused otherwise).  Over SGD, Adam or AdamW it is post-validated
+        like them: the replicas of a pipeline rank step, confirm and roll back together (the
+        rollback re-broadcasts the shards); over another optimizer it steps once the step is final.
+        Its ``consolidate_state_dict`` needs the step settled: call :meth:`synchronize` first.
         """
         self._check_usable("optimizer_step")
         if optimizer is None:
@@ -563,6 +569,10 @@ class Pipeline:
                     f"rank {self.rank} holds parameters: pass an optimizer over pipe.parameters()"
                 )
             optimizer = self._empty_optimizer()
+        layout = self.layout
+        check_sharded_optimizer(
+            optimizer, [layout.global_rank(self.rank, d) for d in range(layout.data_parallel)]
+        )
         if unscale is not None:
             unscale_gradients(self.parameters(), float(unscale))
         self._guarded("optimizer_step", lambda: self._optimizer.step(optimizer, max_norm))

@@ -8,11 +8,20 @@ and rolls it back by inverting torch's update of ``torch.optim.SGD``, ``Adam`` a
 of their for-loop, foreach and fused implementations).  :func:`rollback_support` says which
 optimizers cannot be inverted; those are stepped only once the step is final.
 
+``torch.distributed.optim.ZeroRedundancyOptimizer`` over one of those is reversible too: its step
+updates this rank's shard with the local optimizer (``optimizer.optim``) and broadcasts every shard
+over the data-parallel group.  The rollback inverts the local optimizer on the shard, then
+broadcasts the shards again, so every data-parallel rank holds the owners' restored values (a step
+taken again at once broadcasts them itself, so that broadcast can be left out:
+``rollback(sync=False)``).  The broadcast is a collective: the data-parallel ranks must roll back
+together, which they do when they validate identical gradients along identical chains.
+
 The formulas, their exactness and measured errors: ``docs/optimizer-post-validation.md``.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +31,7 @@ import torch
 
 from . import PipelineError
 
-__all__ = ["OptimizerValidationError", "ReversibleStep", "rollback_support"]
+__all__ = ["OptimizerValidationError", "ReversibleStep", "rollback_support", "zero_local_optimizer"]
 
 
 class OptimizerValidationError(PipelineError):
@@ -52,12 +61,46 @@ def _group_problem(optimizer: torch.optim.Optimizer, group: dict) -> str | None:
     return None
 
 
+def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
+    # an instance exists only once torch's module is imported: no import (and its cost) here
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
+
+
+def zero_local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The local optimizer of a ``ZeroRedundancyOptimizer`` (this rank's shard), None for any other."""
+    return getattr(optimizer, "optim", None) if _is_zero(optimizer) else None
+
+
+def _zero_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why a ``ZeroRedundancyOptimizer``'s step cannot be rolled back, or None when it can."""
+    local = zero_local_optimizer(optimizer)
+    if getattr(optimizer, "_overlap_with_ddp", False):
+        return "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's hook, not in step()"
+    if local is None or not callable(getattr(optimizer, "_sync_params", None)):
+        return "this torch's ZeroRedundancyOptimizer has no local optimizer or shard broadcast to reuse"
+    if type(local) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        return (
+            f"ZeroRedundancyOptimizer over {type(local).__name__} has no in-place rollback "
+            "(only over torch.optim.SGD, Adam and AdamW)"
+        )
+    # the exposed groups' settings are what the local optimizer steps with (ZeRO copies them over)
+    for group in optimizer.param_groups:
+        problem = _group_problem(local, group)
+        if problem is not None:
+            return problem
+    return None
+
+
 def rollback_support(optimizer: torch.optim.Optimizer) -> str | None:
     """Say why ``optimizer``'s step cannot be rolled back in place, or None when it can.
 
     Supported: ``torch.optim.SGD``, ``Adam`` and ``AdamW`` themselves (not subclasses, whose
-    ``step`` may do anything), in any of their implementations (for-loop, foreach, fused).
+    ``step`` may do anything), in any of their implementations (for-loop, foreach, fused), and a
+    ``ZeroRedundancyOptimizer`` over one of them (``overlap_with_ddp=False``, the default).
     """
+    if _is_zero(optimizer):
+        return _zero_problem(optimizer)
     if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         return (
             f"{type(optimizer).__name__} has no in-place rollback (only torch.optim.SGD, Adam and AdamW do)"
@@ -199,11 +242,15 @@ class ReversibleStep:
     the current gradients), ``apply(grad_scale)`` takes it (scaling the recorded gradients in
     place first, as clipping does), ``rollback()`` undoes it in place.  Between these calls the
     caller may drop the parameters' ``.grad`` (the record keeps the tensors) and change the
-    learning rate (the record keeps the old one).
+    learning rate (the record keeps the old one).  With a ``ZeroRedundancyOptimizer``, ``apply``
+    and ``rollback`` are collectives over its process group (see the module's docstring).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        # a ZeroRedundancyOptimizer's local optimizer holds the state of this rank's shard
+        self._local = zero_local_optimizer(optimizer)
+        self._stateful = optimizer if self._local is None else self._local
         self._record: _StepRecord | None = None
 
     @property
@@ -260,7 +307,7 @@ class ReversibleStep:
         # does), so the rollback can restore them; no gradient is copied.
         before = _versions(record.grads)
         record.created_state = [
-            [g is not None and _state_is_new(self.optimizer, p) for p, g in zip(group["params"], grads)]
+            [g is not None and _state_is_new(self._stateful, p) for p, g in zip(group["params"], grads)]
             for group, grads in zip(self.optimizer.param_groups, record.grads)
         ]
         with self._installed(record):
@@ -269,8 +316,14 @@ class ReversibleStep:
         record.mutated = [[a != b for a, b in zip(x, y)] for x, y in zip(before, record.versions)]
         record.applied = True
 
-    def rollback(self) -> None:
-        """Undo the applied recorded step in place (parameters, optimizer state, step counters)."""
+    def rollback(self, sync: bool = True) -> None:
+        """Undo the applied recorded step in place (parameters, optimizer state, step counters).
+
+        With a ``ZeroRedundancyOptimizer`` this rank undoes the step of its own shard and then
+        broadcasts the shards over the data-parallel group (a collective).  ``sync=False`` leaves
+        that broadcast out — the other ranks' shards then stay stepped here — for a rollback that
+        :meth:`apply` follows at once (its step broadcasts every shard).
+        """
         record = self._require_record()
         if not record.applied:
             raise OptimizerValidationError("no applied step to roll back")
@@ -278,7 +331,12 @@ class ReversibleStep:
             problem = rollback_support(self.optimizer) or "sparse gradients"
             raise OptimizerValidationError(f"this step cannot be rolled back: {problem}")
         self._check_grads_untouched(record)
-        is_sgd = isinstance(self.optimizer, torch.optim.SGD)
+        stateful = self._stateful
+        # ZeRO: only this rank's shard has optimizer state to invert; the rest is broadcast
+        owned = (
+            None if self._local is None else {id(p) for g in self._local.param_groups for p in g["params"]}
+        )
+        is_sgd = isinstance(stateful, torch.optim.SGD)
         with torch.no_grad():
             for group, hyper, grads, created, mutated in zip(
                 self.optimizer.param_groups,
@@ -288,15 +346,17 @@ class ReversibleStep:
                 record.mutated,
             ):
                 for param, grad, new, wrote in zip(group["params"], grads, created, mutated):
-                    if grad is None:
+                    if grad is None or (owned is not None and id(param) not in owned):
                         continue
-                    state = self.optimizer.state[param]
+                    state = stateful.state[param]
                     if is_sgd:
                         _undo_sgd(param, grad, state, hyper, new, wrote)
                     else:
                         _undo_adam(param, grad, state, hyper, new)
                     if not state:
-                        del self.optimizer.state[param]
+                        del stateful.state[param]
+            if self._local is not None and sync:
+                self.optimizer._sync_params()  # type: ignore[attr-defined]
         record.versions = _versions(record.grads)
         record.applied = False
 
