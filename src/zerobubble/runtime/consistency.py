@@ -59,6 +59,7 @@ def fingerprint(
     ties: Sequence[Sequence[tuple[int, str]]],
     *,
     check_calls: bool = True,
+    sharding: str | None = None,
 ) -> dict[str, Any]:
     """The items every rank must agree on, in the order they are compared."""
     programs = hashlib.blake2b(repr(schedule.programs).encode(), digest_size=8).hexdigest()
@@ -77,6 +78,7 @@ def fingerprint(
         "layer cuts": list(bounds),
         "schedule programs": programs,
         "data_parallel": data_parallel,
+        "sharding": sharding,
         "check_calls": check_calls,
     }
 

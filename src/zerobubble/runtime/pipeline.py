@@ -28,7 +28,13 @@ from torch import nn
 from ..schedule import CostModel, Schedule, Timeline
 from ..schedule.channels import directed_pairs
 from . import PipelineError
-from .build import chain_optimizer, install_averager, place_stages, tie_parameters
+from .build import (
+    chain_optimizer,
+    install_averager,
+    install_sharded_reduction,
+    place_stages,
+    tie_parameters,
+)
 from .checkpoint import merge_state_dicts, model_keys, select_entries, strict_error
 from .comm import Comm
 from .consistency import (
@@ -47,6 +53,7 @@ from .data_parallel import (
 )
 from .executor import Executor, Hook
 from .failures import PeerFailure, PeerMonitor
+from .fsdp import ShardedStages
 from .launch import init_distributed, local_device
 from .optim import OptimizerStats, unscale_gradients
 from .recorder import OpRecorder, StepRecorder, as_recorder
@@ -61,6 +68,27 @@ if TYPE_CHECKING:
     from .trace import MeasuredTimeline, TraceReport
 
 logger = logging.getLogger(__name__)
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full tensor (an all-gather over its mesh), any other tensor itself."""
+    full_tensor = getattr(value, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else value
+
+
+def _sharded_like(entries: Mapping[str, Any], local: Mapping[str, Any]) -> dict[str, Any]:
+    """``entries`` with each full tensor whose local entry is a DTensor (``sharding="fsdp"``) cut to
+    this rank's shard of it, laid out as the local one (no communication: every replica loads the
+    same full value)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = dict(entries)
+    for key, value in entries.items():
+        mine = local.get(key)
+        if isinstance(mine, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            full = value.detach().to(mine.device, mine.dtype)
+            out[key] = distribute_tensor(full, mine.device_mesh, mine.placements, src_data_rank=None)
+    return out
 
 
 class Pipeline:
@@ -138,6 +166,7 @@ class Pipeline:
         trace: bool = False,
         emulate: CostModel | None = None,
         data_parallel: int = 1,
+        sharding: str | None = None,
         post_validation: bool = True,
         seed: int | None = None,
         fast_paths: FastPaths | None = None,
@@ -193,7 +222,9 @@ class Pipeline:
             group=group,
             verify=verify,
             check_calls=bool(check_calls),
+            sharding=sharding,
         )
+        self.sharding: str | None = sharding
         self._build(resolution, group, data_parallel, static_shapes, fast_paths, verify, check_calls)
         self._build_recording(trace, emulate)
         self._init_optimization(post_validation)
@@ -230,12 +261,17 @@ class Pipeline:
         self._known_keys = frozenset(self._model_keys)
         self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
         self.module = nn.Module()
+        # sharding="fsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
+        self._sharded = ShardedStages(self.layout, self.device) if self.sharding == "fsdp" else None
+        shard = self._sharded.shard if self._sharded is not None else None
         stages, self._guards = place_stages(
-            resolution, self.rank, self.device, self.module, fast_paths, verify
+            resolution, self.rank, self.device, self.module, fast_paths, verify, shard
         )
+        if self._sharded is not None:
+            self._sharded.placed()
         self.stages = tuple(sorted(stages))
         self._tied = tie_parameters(resolution, self.rank, self.layout, self.module)
-        if self.layout.data_parallel > 1:  # replicas start from replica 0's weights, as DDP does
+        if self.layout.data_parallel > 1 and self._sharded is None:  # replicas start from replica 0's
             broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
         with self.layout.replicated(directed_pairs(self.schedule)):
             comm = Comm(
@@ -345,7 +381,13 @@ class Pipeline:
 
     def _evaluate(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]) -> list:
         self._settle()  # the parameters must be final before they are read
-        return self._executor.run_forward(inputs, targets)
+        if self._sharded is None:
+            return self._executor.run_forward(inputs, targets)
+        self._sharded.unshard()  # collective over the replicas, which evaluate together
+        try:
+            return self._executor.run_forward(inputs, targets)
+        finally:
+            self._sharded.reshard()
 
     def _prepare_call(
         self, call: str, inputs: Any, targets: Any, loss_scale: float | None = None
@@ -416,10 +458,12 @@ class Pipeline:
         with ``strict=True``.  The tensors are CPU copies; every rank receives the whole model (for a
         model too large for one host, save each rank's :meth:`state_dict` and merge the files: their
         union is the same dict).  With data parallelism the ranks of this rank's replica are gathered.
-        Waits honour the Pipeline's ``timeout``.
+        With ``sharding="fsdp"`` every sharded entry is first all-gathered over the replicas
+        (``DTensor.full_tensor()``, collective over the data-parallel group), so the values are the
+        full plain tensors as well.  Waits honour the Pipeline's ``timeout``.
         """
         local = {
-            k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+            k: _full(v).detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
             for k, v in self.state_dict().items()
         }
         ranks = self.layout.replica_ranks(self.layout.dp_index)
@@ -450,7 +494,7 @@ class Pipeline:
         entries, missing, unexpected = select_entries(state_dict, local, self._known_keys, self._ties)
         if strict and (missing or unexpected):
             raise strict_error(missing, unexpected, self.rank)
-        self.module.load_state_dict(entries, strict=False)
+        self.module.load_state_dict(_sharded_like(entries, local), strict=False)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -566,11 +610,16 @@ class Pipeline:
             post_validation,
             self._monitor.wait,
             self._tied,
+            sharded=self._sharded is not None,
         )
         program = self.schedule.programs[self.rank]
         # the parameters are first read by the first forward: the pending step must be settled then
         self._executor.add_hook(first_forward(program), Hook("optimizer settle", self._settle))
-        self._averager = install_averager(self._executor, program, self.layout, self._monitor.wait)
+        self._averager = None
+        if self._sharded is not None:  # then all-gathered (FSDP2), reduce-scattered chunk by chunk
+            install_sharded_reduction(self._executor, program, self._sharded)
+        else:
+            self._averager = install_averager(self._executor, program, self.layout, self._monitor.wait)
 
     def _settle(self) -> None:
         """Settle the pending optimizer step (confirm it or roll it back); log a rollback."""
@@ -592,9 +641,13 @@ class Pipeline:
         except BaseException:
             if self._averager is not None:
                 self._averager.discard()
+            if self._sharded is not None:
+                self._sharded.discard()
             raise
         if self._averager is not None:
             self._averager.finish()
+        if self._sharded is not None:  # every chunk was reduced and resharded by its hook
+            self._sharded.reshard()
         for tie in self._tied:
             tie.sum_gradients(self._monitor.wait)
         return losses

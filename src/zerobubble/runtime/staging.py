@@ -119,27 +119,38 @@ def _refuse_reducing_wrappers(name: str, layer: nn.Module) -> None:
     """Wrappers whose gradient reduction the B/W split would silently bypass are an error.
 
     ``DistributedDataParallel`` and FSDP1 reduce from autograd's accumulation hooks, which W's own
-    accumulation into ``.grad`` never fires (no reduction, no error); FSDP2's ``fully_shard`` and
-    tensor parallelism make the parameters ``DTensor``s, onto which W would write full-size plain
-    gradients.  The Pipeline's own ``data_parallel=D`` replicates and averages correctly.
+    accumulation into ``.grad`` never fires (no reduction, no error); a layer the user sharded with
+    FSDP2's ``fully_shard`` (or tensor parallelism) has ``DTensor`` parameters whose reduction
+    FSDP2 would run from B's hooks, before W has written the gradients.  The Pipeline's own
+    ``data_parallel=D`` replicates and averages correctly, and ``sharding="fsdp"`` applies
+    ``fully_shard`` itself and drives its reduction after W (:mod:`.fsdp`).
     """
     for path, module in layer.named_modules():
         kind = type(module).__name__
+        where = f"layer {name}" + (f" ({path})" if path else "")
         if kind in ("DistributedDataParallel", "FullyShardedDataParallel"):
-            where = f"layer {name}" + (f" ({path})" if path else "")
             raise PipelineError(
                 f"{where} is wrapped in {kind}, whose gradient reduction runs from autograd's "
                 "accumulation hooks: the zero-bubble split computes weight gradients in W, where those "
                 "hooks never fire, so the replicas would silently drift apart. Pass the unwrapped "
-                "module and Pipeline(..., data_parallel=D) for data-parallel replicas"
+                "module and Pipeline(..., data_parallel=D) for data-parallel replicas, or "
+                'Pipeline(..., data_parallel=D, sharding="fsdp") to shard them'
+            )
+        if any(base.__name__ == "FSDPModule" for base in type(module).__mro__):
+            raise PipelineError(
+                f"{where} was sharded with FSDP2's fully_shard: FSDP2 would reduce its gradients from "
+                "B's hooks, before W has computed them. Pass the unwrapped module and "
+                'Pipeline(..., data_parallel=D, sharding="fsdp"): the Pipeline applies fully_shard to '
+                "each chunk itself and reduce-scatters after the chunk's last W"
             )
     for param_name, param in layer.named_parameters():
         if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
             raise PipelineError(
                 f"layer {name}'s parameter {param_name} is a DTensor (FSDP2 fully_shard or tensor "
-                "parallelism): the Pipeline does not run sharded parameters yet and W would write "
-                "full-size plain gradients onto it. Pass plain parameters; Pipeline(..., "
-                "data_parallel=D) replicates the stages for data parallelism"
+                "parallelism): the Pipeline does not take sharded parameters from the caller and W would "
+                "write full-size plain gradients onto it. Pass plain parameters and "
+                'Pipeline(..., data_parallel=D, sharding="fsdp") to shard them over the replicas '
+                "(the Pipeline applies fully_shard itself)"
             )
 
 
