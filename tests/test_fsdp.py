@@ -95,7 +95,9 @@ def run_case(schedule: str, post_validation: bool = True) -> dict:
     layers = _layers(seed=3)
     model = nn.Sequential(*layers)
     adamw = lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.01)  # noqa: E731
-    opt_s, opt_r, opt_ref = (adamw(list(p)) for p in (sharded.parameters(), replicated.parameters(), model.parameters()))
+    opt_s, opt_r, opt_ref = (
+        adamw(list(p)) for p in (sharded.parameters(), replicated.parameters(), model.parameters())
+    )
     mine_s, mine_r = dict(sharded.named_parameters()), dict(replicated.named_parameters())
     shard = slice(4 * sharded.layout.dp_index, 4 * sharded.layout.dp_index + 4)
     out: dict = {"grad_ref": [], "grad_rep": [], "loss": [], "gathers": [], "scatters": []}
@@ -133,7 +135,7 @@ def run_case(schedule: str, post_validation: bool = True) -> dict:
     out["full_keys"] = list(full) == list(reference_state)
     out["full_plain"] = all(type(v) is torch.Tensor for v in full.values())
     out["full_error"] = max(relative_error(full[k], reference_state[k]) for k in reference_state)
-    states = [s for s in opt_s.state.values()]
+    states = list(opt_s.state.values())
     out["dtensors"] = all(type(p).__name__ == "DTensor" for p in sharded.parameters()) and all(
         type(s["exp_avg"]).__name__ == "DTensor" for s in states
     )

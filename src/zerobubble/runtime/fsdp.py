@@ -45,7 +45,7 @@ def check_sharding(sharding: Any, data_parallel: int) -> str | None:
     """``sharding`` checked against ``data_parallel`` (raises :class:`PipelineError`)."""
     if sharding not in SHARDINGS or isinstance(sharding, bool):
         raise PipelineError(
-            f'sharding={sharding!r}: pass None (replicate the stages and all-reduce their gradients, the '
+            f"sharding={sharding!r}: pass None (replicate the stages and all-reduce their gradients, the "
             'default) or "fsdp" (shard them over the data-parallel replicas with FSDP2)'
         )
     if sharding == "fsdp" and data_parallel < 2:
@@ -131,7 +131,7 @@ class ShardedStages:
         unit.set_reshard_after_backward(True)
         unit.set_requires_gradient_sync(True)
         try:
-            state = fully_shard.state(unit)
+            state = fully_shard.state(unit)  # type: ignore[attr-defined]
             for each in state._state_ctx.all_states:
                 for group in each._fsdp_param_groups:
                     group.post_backward()
