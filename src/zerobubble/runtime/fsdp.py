@@ -16,8 +16,9 @@ it explicitly, the way torch's pipelining runtime does (``torch/distributed/pipe
   that also reshards the chunk, whose parameters the step no longer reads;
 * whatever is still unsharded at the step's end (an evaluation) is resharded.
 
-FSDP2 averages over the group (``ReduceOp.AVG``, or a sum divided by ``D`` for float64/float16 and on
-gloo here), which is the replicated path's average: gradients of the mean loss over the global batch.
+FSDP2 averages over the group (``ReduceOp.AVG`` for float32/bfloat16; for float64/float16 a sum
+with ``D`` divided out before and after it), which is the replicated path's average: gradients of the
+mean loss over the global batch.
 
 Why one unit per chunk rather than per layer: the parameters of every layer of a chunk are read by
 every microbatch of the step, so with the once-per-step unshard all of them are unsharded for the
@@ -95,8 +96,6 @@ class ShardedStages:
 
         broadcast_replicas(module, self.layout.dp_group, self._source)
         unit: Any = fully_shard(module, mesh=self.mesh, reshard_after_forward=False)
-        if self.layout.dp_group is not None and _backend(self.layout.dp_group) == "gloo":
-            unit.set_force_sum_reduction_for_comms(True)  # gloo has no ReduceOp.AVG: sum, then ÷ D
         self._quiet(unit)
         unit.unshard()
         self.units[stage] = unit
@@ -159,12 +158,6 @@ class ShardedStages:
         unit.set_is_last_backward(False)
         unit.set_reshard_after_backward(False)
         unit.set_requires_gradient_sync(False)
-
-
-def _backend(group: Any) -> str:
-    import torch.distributed as dist
-
-    return str(dist.get_backend(group))
 
 
 ShardFn = Callable[[int, nn.Module], None]

@@ -123,7 +123,11 @@ class Pipeline:
     ``data_parallel = D`` runs ``D`` replicas of a ``p``-rank pipeline over the ``p·D`` ranks of
     ``group`` (group rank ``dp_index · p + pipeline rank``, see :mod:`.data_parallel`); each replica
     steps on its shard of the batch and the gradients are averaged over the replicas, chunk by
-    chunk as soon as a chunk's last weight-gradient op has run.  :meth:`optimizer_step` clips and
+    chunk as soon as a chunk's last weight-gradient op has run.  ``sharding="fsdp"`` (None: replicate)
+    shards each chunk over the replicas with FSDP2 instead (:mod:`.fsdp`: one ``fully_shard`` unit per
+    chunk, all-gathered once a step before the first forward, reduce-scattered by FSDP2 after the
+    chunk's last gradient op; parameters, gradients and optimizer state are then ``DTensor``
+    shards).  :meth:`optimizer_step` clips and
     steps with optimizer post-validation (:mod:`.optim`); ``post_validation=False`` makes it a
     plain synchronous step.
 
