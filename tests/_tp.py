@@ -113,9 +113,10 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def pipeline_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
     """On pp 2 × tp 2: for each schedule, ``steps`` AdamW steps clipped to ``max_norm`` of a
     Pipeline of :func:`_model` with its blocks tensor-parallel, against one process on the whole
-    batch.  Returns, per schedule, the worst relative error of the gradients (each step) and of
-    the parameters (after the steps), the split report of the parallelized Linear layers and the
-    optimizer counters."""
+    batch.  A schedule written ``"dp:<name>"`` runs on pp 1 × dp 2 × tp 2 instead: replicated
+    tensor-parallel stages, each replica on its half of the batch.  Returns, per schedule, the
+    worst relative error of the gradients (each step) and of the parameters (after the steps), the
+    split report of the parallelized Linear layers and the optimizer counters."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from zerobubble import Pipeline
@@ -123,10 +124,13 @@ def pipeline_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
 
     init_distributed(backend="gloo", timeout=60)
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    dp_tp = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     loss_fn = F.mse_loss
     results = {}
-    for case, schedule in enumerate(schedules):
+    for case, label in enumerate(schedules):
+        replicated, schedule = label.startswith("dp:"), label.removeprefix("dp:")
+        mesh = dp_tp if replicated else pp_tp
         model = nn.Sequential(*_model(seed=case))
         ref_opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
         pipe = Pipeline(
@@ -144,11 +148,14 @@ def pipeline_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
         for step in range(steps):
             x, y = _batch(8, seed=100 + step)
             loss_fn(model(x), y).backward()
+            shard = (
+                slice(4 * pipe.layout.dp_index, 4 * pipe.layout.dp_index + 4) if replicated else slice(None)
+            )
             expected = {n: p.grad.clone() for n, p in model.named_parameters()}
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
-            pipe.step(x, y)
+            pipe.step(x[shard], y[shard])
             for name, param in pipe.named_parameters():  # every tp rank in the same order: full()
                 error = _relative(full(param.grad), expected[name])
                 if error > grad_error:
@@ -164,7 +171,7 @@ def pipeline_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
             {(r.module, r.type, r.path, r.verified) for r in pipe.split_report() if r.type == "Linear"}
         )
         stats = pipe.optimizer_stats
-        results[schedule] = {
+        results[label] = {
             "grads": grad_error,
             "worst": worst if grad_error > 0 else None,
             "params": param_error,

@@ -12,7 +12,7 @@ import pytest
 from _dist import run_ranks
 from _tp import pipeline_cases, split_cases
 
-SCHEDULES = ["zb-h1", "zb-v", "1f1b"]
+SCHEDULES = ["zb-h1", "zb-v", "1f1b", "dp:1f1b"]  # dp: pp 1 × dp 2 × tp 2, replicated tp stages
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,15 @@ from torch import nn
 from ..schedule.ir import Kind, Op
 from . import PipelineError
 from .consistency import TiedParameter
-from .data_parallel import GradientAverager, ParallelLayout, chunk_parameters, last_gradient_ops
+from .data_parallel import (
+    GradientAverager,
+    ParallelLayout,
+    chunk_parameters,
+    first_forward,
+    last_gradient_ops,
+)
 from .executor import Executor, Hook, StageState
+from .fsdp import ShardedStages, ShardFn
 from .optim import PipelineOptimizer, validation_chain
 from .resolve import Resolution
 from .staging import StageModule, stage_of
@@ -37,6 +44,8 @@ def place_stages(
     module: nn.Module,
     fast_paths: FastPaths | None,
     verify: bool | str,
+    *,
+    shard: ShardFn | None = None,
     parallelize: Callable[[nn.Module, Any], nn.Module] | None = None,
     mesh: Any = None,
 ) -> tuple[dict[int, StageState], dict[int, SplitGuard]]:
@@ -45,7 +54,9 @@ def place_stages(
     (:mod:`.wgrad.verify`), checking it unless ``verify`` is False.
 
     ``parallelize(layer, mesh)`` (tensor parallelism) replaces each layer once it is on ``device``
-    and before its backward is split (:func:`parallelized`)."""
+    and before its backward is split (:func:`parallelized`).  ``shard(stage, stage_module)``
+    (``data_parallel="fsdp"``: :class:`~.fsdp.ShardedStages`) runs on each chunk before its
+    backward is split, so that the split sees the parameters the forwards will use."""
     schedule, named, bounds = resolution.schedule, resolution.layers, resolution.bounds
     stages, guards = {}, {}
     for index in schedule.placement.stages_of(rank):
@@ -56,12 +67,15 @@ def place_stages(
         for name, layer in chunk:
             module.add_module(name, layer)
         layers = [layer for _, layer in chunk]
+        stage_module = StageModule(layers)
+        if shard is not None:
+            shard(index, stage_module)
         store = WeightGradStore()
         # fused schedules too: their BW ops gain the fast paths' cheaper accumulation
         deferral = install_deferral(layers, store, fast_paths, generic=schedule.splits_backward)
         state = StageState(
             index,
-            StageModule(layers),
+            stage_module,
             store,
             first=index == 0,
             last=index == schedule.num_stages - 1,
@@ -184,6 +198,7 @@ def chain_optimizer(
     post_validation: bool,
     wait: Callable[..., Any],
     tied: Sequence[TiedParameter],
+    sharded: bool = False,
 ) -> PipelineOptimizer:
     """The optimizer step of pipeline rank ``rank``: the ranks chained in the order the resolved
     timeline finishes them (:func:`~.optim.validation_chain`)."""
@@ -198,6 +213,8 @@ def chain_optimizer(
         wait=wait,
         # a tied parameter's summed gradient is counted once, by the holder of its first layer
         norm_excludes=[t.param for t in tied if t.source != layout.global_rank(rank)],
+        # sharded gradients: each rank's norm state covers its shards, summed over the replicas first
+        shard_group=layout.dp_group if sharded else None,
     )
 
 
@@ -215,3 +232,12 @@ def install_averager(
         start = functools.partial(averager.start, stage)
         executor.add_hook(position, Hook(f"all-reduce start (stage {stage})", start), after=True)
     return averager
+
+
+def install_sharded_reduction(executor: Executor, program: Sequence[Op], sharded: ShardedStages) -> None:
+    """``data_parallel="fsdp"``: every chunk unsharded before the first forward (after the optimizer
+    settle hook, added earlier), reduce-scattered by FSDP2 after its last gradient op."""
+    executor.add_hook(first_forward(program), Hook("FSDP unshard", sharded.unshard))
+    for stage, position in last_gradient_ops(program).items():
+        reduce = functools.partial(sharded.reduce, stage)
+        executor.add_hook(position, Hook(f"FSDP reduce-scatter (stage {stage})", reduce), after=True)

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..schedule.ir import Schedule
 from . import PipelineError
+from .tensors import local_value
 
 
 def find_ties(named: Sequence[tuple[str, nn.Module]]) -> list[list[tuple[int, str]]]:
@@ -55,10 +56,11 @@ def fingerprint(
     named: Sequence[tuple[str, nn.Module]],
     schedule: Schedule,
     bounds: Sequence[int],
-    data_parallel: int | str,
+    data_parallel: int,
     ties: Sequence[Sequence[tuple[int, str]]],
     *,
     check_calls: bool = True,
+    sharding: str | None = None,
 ) -> dict[str, Any]:
     """The items every rank must agree on, in the order they are compared."""
     programs = hashlib.blake2b(repr(schedule.programs).encode(), digest_size=8).hexdigest()
@@ -77,6 +79,7 @@ def fingerprint(
         "layer cuts": list(bounds),
         "schedule programs": programs,
         "data_parallel": data_parallel,
+        "sharding": sharding,
         "check_calls": check_calls,
     }
 
@@ -186,10 +189,11 @@ class TiedParameter:
 
 
 def broadcast_replicas(module: nn.Module, group: Any, source: int) -> None:
-    """Copy replica 0's parameters and buffers to the other data-parallel replicas (as DDP does)."""
+    """Copy replica 0's parameters and buffers to the other data-parallel replicas (as DDP does);
+    of a DTensor (tensor parallelism), its shard, which each replica holds at the same coordinates."""
     with torch.no_grad():
         works = [
-            dist.broadcast(tensor, src=source, group=group, async_op=True)
+            dist.broadcast(local_value(tensor), src=source, group=group, async_op=True)
             for tensor in [*module.parameters(), *module.buffers()]
         ]
         for work in works:

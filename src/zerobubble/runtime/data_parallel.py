@@ -24,6 +24,7 @@ from torch import nn
 from ..schedule.ir import Kind, Op
 from . import PipelineError
 from .groups import local_group
+from .tensors import local_value
 
 _GRADIENT_KINDS = (Kind.B, Kind.W, Kind.BW)
 
@@ -165,8 +166,9 @@ class GradientAverager:
         """Post the all-reduce of ``stage``'s gradients (call once its last gradient op has run)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for param in self.chunks[stage]:
-            if param.grad is not None:
-                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+            if param.grad is not None:  # a DTensor (tensor parallelism): its shard, the same on every replica
+                grad = local_value(param.grad)
+                by_dtype.setdefault(grad.dtype, []).append(grad)
         for grads in by_dtype.values():
             flat = torch.cat([grad.reshape(-1) for grad in grads])
             work = dist.all_reduce(flat, group=self.group, async_op=True)

@@ -80,21 +80,37 @@ def clip_coefficient(total_norm: float, max_norm: float | None, dtype: torch.dty
 
 
 @torch.no_grad()
-def local_state(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+def local_state(
+    grads: Sequence[torch.Tensor], norm_type: float, device: torch.device, *, shards: bool = False
+) -> torch.Tensor:
     """``[Σ ‖g‖_p^p (max ‖g‖_∞ for p = inf), non-finite flag]`` of ``grads``, float64 on ``device``.
 
-    A DTensor gradient (tensor parallelism) counts with the norm of its full tensor, the same on
+    A DTensor gradient of tensor parallelism counts with the norm of its full tensor, the same on
     every rank of its mesh (a collective over it, in the same order on each of them): each tp rank's
-    pipeline thus reaches the norm of the whole model, every tensor counted once.
+    pipeline thus reaches the norm of the whole model, every tensor counted once.  With ``shards``
+    (``data_parallel="fsdp"``) a DTensor gradient counts its local shard only: the caller sums the
+    states of the shards' holders (:func:`reduce_op` over the data-parallel group), one collective
+    for all of them.
     """
     if not grads:
         return torch.zeros(2, dtype=torch.float64, device=device)
     norms = torch.stack(
-        [full_value(torch.linalg.vector_norm(g, norm_type)).to(device, torch.float64) for g in grads]
+        [
+            torch.linalg.vector_norm(_local(g), norm_type).to(device, torch.float64)
+            if shards
+            else full_value(torch.linalg.vector_norm(g, norm_type)).to(device, torch.float64)
+            for g in grads
+        ]
     )
     nonfinite = (~torch.isfinite(norms)).any().to(torch.float64)
     part = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
     return torch.stack([part, nonfinite])
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its norm is then a plain tensor's), any other tensor itself."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
 
 
 def combine_states(earlier: torch.Tensor, local: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -258,7 +274,10 @@ class PostValidator:
     are its neighbours in the chain (global ranks, None at the ends), ``group`` the process group
     to send on (a dedicated one, so these tiny messages never interleave with other transfers).
     ``post_validation=False`` gives the synchronous step with the same API: one all-reduce of the
-    state over ``group`` (exactly the chain's ranks), then the exact step.  ``norm_excludes``
+    state over ``group`` (exactly the chain's ranks), then the exact step.  ``shard_group``: the
+    gradients are shards (FSDP2 DTensors) whose full tensors are spread over that group; the local
+    state is summed over it before anything else (a collective over the group at every step).
+    ``norm_excludes``
     are parameters whose gradients another rank counts (a copy of a tied parameter);
     ``wait(work, what)`` waits for one transfer (default ``work.wait()``).  The gradients of a
     pending step may be dropped but not modified in place before :meth:`finish`.
@@ -278,8 +297,10 @@ class PostValidator:
         device: torch.device | str | None = None,
         wait: Callable[[Any, str], None] | None = None,
         norm_excludes: Sequence[torch.Tensor] = (),
+        shard_group: Any = None,
     ) -> None:
         _check_settings(max_norm, norm_type, prev_rank, next_rank)
+        self.shard_group = shard_group
         self._excluded = frozenset(id(p) for p in norm_excludes)
         self._wait: Callable[[Any, str], None] = wait or (lambda work, what: work.wait())
         self.optimizer = optimizer
@@ -322,7 +343,12 @@ class PostValidator:
         self.finish()
         self._wait_sends()
         self._step.record()
-        local = local_state(self._step.grads(self._excluded), self.norm_type, self.device)
+        local = local_state(
+            self._step.grads(self._excluded), self.norm_type, self.device, shards=self.shard_group is not None
+        )
+        if self.shard_group is not None:  # sharded gradients: the full tensors' state first
+            work = dist.all_reduce(local, op=reduce_op(self.norm_type), group=self.shard_group, async_op=True)
+            self._wait(work, "the gradient norm's sum over the shards")
         if not self.post_validation:
             work = dist.all_reduce(local, op=reduce_op(self.norm_type), group=self.group, async_op=True)
             self._wait(work, "the gradient norm's all-reduce")
@@ -447,9 +473,11 @@ class PipelineOptimizer:
         device: torch.device,
         wait: Callable[[Any, str], None] | None = None,
         norm_excludes: Sequence[torch.Tensor] = (),
+        shard_group: Any = None,
     ):
         self.wait = wait
         self.norm_excludes = tuple(norm_excludes)
+        self.shard_group = shard_group
         self.prev_rank, self.next_rank = chain_neighbours(chain, rank)
         self.group = group
         self.post_validation = post_validation
@@ -473,6 +501,7 @@ class PipelineOptimizer:
                 device=self.device,
                 wait=self.wait,
                 norm_excludes=self.norm_excludes,
+                shard_group=self.shard_group,
             )
         else:
             validator.finish()  # the previous step settles under its own max_norm

@@ -28,7 +28,13 @@ from torch import nn
 
 from ..schedule import CostModel, Schedule, Timeline
 from . import PipelineError
-from .build import chain_optimizer, install_averager, place_stages, tie_parameters
+from .build import (
+    chain_optimizer,
+    install_averager,
+    install_sharded_reduction,
+    place_stages,
+    tie_parameters,
+)
 from .checkpoint import merge_state_dicts, model_keys, select_entries, strict_error
 from .comm import Comm
 from .consistency import (
@@ -47,6 +53,7 @@ from .data_parallel import (
 )
 from .executor import Executor, Hook
 from .failures import PeerFailure, PeerMonitor
+from .fsdp import ShardedStages
 from .groups import equalize_group_counts, local_group
 from .launch import init_distributed, local_device
 from .mesh import layout_of_mesh, mesh_groups, mesh_ranks, parallel_size
@@ -66,6 +73,27 @@ if TYPE_CHECKING:
     from .trace import MeasuredTimeline, TraceReport
 
 logger = logging.getLogger(__name__)
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full tensor (an all-gather over its mesh), any other tensor itself."""
+    full_tensor = getattr(value, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else value
+
+
+def _sharded_like(entries: Mapping[str, Any], local: Mapping[str, Any]) -> dict[str, Any]:
+    """``entries`` with each full tensor whose local entry is a DTensor (``data_parallel="fsdp"``) cut to
+    this rank's shard of it, laid out as the local one (no communication: every replica loads the
+    same full value)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = dict(entries)
+    for key, value in entries.items():
+        mine = local.get(key)
+        if isinstance(mine, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            full = value.detach().to(mine.device, mine.dtype)
+            out[key] = distribute_tensor(full, mine.device_mesh, mine.placements, src_data_rank=None)
+    return out
 
 
 class Pipeline:
@@ -104,10 +132,13 @@ class Pipeline:
     chunk as soon as a chunk's last weight-gradient op has run.
 
     ``mesh`` (a ``DeviceMesh``, instead of ``group``) lays the ranks out by its named dimensions
-    (:mod:`.mesh`): the pipeline along ``"pp"``, the replicas along ``"dp"`` (if present) — then
-    ``data_parallel`` is ``"replicate"`` (the default) or ``"fsdp"`` — and every other dimension
-    (``"tp"``) inside a stage; ``mesh_dims`` renames the roles (``{"pp": "pipe"}``).  Every rank of
-    the mesh constructs the Pipeline.  :meth:`optimizer_step` clips and
+    (:mod:`.mesh`): the pipeline along ``"pp"``, the replicas along ``"dp"`` (if present) and every
+    other dimension (``"tp"``) inside a stage; ``mesh_dims`` renames the roles (``{"pp": "pipe"}``).
+    Every rank of the mesh constructs the Pipeline.  ``data_parallel`` is then ``"replicate"`` (the
+    default: the averaging above) or ``"fsdp"``, which shards each chunk over the replicas with
+    FSDP2 (:mod:`.fsdp`: one ``fully_shard`` unit per chunk, all-gathered once a step before the
+    first forward, reduce-scattered by FSDP2 after the chunk's last gradient op; parameters,
+    gradients and optimizer state are then ``DTensor`` shards).  :meth:`optimizer_step` clips and
     steps with optimizer post-validation (:mod:`.optim`); ``post_validation=False`` makes it a
     plain synchronous step.
 
@@ -185,6 +216,11 @@ class Pipeline:
         if mesh is not None:  # the Pipeline's world: every rank of the mesh (agreement, planning)
             group = local_group(mesh_ranks(mesh), timeout=setup)
         size, data_parallel, self._sharding = parallel_size(data_parallel, mesh, self._dims, group)
+        if self._sharding is not None and parallelize is not None:  # the same on every rank
+            raise PipelineError(
+                'data_parallel="fsdp" with parallelize= (FSDP2 over tensor-parallel DTensors) is not '
+                'supported yet: use data_parallel="replicate" with parallelize=, or FSDP2 without it'
+            )
         planned: Resolution | None = None
         if wants_profile(schedule, partition):  # profile, plan once, broadcast: .auto
             from .auto import Calibrator, resolve_auto
@@ -218,12 +254,14 @@ class Pipeline:
                     costs=costs,
                 )
             ),
-            data_parallel=data_parallel if self._sharding is None else f"{data_parallel} ({self._sharding})",
+            data_parallel=data_parallel,
             seed=seed,
             group=group,
             verify=verify,
             check_calls=bool(check_calls),
+            sharding=self._sharding,
         )
+        self.sharding: str | None = self._sharding  # "fsdp", or None: replicated
         self._build(resolution, group, data_parallel, static_shapes, fast_paths, verify, check_calls)
         self._build_recording(trace, emulate)
         self._init_optimization(post_validation)
@@ -263,12 +301,28 @@ class Pipeline:
         self._known_keys = frozenset(self._model_keys)
         self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
         self.module = nn.Module()
-        stages, self._guards = place_stages(
-            resolution, self.rank, self.device, self.module, fast_paths, verify, self._parallelize, self._mesh
+        # data_parallel="fsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
+        dp_mesh = (
+            self._mesh[self._dims.dp] if self._mesh is not None and self._dims and self._dims.dp else None
         )
+        self._sharded = ShardedStages(self.layout, self.device, dp_mesh) if self.sharding == "fsdp" else None
+        shard = self._sharded.shard if self._sharded is not None else None
+        stages, self._guards = place_stages(
+            resolution,
+            self.rank,
+            self.device,
+            self.module,
+            fast_paths,
+            verify,
+            shard=shard,
+            parallelize=self._parallelize,
+            mesh=self._mesh,
+        )
+        if self._sharded is not None:
+            self._sharded.placed()
         self.stages = tuple(sorted(stages))
         self._tied = tie_parameters(resolution, self.rank, self.layout, self.module, self._monitor.wait)
-        if self.layout.data_parallel > 1:  # replicas start from replica 0's weights, as DDP does
+        if self.layout.data_parallel > 1 and self._sharded is None:  # replicas start from replica 0's
             broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
         comm = Comm(
             self.schedule, self.group, self.device, self.timeout, static_shapes, monitor=self._monitor
@@ -377,7 +431,13 @@ class Pipeline:
 
     def _evaluate(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]) -> list:
         self._settle()  # the parameters must be final before they are read
-        return self._executor.run_forward(inputs, targets)
+        if self._sharded is None:
+            return self._executor.run_forward(inputs, targets)
+        self._sharded.unshard()  # collective over the replicas, which evaluate together
+        try:
+            return self._executor.run_forward(inputs, targets)
+        finally:
+            self._sharded.reshard()
 
     def _prepare_call(
         self, call: str, inputs: Any, targets: Any, loss_scale: float | None = None
@@ -448,10 +508,12 @@ class Pipeline:
         with ``strict=True``.  The tensors are CPU copies; every rank receives the whole model (for a
         model too large for one host, save each rank's :meth:`state_dict` and merge the files: their
         union is the same dict).  With data parallelism the ranks of this rank's replica are gathered.
-        Waits honour the Pipeline's ``timeout``.
+        With ``data_parallel="fsdp"`` every sharded entry is first all-gathered over the replicas
+        (``DTensor.full_tensor()``, collective over the data-parallel group), so the values are the
+        full plain tensors as well.  Waits honour the Pipeline's ``timeout``.
         """
         local = {
-            k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+            k: _full(v).detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
             for k, v in self.state_dict().items()
         }
         ranks = self.layout.replica_ranks(self.layout.dp_index)
@@ -482,7 +544,7 @@ class Pipeline:
         entries, missing, unexpected = select_entries(state_dict, local, self._known_keys, self._ties)
         if strict and (missing or unexpected):
             raise strict_error(missing, unexpected, self.rank)
-        self.module.load_state_dict(entries, strict=False)
+        self.module.load_state_dict(_sharded_like(entries, local), strict=False)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -608,11 +670,16 @@ class Pipeline:
             post_validation,
             self._monitor.wait,
             self._tied,
+            sharded=self._sharded is not None,
         )
         program = self.schedule.programs[self.rank]
         # the parameters are first read by the first forward: the pending step must be settled then
         self._executor.add_hook(first_forward(program), Hook("optimizer settle", self._settle))
-        self._averager = install_averager(self._executor, program, self.layout, self._monitor.wait)
+        self._averager = None
+        if self._sharded is not None:  # then all-gathered (FSDP2), reduce-scattered chunk by chunk
+            install_sharded_reduction(self._executor, program, self._sharded)
+        else:
+            self._averager = install_averager(self._executor, program, self.layout, self._monitor.wait)
 
     def _settle(self) -> None:
         """Settle the pending optimizer step (confirm it or roll it back); log a rollback."""
@@ -634,9 +701,13 @@ class Pipeline:
         except BaseException:
             if self._averager is not None:
                 self._averager.discard()
+            if self._sharded is not None:
+                self._sharded.discard()
             raise
         if self._averager is not None:
             self._averager.finish()
+        if self._sharded is not None:  # every chunk was reduced and resharded by its hook
+            self._sharded.reshard()
         for tie in self._tied:
             tie.sum_gradients(self._monitor.wait)
         return losses

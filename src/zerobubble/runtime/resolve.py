@@ -26,6 +26,7 @@ from ..schedule.modelplan import ModelProfile, Plan
 from . import PipelineError
 from .consistency import Agreement, agree, find_ties, fingerprint
 from .data_parallel import pipeline_size_of
+from .fsdp import check_sharding, check_ties
 from .staging import checked_loss_fn, default_costs, named_layers, partition_bounds, resolve_schedule
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -133,16 +134,19 @@ def from_plan(layers: Sequence[NamedLayer], plan: Plan, profile: ModelProfile, l
 def agree_on(
     attempt: Callable[[], Resolution],
     *,
-    data_parallel: int | str,
+    data_parallel: int,
     seed: int | None,
     group: dist.ProcessGroup | None,
     verify: bool | str = True,
     check_calls: bool = True,
+    sharding: str | None = None,
 ) -> tuple[Resolution, Agreement]:
     """``attempt()``'s resolution, once every rank of ``group`` agrees on it (collective).
 
-    The ranks exchange fingerprints of their layers, schedule, cut points, ties, ``data_parallel``
-    and ``check_calls`` (:func:`~.consistency.agree`; ``seed`` as there).  A rank whose arguments
+    The ranks exchange fingerprints of their layers, schedule, cut points, ties, ``data_parallel``,
+    ``sharding`` and ``check_calls`` (:func:`~.consistency.agree`; ``seed`` as there).  ``sharding``
+    is checked here (:func:`~.fsdp.check_sharding`, and no parameter tied across chunks with
+    ``"fsdp"``), so a wrong value raises the same way on every rank.  A rank whose arguments
     are wrong (``attempt`` or ``verify`` raised) still joins the exchange, so its peers raise naming
     it instead of waiting for it; it raises its own :class:`PipelineError`.
     """
@@ -150,6 +154,9 @@ def agree_on(
     try:
         resolution = attempt()
         check_verify(verify)
+        check_sharding(sharding, data_parallel)
+        if sharding == "fsdp":
+            check_ties(resolution.ties, resolution.bounds)
         mine = fingerprint(
             resolution.layers,
             resolution.schedule,
@@ -157,6 +164,7 @@ def agree_on(
             data_parallel,
             resolution.ties,
             check_calls=check_calls,
+            sharding=sharding,
         )
     except PipelineError as error:
         problem = error

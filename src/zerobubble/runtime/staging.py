@@ -120,29 +120,41 @@ def _refuse_reducing_wrappers(name: str, layer: nn.Module) -> None:
     """Wrappers whose gradient reduction the B/W split would silently bypass are an error.
 
     ``DistributedDataParallel`` and FSDP1 reduce from autograd's accumulation hooks, which W's own
-    accumulation into ``.grad`` never fires (no reduction, no error).  ``DTensor`` parameters
-    (FSDP2's ``fully_shard``, tensor parallelism) are refused in the layers given: tensor
-    parallelism goes through ``Pipeline(parallelize=...)``, applied to this rank's layers only.
-    The Pipeline's own ``data_parallel=D`` replicates and averages correctly.
+    accumulation into ``.grad`` never fires (no reduction, no error); a layer the user sharded with
+    FSDP2's ``fully_shard`` has ``DTensor`` parameters whose reduction FSDP2 would run from B's
+    hooks, before W has written the gradients.  The Pipeline's own ``data_parallel`` replicates and
+    averages correctly, ``data_parallel="fsdp"`` applies ``fully_shard`` itself and drives its
+    reduction after W (:mod:`.fsdp`), and tensor parallelism goes through
+    ``Pipeline(parallelize=...)``, applied to this rank's layers only.
     """
     for path, module in layer.named_modules():
         kind = type(module).__name__
+        where = f"layer {name}" + (f" ({path})" if path else "")
         if kind in ("DistributedDataParallel", "FullyShardedDataParallel"):
-            where = f"layer {name}" + (f" ({path})" if path else "")
             raise PipelineError(
                 f"{where} is wrapped in {kind}, whose gradient reduction runs from autograd's "
                 "accumulation hooks: the zero-bubble split computes weight gradients in W, where those "
                 "hooks never fire, so the replicas would silently drift apart. Pass the unwrapped "
-                "module and Pipeline(..., data_parallel=D) for data-parallel replicas"
+                "module and Pipeline(..., data_parallel=D) for data-parallel replicas, or "
+                'Pipeline(..., mesh=mesh, data_parallel="fsdp") to shard them'
+            )
+        if any(base.__name__ == "FSDPModule" for base in type(module).__mro__):
+            raise PipelineError(
+                f"{where} was sharded with FSDP2's fully_shard: FSDP2 would reduce its gradients from "
+                "B's hooks, before W has computed them. Pass the unwrapped module and "
+                'Pipeline(..., mesh=mesh, data_parallel="fsdp"): the Pipeline applies fully_shard to '
+                "each chunk itself and reduce-scatters after the chunk's last W"
             )
     for param_name, param in layer.named_parameters():
         if is_dtensor(param):
             raise PipelineError(
                 f"layer {name}'s parameter {param_name} is a DTensor (FSDP2 fully_shard or tensor "
-                "parallelism applied before the Pipeline cut the layers): pass plain layers and "
-                "Pipeline(..., mesh=mesh, parallelize=fn), which calls fn(layer, mesh) on each layer "
-                "of this rank's stages (e.g. parallelize_module(layer, mesh['tp'], plan)) before "
-                "splitting its backward; Pipeline(..., data_parallel=D) replicates the stages"
+                "parallelism applied before the Pipeline cut the layers): pass plain layers, and "
+                'Pipeline(..., mesh=mesh, data_parallel="fsdp") to shard them over the mesh\'s dp '
+                "dimension (the Pipeline applies fully_shard itself) or Pipeline(..., mesh=mesh, "
+                "parallelize=fn) for tensor parallelism, which calls fn(layer, mesh) on each layer of "
+                "this rank's stages (e.g. parallelize_module(layer, mesh['tp'], plan)) before "
+                "splitting its backward"
             )
 
 

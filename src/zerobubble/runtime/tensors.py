@@ -85,3 +85,9 @@ def is_dtensor(tensor: Any) -> bool:
 def full_value(tensor: Any) -> Any:
     """A DTensor's full value (``full_tensor()``: collective over its mesh); anything else as it is."""
     return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+
+def local_value(tensor: Any) -> Any:
+    """A DTensor's local shard (``to_local()``, no communication; under ``no_grad`` it shares the
+    DTensor's storage, so writing into it writes the DTensor); anything else as it is."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
