@@ -42,7 +42,7 @@ class Benchmark:
 
 # the modules that declare a ``BENCHMARK``, in ``zerobubble bench --help`` order; each command is
 # named after its module
-COMMANDS = ("pipelines", "schedulers", "plan", "wgrad", "emulate")
+COMMANDS = ("pipelines", "schedulers", "plan", "wgrad", "emulate", "fsdp")
 
 
 def benchmarks() -> list[Benchmark]:
