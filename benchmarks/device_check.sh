@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one prepared run on a lent machine (README, "Development"):
 # the device tests (tests/test_devices.py: the B/W split of every split model, two chunks on one
-# rank with CUDA-event tracing, bench wgrad), `zerobubble bench wgrad` on the GPU, and a traced
-# training run on one GPU.  Run from the repository root with the machine's own python3 and torch;
+# rank with CUDA-event tracing, bench wgrad), `zerobubble bench wgrad` on the GPU, a traced
+# training run on one GPU, and a run on a one-rank CUDA DeviceMesh with NCCL (the mesh's groups, the
+# Pipeline's locally synchronised groups and their count padding on NCCL; one GPU cannot hold the
+# 2-rank FSDP2 or tensor-parallel runs, which are tested on gloo).  Run from the repository root with the machine's own python3 and torch;
 # the logs and the trace go to $OUT (default: device-results/).
 #
 #   bash benchmarks/device_check.sh                             # on the GPU machine
@@ -25,4 +27,8 @@ python3 -m zerobubble bench wgrad --device "$device" --repeats "${REPEATS:-21}" 
     2>&1 | tee "$out/bench_wgrad.md" || status=1
 python3 -m zerobubble train --ranks 1 --steps "${STEPS:-6}" --no-progress --trace "$out/trace" \
     2>&1 | tee "$out/train.log" || status=1
+if [ "$device" = cuda ]; then
+    python3 -m zerobubble train --mesh pp=1 --backend nccl --steps "${STEPS:-6}" --no-progress \
+        2>&1 | tee "$out/train_mesh.log" || status=1
+fi
 exit "$status"

@@ -95,6 +95,17 @@ def test_train_config_rejects_a_data_parallel_size_that_does_not_divide_the_rank
         run_training(TrainConfig(ranks=2, data_parallel=2, batch_size=12, microbatches=4, progress=False))
 
 
+def test_training_on_a_mesh_with_fsdp_along_dp():
+    summary = run_training(
+        TrainConfig(
+            mesh="pp=2,dp=2", data_parallel="fsdp", steps=6, microbatches=2, batch_size=8, progress=False
+        )
+    )
+    assert summary.ranks == 4 and summary.data_parallel == 2
+    assert "(mesh pp 2 × dp 2, fsdp)" in summary.lines()[0]
+    assert summary.last_loss < summary.first_loss
+
+
 def test_a_mesh_sets_the_ranks_replicas_and_pipeline_size():
     config = TrainConfig(mesh="pp=2,dp=3", data_parallel="fsdp", batch_size=12, microbatches=2)
     assert (config.world, config.replicas, config.pipeline_ranks) == (6, 3, 2)
@@ -108,6 +119,7 @@ def test_a_mesh_sets_the_ranks_replicas_and_pipeline_size():
         ({"mesh": "pp=2,pp=2"}, "write each dimension once as name=size"),
         ({"mesh": "pp=two"}, "write each dimension once"),
         ({"mesh": "pp=2,cp=2"}, "unknown dimensions ['cp']"),
+        ({"mesh": "pp=2,tp=2"}, "the built-in model has no tensor-parallel plan"),
         ({"mesh": "pp=2,dp=2", "ranks": 2}, "ranks=2 but the mesh 'pp=2,dp=2' has 4 ranks"),
         ({"mesh": "pp=2", "data_parallel": "fsdp"}, "has none"),
         ({"mesh": "pp=2,dp=2", "data_parallel": 3}, "replicate or fsdp along its dp dimension"),

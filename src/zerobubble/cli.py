@@ -255,7 +255,7 @@ _TRAIN_OPTIONS = (
         "pipeline replicas D (--ranks counts all p·D processes; default 1); with --mesh: replicate "
         "(default) or fsdp along its dp dimension",
     ),
-    ("--mesh", str, "a DeviceMesh as name=size in order, e.g. pp=2,dp=2 (dimensions pp, dp, tp)"),
+    ("--mesh", str, "a DeviceMesh as name=size in order, e.g. pp=2,dp=2 (dimensions pp and dp)"),
     ("--memory-limit", str, "per-rank byte budget for --schedule auto, e.g. 24GiB or 80%% (GPU)"),
     ("--partition", str, "even (default): layers split evenly by count; profile: where a profile says"),
 )

@@ -224,9 +224,14 @@ def _check_mesh(config: TrainConfig) -> None:
     shape = config.mesh_shape
     if not shape:
         return
-    unknown = sorted(set(shape) - {"pp", "dp", "tp"})
+    if "tp" in shape:  # its attention fuses q, k and v in one Linear: column shards would mix them
+        raise ConfigError(
+            f"mesh {config.mesh!r}: the built-in model has no tensor-parallel plan; tensor parallelism is "
+            "Pipeline(..., parallelize=fn) on your own layers (docs/guide.md, § 4)"
+        )
+    unknown = sorted(set(shape) - {"pp", "dp"})
     if unknown:
-        raise ConfigError(f"mesh {config.mesh!r}: unknown dimensions {unknown}; use pp, dp and tp")
+        raise ConfigError(f"mesh {config.mesh!r}: unknown dimensions {unknown}; use pp and dp")
     if config.ranks is not None and config.ranks != config.world:
         raise ConfigError(f"ranks={config.ranks} but the mesh {config.mesh!r} has {config.world} ranks")
     if config.data_parallel not in (1, "replicate", "fsdp"):
@@ -237,8 +242,6 @@ def _check_mesh(config: TrainConfig) -> None:
         raise ConfigError(
             f"data-parallel fsdp shards along the mesh's dp dimension; {config.mesh!r} has none"
         )
-    if "tp" in shape and config.model.dim % shape["tp"]:
-        raise ConfigError(f"dim {config.dim} does not split over tp={shape['tp']}")
 
 
 def run_training(config: TrainConfig) -> TrainSummary:
