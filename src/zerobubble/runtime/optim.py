@@ -30,7 +30,7 @@ from torch import nn
 
 from . import PipelineError
 from .rollback import OptimizerValidationError, ReversibleStep, rollback_support, zero_local_optimizer
-from .tensors import full_value
+from .tensors import full_value, local_value
 
 __all__ = [
     "OptimizerStats",
@@ -96,7 +96,7 @@ def local_state(
         return torch.zeros(2, dtype=torch.float64, device=device)
     norms = torch.stack(
         [
-            torch.linalg.vector_norm(_local(g), norm_type).to(device, torch.float64)
+            torch.linalg.vector_norm(local_value(g), norm_type).to(device, torch.float64)
             if shards
             else full_value(torch.linalg.vector_norm(g, norm_type)).to(device, torch.float64)
             for g in grads
@@ -105,12 +105,6 @@ def local_state(
     nonfinite = (~torch.isfinite(norms)).any().to(torch.float64)
     part = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
     return torch.stack([part, nonfinite])
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (its norm is then a plain tensor's), any other tensor itself."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if callable(to_local) else grad
 
 
 def combine_states(earlier: torch.Tensor, local: torch.Tensor, norm_type: float) -> torch.Tensor:
