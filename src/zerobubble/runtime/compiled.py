@@ -43,7 +43,8 @@ def unwrap_compiled(layer: nn.Module) -> nn.Module:
     if not isinstance(inner, nn.Module):  # pragma: no cover - OptimizedModule always wraps a module
         return layer
     # what nn.Module.compile does, with the OptimizedModule's own dynamo context (its options)
-    inner._compiled_call_impl = layer.dynamo_ctx(inner._call_impl)
+    context: Any = layer.dynamo_ctx  # a _TorchDynamoContext: calling it on a function compiles that
+    inner._compiled_call_impl = context(inner._call_impl)
     return inner
 
 
