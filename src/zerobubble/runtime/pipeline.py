@@ -37,6 +37,7 @@ from .build import (
 )
 from .checkpoint import merge_state_dicts, model_keys, select_entries, strict_error
 from .comm import Comm
+from .compiled import prepare_layers
 from .consistency import (
     STATE_DICT_TAG,
     CallCheck,
@@ -168,6 +169,14 @@ class Pipeline:
     use (e.g. ``parallelize_module(layer, mesh["tp"], plan)``), whose ``DTensor`` parameters keep the
     layer's own names; ``mesh`` is the Pipeline's (None without one).  Every argument after
     ``layers`` is keyword-only.
+
+    Compiled layers (``docs/wgrad.md``, "torch.compile"): a layer compiled with ``layer.compile()``
+    or ``torch.compile(layer)`` runs compiled, and ``compile=True`` (or a dict of ``torch.compile``
+    keyword arguments) compiles every layer that is not, in place (``layer.compile(**kwargs)``).
+    An ``OptimizedModule`` is replaced by the module it wraps, compiled in place with its options,
+    so parameter and state-dict names stay those of the uncompiled layers.  The compiled region is
+    the layer's own forward only; its parameters get their gradients from the compiled backward,
+    in B (``split_report()``: ``"compiled: fused backward in B"``).
     """
 
     def __init__(
@@ -197,7 +206,9 @@ class Pipeline:
         verify: bool | str = True,
         check_calls: bool = True,
         parallelize: Callable[[nn.Module, Any], nn.Module] | None = None,
+        compile: bool | Mapping[str, Any] = False,
     ):
+        layers = prepare_layers(layers, compile)  # before anything reads a name (.compiled)
         if mesh is not None and group is not None:
             raise PipelineError("pass mesh= or group=, not both (the mesh's pipeline dimension is the group)")
         backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)

@@ -36,6 +36,9 @@ class Deferral:
         self._paths = PathChanges()
         self.fallen: list[tuple[nn.Module, str]] = []
         """Modules given back their own forward by :meth:`fall_back`, with why."""
+        self.compiled: list[nn.Module] = []
+        """Modules compiled with ``torch.compile`` (:func:`is_compiled`), left whole: their
+        subtree keeps plain autograd through the compiled graph (``docs/wgrad.md``, "torch.compile")."""
 
     @property
     def fast(self) -> list[nn.Module]:
@@ -67,6 +70,8 @@ class Deferral:
         """How ``module``'s backward is split now, in words (:meth:`paths` lists every module)."""
         if any(fallen is module for fallen, _ in self.fallen):
             return "plain autograd (fallback)"
+        if any(compiled is module for compiled in self.compiled):
+            return COMPILED_PATH
         for each in self._installed:
             if each.module is module:
                 if each.rule is not None:
@@ -76,7 +81,7 @@ class Deferral:
 
     def paths(self) -> list[tuple[nn.Module, str]]:
         """Every module installed or fallen back, with :meth:`path_of` it."""
-        modules = self.fast + self.generic + [module for module, _ in self.fallen]
+        modules = self.fast + self.generic + [module for module, _ in self.fallen] + self.compiled
         return [(module, self.path_of(module)) for module in modules]
 
     def why_fallen(self, module: nn.Module) -> str | None:
@@ -117,6 +122,9 @@ class Deferral:
                 routed = kind == "generic" and id(module) in routed_ids
                 key = f"{kind}{'+linear' if routed else ''} {type(module).__name__}"
                 counts[key] = counts.get(key, 0) + 1
+        for module in self.compiled:
+            key = f"compiled {type(module).__name__}"
+            counts[key] = counts.get(key, 0) + 1
         return counts
 
     def remove(self) -> None:
@@ -125,6 +133,7 @@ class Deferral:
             module.__dict__.pop("forward", None)
         self._installed = []
         self.fallen = []
+        self.compiled = []
 
 
 def install_deferral(
@@ -142,6 +151,11 @@ def install_deferral(
     instance ``forward`` attributes change: types, parameters and state_dict names stay.  Modules
     that already have an instance ``forward`` are left alone (their parameters get their gradients
     in B).
+
+    A module compiled with ``torch.compile`` (``module.compile()``, :func:`is_compiled`) is left
+    whole, its descendants too: its forward runs as the user compiled it, with none of the split's
+    hooks or autograd functions in the compiled region, and its parameters get their gradients from
+    the compiled backward, in B (``deferral.compiled``; path :data:`COMPILED_PATH`).
 
     ``generic=False`` installs the fast paths only; every other module keeps plain autograd.  That
     is what a schedule without W ops (1F1B, GPipe) runs: its fused BW gets the fast paths' cheaper
@@ -161,6 +175,9 @@ def install_deferral(
         if id(module) in seen:
             return
         seen.add(id(module))
+        if is_compiled(module):
+            deferral.compiled.append(module)
+            return
         if "forward" not in module.__dict__:
             rule = paths.rule_for(module)
             if rule is not None and FastPlan.covers(rule, module):
@@ -183,6 +200,18 @@ def install_deferral(
         visit(module, covered=False)
     store.track(p for module in modules for p in module.parameters())
     return deferral
+
+
+COMPILED_PATH = "compiled: fused backward in B"
+"""The path of a compiled module: AOTAutograd's one backward node computes the input and the
+weight gradients in one call, so its parameters' gradients are computed in B, not deferred to W."""
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module``'s calls run compiled: ``module.compile()`` sets ``_compiled_call_impl``
+    (``nn.Module.__call__`` then calls it instead of ``_call_impl``); the :class:`~.pipeline.Pipeline`
+    turns an ``OptimizedModule`` and ``compile=`` into that form (:mod:`..compiled`)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def remove_deferral(deferral: Deferral) -> None:
