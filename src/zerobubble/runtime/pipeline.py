@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -373,6 +373,30 @@ class Pipeline:
         self._executor.recorder = complete
         self._executor.comm.recorder = complete
 
+    @overload
+    def step(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        loss_scale: float | None = None,
+        *,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: Literal[False] = False,
+        **kwargs: Any,
+    ) -> torch.Tensor | None: ...
+
+    @overload
+    def step(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        loss_scale: float | None = None,
+        *,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: Literal[True],
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor | None, Any]: ...
+
     def step(
         self,
         inputs: Any = None,
@@ -435,6 +459,28 @@ class Pipeline:
             if calibrated is not None:
                 self.plan, self._calibrator = calibrated, None
         return self._results(run, losses, return_outputs)
+
+    @overload
+    def evaluate(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: Literal[False] = False,
+        **kwargs: Any,
+    ) -> torch.Tensor | None: ...
+
+    @overload
+    def evaluate(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: Literal[True],
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor | None, Any]: ...
 
     @torch.no_grad()
     def evaluate(

@@ -107,7 +107,7 @@ class SplitGuard:
             signature = self.signature(inputs, kwargs)
             if signature in self.verified:
                 return
-            if self._check(inputs, kwargs):
+            if self._check(inputs, kwargs) if kwargs else self._check(inputs):
                 self.verified.add(signature)
                 self._versions.add(signature[0])
         if self.signature(inputs, kwargs) in self.verified:
