@@ -3,8 +3,8 @@
     python benchmarks/call_check.py [--calls 600] [--steps 300] [--width 64]
 
 Before every ``step``/``evaluate`` the ranks compare their calls (``runtime/consistency.py``,
-:class:`CallCheck`: a max-reduce of eight int64 by point-to-point transfers on a gloo group of its
-own).  Printed: the median µs of one exchange next to one bare gloo ``all_reduce`` of the same eight
+:class:`CallCheck`: a max-reduce of ten int64 by point-to-point transfers on a gloo group of its
+own).  Printed: the median µs of one exchange next to one bare gloo ``all_reduce`` of the same ten
 int64 (``--calls`` of each, alternating call by call, every call timed on its own), and the median ms
 of one step of a small model (4 Linear–GELU–Linear blocks of ``--width``, 1f1b, 4 microbatches of 2
 rows) on two Pipelines of the same layers built with ``check_calls=True`` (the default) and
@@ -51,7 +51,7 @@ def measure(calls: int, steps: int, width: int) -> dict[str, list[float]] | None
     inputs, targets = torch.randn(8, width), torch.randn(8, width)
     signature = CallSignature("step", 1.0, batch_signature(inputs), batch_signature(targets))
     check = pipes[True]._calls
-    values = torch.zeros(8, dtype=torch.int64)
+    values = torch.zeros(10, dtype=torch.int64)
     kinds = {
         "bare all_reduce (µs)": lambda: dist.all_reduce(values, op=dist.ReduceOp.MAX, group=check.group),
         "exchange (µs)": lambda: check.exchange(signature),

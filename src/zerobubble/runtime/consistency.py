@@ -10,7 +10,7 @@ argument) sends its error instead, so the others say which rank failed and why i
 Every call: before a :meth:`~zerobubble.runtime.Pipeline.step` or ``evaluate`` sends its first
 message, the ranks of the whole Pipeline (every data-parallel replica too) compare what they were
 called with — the method, the loss scale, the shapes and dtypes of the inputs and of the targets —
-and whether the call failed its local checks (:class:`CallCheck`: one max-reduce of eight int64
+and whether the call failed its local checks (:class:`CallCheck`: one max-reduce of ten int64
 by point-to-point transfers on a gloo group of its own).  A difference or a rank's
 argument error makes every rank raise the same :class:`~zerobubble.runtime.PipelineError` before any
 transfer, and the Pipeline stays usable.
@@ -216,12 +216,34 @@ def batch_signature(batch: Any) -> BatchSignature | None:
     return tuple((tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in tensors)
 
 
+KeywordSignature = tuple[tuple[str, Any], ...]
+"""The keyword arguments of a call by name (sorted): a tensor's shape and dtype, a plain value's
+``repr`` (None, a number, a string), another object's type."""
+
+
+def keyword_signature(kwargs: Mapping[str, Any] | None) -> KeywordSignature:
+    """``kwargs``'s names with what every rank must agree on for each (:data:`KeywordSignature`)."""
+    if not kwargs:
+        return ()
+
+    def describe(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), str(value.dtype).replace("torch.", ""))
+        if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+            return ("value", repr(value))
+        return ("object", type(value).__name__)
+
+    return tuple((name, describe(kwargs[name])) for name in sorted(kwargs))
+
+
 @dataclass(frozen=True)
 class CallSignature:
     """What one rank passed to ``step`` or ``evaluate``: the items every rank's call must agree on.
 
     ``inputs`` / ``targets`` are None where the rank passed none (they are compared only among the
-    ranks that pass them); ``problem`` is the rank's own argument error (its call cannot run).
+    ranks that pass them); ``keywords`` (:func:`keyword_signature`) are compared on every rank:
+    every rank passes the same keyword arguments; ``problem`` is the rank's own argument error (its
+    call cannot run).
     """
 
     call: str
@@ -229,15 +251,17 @@ class CallSignature:
     inputs: BatchSignature | None = None
     targets: BatchSignature | None = None
     problem: str | None = None
+    keywords: KeywordSignature = ()
 
     def items(self) -> list[int]:
-        """The signature as four 62-bit numbers (:data:`_ABSENT` for an item not passed)."""
+        """The signature as five 62-bit numbers (:data:`_ABSENT` for an item not passed)."""
         absent = self.problem is not None
         return [
             int(absent),
             _digest((self.call, self.loss_scale)),
             _ABSENT if absent or self.inputs is None else _digest(self.inputs),
             _ABSENT if absent or self.targets is None else _digest(self.targets),
+            _ABSENT if absent else _digest(self.keywords),
         ]
 
 
@@ -251,7 +275,7 @@ class CallCheck:
     ``group`` spans every rank of the Pipeline (all replicas; a gloo group the pipeline's transfers
     never use); ``monitor`` (a :class:`~.failures.PeerMonitor`) carries every wait (the Pipeline's
     deadline and error notices); ``name(r)`` names the rank of group rank ``r`` in messages.  The
-    common case costs one max-reduce of eight int64 — each item and its negation, so every rank
+    common case costs one max-reduce of ten int64 — each item and its negation, so every rank
     learns each item's largest and smallest value at once — by recursive doubling over
     point-to-point transfers (⌈log₂ N⌉ rounds of one simultaneous swap, two more hops when N is not
     a power of two).  Point-to-point rather than a gloo collective because a wait for a transfer can
@@ -331,10 +355,14 @@ def prepare_call(
     inputs: Any,
     targets: Any,
     loss_scale: float | None,
-    split: Callable[[Any, Any], tuple[list, list]],
+    split: Callable[[Any, Any], tuple],
     exchange: Callable[[CallSignature], str | None] | None,
-) -> tuple[list, list]:
+    kwargs: Mapping[str, Any] | None = None,
+) -> tuple:
     """Check and ``split`` a rank's arguments of ``call``, then compare the call with every rank's.
+
+    ``split(inputs, targets)`` splits the keyword arguments ``kwargs`` too (the signature compares
+    them, :func:`keyword_signature`).
 
     Runs before the call's first message: a rank's own argument error is raised there and named on
     every other rank, and arguments that differ between ranks raise the same error everywhere
@@ -342,7 +370,7 @@ def prepare_call(
     so the Pipeline stays usable.
     """
     problem: Exception | None = None
-    prepared: tuple[list, list] = ([], [])
+    prepared: tuple = ()
     scale, verdict = None, None
     try:
         # an iterable batch is read once, here: the split and the signature both see its tensors
@@ -361,7 +389,13 @@ def prepare_call(
         problem = error
     if exchange is not None:
         if problem is None:
-            signature = CallSignature(call, scale, batch_signature(inputs), batch_signature(targets))
+            signature = CallSignature(
+                call,
+                scale,
+                batch_signature(inputs),
+                batch_signature(targets),
+                keywords=keyword_signature(kwargs),
+            )
         else:
             text = (
                 str(problem) if isinstance(problem, PipelineError) else f"{type(problem).__name__}: {problem}"
@@ -470,9 +504,41 @@ def explain_calls(signatures: Sequence[CallSignature], name: Callable[[int], str
                     f"{'on the first stage' if what == 'inputs' else 'on the last stage'}) — nothing ran, "
                     "the Pipeline stays usable"
                 )
+    for rank, signature in enumerate(signatures[1:], start=1):
+        if signature.keywords != reference.keywords:
+            return (
+                f"the keyword arguments passed to {reference.call}() differ between ranks: "
+                f"{_keyword_difference(reference.keywords, signature.keywords, name(0), name(rank))}; "
+                "every rank must pass the same keyword arguments (names, tensor shapes and dtypes, "
+                "plain values) — they reach the layers that take them on whichever rank holds them — "
+                "nothing ran, the Pipeline stays usable"
+            )
     return (
         "the ranks' calls differ (their argument digests disagree); every rank must pass the same arguments"
     )
+
+
+def _keyword_difference(expected: KeywordSignature, actual: KeywordSignature, first: str, other: str) -> str:
+    mine, theirs = dict(expected), dict(actual)
+    for key in sorted(set(mine) | set(theirs)):
+        if key not in theirs:
+            return f"{key!r} is passed on {first} but not on {other}"
+        if key not in mine:
+            return f"{key!r} is passed on {other} but not on {first}"
+        if mine[key] != theirs[key]:
+            mine_text, theirs_text = _keyword_value(mine[key]), _keyword_value(theirs[key])
+            return f"{key!r} is {mine_text} on {first} but {theirs_text} on {other}"
+    return "they differ"
+
+
+def _keyword_value(described: Any) -> str:
+    kind, *rest = described
+    if kind == "tensor":
+        shape, dtype = rest
+        return f"a {list(shape)} {dtype} tensor"
+    if kind == "value":
+        return rest[0]
+    return f"a {rest[0]}"
 
 
 def _scale(scale: float | None) -> str:

@@ -15,11 +15,12 @@ The program's structure, the memory each op keeps and the RNG streams: ``docs/ru
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..schedule.channels import ACTIVATIONS, GRADIENTS, MessageKey
 from ..schedule.ir import Kind, Op, Schedule
@@ -111,6 +112,9 @@ class Executor:
         self._inputs: Sequence[tuple[torch.Tensor, ...]] = ()
         self._targets: Sequence[Any] = ()
         self._losses: list[torch.Tensor] = []
+        self._kwargs: Sequence[Mapping[str, Any]] = ()  # per microbatch; () without keyword arguments
+        self.loss_microbatches: list[int] = []  # the microbatch of each loss of the last run
+        self.outputs: dict[int, Any] | None = None  # the last stage's outputs by microbatch, if kept
         self._scale = 1.0 / schedule.microbatches
         self.handlers: dict[Kind, Callable[[StageState, int], None]] = {
             Kind.F: self._forward,
@@ -148,14 +152,24 @@ class Executor:
         self.compile()
 
     def run_step(
-        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any], loss_scale: float = 1.0
+        self,
+        inputs: Sequence[tuple[torch.Tensor, ...]],
+        targets: Sequence[Any],
+        loss_scale: float = 1.0,
+        *,
+        kwargs: Sequence[Mapping[str, Any]] = (),
+        keep_outputs: bool = False,
     ) -> list[torch.Tensor]:
         """Run the program once; ``inputs``/``targets`` are per-microbatch (empty where unused).
 
         Each microbatch's loss is multiplied by ``loss_scale / m`` before its backward.  Returns the
-        detached (unscaled) per-microbatch losses on the rank of the last stage, else ``[]``.
+        detached (unscaled) per-microbatch losses on the rank of the last stage, else ``[]``, in the
+        order they ran (their microbatches: :attr:`loss_microbatches`).  ``kwargs`` are the keyword
+        arguments of every stage's forward, per microbatch (:func:`~.staging.split_keywords`);
+        ``keep_outputs`` keeps the last stage's detached outputs in :attr:`outputs`.
         """
         self._inputs, self._targets, self._losses = inputs, targets, []
+        self._begin_call(kwargs, keep_outputs)
         self._scale = loss_scale / self.schedule.microbatches
         self._reported, entry = False, None
         try:
@@ -173,20 +187,26 @@ class Executor:
             self._abort()
             raise
         finally:
-            self._inputs = self._targets = ()
+            self._inputs = self._targets = self._kwargs = ()
         self._steps += 1
         return self._losses
 
     def run_forward(
-        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]
+        self,
+        inputs: Sequence[tuple[torch.Tensor, ...]],
+        targets: Sequence[Any],
+        *,
+        kwargs: Sequence[Mapping[str, Any]] = (),
+        keep_outputs: bool = False,
     ) -> list[torch.Tensor]:
         """Run only the forward ops of the program, keeping nothing for a backward (evaluation).
 
         The caller disables autograd and sets eval mode; the RNG streams are those of the next
         training step (dropout is off in eval mode anyway).  Returns the per-microbatch losses on
-        the rank of the last stage, else ``[]``.
+        the rank of the last stage, else ``[]``; ``kwargs`` and ``keep_outputs`` as for :meth:`run_step`.
         """
         self._inputs, self._targets, self._losses, self._keep = inputs, targets, [], False
+        self._begin_call(kwargs, keep_outputs)
         self._reported, op = False, None
         try:
             self.comm.start_step(first=True, forward_only=True)
@@ -200,9 +220,13 @@ class Executor:
             self._abort()
             raise
         finally:
-            self._inputs = self._targets = ()
+            self._inputs = self._targets = self._kwargs = ()
             self._keep = True
         return self._losses
+
+    def _begin_call(self, kwargs: Sequence[Mapping[str, Any]], keep_outputs: bool) -> None:
+        self._kwargs, self.loss_microbatches = kwargs, []
+        self.outputs = {} if keep_outputs else None
 
     def _report(self, error: BaseException, op: Op | Hook | None) -> None:
         """Post this rank's failure to the peers (not when it only echoes a peer's)."""
@@ -267,18 +291,19 @@ class Executor:
         self, state: StageState, j: int, inputs: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         """Run the stage's forward (and the loss on the last stage); keep what B needs; return the outputs."""
+        kwargs = self._kwargs[j] if self._kwargs else _NO_KEYWORDS
         saved_rng = self._enter_stream(state.index, j)
         try:
             if self._keep:
                 if state.guard is not None:  # the split proves itself on a new path first, with
-                    state.guard.before_forward(inputs)  # this forward's own RNG draws
+                    state.guard.before_forward(inputs, kwargs)  # this forward's own RNG draws
                 # B or BW of (stage, j) follows: the split may leave work for its end
                 state.store.begin_forward((state.index, j))
-            outputs = state.module(*inputs)
+            outputs = state.module(*inputs, **kwargs)
         except PipelineError:
             raise
         except Exception as error:
-            raise PipelineError(self._forward_failure(state, j, inputs, error)) from error
+            raise PipelineError(self._forward_failure(state, j, inputs, error, kwargs)) from error
         finally:
             state.store.end_forward()
             self._leave_stream(saved_rng)
@@ -362,6 +387,9 @@ class Executor:
                 f"for microbatch {j} on stage {state.index}"
             )
         self._losses.append(loss.detach())
+        self.loss_microbatches.append(j)
+        if self.outputs is not None:
+            self.outputs[j] = tree_map(_detach_value, output)
         return loss
 
     def _pass_on(
@@ -374,8 +402,12 @@ class Executor:
             neighbour = state.index + 1 if forward else state.index - 1
             self.comm.send(key, self._placement.rank_of(neighbour), tensors)
 
-    def _forward_failure(self, state: StageState, j: int, inputs: tuple, error: Exception) -> str:
-        shapes = ", ".join(f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs)
+    def _forward_failure(
+        self, state: StageState, j: int, inputs: tuple, error: Exception, kwargs: Mapping[str, Any]
+    ) -> str:
+        shapes = ", ".join(_describe(t) for t in inputs)
+        if kwargs:
+            shapes += "; keywords " + ", ".join(f"{key}={_describe(value)}" for key, value in kwargs.items())
         where = (
             f"the forward of stage {state.index} ({state.name}, rank {self.rank}) failed on microbatch {j}"
         )
@@ -408,6 +440,19 @@ def _run_backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> Non
         _engine_run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
 
 
+_NO_KEYWORDS: Mapping[str, Any] = {}
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    return type(value).__name__
+
+
+def _detach_value(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
 def _floating(tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point()]
 
@@ -415,6 +460,15 @@ def _floating(tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
 def _detached(state: StageState, outputs: tuple) -> tuple[torch.Tensor, ...]:
     """The stage's outputs cut from its graph; only tensors can cross a stage boundary."""
     for position, value in enumerate(outputs):
+        if isinstance(value, Mapping):
+            layer = state.name.rpartition("..")[2].removeprefix("layers ")
+            raise PipelineError(
+                f"stage {state.index} ({state.name}) returns a {type(value).__name__} with keys "
+                f"{sorted(map(str, value))} as output {position} (from its last layer, {layer}); only "
+                "tensors can pass between stages — make layer "
+                f"{layer} return a tuple of tensors (e.g. tuple(out[k] for k in sorted(out))) that the next "
+                "layer takes positionally, or keep the layers exchanging the dict in one stage (partition=)"
+            )
         if not isinstance(value, torch.Tensor):
             raise PipelineError(
                 f"stage {state.index} ({state.name}) returns a {type(value).__name__} as output {position}; "

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ from .mesh import mesh_dims as mesh_dims_of
 from .optim import OptimizerStats, check_sharded_optimizer, unscale_gradients
 from .recorder import OpRecorder, StepRecorder, as_recorder
 from .resolve import LossFn, Resolution, agree_on, resolve, wants_profile
-from .staging import split_call
+from .staging import layer_keywords, merge_microbatches, split_call, split_keywords
 from .wgrad import FastPaths
 from .wgrad.verify import SplitRecord
 
@@ -160,7 +160,7 @@ class Pipeline:
     a rank's argument error): a difference raises the same error on every rank and the Pipeline stays
     usable.  A failure on one rank stops every peer within a fraction of a second with its rank, op
     and error; the Pipeline then refuses further steps.  :meth:`evaluate` runs a forward-only pass.
-    ``check_calls=False`` skips the per-call comparison — a max-reduce of eight int64 over every rank
+    ``check_calls=False`` skips the per-call comparison — a max-reduce of ten int64 over every rank
     per call, point to point on a gloo group of its own (``benchmarks/call_check.py``) — and with it
     the guarantee: an argument error then stops only the rank that makes it.
 
@@ -318,6 +318,8 @@ class Pipeline:
         )
         self._sharded = ShardedStages(self.layout, self.device, dp_mesh) if self.sharding == "fsdp" else None
         shard = self._sharded.shard if self._sharded is not None else None
+        # the keywords every layer of the model takes (step(**kwargs)): read before any is placed
+        self._keywords = [(name, layer_keywords(layer)) for name, layer in resolution.layers]
         stages, self._guards = place_stages(
             resolution,
             self.rank,
@@ -382,15 +384,60 @@ class Pipeline:
         self._executor.recorder = complete
         self._executor.comm.recorder = complete
 
+    @overload
     def step(
-        self, inputs: Any = None, targets: Any = None, loss_scale: float | None = None
-    ) -> torch.Tensor | None:
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        loss_scale: float | None = None,
+        *,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: Literal[False] = False,
+        **kwargs: Any,
+    ) -> torch.Tensor | None: ...
+
+    @overload
+    def step(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        loss_scale: float | None = None,
+        *,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: Literal[True],
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor | None, Any]: ...
+
+    def step(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        loss_scale: float | None = None,
+        *,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: bool = False,
+        **kwargs: Any,
+    ) -> Any:
         """Forward and backward of one batch, split into microbatches, in the schedule's order.
 
         ``inputs`` (a tensor or tuple of tensors) is used where the first stage lives, ``targets``
         where the last one lives; both are split along dimension 0.  Gradients are accumulated into
-        ``.grad`` as ``loss_fn(model(inputs), targets).backward()`` would.  Returns the mean of the
-        microbatch losses on the rank of the last stage, ``None`` elsewhere.
+        ``.grad`` as ``loss_fn(model(inputs, **kwargs), targets).backward()`` would.  Returns the mean
+        of the microbatch losses on the rank of the last stage, ``None`` elsewhere.
+
+        Keyword arguments (``attention_mask=mask``, ``position_ids=ids``) reach every layer whose
+        ``forward`` takes that name (any layer with ``**kwargs``), on whichever rank holds it: pass the
+        same ones on every rank.  A tensor of at least one dimension is split along dimension 0 into
+        the microbatches like the inputs; any other value (a 0-d tensor, None, a number, a flag)
+        reaches every microbatch unchanged.  They are constants of the layers: a tensor that requires
+        grad is refused.  A name no layer of the model takes is refused.
+
+        ``losses`` (a list) gets this call's per-microbatch losses appended, in microbatch order, on
+        the last stage's rank (detached; this replica's microbatches under data parallelism).  With
+        ``return_outputs`` the call returns ``(loss, outputs)``: the last stage's outputs (what
+        ``loss_fn`` receives) concatenated over the microbatches along dimension 0 (0-d tensors
+        stacked, tuples and dicts merged entry by entry), detached, on the last stage's rank and
+        ``None`` elsewhere.
 
         With ``data_parallel = D`` each replica passes its own shard of the global batch (equal
         shards); the gradients are then averaged over the replicas (those of the mean loss over the
@@ -403,71 +450,156 @@ class Pipeline:
 
         Call it on every rank.  Before any message moves, the ranks (every replica too) compare their
         calls — ``step`` or :meth:`evaluate`, ``loss_scale``, the shapes and dtypes of the inputs and
-        of the targets among the ranks passing them — and each rank's own argument checks (targets
-        where the last stage lives, inputs where the first one does, a batch that splits): a
-        difference or a failed check raises the same :class:`PipelineError` on every rank, naming the
-        rank and what differs, and the Pipeline stays usable (``check_calls=False`` skips this).
+        of the targets among the ranks passing them, the keyword arguments' names, shapes, dtypes and
+        plain values on every rank — and each rank's own argument checks (targets where the last
+        stage lives, inputs where the first one does, a batch that splits): a difference or a failed
+        check raises the same :class:`PipelineError` on every rank, naming the rank and what differs,
+        and the Pipeline stays usable (``check_calls=False`` skips this).
         """
         self._check_usable("step")
-        split_inputs, targets_mb = self._prepare_call("step", inputs, targets, loss_scale)
-        losses = self._guarded("step", lambda: self._run_program(split_inputs, targets_mb, loss_scale or 1.0))
+        split_inputs, targets_mb, kwargs_mb = self._prepare_call(
+            "step", inputs, targets, loss_scale, kwargs, losses, return_outputs
+        )
+        run = self._guarded(
+            "step",
+            lambda: self._run_program(split_inputs, targets_mb, loss_scale or 1.0, kwargs_mb, return_outputs),
+        )
         calibrator = self._calibrator
         if calibrator is not None:  # schedule="auto": the plan is calibrated from the recorded steps
             calibrated = self._guarded("step", lambda: calibrator.after_step(self))
             if calibrated is not None:
                 self.plan, self._calibrator = calibrated, None
-        return mean_loss(losses, self.layout, self._monitor.wait) if self._last else None
+        return self._results(run, losses, return_outputs)
+
+    @overload
+    def evaluate(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: Literal[False] = False,
+        **kwargs: Any,
+    ) -> torch.Tensor | None: ...
+
+    @overload
+    def evaluate(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: Literal[True],
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor | None, Any]: ...
 
     @torch.no_grad()
-    def evaluate(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
+    def evaluate(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        losses: list[torch.Tensor] | None = None,
+        return_outputs: bool = False,
+        **kwargs: Any,
+    ) -> Any:
         """The mean loss of a batch, forward only: no graph, no ``.grad`` change, eval mode meanwhile.
 
         Call it on every rank, like :meth:`step` (inputs where the first stage lives, targets
         where the last one does); it returns the mean microbatch loss on the last stage's rank
         (over the global batch with data parallelism), None elsewhere.  A pending optimizer step is
         settled first.  The batch may differ in size from the training batches (it still splits into
-        the schedule's microbatches).  Works inside ``torch.no_grad()``.  The ranks' calls are
-        compared first, as for :meth:`step`.
+        the schedule's microbatches).  Works inside ``torch.no_grad()``.  Keyword arguments,
+        ``losses`` and ``return_outputs`` (then ``(loss, outputs)``) work as for :meth:`step`.  The
+        ranks' calls are compared first, as for :meth:`step`.
         """
         self._check_usable("evaluate")
-        split_inputs, targets_mb = self._prepare_call("evaluate", inputs, targets)
+        split_inputs, targets_mb, kwargs_mb = self._prepare_call(
+            "evaluate", inputs, targets, None, kwargs, losses, return_outputs
+        )
         modes = [(module, module.training) for module in self.module.modules()]
         self.module.eval()
         try:
-            losses = self._guarded("evaluate", lambda: self._evaluate(split_inputs, targets_mb))
+            run = self._guarded(
+                "evaluate", lambda: self._evaluate(split_inputs, targets_mb, kwargs_mb, return_outputs)
+            )
         finally:
             for module, training in modes:
                 module.training = training
-        return mean_loss(losses, self.layout, self._monitor.wait) if self._last else None
+        return self._results(run, losses, return_outputs)
 
-    def _evaluate(self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any]) -> list:
+    def _evaluate(
+        self,
+        inputs: Sequence[tuple[torch.Tensor, ...]],
+        targets: Sequence[Any],
+        kwargs: Sequence[Mapping[str, Any]],
+        keep_outputs: bool,
+    ) -> list:
         self._settle()  # the parameters must be final before they are read
+        run = self._executor.run_forward
         if self._sharded is None:
-            return self._executor.run_forward(inputs, targets)
+            return run(inputs, targets, kwargs=kwargs, keep_outputs=keep_outputs)
         self._sharded.unshard()  # collective over the replicas, which evaluate together
         try:
-            return self._executor.run_forward(inputs, targets)
+            return run(inputs, targets, kwargs=kwargs, keep_outputs=keep_outputs)
         finally:
             self._sharded.reshard()
 
+    def _results(self, run: list[torch.Tensor], losses: list | None, return_outputs: bool) -> Any:
+        """What :meth:`step` / :meth:`evaluate` return from the executor's per-microbatch ``run``
+        losses: the mean loss (or None), with the outputs when asked; ``losses`` extended."""
+        executor = self._executor
+        outputs, executor.outputs = executor.outputs, None
+        if not self._last:
+            return (None, None) if return_outputs else None
+        loss = mean_loss(run, self.layout, self._monitor.wait)
+        if losses is not None:
+            losses.extend(value for _, value in sorted(zip(executor.loss_microbatches, run), key=_first))
+        if not return_outputs:
+            return loss
+        merged = merge_microbatches([outputs[j] for j in sorted(outputs)]) if outputs else None
+        return loss, merged
+
     def _prepare_call(
-        self, call: str, inputs: Any, targets: Any, loss_scale: float | None = None
-    ) -> tuple[list, list]:
+        self,
+        call: str,
+        inputs: Any,
+        targets: Any,
+        loss_scale: float | None,
+        kwargs: Mapping[str, Any],
+        losses: Any,
+        return_outputs: Any,
+    ) -> tuple:
         """Check and split this rank's arguments, then compare the call with every rank's (collective,
-        unless ``check_calls=False``): :func:`~.consistency.prepare_call`."""
+        unless ``check_calls=False``): :func:`~.consistency.prepare_call`.  Returns the microbatches of
+        the inputs, the targets and the keyword arguments."""
 
         ends = (self._first, self._last)
+        microbatches = self.schedule.microbatches
 
         def exchange(signature: CallSignature) -> str | None:
             return self._guarded(call, lambda: self._calls.exchange(signature))
+
+        def split(i: Any, t: Any) -> tuple:
+            if losses is not None and not isinstance(losses, list):
+                raise PipelineError(
+                    f"losses= takes a list (the per-microbatch losses are appended to it), not a "
+                    f"{type(losses).__name__}"
+                )
+            if not isinstance(return_outputs, bool):
+                raise PipelineError(f"return_outputs= takes True or False, not {return_outputs!r}")
+            split_inputs, targets_mb = split_call(i, t, microbatches, self.device, call, self.rank, ends)
+            kwargs_mb = split_keywords(kwargs, microbatches, self.device, call, self._keywords)
+            return split_inputs, targets_mb, kwargs_mb
 
         return prepare_call(
             call,
             inputs,
             targets,
             loss_scale,
-            lambda i, t: split_call(i, t, self.schedule.microbatches, self.device, call, self.rank, ends),
+            split,
             exchange if self._check_calls else None,
+            kwargs,
         )
 
     def _check_usable(self, call: str) -> None:
@@ -703,12 +835,19 @@ class Pipeline:
             logger.info("rank %d: the optimistic optimizer step was rolled back", self.rank)
 
     def _run_program(
-        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any], loss_scale: float = 1.0
+        self,
+        inputs: Sequence[tuple[torch.Tensor, ...]],
+        targets: Sequence[Any],
+        loss_scale: float = 1.0,
+        kwargs: Sequence[Mapping[str, Any]] = (),
+        keep_outputs: bool = False,
     ) -> list[torch.Tensor]:
         """Run the executor's program (its hooks settle the optimizer and start the reductions);
         average gradients over the replicas, sum those of tied parameters over their holders."""
         try:
-            losses = self._executor.run_step(inputs, targets, loss_scale)
+            losses = self._executor.run_step(
+                inputs, targets, loss_scale, kwargs=kwargs, keep_outputs=keep_outputs
+            )
         except BaseException:
             if self._averager is not None:
                 self._averager.discard()
@@ -722,3 +861,7 @@ class Pipeline:
         for tie in self._tied:
             tie.sum_gradients(self._monitor.wait)
         return losses
+
+
+def _first(pair: tuple[int, Any]) -> int:
+    return pair[0]

@@ -8,11 +8,14 @@ into one :class:`StageModule`, and split a batch into microbatches.  Every mista
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, validate_schedule
 from ..schedule.partition import even_partition
@@ -38,17 +41,77 @@ def default_costs() -> CostModel:
     return CostModel(mem_w=W_MEMORY_FRACTION)
 
 
+@dataclass(frozen=True)
+class Keywords:
+    """The parameters of a layer's ``forward`` that can take a keyword argument.
+
+    ``positional``: those that take a value by position or by name, in order (the layer's
+    positional values fill the first ones); ``named``: the keyword-only ones; ``rest``: whether it
+    has ``**kwargs`` (then it takes every name).
+    """
+
+    positional: tuple[str, ...] = ()
+    named: frozenset[str] = frozenset()
+    rest: bool = False
+
+    def takes(self, name: str) -> bool:
+        """Whether some call of the forward can take ``name`` by keyword."""
+        return self.rest or name in self.named or name in self.positional
+
+    def select(self, kwargs: Mapping[str, Any], given: int) -> dict[str, Any]:
+        """The entries of ``kwargs`` the forward takes after ``given`` positional values."""
+        filled = self.positional[:given]
+        return {
+            key: value
+            for key, value in kwargs.items()
+            if key not in filled and (self.rest or key in self.named or key in self.positional)
+        }
+
+
+def layer_keywords(layer: nn.Module) -> Keywords:
+    """The keywords ``layer``'s class ``forward`` takes (:class:`Keywords`).
+
+    Read from the class, not the instance: the weight-gradient split installs a ``(*args, **kwargs)``
+    forward on the instance (:mod:`.wgrad`); of a compiled module, its original's.
+    """
+    target = getattr(layer, "_orig_mod", layer)  # torch.compile's OptimizedModule
+    try:
+        parameters = list(inspect.signature(type(target).forward).parameters.values())[1:]  # no self
+    except (TypeError, ValueError):
+        return Keywords()
+    kind = inspect.Parameter
+    return Keywords(
+        positional=tuple(p.name for p in parameters if p.kind is kind.POSITIONAL_OR_KEYWORD),
+        named=frozenset(p.name for p in parameters if p.kind is kind.KEYWORD_ONLY),
+        rest=any(p.kind is kind.VAR_KEYWORD for p in parameters),
+    )
+
+
 class StageModule(nn.Module):
-    """A contiguous run of layers; a layer returning a tuple passes it unpacked to the next one."""
+    """A contiguous run of layers; a layer returning a tuple passes it unpacked to the next one.
+
+    Keyword arguments (``Pipeline.step(..., attention_mask=m)``, this microbatch's slice) reach
+    every layer whose ``forward`` takes them by name (all of them with ``**kwargs``) other than a
+    parameter its positional values fill; the signatures are inspected here once
+    (:func:`layer_keywords`).
+    """
 
     def __init__(self, layers: Sequence[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.keywords: list[Keywords] = [layer_keywords(layer) for layer in layers]
 
-    def forward(self, *inputs: torch.Tensor) -> Any:
+    def forward(self, *inputs: torch.Tensor, **kwargs: Any) -> Any:
         values: Any = inputs
-        for layer in self.layers:
-            values = layer(*values) if isinstance(values, tuple) else layer(values)
+        if not kwargs:
+            for layer in self.layers:
+                values = layer(*values) if isinstance(values, tuple) else layer(values)
+            return values
+        for layer, keywords in zip(self.layers, self.keywords):
+            if isinstance(values, tuple):
+                values = layer(*values, **keywords.select(kwargs, len(values)))
+            else:
+                values = layer(values, **keywords.select(kwargs, 1))
         return values
 
 
@@ -226,3 +289,90 @@ def split_call(
         raise PipelineError(f"rank {rank} holds the last stage: pass the targets to {call}()")
     targets_mb = [t[0] if len(t) == 1 else t for t in split_targets] if split_targets else []
     return split_inputs or [], targets_mb
+
+
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes)
+
+
+def split_keywords(
+    kwargs: Mapping[str, Any],
+    microbatches: int,
+    device: torch.device,
+    call: str,
+    keywords: Sequence[tuple[str, Keywords]],
+) -> list[dict[str, Any]]:
+    """A call's keyword arguments as one dict per microbatch (``[]`` without any).
+
+    A tensor of at least one dimension is moved to ``device`` and split along dim 0 like the inputs;
+    a 0-d tensor and any value that holds no tensor (None, a number, a string, an object) reach every
+    microbatch unchanged.  ``keywords`` are ``(layer name, names)`` of every layer of the model
+    (:func:`layer_keywords`): a name no layer takes is refused, so is a tensor that requires grad in
+    ``step`` (its gradient would be split over the ranks holding its users) and a container holding
+    tensors (they would not be split).
+    """
+    if not kwargs:
+        return []
+    pieces: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if not any(names.takes(key) for _, names in keywords):
+            # (a layer's first positional parameter takes the previous layer's output)
+            listed = [
+                f"{layer} ({', '.join([*names.positional[1:], *sorted(names.named)])})"
+                for layer, names in keywords
+                if names.positional[1:] or names.named
+            ][:8]
+            known = f"layers taking keywords: {'; '.join(listed)}" if listed else "no layer takes keywords"
+            raise PipelineError(
+                f"the keyword argument {key!r} of {call}() is taken by no layer's forward ({known}); "
+                "add it to the forward of the layers that need it, or drop it"
+            )
+        if isinstance(value, torch.Tensor):
+            pieces[key] = _split_keyword(key, value, microbatches, device, call)
+        elif not isinstance(value, _PLAIN_VALUES) and any(
+            isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value)
+        ):
+            raise PipelineError(
+                f"the keyword argument {key!r} of {call}() is a {type(value).__name__} holding tensors; "
+                "only a tensor keyword argument is split into microbatches — pass each tensor as a "
+                "keyword argument of its own"
+            )
+        else:
+            pieces[key] = [value] * microbatches
+    return [{key: piece[j] for key, piece in pieces.items()} for j in range(microbatches)]
+
+
+def _split_keyword(
+    key: str, tensor: torch.Tensor, microbatches: int, device: torch.device, call: str
+) -> Sequence[torch.Tensor]:
+    if call == "step" and tensor.requires_grad:
+        raise PipelineError(
+            f"the keyword argument {key!r} of step() requires grad: keyword arguments are constants of "
+            "the layers that take them (no gradient flows back to them, so the B/W split stays exact); "
+            f"pass {key}=value.detach(), or compute it in a layer and pass it on positionally"
+        )
+    tensor = tensor.to(device, non_blocking=True)
+    if tensor.dim() == 0:
+        return [tensor] * microbatches
+    if tensor.shape[0] == 0 or tensor.shape[0] % microbatches:
+        raise PipelineError(
+            f"the keyword argument {key!r} of {call}() has batch size {tensor.shape[0]} (dimension 0), "
+            f"which does not split into {microbatches} equal microbatches; pass the same batch size as "
+            "the inputs (a tensor without a batch dimension: keep it in the layer, e.g. as a buffer)"
+        )
+    return tensor.chunk(microbatches)
+
+
+def merge_microbatches(values: Sequence[Any]) -> Any:
+    """The per-microbatch outputs ``values`` as one batch: tensors concatenated along dim 0 (0-d
+    tensors stacked), tuples, lists and dicts merged entry by entry, other values listed."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(values)) if first.dim() else torch.stack(list(values))
+    if isinstance(first, Mapping):
+        return {key: merge_microbatches([value[key] for value in values]) for key in first}
+    if isinstance(first, (tuple, list)):
+        merged = [merge_microbatches([value[i] for value in values]) for i in range(len(first))]
+        if hasattr(first, "_fields"):  # a named tuple
+            return type(first)(*merged)
+        return type(first)(merged)
+    return list(values)

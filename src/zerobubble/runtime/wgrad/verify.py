@@ -21,7 +21,7 @@ instead.  ``docs/wgrad.md``, "The split guard", says what it costs.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,8 @@ class SplitRecord:
     """Why a module fell back: the parameter, its error, the path it had."""
 
 
+_NONE: Mapping[str, Any] = {}  # no keyword arguments
+
 _MAX_ROUNDS = 6  # transitions (local graph -> stage graph -> back) and fall-backs are few and monotone
 
 
@@ -87,26 +89,28 @@ class SplitGuard:
         self._versions: set[tuple[int, ...]] = set()  # deferral versions some check has covered
         self._checks = 0
 
-    def signature(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
-        """What decides the path a forward takes: the split's version, autocast and the inputs."""
+    def signature(self, inputs: Sequence[Any], kwargs: Mapping[str, Any] = _NONE) -> tuple[Any, ...]:
+        """What decides the path a forward takes: the split's version, autocast, the inputs and the
+        keyword arguments."""
         # runs before every training forward: a few attribute reads
-        shapes = tuple(
-            (x.shape, x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x) for x in inputs
-        )
+        shapes = tuple(_path_key(x) for x in inputs)
+        if kwargs:
+            shapes += tuple((key, _path_key(value)) for key, value in kwargs.items())
         return (self.deferral.version(), _autocast_state(), shapes)
 
-    def before_forward(self, inputs: Sequence[Any]) -> None:
-        """Check the stage on ``inputs`` unless this path was checked already (the executor's F)."""
-        if self.signature(inputs) in self.verified:
+    def before_forward(self, inputs: Sequence[Any], kwargs: Mapping[str, Any] = _NONE) -> None:
+        """Check the stage on ``inputs`` (and the keyword arguments ``kwargs``, constants of the
+        forward) unless this path was checked already (the executor's F)."""
+        if self.signature(inputs, kwargs) in self.verified:
             return
         for _ in range(_MAX_ROUNDS):
-            signature = self.signature(inputs)
+            signature = self.signature(inputs, kwargs)
             if signature in self.verified:
                 return
-            if self._check(inputs):
+            if self._check(inputs, kwargs) if kwargs else self._check(inputs):
                 self.verified.add(signature)
                 self._versions.add(signature[0])
-        if self.signature(inputs) in self.verified:
+        if self.signature(inputs, kwargs) in self.verified:
             return
         # still moving or still disagreeing after every round: plain autograd is exact by definition
         if self.strict:
@@ -115,7 +119,7 @@ class SplitGuard:
             )
         for module in self.deferral.modules:
             self._fall_back(module, f"no agreement with plain autograd within {_MAX_ROUNDS} checks")
-        signature = self.signature(inputs)
+        signature = self.signature(inputs, kwargs)
         self.verified.add(signature)
         self._versions.add(signature[0])
 
@@ -139,7 +143,7 @@ class SplitGuard:
 
     # -- one check -----------------------------------------------------------------------------------
 
-    def _check(self, inputs: Sequence[Any]) -> bool:
+    def _check(self, inputs: Sequence[Any], kwargs: Mapping[str, Any] = _NONE) -> bool:
         """One comparison; on a mismatch a round of fall-backs (or an error).  True if it agreed."""
         self._checks += 1
         params = [p for p in self.store.tracked() if p.requires_grad]
@@ -152,14 +156,14 @@ class SplitGuard:
             # masks), and the real forward still finds it so afterwards
             with torch.random.fork_rng(devices=devices):
                 start = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
-                expected = self._plain(inputs, params, seed)
+                expected = self._plain(inputs, params, seed, kwargs)
                 runs: list[tuple[bool, _Outcome | Exception]] = []
                 for defer in (True, False):
                     if (self.deferred and defer) or (self.fused and not defer):
                         _restore(buffers)
                         _set_rng(start, devices)
                         try:
-                            runs.append((defer, self._split(inputs, params, seed, defer)))
+                            runs.append((defer, self._split(inputs, params, seed, defer, kwargs)))
                         except Exception as error:  # the split failed where plain autograd ran
                             runs.append((defer, error))
         finally:
@@ -176,13 +180,15 @@ class SplitGuard:
                 return False
         return True
 
-    def _plain(self, inputs: Sequence[Any], params: list[torch.Tensor], seed: int) -> _Outcome:
+    def _plain(
+        self, inputs: Sequence[Any], params: list[torch.Tensor], seed: int, kwargs: Mapping[str, Any] = _NONE
+    ) -> _Outcome:
         """The stage with every module's own forward: outputs and gradients of one backward."""
         # the modules' own forwards until the backward is done: checkpointing recomputes in it
         forwards = [(m, m.__dict__.pop("forward")) for m in self.deferral.modules if "forward" in m.__dict__]
         try:
             local = _copies(inputs)
-            outputs = _differentiable(self.module(*local))
+            outputs = _differentiable(self.module(*local, **kwargs))
             wanted = [*params, *_needing_grad(local)]
             grads: list[torch.Tensor | None] = [None] * len(wanted)
             if outputs:
@@ -193,13 +199,20 @@ class SplitGuard:
                 module.forward = forward
         return _Outcome([o.detach() for o in outputs], list(grads[: len(params)]), list(grads[len(params) :]))
 
-    def _split(self, inputs: Sequence[Any], params: list[torch.Tensor], seed: int, defer: bool) -> _Outcome:
+    def _split(
+        self,
+        inputs: Sequence[Any],
+        params: list[torch.Tensor],
+        seed: int,
+        defer: bool,
+        kwargs: Mapping[str, Any] = _NONE,
+    ) -> _Outcome:
         """The same through the split: its forward, then B and W (``defer``) or a fused BW."""
         key = (self.stage, -self._checks)  # no real microbatch has a negative index
         local = _copies(inputs)
         try:
             with self.store.keyed_forward(key):
-                outputs = _differentiable(self.module(*local))
+                outputs = _differentiable(self.module(*local, **kwargs))
             if outputs:
                 self.store.begin(key, defer)
                 try:
@@ -280,6 +293,10 @@ class _Outcome:
     outputs: list[torch.Tensor]
     grads: list[torch.Tensor | None]
     input_grads: list[torch.Tensor | None]
+
+
+def _path_key(x: Any) -> Any:
+    return (x.shape, x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x)
 
 
 def _copies(inputs: Sequence[Any]) -> list[Any]:
