@@ -51,20 +51,22 @@ class Block(nn.Module):
 
 
 class TiedHead(nn.Module):
-    def __init__(self, embed: Embed):
+    def __init__(self, embed: Embed, tied: bool = True):
         super().__init__()
         self.norm = nn.LayerNorm(WIDTH)
-        self.weight = embed.embed.weight
+        weight = embed.embed.weight
+        self.weight = weight if tied else nn.Parameter(weight.detach().clone())
 
     def forward(self, hidden):
         return F.linear(self.norm(hidden), self.weight)
 
 
-def layers(seed: int) -> list[nn.Module]:
-    """Eight float64 layers: an embedding, six blocks and a head tied to the embedding."""
+def layers(seed: int, tied: bool = True) -> list[nn.Module]:
+    """Eight float64 layers: an embedding, six blocks and a head tied to the embedding (or holding a
+    copy of its weight: FSDP refuses a parameter tied across chunks)."""
     torch.manual_seed(seed)
     embed = Embed()
-    return [module.double() for module in (embed, *(Block() for _ in range(6)), TiedHead(embed))]
+    return [module.double() for module in (embed, *(Block() for _ in range(6)), TiedHead(embed, tied))]
 
 
 def token_loss(logits, targets):
@@ -93,13 +95,15 @@ def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) ->
     return loss.item()
 
 
-def reference() -> tuple[list[float], dict[str, torch.Tensor], nn.Module, torch.optim.Optimizer]:
+def reference(
+    tied: bool = True,
+) -> tuple[list[float], dict[str, torch.Tensor], nn.Module, torch.optim.Optimizer]:
     """The uninterrupted run: losses of steps 0..SAVED_AT, the state dict after them, and the model
     and optimizer as they were at the checkpoint (after SAVED_AT steps)."""
-    model = nn.Sequential(*layers(0))
+    model = nn.Sequential(*layers(0, tied))
     optimizer = adamw(model.parameters())
     losses = [plain_step(model, optimizer, step) for step in range(SAVED_AT)]
-    saved = nn.Sequential(*layers(0))
+    saved = nn.Sequential(*layers(0, tied))
     saved_optimizer = adamw(saved.parameters())
     saved.load_state_dict(model.state_dict())
     saved_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # torch's load shares tensors
@@ -125,7 +129,9 @@ def distance(state: dict, expected: dict) -> float:
     return max(float((state[k].double() - expected[k].double()).abs().max()) for k in expected)
 
 
-def resumed(pipe, directory: str, flatten: bool, expected_loss: float, expected: dict, group=None) -> dict:
+def resumed(
+    pipe, directory: str, flatten: bool, expected_loss: float, expected: dict, group=None, tied: bool = True
+) -> dict:
     """Load ``directory`` into ``pipe`` in place (DCP), take step SAVED_AT, compare with the reference."""
     optimizer = adamw(pipe.parameters())
     state = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(optimizer, flatten=flatten)}
@@ -138,7 +144,7 @@ def resumed(pipe, directory: str, flatten: bool, expected_loss: float, expected:
         "loss": None if loss is None else abs(loss - expected_loss),
         "params": distance(full, expected),
         "strict": (list(loaded.missing_keys), list(loaded.unexpected_keys), missing),
-        "tied": bool(torch.equal(full[TIED[0]], full[TIED[1]])),
+        "tied": bool(torch.equal(full[TIED[0]], full[TIED[1]])) or not tied,
     }
 
 
@@ -210,6 +216,41 @@ def cases(root: str) -> dict:
     # and a Pipeline (zb-v on 4 ranks: one layer per chunk) loads the unpipelined model's checkpoint
     pipe = Pipeline(layers(4), schedule="zb-v", microbatches=4, loss_fn=token_loss, timeout=60)
     out["zb-v p4 from unpipelined"] = resumed(pipe, saved_plain, True, losses[SAVED_AT], expected)
+    del pipe
+    out.update(_sharded_cases(root, rank))
+    return out
+
+
+def _sharded_cases(root: str, rank: int) -> dict:
+    """An untied model under FSDP on a (dp 2, pp 2) mesh: saved (DTensor shards) and loaded into 1f1b
+    on 4 ranks; a checkpoint of the unpipelined model loaded into FSDP shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerobubble import Pipeline
+
+    saved, saved_plain = str(Path(root) / "fsdp"), str(Path(root) / "fsdp-plain")
+    losses, expected, plain_model, plain_optimizer = reference(tied=False)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    options = {"loss_fn": token_loss, "timeout": 60, "mesh": mesh, "data_parallel": "fsdp"}
+    pipe = Pipeline(layers(0, tied=False), schedule="zb-h1", microbatches=2, **options)
+    optimizer = adamw(pipe.parameters())
+    for step in range(SAVED_AT):
+        pipeline_step(pipe, optimizer, step)
+    state = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(optimizer, flatten=True)}
+    out = {"sharded": all(hasattr(v, "placements") for v in state["optim"].values() if getattr(v, "ndim", 0))}
+    dcp.save(state, checkpoint_id=saved)
+    if rank == 0:
+        model_state, optim_state = get_state_dict(plain_model, plain_optimizer, options=FLAT)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=saved_plain, no_dist=True)
+    del pipe, optimizer, state
+    dist.barrier()
+    pipe = Pipeline(layers(5, tied=False), schedule="1f1b", microbatches=4, loss_fn=token_loss, timeout=60)
+    out["1f1b p4 from fsdp"] = resumed(pipe, saved, True, losses[SAVED_AT], expected, tied=False)
+    del pipe
+    pipe = Pipeline(layers(6, tied=False), schedule="1f1b", microbatches=2, **options)
+    out["fsdp 1f1b from unpipelined"] = resumed(
+        pipe, saved_plain, True, losses[SAVED_AT], expected, tied=False
+    )
     return out
 
 

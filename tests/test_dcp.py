@@ -1,8 +1,11 @@
-"""Checkpoints with torch.distributed.checkpoint across layouts (issue 28, item 3): saved from zb-v on
-pp 2 × dp 2, loaded into 1f1b on 4 ranks, into two 2-rank pipelines of other schedules and partitions
-and into the unpipelined model (torch's own get_state_dict / set_state_dict), and a checkpoint of the
-unpipelined model loaded into zb-v on 4 ranks; each continues exactly as the uninterrupted float64
-run.  The multi-rank cases share one spawn of four gloo ranks."""
+"""Checkpoints with torch.distributed.checkpoint across layouts (issue 28, item 3).
+
+Saved from zb-v on pp 2 × dp 2 and loaded into 1f1b on 4 ranks, into two 2-rank pipelines of other
+schedules and partitions and into the unpipelined model (torch's own get_state_dict /
+set_state_dict); a checkpoint of the unpipelined model loaded into zb-v on 4 ranks; FSDP shards on a
+(dp 2, pp 2) mesh saved and loaded into 1f1b on 4 ranks, and the unpipelined model's checkpoint
+loaded into FSDP shards.  Each continues exactly as the uninterrupted float64 run.  The multi-rank
+cases share one spawn of four gloo ranks."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ RESUMED = [
     "1f1b p2 [3] from nested",
     "interleaved-1f1b p2 [1, 2, 6] from nested",
     "zb-v p4 from unpipelined",
+    "1f1b p4 from fsdp",
+    "fsdp 1f1b from unpipelined",
 ]
 
 
@@ -49,6 +54,11 @@ def test_another_layout_continues_as_the_uninterrupted_run(name, results):
         assert result["tied"], "both names of the tied parameter hold one value"
     losses = [r["loss"] for r in mine if r["loss"] is not None]
     assert losses and max(losses) <= 1e-6, mine
+
+
+@pytest.mark.multiprocess
+def test_fsdp_saves_its_optimizer_state_as_dtensor_shards(results):
+    assert all(r["sharded"] for r in results)
 
 
 @pytest.mark.multiprocess
