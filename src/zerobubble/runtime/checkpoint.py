@@ -14,6 +14,12 @@ own keys, ignores those of layers other ranks hold and reports keys the model do
 Every copy of a tied parameter is set from one value (the first of its names the dict holds), so the
 copies on different ranks stay equal; a dict whose names of one tied parameter hold different values
 is refused.
+
+The optimizer's state is keyed by parameter name the same way (:func:`optimizer_state_by_name`,
+:func:`load_optimizer_state_by_name`: torch's ``get_optimizer_state_dict`` layout, nested or flat), so
+that the ranks' dicts saved with ``torch.distributed.checkpoint`` load into any other layout or into
+the unpipelined model; :func:`create_optimizer_state` gives parameters without state the state their
+first step starts from, for ``dcp.load`` to fill in place.
 """
 
 from __future__ import annotations
