@@ -149,3 +149,28 @@ def test_print_summary_leaves_the_process_group_to_whoever_created_it(tmp_path, 
     finally:
         dist.destroy_process_group()
     assert "1f1b" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path):
+    """``train --steps 4 --save d`` then ``--resume d --steps 2`` gives the losses of ``--steps 6``
+    (resuming into other layouts: tests/test_dcp.py)."""
+    from zerobubble.cli import build_parser
+
+    def config(*flags: str) -> TrainConfig:
+        base = (
+            "--ranks 2 --microbatches 2 --batch-size 8 --seq-len 8 --vocab 16 --dim 16 --heads 2 --layers 2"
+        )
+        args = vars(build_parser().parse_args(["train", *base.split(), "--no-progress", *flags]))
+        given = {key: value for key, value in args.items() if value is not None}
+        return TrainConfig(**{key: given[key] for key in TrainConfig.__dataclass_fields__ if key in given})
+
+    saved = str(tmp_path / "ckpt")
+    whole = run_training(config("--steps", "6"))
+    first = run_training(config("--steps", "4", "--save", saved))
+    second = run_training(config("--steps", "2", "--resume", saved))
+    assert first.losses == pytest.approx(whole.losses[:4], rel=1e-6)
+    assert second.first_step == 4 and "resumed after step 4" in second.lines()[0]
+    assert second.losses == pytest.approx(whole.losses[4:], rel=1e-6)
+    with pytest.raises(ConfigError, match="not a checkpoint directory"):
+        run_training(config("--steps", "2", "--resume", str(tmp_path / "nothing")))

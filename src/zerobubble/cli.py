@@ -258,6 +258,8 @@ _TRAIN_OPTIONS = (
     ("--mesh", str, "a DeviceMesh as name=size in order, e.g. pp=2,dp=2 (dimensions pp and dp)"),
     ("--memory-limit", str, "per-rank byte budget for --schedule auto, e.g. 24GiB or 80%% (GPU)"),
     ("--partition", str, "even (default): layers split evenly by count; profile: where a profile says"),
+    ("--save", str, "write the model, optimizer state and step count to this directory at the end (DCP)"),
+    ("--resume", str, "continue from a directory written by --save (any layout, the same model size)"),
 )
 
 

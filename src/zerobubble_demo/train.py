@@ -70,6 +70,8 @@ class TrainConfig:
     trace: str | None = None
     memory_limit: str | None = None
     partition: str = "even"
+    save: str | None = None
+    resume: str | None = None
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -146,6 +148,7 @@ class TrainSummary:
     steps_skipped: int = 0
     steps_rolled_back: int = 0
     trace_lines: tuple[str, ...] = ()
+    first_step: int = 0  # steps the run resumed from (--resume) had taken before it
 
     def lines(self) -> list[str]:
         """A short human-readable report."""
@@ -154,7 +157,7 @@ class TrainSummary:
             layout = f" (mesh {self.mesh})"
         return [
             f"schedule {self.schedule} on {self.ranks} ranks{layout}, {self.microbatches} microbatches, "
-            f"{self.steps} steps",
+            f"{self.steps} steps" + (f" (resumed after step {self.first_step})" if self.first_step else ""),
             f"loss {self.first_loss:.3f} -> {self.last_loss:.3f} (floor {self.entropy_floor:.3f})",
             f"{self.step_time * 1e3:.1f} ms/step, {self.tokens_per_second:,.0f} tokens/s",
             f"predicted bubble rate {self.predicted_bubble:.1%}",
@@ -202,6 +205,11 @@ def check_config(config: TrainConfig) -> Schedule | None:
             f"{config.microbatches} microbatches; use a multiple of {split}"
         )
     model = config.model  # validates the model size
+    if config.resume is not None and not os.path.isfile(os.path.join(config.resume, ".metadata")):
+        raise ConfigError(
+            f"resume {config.resume!r} is not a checkpoint directory (no .metadata in it); write one with "
+            "--save DIR"
+        )
     if config.partition not in ("even", "profile"):
         raise ConfigError(f"partition must be even or profile, got {config.partition!r}")
     if config.schedule == "auto":
@@ -291,6 +299,12 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
+    if config.resume is not None:
+        start = _load_checkpoint(pipe, optimizer, config.resume)
+        for _ in range(start):  # the batches the saved run drew: the corpus continues where it stopped
+            corpus.batch(config.batch_size)
+    else:
+        start = 0
     shard = slice(pipe.layout.dp_index * shard_size, (pipe.layout.dp_index + 1) * shard_size)
     reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0
     losses, times = [], []
@@ -306,6 +320,8 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
                 losses.append(float(loss))
                 advance(losses[-1], config.batch_size * config.seq_len / times[-1])
     pipe.synchronize()
+    if config.save is not None:
+        _save_checkpoint(pipe, optimizer, config.save, start + config.steps)
     report = pipe.write_trace(config.trace) if config.trace is not None else None
     losses = _share_losses(losses if reports_loss else None, config.steps, pipe.device)
     clipped, skipped, rolled_back = _most_over_ranks(pipe, pipe.device)
@@ -328,7 +344,35 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         steps_skipped=skipped,
         steps_rolled_back=rolled_back,
         trace_lines=(*_plan_lines(pipe), *(report.lines() if report is not None else ())),
+        first_step=start,
     )
+
+
+def _checkpoint(pipe, optimizer: torch.optim.Optimizer, steps: int) -> dict[str, Any]:
+    """What ``--save`` writes: this rank's model entries, its AdamW state by parameter name (the flat
+    form, which loads into any layout) and the steps taken."""
+    return {
+        "model": pipe.state_dict(),
+        "optim": pipe.optimizer_state_dict(optimizer, flatten=True),
+        "progress": {"steps": steps},
+    }
+
+
+def _save_checkpoint(pipe, optimizer: torch.optim.Optimizer, directory: str, steps: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_checkpoint(pipe, optimizer, steps), checkpoint_id=directory)  # collective: every rank
+
+
+def _load_checkpoint(pipe, optimizer: torch.optim.Optimizer, directory: str) -> int:
+    """Load ``--resume``'s checkpoint in place (collective); the number of steps it had taken."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _checkpoint(pipe, optimizer, 0)
+    dcp.load(state, checkpoint_id=directory)
+    pipe.load_state_dict(state["model"])
+    pipe.load_optimizer_state_dict(optimizer, state["optim"])
+    return int(state["progress"]["steps"])
 
 
 def _parallelism(config: TrainConfig, backend: str) -> dict[str, Any]:

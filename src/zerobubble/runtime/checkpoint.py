@@ -14,6 +14,12 @@ own keys, ignores those of layers other ranks hold and reports keys the model do
 Every copy of a tied parameter is set from one value (the first of its names the dict holds), so the
 copies on different ranks stay equal; a dict whose names of one tied parameter hold different values
 is refused.
+
+The optimizer's state is keyed by parameter name the same way (:func:`optimizer_state_by_name`,
+:func:`load_optimizer_state_by_name`: torch's ``get_optimizer_state_dict`` layout, nested or flat), so
+that the ranks' dicts saved with ``torch.distributed.checkpoint`` load into any other layout or into
+the unpipelined model; :func:`create_optimizer_state` gives parameters without state the state their
+first step starts from, for ``dcp.load`` to fill in place.
 """
 
 from __future__ import annotations
@@ -120,3 +126,167 @@ def _same(first: Any, second: Any) -> bool:
     if first.shape != second.shape or first.dtype != second.dtype:
         return False
     return torch.equal(first.detach().cpu(), second.detach().cpu())
+
+
+# -- optimizer state by parameter name (torch.distributed.checkpoint) -------------------------------
+
+_STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
+
+
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of ``optimizer`` that has no state yet the state its first step would
+    start from, so that a checkpoint can be loaded into it in place (``dcp.load``).
+
+    ``torch.optim.SGD`` with momentum gets a zero ``momentum_buffer``; ``Adam`` and ``AdamW`` get
+    ``step`` 0 and zero ``exp_avg`` / ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), laid out
+    as their own ``_init_group`` lays them out.  For Adam, AdamW and SGD without dampening the next
+    step is then the same as from no state at all (SGD with ``dampening > 0`` would start its buffer
+    from the gradient instead).  SGD without momentum keeps no state.  Another optimizer whose
+    parameters lack state raises: take one step first (optimizers such as Adagrad create their state
+    at construction and need nothing).
+    """
+    from torch.optim.optimizer import _get_scalar_dtype  # the dtype Adam's own step counter has
+
+    for group in optimizer.param_groups:
+        for param in group[_PARAMS]:
+            if optimizer.state.get(param):
+                continue
+            if isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+                on_device = bool(group.get("fused")) or bool(group.get("capturable"))
+                scalar = _get_scalar_dtype(is_fused=group.get("fused"))
+                state = {
+                    "step": torch.zeros((), dtype=scalar, device=param.device if on_device else "cpu"),
+                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                }
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                optimizer.state[param] = state
+            elif isinstance(optimizer, torch.optim.SGD):
+                if float(group["momentum"]) != 0.0:
+                    optimizer.state[param] = {"momentum_buffer": torch.zeros_like(param).detach()}
+            else:
+                raise PipelineError(
+                    f"{type(optimizer).__name__} has no state for some parameters yet and the Pipeline "
+                    "creates it only for SGD, Adam and AdamW: take one optimizer step before "
+                    "optimizer_state_dict(), or load into an optimizer that has state"
+                )
+
+
+def optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], flatten: bool = False
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter names (``names[id(param)]``) in place of indices.
+
+    Nested, as ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` returns it:
+    ``{"state": {name: {"exp_avg": ..., "step": ...}}, "param_groups": [{..., "params": [names]}]}``;
+    with ``flatten`` as with its ``flatten_optimizer_state_dict=True``: ``"state.NAME.KEY"`` and
+    ``"param_groups.NAME.KEY"`` (each group's hyper-parameters under each of its parameters' names).
+    The tensors are the optimizer's own (a checkpoint loads into them in place).
+    """
+    raw = optimizer.state_dict()
+    params = [param for group in optimizer.param_groups for param in group[_PARAMS]]
+    unknown = [index for index, param in enumerate(params) if id(param) not in names]
+    if unknown:
+        raise PipelineError(
+            f"the optimizer holds {len(unknown)} parameters that are not this Pipeline's: pass an "
+            "optimizer over pipe.parameters()"
+        )
+    name_of = [names[id(param)] for param in params]
+    state = {name_of[index]: dict(value) for index, value in raw[_STATE].items()}
+    groups = [{**group, _PARAMS: [name_of[index] for index in group[_PARAMS]]} for group in raw[_GROUPS]]
+    if not flatten:
+        return {_STATE: state, _GROUPS: groups}
+    flat: dict[str, Any] = {}
+    for name, values in state.items():
+        flat.update({f"{_STATE}.{name}.{key}": value for key, value in values.items()})
+    for group in groups:
+        for name in group[_PARAMS]:
+            flat.update({f"{_GROUPS}.{name}.{key}": value for key, value in group.items() if key != _PARAMS})
+    return flat
+
+
+def load_optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    names: Mapping[int, str],
+    aliases: Mapping[str, Sequence[str]],
+    strict: bool = True,
+) -> list[str]:
+    """Load a state dict of :func:`optimizer_state_by_name` (nested or flat, of any layout's ranks, or
+    of the unpipelined model from torch's ``get_optimizer_state_dict``) into ``optimizer``.
+
+    Each parameter's state is looked up under its name (or, for a tied parameter, any name of it in
+    ``aliases``); each param group's hyper-parameters come from the loaded group holding one of its
+    parameters' names, or else the loaded group of the same position (a nested dict read back by
+    ``dcp.load`` holds one rank's groups).  Returns the names whose state the dict lacks; with
+    ``strict`` these raise before anything is loaded.
+    """
+    if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
+        create_optimizer_state(optimizer)  # then a parameter with state must find its own
+    nested = _STATE in state_dict
+    loaded_state: Mapping[str, Any] = state_dict[_STATE] if nested else _unflatten_state(state_dict)
+    loaded_groups = list(state_dict.get(_GROUPS, [])) if nested else []
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    missing: list[str] = []
+    index = 0
+    for position, group in enumerate(optimizer.param_groups):
+        mine = [names[id(param)] for param in group[_PARAMS]]
+        hyper = _group_values(group, mine, loaded_groups, position, state_dict, nested)
+        groups.append({**hyper, _PARAMS: list(range(index, index + len(mine)))})
+        for name, param in zip(mine, group[_PARAMS]):
+            found = next((n for n in (name, *aliases.get(name, ())) if n in loaded_state), None)
+            if found is not None:
+                state[index] = dict(loaded_state[found])
+            elif optimizer.state.get(param):  # state it has (or would be created with)
+                missing.append(name)
+            index += 1
+    if strict and missing:
+        raise PipelineError(
+            f"the optimizer state dict has no state for {_listing(missing)}; nothing was loaded — pass a "
+            "dict of optimizer_state_dict() (or of torch's get_optimizer_state_dict on the unpipelined "
+            "model) that covers this rank's parameters, or strict=False"
+        )
+    optimizer.load_state_dict({_STATE: state, _GROUPS: groups})
+    return missing
+
+
+def _unflatten_state(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``"state"`` part of a flat dict: ``{name: {key: value}}`` (a key is the last dotted part)."""
+    state: dict[str, dict[str, Any]] = {}
+    prefix = f"{_STATE}."
+    for key, value in flat.items():
+        if key.startswith(prefix):
+            name, _, leaf = key[len(prefix) :].rpartition(".")
+            state.setdefault(name, {})[leaf] = value
+    return state
+
+
+def _group_values(
+    group: Mapping[str, Any],
+    mine: Sequence[str],
+    loaded_groups: Sequence[Mapping[str, Any]],
+    position: int,
+    flat: Mapping[str, Any],
+    nested: bool,
+) -> dict[str, Any]:
+    """This param group's hyper-parameters as the loaded dict holds them (its own where it has none)."""
+    own = {key: value for key, value in group.items() if key != _PARAMS}
+    if not nested:
+        values = dict(own)
+        for key in own:
+            found = [flat[f"{_GROUPS}.{name}.{key}"] for name in mine if f"{_GROUPS}.{name}.{key}" in flat]
+            if found and any(not _same(found[0], other) for other in found[1:]):
+                raise PipelineError(
+                    f"the optimizer state dict holds different {key!r} for parameters of one param group"
+                )
+            if found:
+                values[key] = found[0]
+        return values
+    match = next((g for g in loaded_groups if set(mine) & set(g.get(_PARAMS, ()))), None)
+    if match is None and position < len(loaded_groups):
+        match = loaded_groups[position]
+    if match is None:
+        return own
+    return {**own, **{key: value for key, value in match.items() if key != _PARAMS}}

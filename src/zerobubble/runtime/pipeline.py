@@ -690,6 +690,74 @@ class Pipeline:
         self.module.load_state_dict(_sharded_like(entries, local), strict=False)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer | None, flatten: bool = False) -> dict:
+        """``optimizer``'s state keyed by this rank's parameter names, as torch's
+        ``get_optimizer_state_dict`` keys the unpipelined model's (``docs/guide.md``, Checkpoints).
+
+        ``{"state": {"3.fc.weight": {"exp_avg": ..., "step": ...}}, "param_groups": [{"lr": ...,
+        "params": ["3.fc.weight", ...]}]}``; ``flatten=True`` gives the flat form of torch's
+        ``StateDictOptions(flatten_optimizer_state_dict=True)`` (``"state.3.fc.weight.exp_avg"``,
+        ``"param_groups.3.fc.weight.lr"``), which is the one to save with
+        ``torch.distributed.checkpoint`` when the layout may change (every key then names one
+        parameter; the nested ``param_groups`` list differs between ranks and DCP keeps one rank's).
+        A parameter tied across ranks is named by its first name on every holder (its copies' states
+        are equal, so DCP writes it once).  A pending optimizer step is settled first (collective,
+        like :meth:`synchronize`); parameters without state get the state their first step starts
+        from (SGD, Adam, AdamW: :func:`~.checkpoint.create_optimizer_state`), so ``dcp.load`` can
+        fill it in place.  The tensors are the optimizer's own.
+        """
+        from .checkpoint import create_optimizer_state, optimizer_state_by_name
+
+        self.synchronize()
+        optimizer = self._named_optimizer(optimizer, "optimizer_state_dict")
+        if optimizer is None:  # a rank without parameters
+            return {} if flatten else {"state": {}, "param_groups": []}
+        create_optimizer_state(optimizer)
+        return optimizer_state_by_name(optimizer, self._parameter_names(), flatten)
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer | None, state_dict: Mapping[str, Any], strict: bool = True
+    ) -> list[str]:
+        """Load an optimizer state dict keyed by parameter names into ``optimizer`` (this rank's).
+
+        ``state_dict`` is a dict of :meth:`optimizer_state_dict` (nested or flat) of any layout —
+        another schedule, partition or number of ranks, read back with ``dcp.load`` — or torch's
+        ``get_optimizer_state_dict`` of the unpipelined model: each rank takes the states of its own
+        parameters.  With ``strict`` a parameter whose state is missing raises before anything is
+        loaded; returns the names of those missing.  A pending optimizer step is settled first
+        (collective, like :meth:`synchronize`).
+        """
+        from .checkpoint import load_optimizer_state_by_name
+
+        self.synchronize()
+        optimizer = self._named_optimizer(optimizer, "load_optimizer_state_dict")
+        if optimizer is None:
+            return []
+        aliases = {tie[0]: tie[1:] for tie in self._ties}
+        return load_optimizer_state_by_name(optimizer, state_dict, self._parameter_names(), aliases, strict)
+
+    def _named_optimizer(
+        self, optimizer: torch.optim.Optimizer | None, call: str
+    ) -> torch.optim.Optimizer | None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            raise PipelineError(
+                f"{call}() keys a local optimizer's state by parameter name; a ZeroRedundancyOptimizer's is "
+                "sharded over the replicas: use its consolidate_state_dict() after pipe.synchronize()"
+            )
+        if optimizer is None and any(True for _ in self.parameters()):
+            raise PipelineError(f"rank {self.rank} holds parameters: pass an optimizer over them")
+        return optimizer
+
+    def _parameter_names(self) -> dict[int, str]:
+        """Each of this rank's parameters by id: its name, a tied one's first name (on every holder)."""
+        first = {name: tie[0] for tie in self._ties for name in tie}
+        names: dict[int, str] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), first.get(name, name))
+        return names
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of this rank's parameters."""
         self.module.zero_grad(set_to_none=set_to_none)
