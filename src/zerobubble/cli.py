@@ -281,6 +281,11 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace", metavar="DIR", help="record the steps and write the measured timeline to DIR"
     )
     parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="torch.profiler traces of a few steps after warm-up: DIR/rank<r>.pt.trace.json per rank",
+    )
+    parser.add_argument(
         "--no-post-validation",
         dest="post_validation",
         action="store_false",
