@@ -381,10 +381,11 @@ def _profiler(config: TrainConfig, rank: int, backend: str) -> Any:
 
     wait, warmup, active = profile_window(config.steps)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend == "nccl" else [])
-    path = profile_path(config.profile, rank)
+    directory = config.profile
+    path = profile_path(directory, rank)
 
     def write(prof) -> None:
-        os.makedirs(config.profile, exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
         prof.export_chrome_trace(path)
 
     return profile(
