@@ -3,11 +3,15 @@
     python benchmarks/executor_loop.py                       # this tree
     python benchmarks/executor_loop.py --against OLD/src     # side by side with another source tree
 
-Three loops over the same 4·m-op program (m = 64), with the optimizer-settle hook in place:
+Four loops over the same 4·m-op program (m = 64), with the optimizer-settle hook in place:
 ``no-op`` (handlers that do nothing: the loop itself), ``compute`` (the real handlers on a
-4-wide Linear per chunk, local hand-overs keyed by message) and ``recorded`` (the real handlers
-with a recorder timing every op).  Prints the median microseconds per op of ``--repeats`` runs;
-with ``--against`` the trees alternate, run by run, in fresh processes, and the ratio is printed.
+4-wide Linear per chunk, local hand-overs keyed by message), ``recorded`` (the real handlers
+with a recorder timing every op) and ``profiled`` (the real handlers while ``torch.profiler``
+records CPU events: the ``zerobubble/`` ranges, where the tree has them, and torch's own events).
+Prints the median microseconds per op of ``--repeats`` runs.  With ``--against`` the trees
+alternate, run by run, in fresh processes; the ratio of the medians is printed, then the median
+and range of the per-round ratios (each round's two runs are neighbours in time: on a loaded
+machine that range is the noise).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ MICROBATCHES = 64
 
 def measure(repeats: int) -> dict[str, float]:
     """Median µs per op of each loop in this process's zerobubble."""
+    import contextlib
+
     import torch
     from torch import nn
 
@@ -87,10 +93,15 @@ def measure(repeats: int) -> dict[str, float]:
 
     idle = [(entry[0], noop, entry[2], entry[3]) for entry in compiled]
     results = {}
-    for name, program_entries, recorder in (
-        ("no-op", idle, None),
-        ("compute", compiled, None),
-        ("recorded", compiled, Recorder()),
+
+    def profiler():
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    for name, program_entries, recorder, context in (
+        ("no-op", idle, None, contextlib.nullcontext),
+        ("compute", compiled, None, contextlib.nullcontext),
+        ("recorded", compiled, Recorder(), contextlib.nullcontext),
+        ("profiled", compiled, None, profiler),
     ):
         executor.program = program_entries
         executor.recorder = recorder
@@ -100,12 +111,13 @@ def measure(repeats: int) -> dict[str, float]:
         executor.run_step(inputs, targets)  # warm-up: allocations, autograd's first graph
         times = []
         for _ in range(repeats):
-            started = time.perf_counter()
-            for _ in range(loops):
-                executor.run_step(inputs, targets)
-                for state in stages.values():
-                    state.module.zero_grad(set_to_none=True)
-            times.append((time.perf_counter() - started) / loops / len(program) * 1e6)
+            with context():  # the profiler's start and its processing at the end are not timed
+                started = time.perf_counter()
+                for _ in range(loops):
+                    executor.run_step(inputs, targets)
+                    for state in stages.values():
+                        state.module.zero_grad(set_to_none=True)
+                times.append((time.perf_counter() - started) / loops / len(program) * 1e6)
         results[name] = statistics.median(times)
     return results
 
@@ -132,8 +144,8 @@ def main() -> None:
             env = {**os.environ, "PYTHONPATH": path}
             command = [sys.executable, __file__, "--child", "--repeats", str(args.repeats)]
             output = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
-            runs[tree].append(json.loads(output))
-    loops = ["no-op", "compute", "recorded"]
+            runs[tree].append(json.loads(output.strip().splitlines()[-1]))
+    loops = ["no-op", "compute", "recorded", "profiled"]
     print("| tree | " + " | ".join(f"{loop} (µs/op)" for loop in loops) + " |")
     print("|---|" + "---|" * len(loops))
     medians = {
@@ -145,6 +157,19 @@ def main() -> None:
     if args.against:
         ratios = [medians["this tree"][loop] / medians["against"][loop] for loop in loops]
         print("| ratio | " + " | ".join(f"{ratio:.3f}" for ratio in ratios) + " |")
+        # each round's two runs are neighbours in time: their ratio's spread over the rounds is the noise
+        paired = {
+            loop: sorted(a[loop] / b[loop] for a, b in zip(runs["this tree"], runs["against"]))
+            for loop in loops
+        }
+        print(
+            "| paired ratio (median, min–max) | "
+            + " | ".join(
+                f"{statistics.median(values):.3f} ({values[0]:.2f}–{values[-1]:.2f})"
+                for values in paired.values()
+            )
+            + " |"
+        )
 
 
 if __name__ == "__main__":

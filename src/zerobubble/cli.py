@@ -155,16 +155,39 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .schedule.export import export
+    from .schedule.export import describe_torch_placement, export, torch_placement_json
 
+    if args.placement and args.format != "torch-csv":
+        raise UsageError("--placement goes with --format torch-csv (the placement its CSV needs)")
     schedule, timeline, _ = _simulation_report(args)
     text = export(timeline if args.format == "chrome-trace" else schedule, args.format)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        _write(args.output, text)
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    if args.format != "torch-csv":
+        return 0
+    # the CSV holds no placement: torch's PipelineStage objects must be built to match it
+    placement = args.placement or (_placement_path(args.output) if args.output else None)
+    if placement:
+        _write(placement, torch_placement_json(schedule))
+    where = f"; written to {placement}" if placement else ""
+    print(f"stage placement for this CSV: {describe_torch_placement(schedule)}{where}", file=sys.stderr)
     return 0
+
+
+def _placement_path(output: str) -> str:
+    """``plan.csv`` -> ``plan.placement.json``: where ``export --format torch-csv -o`` puts the placement."""
+    stem = output[: -len(".csv")] if output.endswith(".csv") else output
+    return stem + ".placement.json"
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as error:
+        raise UsageError(f"cannot write {path!r}: {error}") from None
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -281,6 +304,11 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--trace", metavar="DIR", help="record the steps and write the measured timeline to DIR"
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="torch.profiler traces of a few steps after warm-up: DIR/rank<r>.pt.trace.json per rank",
     )
     parser.add_argument(
         "--no-post-validation",
@@ -486,6 +514,12 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
     _add_simulate_arguments(parser)
     parser.add_argument("--format", choices=("json", "torch-csv", "chrome-trace"), default="json")
     parser.add_argument("--output", "-o", help="file to write (default: stdout)")
+    parser.add_argument(
+        "--placement",
+        metavar="FILE",
+        help="torch-csv: write the stage placement the CSV needs (JSON) here (default with -o X.csv: "
+        "X.placement.json; it is always printed on stderr)",
+    )
 
 
 def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:

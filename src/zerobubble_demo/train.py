@@ -44,7 +44,9 @@ class TrainConfig:
     ``batch_size`` is the global batch, split equally over the replicas and then into
     ``microbatches``.  ``max_norm`` clips the global gradient norm (None: no clipping).
     ``partition`` is ``"even"`` (layers split evenly by count) or ``"profile"`` (a named schedule's
-    layers cut where a profile of them says, ``Pipeline(partition="profile")``).
+    layers cut where a profile of them says, ``Pipeline(partition="profile")``).  ``profile`` is a
+    directory for ``torch.profiler`` traces of a few steps after warm-up, one Chrome trace JSON per
+    rank (:func:`profile_window`); None: no profiler.
     """
 
     schedule: str = "zb-v"
@@ -72,6 +74,7 @@ class TrainConfig:
     partition: str = "even"
     save: str | None = None
     resume: str | None = None
+    profile: str | None = None
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -308,7 +311,8 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
     shard = slice(pipe.layout.dp_index * shard_size, (pipe.layout.dp_index + 1) * shard_size)
     reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0
     losses, times = [], []
-    with _progress(config.progress and reports_loss, config.steps) as advance:
+    profiler = _profiler(config, dist.get_rank(), backend)
+    with _progress(config.progress and reports_loss, config.steps) as advance, profiler:
         for _ in range(config.steps):
             inputs, targets = corpus.batch(config.batch_size)  # the same global batch on every rank
             started = time.perf_counter()
@@ -319,6 +323,7 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
             if reports_loss and loss is not None:  # the last stage's rank reports
                 losses.append(float(loss))
                 advance(losses[-1], config.batch_size * config.seq_len / times[-1])
+            profiler.step()
     pipe.synchronize()
     if config.save is not None:
         _save_checkpoint(pipe, optimizer, config.save, start + config.steps)
@@ -343,8 +348,79 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         steps_clipped=clipped,
         steps_skipped=skipped,
         steps_rolled_back=rolled_back,
-        trace_lines=(*_plan_lines(pipe), *(report.lines() if report is not None else ())),
+        trace_lines=(
+            *_plan_lines(pipe),
+            *(report.lines() if report is not None else ()),
+            *_profile_lines(config),
+        ),
         first_step=start,
+    )
+
+
+#: Steps ``zerobubble train --profile`` records after its warm-up (fewer when the run is shorter).
+PROFILE_STEPS = 3
+
+
+def profile_window(steps: int) -> tuple[int, int, int]:
+    """``(wait, warmup, active)`` steps of the profiler schedule for a run of ``steps`` steps.
+
+    The first step is left out (it sends shape headers and builds autograd's first graphs), the next
+    warms the profiler up, then up to :data:`PROFILE_STEPS` are recorded; a shorter run records what
+    it can (a one-step run that one step).
+    """
+    wait = 1 if steps >= 3 else 0
+    warmup = 1 if steps - wait >= 2 else 0
+    return wait, warmup, max(1, min(PROFILE_STEPS, steps - wait - warmup))
+
+
+def profile_path(directory: str, rank: int) -> str:
+    """The Chrome trace ``zerobubble train --profile`` writes for global ``rank``."""
+    return os.path.join(directory, f"rank{rank}.pt.trace.json")
+
+
+class _NoProfiler:
+    def __enter__(self) -> _NoProfiler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+
+def _profiler(config: TrainConfig, rank: int, backend: str) -> Any:
+    """A ``torch.profiler.profile`` over :func:`profile_window`'s steps writing this rank's trace, or
+    a stand-in doing nothing without ``config.profile``."""
+    if config.profile is None:
+        return _NoProfiler()
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    wait, warmup, active = profile_window(config.steps)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend == "nccl" else [])
+    directory = config.profile
+    path = profile_path(directory, rank)
+
+    def write(prof) -> None:
+        os.makedirs(directory, exist_ok=True)
+        prof.export_chrome_trace(path)
+
+    return profile(
+        activities=activities,
+        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=write,
+    )
+
+
+def _profile_lines(config: TrainConfig) -> tuple[str, ...]:
+    if config.profile is None:
+        return ()
+    wait, warmup, active = profile_window(config.steps)
+    first = wait + warmup + 1
+    steps = f"step {first}" if active == 1 else f"steps {first}-{first + active - 1}"
+    return (
+        f"torch profiler traces of {steps}: {os.path.join(config.profile, 'rank*.pt.trace.json')} "
+        "(zerobubble/ ranges: ops, transfers, hooks)",
     )
 
 

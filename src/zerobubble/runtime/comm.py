@@ -22,10 +22,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from ..schedule.channels import GRADIENTS, MessageKey, channel_messages, directed_pairs
 from ..schedule.ir import Schedule
-from . import PipelineError
+from . import PipelineError, ranges
 from .failures import PeerMonitor
 from .groups import local_group
 from .recorder import Recorder
@@ -131,6 +132,7 @@ class Comm:
         self._sends: deque[tuple[list, tuple[torch.Tensor, ...]]] = deque()
         self._headers = True
         self._keep_shapes = True  # False in forward-only steps: evaluation shapes are not cached
+        self._profiling = False  # a torch profiler records this step: transfers get ranges (.ranges)
 
     def _connect(
         self, pairs: list[tuple[int, int]], group
@@ -188,6 +190,7 @@ class Comm:
         """
         self._headers = first or not self.static_shapes or forward_only
         self._keep_shapes = not forward_only
+        self._profiling = ranges.profiling()
         self._queues = {
             src: deque(key for key in keys if not (forward_only and key.direction == GRADIENTS))
             for src, keys in self._incoming.items()
@@ -199,13 +202,20 @@ class Comm:
 
     def finish_step(self) -> None:
         """Wait until every send of the step has left; check every message was received."""
+        if self._profiling:
+            with record_function(ranges.WAIT_SENDS):
+                self._wait_sends()
+        else:
+            self._wait_sends()
+        unread = [key for queue in self._queues.values() for key in queue] + list(self._posted)
+        if unread:
+            raise PipelineError(f"rank {self.rank}: messages {unread[:4]} were never consumed this step")
+
+    def _wait_sends(self) -> None:
         for works, _ in self._sends:
             for work in works:
                 self._wait(work, "a send to finish")
         self._sends.clear()
-        unread = [key for queue in self._queues.values() for key in queue] + list(self._posted)
-        if unread:
-            raise PipelineError(f"rank {self.rank}: messages {unread[:4]} were never consumed this step")
 
     def abort_step(self) -> None:
         """Forget the step's state after a failure (the pipeline is unusable afterwards)."""
@@ -217,6 +227,13 @@ class Comm:
 
     def send(self, key: MessageKey, dst: int, tensors: tuple[torch.Tensor, ...]) -> None:
         """Post the transfer of ``tensors`` (message ``key``) to rank ``dst``; returns at once."""
+        if self._profiling:
+            with record_function(ranges.send_range(key)):
+                self._send(key, dst, tensors)
+        else:
+            self._send(key, dst, tensors)
+
+    def _send(self, key: MessageKey, dst: int, tensors: tuple[torch.Tensor, ...]) -> None:
         group, peer = self._groups[(self.rank, dst)]
         tensors = tuple(t.contiguous() for t in tensors)
         if self._headers:
@@ -254,6 +271,12 @@ class Comm:
 
     def recv(self, key: MessageKey) -> tuple[torch.Tensor, ...]:
         """The tensors of message ``key``, waiting for them if needed (up to the timeout)."""
+        if self._profiling:
+            with record_function(ranges.recv_range(key)):
+                return self._recv(key)
+        return self._recv(key)
+
+    def _recv(self, key: MessageKey) -> tuple[torch.Tensor, ...]:
         src = self._source[key]
         while key not in self._posted:
             if not self._queues[src]:

@@ -8,6 +8,8 @@ recompile and show in traces.  Each handler is a receive, a compute and a send, 
 an emulation (:mod:`.emulate`) can reuse the transfers.  F keeps what B needs, B keeps only what the
 deferred W needs (the stage's :class:`WeightGradStore`), W frees the rest.  Each forward draws from
 its own RNG stream (:func:`forward_seed`); a failure is reported to the peers before it propagates.
+While a torch profiler records, each entry runs in a ``record_function`` range (:mod:`.ranges`);
+otherwise the plain loop runs, with one check of the profiler per step.
 
 The program's structure, the memory each op keeps and the RNG streams: ``docs/runtime.md``.
 """
@@ -20,11 +22,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_map
 
 from ..schedule.channels import ACTIVATIONS, GRADIENTS, MessageKey
 from ..schedule.ir import Kind, Op, Schedule
-from . import PipelineError
+from . import PipelineError, ranges
 from .comm import Comm
 from .failures import PeerFailure
 from .recorder import Recorder
@@ -123,6 +126,7 @@ class Executor:
             Kind.W: self.compute_weight,
         }
         self.program: list[ProgramEntry] = []
+        self._profiled: tuple[list[ProgramEntry], list[ProgramEntry]] | None = None  # (program, ranged)
         self._before: dict[int, list[Hook]] = {}
         self._after: dict[int, list[Hook]] = {}
         self.compile()
@@ -175,11 +179,13 @@ class Executor:
         try:
             self.comm.start_step(first=self._steps == 0)
             recorder = self.recorder
-            if recorder is None:
+            if ranges.profiling():
+                self._run_profiled(recorder)
+            elif recorder is None:
                 for entry in self.program:
                     entry[1](entry[2], entry[3])
             else:
-                self._run_recorded(recorder)
+                self._run_recorded(recorder, self.program)
             entry = None
             self.comm.finish_step()
         except BaseException as error:
@@ -210,9 +216,14 @@ class Executor:
         self._reported, op = False, None
         try:
             self.comm.start_step(first=True, forward_only=True)
+            profiling = ranges.profiling()
             for op, _, state, microbatch in self.program:
                 if isinstance(op, Op) and op.kind is Kind.F:  # hooks are training-only
-                    self._forward(state, microbatch)
+                    if profiling:
+                        with record_function(ranges.op_range(op)):
+                            self._forward(state, microbatch)
+                    else:
+                        self._forward(state, microbatch)
             op = None
             self.comm.finish_step()
         except BaseException as error:
@@ -239,10 +250,10 @@ class Executor:
             where = f"op {op} (stage {op.stage}, microbatch {op.microbatch})" if op is not None else "a step"
         self.comm.monitor.post(f"rank {self.rank} failed in {where}: {type(error).__name__}: {error}")
 
-    def _run_recorded(self, recorder: Recorder) -> None:
+    def _run_recorded(self, recorder: Recorder, program: list[ProgramEntry]) -> None:
         recorder.begin_step()
         clock, record, event = recorder.clock, recorder.op, recorder.event
-        for op, handler, state, microbatch in self.program:
+        for op, handler, state, microbatch in program:
             started = clock()
             try:
                 handler(state, microbatch)
@@ -253,6 +264,32 @@ class Executor:
                 event(op.name, started, clock())  # type: ignore[union-attr]
             else:
                 record(op, started, clock())  # type: ignore[arg-type]
+
+    def _run_profiled(self, recorder: Recorder | None) -> None:
+        """The program with every entry in its profiler range, all in one ``zerobubble/step`` range."""
+        program = self._ranged_program()
+        with record_function(ranges.STEP):
+            if recorder is not None:
+                self._run_recorded(recorder, program)
+                return
+            for op, handler, state, microbatch in program:
+                try:
+                    handler(state, microbatch)
+                except BaseException as error:
+                    self._report(error, op)
+                    raise
+
+    def _ranged_program(self) -> list[ProgramEntry]:
+        """``program`` with each handler wrapped in its range; rebuilt when the program changes."""
+        cached = self._profiled
+        if cached is not None and cached[0] is self.program:
+            return cached[1]
+        ranged: list[ProgramEntry] = []
+        for op, handler, state, microbatch in self.program:
+            name = ranges.hook_range(op.name) if isinstance(op, Hook) else ranges.op_range(op)
+            ranged.append((op, _in_range(name, handler), state, microbatch))
+        self._profiled = (self.program, ranged)
+        return ranged
 
     def _abort(self) -> None:
         self.comm.abort_step()
@@ -420,6 +457,16 @@ class Executor:
         if any(word in str(error) for word in _MISMATCH_WORDS):  # only then is the hand-over suspect
             message += f" — check that the outputs of stage {previous} match what stage {state.index} expects"
         return message
+
+
+def _in_range(name: str, handler: Callable[[Any, int], None]) -> Callable[[Any, int], None]:
+    """``handler`` run inside the profiler range ``name``."""
+
+    def run(state: Any, microbatch: int) -> None:
+        with record_function(name):
+            handler(state, microbatch)
+
+    return run
 
 
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)

@@ -2,7 +2,10 @@
 
 * ``json`` — the schedule's own round-trippable form (:meth:`Schedule.to_json`);
 * ``torch-csv`` — ``torch.distributed.pipelining``'s compute-only action CSV, one row per rank,
-  loadable with ``_PipelineScheduleRuntime._load_csv(path, format="compute_only")``;
+  loadable with ``_PipelineScheduleRuntime._load_csv(path, format="compute_only")``; the CSV
+  holds no placement, so :func:`torch_placement` says which stages each rank must build (the
+  ``PipelineStage`` objects handed to the runtime) and whether that is torchtitan's ``"loop"`` or
+  ``"v"`` style;
 * ``chrome-trace`` — Chrome trace event JSON of a timeline, for Perfetto or ``chrome://tracing``.
 
 :func:`export` dispatches on the format name; the CLI calls it.  Pure Python, no torch import.
@@ -43,6 +46,50 @@ def torch_action(op: Op) -> str:
 def to_torch_csv(schedule: Schedule) -> str:
     """torch's compute-only schedule CSV: row ``r`` lists rank ``r``'s actions in program order."""
     return "".join(",".join(torch_action(op) for op in program) + "\n" for program in schedule.programs)
+
+
+def torch_placement(schedule: Schedule) -> dict[str, Any]:
+    """The stage placement the schedule's torch CSV needs, JSON-ready.
+
+    ``stages[r]`` lists the stage indices rank ``r`` holds (one ``PipelineStage(module, index,
+    num_stages, ...)`` each, in that order); ``style`` is ``"loop"`` when stage ``s`` sits on rank
+    ``s % p`` (torchtitan's default for CSV schedules, ``stage_ids_this_rank(..., style="loop")``),
+    ``"v"`` for the V (rank ``r`` holds stages ``r`` and ``2p-1-r``: ``style="v"``) and
+    ``"explicit"`` for any other mapping.  torch's runtime infers the same mapping from the CSV
+    (``stage_index_to_group_rank``); building other stages on a rank fails at its first action.
+    """
+    placement = schedule.placement
+    p, count = placement.num_ranks, placement.num_stages
+    vshape = tuple(s if s < p else 2 * p - 1 - s for s in range(count))
+    if placement.stage_ranks == tuple(s % p for s in range(count)):
+        style = "loop"
+    elif count == 2 * p and placement.stage_ranks == vshape:
+        style = "v"
+    else:
+        style = "explicit"
+    return {
+        "schedule": schedule.name,
+        "num_ranks": p,
+        "num_stages": count,
+        "microbatches": schedule.microbatches,
+        "style": style,
+        "stages": [list(placement.stages_of(rank)) for rank in range(p)],
+    }
+
+
+def describe_torch_placement(schedule: Schedule) -> str:
+    """One line: ``style v: rank 0 holds stages 0,3; rank 1 holds stages 1,2``."""
+    placement = torch_placement(schedule)
+    ranks = "; ".join(
+        f"rank {rank} holds stage{'s' if len(stages) > 1 else ''} {','.join(map(str, stages))}"
+        for rank, stages in enumerate(placement["stages"])
+    )
+    return f"style {placement['style']}: {ranks}"
+
+
+def torch_placement_json(schedule: Schedule) -> str:
+    """:func:`torch_placement` as indented JSON (what ``export --format torch-csv`` writes beside the CSV)."""
+    return json.dumps(torch_placement(schedule)) + "\n"
 
 
 def to_chrome_trace(timeline: Any, time_unit_us: float = 1.0, memory: bool = True) -> str:
