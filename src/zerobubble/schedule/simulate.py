@@ -234,27 +234,50 @@ def _key(role: int, stage: int, microbatch: int, num_stages: int, microbatches: 
 
 
 def _compile(schedule: Schedule, costs: StageCosts) -> list[list[tuple[float, tuple, tuple]]]:
-    """Per rank, per op: (duration, ((dep key, transfer delay), ...), produced keys)."""
+    """Per rank, per op: (duration, ((dep key, transfer delay), ...), produced keys).
+
+    What an op needs and produces depends on its kind and stage only, up to the microbatch added
+    to each key: those templates are worked out once per (kind, stage), not once per op.
+    """
     S, m = schedule.num_stages, schedule.microbatches
     rank_of = schedule.placement.stage_ranks
+    templates: dict[tuple[Kind, int], tuple[float, tuple, tuple]] = {}
     compiled = []
     for rank, program in enumerate(schedule.programs):
         ops = []
         for op in program:
-            s, j = op.stage, op.microbatch
+            kind, s, j = op.kind, op.stage, op.microbatch
             if not (0 <= s < S and 0 <= j < m):
                 raise ScheduleError(
                     f"rank {rank}: op {op} is outside the schedule's {S} stages and {m} microbatches"
                 )
-            deps = []
-            for role, dep_stage, dep_mb in dependencies(op, S):
-                crosses = rank_of[dep_stage] != rank_of[s]
-                delay = costs.comm[min(s, dep_stage)] if crosses else 0.0
-                deps.append((_key(_ROLE[role], dep_stage, dep_mb, S, m), delay))
-            produced = tuple(_key(role, s, j, S, m) for role in _PRODUCES[op.kind])
-            ops.append((costs.duration(op), tuple(deps), produced))
+            template = templates.get((kind, s))
+            if template is None:
+                template = templates[kind, s] = _template(op, S, m, rank_of, costs)
+            duration, dep_bases, produced_bases = template
+            ops.append(
+                (
+                    duration,
+                    tuple((base + j, delay) for base, delay in dep_bases),
+                    tuple(base + j for base in produced_bases),
+                )
+            )
         compiled.append(ops)
     return compiled
+
+
+def _template(
+    op: Op, S: int, m: int, rank_of: tuple[int, ...], costs: StageCosts
+) -> tuple[float, tuple, tuple]:
+    """``op``'s duration, its dependencies' keys at microbatch 0 with their transfer delays, and the
+    keys it produces at microbatch 0."""
+    s = op.stage
+    deps = []
+    for role, dep_stage, _ in dependencies(op, S):
+        delay = costs.comm[min(s, dep_stage)] if rank_of[dep_stage] != rank_of[s] else 0.0
+        deps.append((_key(_ROLE[role], dep_stage, 0, S, m), delay))
+    produced = tuple(_key(role, s, 0, S, m) for role in _PRODUCES[op.kind])
+    return costs.duration(op), tuple(deps), produced
 
 
 def _run(
@@ -404,10 +427,14 @@ def _find_cycle(waits: dict[int, tuple[Op, Op]], where: dict[Op, int]) -> list[i
 
 def _memory(schedule: Schedule, costs: StageCosts) -> tuple[tuple[tuple[float, ...], ...], tuple[float, ...]]:
     memory, peaks = [], []
+    deltas: dict[tuple[Kind, int], float] = {}  # per (kind, stage): the same for every microbatch
     for program in schedule.programs:
         level, peak, trace = 0.0, 0.0, []
         for op in program:
-            level += costs.memory_delta(op)
+            delta = deltas.get((op.kind, op.stage))
+            if delta is None:
+                delta = deltas[op.kind, op.stage] = costs.memory_delta(op)
+            level += delta
             trace.append(level)
             peak = max(peak, level)
         memory.append(tuple(trace))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .costs import CostModel, StageCosts, within_limit
-from .ir import Kind, Op, Schedule, ScheduleError, dependencies
+from .ir import Kind, Op, Schedule, ScheduleError
 from .simulate import DeadlockError, Timeline, simulate
 
 
@@ -29,9 +29,9 @@ def validate_schedule(schedule: Schedule, costs: CostModel | StageCosts | None =
 
     Memory is checked against ``costs.memory_limit`` when costs are given (unit costs otherwise).
     """
-    _check_placement(schedule)
-    _check_complete(schedule)
-    _check_local_order(schedule)
+    table = _OpTable(schedule)  # placement: every op's stage, microbatch and rank
+    table.check_complete()
+    table.check_local_order()
     try:
         timeline = simulate(schedule, costs)
     except DeadlockError as error:
@@ -41,27 +41,109 @@ def validate_schedule(schedule: Schedule, costs: CostModel | StageCosts | None =
     return timeline
 
 
-def _check_placement(schedule: Schedule) -> None:
+_KIND_CODE = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.BW: 3}
+
+
+class _OpTable:
+    """Every op of a schedule by an integer key ``(kind code · S + stage) · m + microbatch``: the rank
+    holding it and its position in that rank's program.
+
+    Why integers: a schedule at p = 32, m = 256 has tens of thousands of ops, and hashing ``Op``
+    dataclasses (and building the ones looked up) made validation cost more than building the
+    schedule.  Building the table checks each op's stage, microbatch and rank (in program order,
+    so the first bad op is the one reported).
+    """
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        S, m = schedule.num_stages, schedule.microbatches
+        self.size = size = S * m
+        self.rank = rank_at = [-1] * (4 * size)
+        self.position = position_at = [-1] * (4 * size)
+        self.duplicated = False
+        owners = schedule.placement.stage_ranks
+        for rank, program in enumerate(schedule.programs):
+            for i, op in enumerate(program):
+                stage, mb = op.stage, op.microbatch
+                if not (0 <= stage < S and 0 <= mb < m) or owners[stage] != rank:
+                    _raise_placement(schedule, rank, op)
+                key = _KIND_CODE[op.kind] * size + stage * m + mb
+                if rank_at[key] >= 0:
+                    self.duplicated = True
+                rank_at[key], position_at[key] = rank, i
+
+    def has(self, kind: Kind, stage: int, microbatch: int) -> bool:
+        return self.rank[_KIND_CODE[kind] * self.size + stage * self.schedule.microbatches + microbatch] >= 0
+
+    def check_complete(self) -> None:
+        """Every op once; each (stage, microbatch) with an F and either a BW or a B and a W."""
+        schedule = self.schedule
+        if self.duplicated:
+            _check_duplicates(schedule)
+        S, m, size, rank_at = schedule.num_stages, schedule.microbatches, self.size, self.rank
+        owners = schedule.placement.stage_ranks
+        for stage in range(S):
+            for j in range(m):
+                key = stage * m + j
+                if (
+                    rank_at[key] >= 0
+                    and rank_at[3 * size + key] < 0
+                    and rank_at[size + key] >= 0
+                    and rank_at[2 * size + key] >= 0
+                ):
+                    continue  # the common case of a split schedule: F, B and W
+                _check_backwards(owners[stage], stage, j, self)
+
+    def check_local_order(self) -> None:
+        """No op before one of its dependencies on the same rank."""
+        schedule = self.schedule
+        S, m, size = schedule.num_stages, schedule.microbatches, self.size
+        rank_at, position_at = self.rank, self.position
+        F, W = Kind.F, Kind.W
+        for rank, program in enumerate(schedule.programs):
+            for i, op in enumerate(program):
+                stage, mb, kind = op.stage, op.microbatch, op.kind
+                if kind is F:
+                    needed = ((stage - 1) * m + mb,) if stage > 0 else ()
+                elif kind is W:  # its B, or a BW
+                    needed = (size + stage * m + mb, 3 * size + stage * m + mb)
+                else:  # B or BW: its F and the input gradient of the next stage (a B or a BW)
+                    needed = (stage * m + mb,)
+                    if stage + 1 < S:
+                        needed += (size + (stage + 1) * m + mb, 3 * size + (stage + 1) * m + mb)
+                for key in needed:
+                    if rank_at[key] == rank and position_at[key] > i:
+                        kind_code, rest = divmod(key, size)
+                        candidate = Op(_KINDS[kind_code], rest // m, rest % m)
+                        raise ValidationError(
+                            f"rank {rank}: {op} (position {i}) comes before {candidate} "
+                            f"(position {position_at[key]}), which it depends on",
+                            rank,
+                            op,
+                        )
+
+
+_KINDS = (Kind.F, Kind.B, Kind.W, Kind.BW)
+
+
+def _raise_placement(schedule: Schedule, rank: int, op: Op) -> None:
     S, m = schedule.num_stages, schedule.microbatches
-    for rank, op in schedule.ops():
-        if not 0 <= op.stage < S:
-            raise ValidationError(
-                f"rank {rank}: {op} names stage {op.stage}, but there are stages 0..{S - 1}", rank, op
-            )
-        if not 0 <= op.microbatch < m:
-            raise ValidationError(
-                f"rank {rank}: {op} names microbatch {op.microbatch}, but there are microbatches 0..{m - 1}",
-                rank,
-                op,
-            )
-        owner = schedule.placement.rank_of(op.stage)
-        if owner != rank:
-            raise ValidationError(
-                f"rank {rank}: {op} is of stage {op.stage}, which rank {owner} holds", rank, op
-            )
+    if not 0 <= op.stage < S:
+        raise ValidationError(
+            f"rank {rank}: {op} names stage {op.stage}, but there are stages 0..{S - 1}", rank, op
+        )
+    if not 0 <= op.microbatch < m:
+        raise ValidationError(
+            f"rank {rank}: {op} names microbatch {op.microbatch}, but there are microbatches 0..{m - 1}",
+            rank,
+            op,
+        )
+    owner = schedule.placement.rank_of(op.stage)
+    raise ValidationError(f"rank {rank}: {op} is of stage {op.stage}, which rank {owner} holds", rank, op)
 
 
-def _check_complete(schedule: Schedule) -> None:
+def _check_duplicates(schedule: Schedule) -> None:
+    """The first op (in rank and program order) that appears more than once, with its count."""
     counts = Counter(op for _, op in schedule.ops())
     location = {op: rank for rank, op in schedule.ops()}
     for op, count in counts.items():
@@ -70,50 +152,28 @@ def _check_complete(schedule: Schedule) -> None:
             raise ValidationError(
                 f"rank {rank}: {op} appears {count} times; every op runs exactly once", rank, op
             )
-    rank_of = schedule.placement.rank_of
-    for stage in range(schedule.num_stages):
-        for j in range(schedule.microbatches):
-            rank = rank_of(stage)
-            fused, split_b, split_w = (Op(k, stage, j) in counts for k in (Kind.BW, Kind.B, Kind.W))
-            if Op(Kind.F, stage, j) not in counts:
-                raise ValidationError(
-                    f"rank {rank}: {Op(Kind.F, stage, j)} is missing", rank, Op(Kind.F, stage, j)
-                )
-            if fused and (split_b or split_w):
-                raise ValidationError(
-                    f"rank {rank}: stage {stage} microbatch {j} has both a fused BW and a split B/W",
-                    rank,
-                    Op(Kind.BW, stage, j),
-                )
-            if not fused and not (split_b and split_w):
-                missing = Op(Kind.W, stage, j) if split_b else Op(Kind.B, stage, j)
-                if not split_b and not split_w:
-                    missing = Op(Kind.BW, stage, j)
-                raise ValidationError(
-                    f"rank {rank}: {missing} is missing (no backward for stage {stage} microbatch {j})",
-                    rank,
-                    missing,
-                )
 
 
-def _check_local_order(schedule: Schedule) -> None:
-    S = schedule.num_stages
-    for rank, program in enumerate(schedule.programs):
-        position = {op: i for i, op in enumerate(program)}
-        for i, op in enumerate(program):
-            for role, stage, mb in dependencies(op, S):
-                for candidate in (
-                    (Op(role, stage, mb), Op(Kind.BW, stage, mb))
-                    if role is Kind.B
-                    else (Op(role, stage, mb),)
-                ):
-                    if position.get(candidate, -1) > i:
-                        raise ValidationError(
-                            f"rank {rank}: {op} (position {i}) comes before {candidate} "
-                            f"(position {position[candidate]}), which it depends on",
-                            rank,
-                            op,
-                        )
+def _check_backwards(rank: int, stage: int, j: int, table: _OpTable) -> None:
+    """Stage ``stage``, microbatch ``j`` has its F and either one BW or a B and a W."""
+    fused, split_b, split_w = (table.has(k, stage, j) for k in (Kind.BW, Kind.B, Kind.W))
+    if not table.has(Kind.F, stage, j):
+        raise ValidationError(f"rank {rank}: {Op(Kind.F, stage, j)} is missing", rank, Op(Kind.F, stage, j))
+    if fused and (split_b or split_w):
+        raise ValidationError(
+            f"rank {rank}: stage {stage} microbatch {j} has both a fused BW and a split B/W",
+            rank,
+            Op(Kind.BW, stage, j),
+        )
+    if not fused and not (split_b and split_w):
+        missing = Op(Kind.W, stage, j) if split_b else Op(Kind.B, stage, j)
+        if not split_b and not split_w:
+            missing = Op(Kind.BW, stage, j)
+        raise ValidationError(
+            f"rank {rank}: {missing} is missing (no backward for stage {stage} microbatch {j})",
+            rank,
+            missing,
+        )
 
 
 def _check_memory(timeline: Timeline) -> None:
