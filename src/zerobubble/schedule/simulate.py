@@ -233,8 +233,9 @@ def _key(role: int, stage: int, microbatch: int, num_stages: int, microbatches: 
     return (role * num_stages + stage) * microbatches + microbatch
 
 
-def _compile(schedule: Schedule, costs: StageCosts) -> list[list[tuple[float, tuple, tuple]]]:
-    """Per rank, per op: (duration, ((dep key, transfer delay), ...), produced keys).
+def _compile(schedule: Schedule, costs: StageCosts) -> list[list[tuple[float, tuple, tuple, int]]]:
+    """Per rank, per op: (duration, ((dep key, transfer delay), ...), produced keys, microbatch),
+    the keys those of microbatch 0: add the microbatch to get the op's own.
 
     What an op needs and produces depends on its kind and stage only, up to the microbatch added
     to each key: those templates are worked out once per (kind, stage), not once per op.
@@ -254,14 +255,7 @@ def _compile(schedule: Schedule, costs: StageCosts) -> list[list[tuple[float, tu
             template = templates.get((kind, s))
             if template is None:
                 template = templates[kind, s] = _template(op, S, m, rank_of, costs)
-            duration, dep_bases, produced_bases = template
-            ops.append(
-                (
-                    duration,
-                    tuple((base + j, delay) for base, delay in dep_bases),
-                    tuple(base + j for base in produced_bases),
-                )
-            )
+            ops.append((*template, j))
         compiled.append(ops)
     return compiled
 
@@ -297,13 +291,13 @@ def _run(
         program, i, now = compiled[rank], position[rank], clock[rank]
         rank_starts, rank_ends = starts[rank], ends[rank]
         while i < len(program):
-            duration, deps, produced = program[i]
+            duration, deps, produced, j = program[i]
             ready = now
             blocked = False
-            for key, delay in deps:
-                finished = done[key]
+            for base, delay in deps:
+                finished = done[base + j]
                 if finished < 0:
-                    waiting.setdefault(key, []).append(rank)
+                    waiting.setdefault(base + j, []).append(rank)
                     blocked = True
                     break
                 ready = max(ready, finished + delay)
@@ -312,7 +306,8 @@ def _run(
             now = ready + duration
             rank_starts.append(ready)
             rank_ends.append(now)
-            for key in produced:
+            for base in produced:
+                key = base + j
                 done[key] = now
                 woken = waiting.pop(key, None)
                 if woken:
@@ -351,10 +346,11 @@ def _run_shared(
         if position[rank] >= len(compiled[rank]):
             return
         at = ends[rank][-1] if ends[rank] else 0.0
-        for key, delay in compiled[rank][position[rank]][1]:
-            if done[key] < 0:
+        _, deps, _, j = compiled[rank][position[rank]]
+        for base, delay in deps:
+            if done[base + j] < 0:
                 return
-            at = max(at, done[key] + delay)
+            at = max(at, done[base + j] + delay)
         ready[rank] = at
 
     for rank in range(p):
@@ -378,8 +374,9 @@ def _run_shared(
         for rank in finished:
             computing[rank] = False
             ends[rank].append(now)
-            for key in compiled[rank][position[rank]][2]:
-                done[key] = now
+            _, _, produced, j = compiled[rank][position[rank]]
+            for base in produced:
+                done[base + j] = now
             position[rank] += 1
         if finished:  # an op that ended may be the input another rank waits for
             for rank in range(p):

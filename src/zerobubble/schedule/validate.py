@@ -103,6 +103,7 @@ class _OpTable:
         for rank, program in enumerate(schedule.programs):
             for i, op in enumerate(program):
                 stage, mb, kind = op.stage, op.microbatch, op.kind
+                needed: tuple[int, ...]
                 if kind is F:
                     needed = ((stage - 1) * m + mb,) if stage > 0 else ()
                 elif kind is W:  # its B, or a BW
