@@ -300,7 +300,8 @@ def _run(
                     waiting.setdefault(base + j, []).append(rank)
                     blocked = True
                     break
-                ready = max(ready, finished + delay)
+                if finished + delay > ready:  # noqa: PLR1730 (hot path: cheaper than a max() call)
+                    ready = finished + delay
             if blocked:
                 break
             now = ready + duration
