@@ -6,10 +6,12 @@ spawn (the machine has two cores) and returns plain Python numbers to the parent
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,6 +43,34 @@ class LocalComm:
 
     def abort_step(self) -> None:
         pass
+
+
+class DistSpy:
+    """Wraps the named ``torch.distributed`` functions inside a ``with`` block: :meth:`seen` is told
+    of every call (name, args, kwargs) before the call itself runs."""
+
+    def __init__(self, names):
+        self._originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def seen(self, name: str, args: tuple, kwargs: dict) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        for name, function in self._originals.items():
+            setattr(dist, name, self._wrap(name, function))
+        return self
+
+    def __exit__(self, *exc):
+        for name, function in self._originals.items():
+            setattr(dist, name, function)
+
+    def _wrap(self, name, function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            self.seen(name, args, kwargs)
+            return function(*args, **kwargs)
+
+        return wrapper
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 170.0) -> list:

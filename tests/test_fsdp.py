@@ -15,16 +15,14 @@ One spawn of 4 gloo ranks (pipeline 2 × data-parallel 2) runs every case:
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from _dist import relative_error, rich_batch, rich_layers, run_ranks, token_loss
+from _dist import DistSpy, relative_error, rich_batch, rich_layers, run_ranks, token_loss
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.launch import init_distributed
+from zerobubble.runtime.tensors import full_value
 
 SCHEDULES = ["zb-h1", "zb-v", "1f1b"]
 STEPS = 3
@@ -37,42 +35,27 @@ def _layers(seed: int) -> list[nn.Module]:
     return [layer.double() for layer in rich_layers(seed)]
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return (full_tensor() if callable(full_tensor) else tensor).detach()
-
-
-class CollectiveCounter:
+class CollectiveCounter(DistSpy):
     """Counts FSDP2's all-gathers and reduce-scatters (torch.distributed's functions, wrapped)."""
 
     NAMES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
 
     def __init__(self):
+        super().__init__(self.NAMES)
         self.counts = dict.fromkeys(self.NAMES, 0)
-        self._originals = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
 
-    def __enter__(self):
-        for name, function in self._originals.items():
-            setattr(dist, name, self._wrap(name, function))
-        return self
-
-    def __exit__(self, *exc):
-        for name, function in self._originals.items():
-            setattr(dist, name, function)
-
-    def _wrap(self, name, function):
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            self.counts[name] += 1
-            return function(*args, **kwargs)
-
-        return wrapper
+    def seen(self, name: str, args: tuple, kwargs: dict) -> None:
+        self.counts[name] += 1
 
     def gathers(self) -> int:
         return self.counts["all_gather_single"] + self.counts["all_gather_into_tensor"]
 
     def scatters(self) -> int:
         return self.counts["reduce_scatter_single"] + self.counts["reduce_scatter_tensor"]
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return full_value(tensor).detach()
 
 
 def run_case(mesh, schedule: str, post_validation: bool = True) -> dict:

@@ -15,7 +15,6 @@ One spawn per world size runs every case.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _dist import relative_error, rich_batch, rich_layers, run_ranks, token_loss
+from _dist import DistSpy, relative_error, rich_batch, rich_layers, run_ranks, token_loss
 from test_post_validation import (
     COLLECTIVES,
     MAX_NORM,
@@ -142,35 +141,21 @@ def run_optimizer_case(name: str, schedule: str, post_validation: bool) -> dict:
     }
 
 
-class GroupRecorder:
+class GroupRecorder(DistSpy):
     """Wraps torch.distributed's collectives; records (name, ranks of the group, async) per call."""
 
     def __init__(self):
+        super().__init__(COLLECTIVES)
         self.calls: list[tuple[str, tuple[int, ...], bool]] = []
-        self._originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
 
-    def __enter__(self):
-        for name, function in self._originals.items():
-            setattr(dist, name, self._wrap(name, function))
-        return self
-
-    def __exit__(self, *exc):
-        for name, function in self._originals.items():
-            setattr(dist, name, function)
-
-    def _wrap(self, name, function):
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            group = kwargs.get("group")
-            ranks = (
-                tuple(dist.get_process_group_ranks(group))
-                if group is not None
-                else tuple(range(dist.get_world_size()))
-            )
-            self.calls.append((name, ranks, bool(kwargs.get("async_op", False))))
-            return function(*args, **kwargs)
-
-        return wrapper
+    def seen(self, name: str, args: tuple, kwargs: dict) -> None:
+        group = kwargs.get("group")
+        ranks = (
+            tuple(dist.get_process_group_ranks(group))
+            if group is not None
+            else tuple(range(dist.get_world_size()))
+        )
+        self.calls.append((name, ranks, bool(kwargs.get("async_op", False))))
 
 
 class EventNames:

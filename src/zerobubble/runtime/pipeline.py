@@ -226,8 +226,9 @@ class Pipeline:
         equalize_group_counts(mesh_groups(mesh) if mesh is not None else [group], timeout=setup)
         if mesh is not None:  # the Pipeline's world: every rank of the mesh (agreement, planning)
             group = local_group(mesh_ranks(mesh), timeout=setup)
-        size, data_parallel, self._sharding = parallel_size(data_parallel, mesh, self._dims, group)
-        if self._sharding is not None and parallelize is not None:  # the same on every rank
+        size, data_parallel, sharding = parallel_size(data_parallel, mesh, self._dims, group)
+        self.sharding: str | None = sharding  # "fsdp", or None: replicated
+        if sharding is not None and parallelize is not None:  # the same on every rank
             raise PipelineError(
                 'data_parallel="fsdp" with parallelize= (FSDP2 over tensor-parallel DTensors) is not '
                 'supported yet: use data_parallel="replicate" with parallelize=, or FSDP2 without it'
@@ -270,9 +271,8 @@ class Pipeline:
             group=group,
             verify=verify,
             check_calls=bool(check_calls),
-            sharding=self._sharding,
+            sharding=sharding,
         )
-        self.sharding: str | None = self._sharding  # "fsdp", or None: replicated
         self._build(resolution, group, data_parallel, static_shapes, fast_paths, verify, check_calls)
         self._build_recording(trace, emulate)
         self._init_optimization(post_validation)
