@@ -211,7 +211,8 @@ def run_plain(case: Case) -> Outcome:
 
 
 def rounding(case: Case, expected: Outcome) -> dict[str, float]:
-    """Per parameter gradient, input gradient (``"input j"``) and output (``"output j"``), how far
+    """Per parameter gradient, input gradient (``"input j"``), output (``"output j"``) and float
+    buffer (``"buffer name"``: a norm's running statistics), how far
     bf16 autocast's own rounding moves plain autograd's (the float32 run without autocast against
     ``expected``): the split may differ from plain autocast by as much, since it rounds the same
     bf16 products in another order.  Empty without autocast."""
@@ -228,7 +229,21 @@ def rounding(case: Case, expected: Outcome) -> dict[str, float]:
             noise[f"input {j}"] = _relative(got, want)
     for j, (got, want) in enumerate(zip(expected.outputs, exact.outputs)):
         noise[f"output {j}"] = _relative(got, want)
+    floor = _buffer_floor(case, expected)
+    for name, buffer in expected.buffers.items():
+        if buffer.is_floating_point() and name in exact.buffers:
+            noise[f"buffer {name}"] = _relative(buffer, exact.buffers[name], floor)
     return noise
+
+
+def _buffer_floor(case: Case, expected: Outcome) -> float:
+    """The divisor's floor for float buffers: under bf16 autocast (three significant digits) a
+    running statistic near zero — the mean after a norm — is compared on the stage's buffers' scale,
+    as a gradient near zero is on its gradients' (:func:`differences`)."""
+    if not case.autocast:
+        return 1e-12
+    norms = [b.double().norm().item() for b in expected.buffers.values() if b.is_floating_point()]
+    return max(1e-2 * max(norms, default=0.0), 1e-12)
 
 
 def run_split(case: Case, split: str) -> Outcome:
@@ -324,9 +339,11 @@ def differences(
     for j, (got, want) in enumerate(zip(actual.outputs, expected.outputs)):
         if _relative(got, want) > max(tolerance, 3 * noise.get(f"output {j}", 0.0)):
             found.append(f"output of microbatch {j} differs")
+    buffer_floor = _buffer_floor(case, expected)
     for name, want in expected.buffers.items():
         got = actual.buffers[name]
-        if (want.is_floating_point() and _relative(got, want) > tolerance) or (
+        limit = max(tolerance, 3 * noise.get(f"buffer {name}", 0.0))
+        if (want.is_floating_point() and _relative(got, want, buffer_floor) > limit) or (
             not want.is_floating_point() and not torch.equal(got, want)
         ):
             found.append(f"buffer {name} differs")
