@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _wgrad_models import _watch_b_ops
 from zerobubble.runtime.launch import init_distributed
 
 WIDTH = 8
@@ -68,6 +69,7 @@ def compile_cases(cases: list[tuple[str, str, dict]], steady_steps: int = 3) -> 
         errors = _errors(pipe, expected)
         warm = {"breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"]}
         recompiled = None
+        touched_in_b = _watch_b_ops(pipe)  # parameters whose .grad a B op wrote, over the steady steps
         torch._dynamo.config.error_on_recompile = True
         try:
             for _ in range(steady_steps):
@@ -97,6 +99,7 @@ def compile_cases(cases: list[tuple[str, str, dict]], steady_steps: int = 3) -> 
             "loaded": max(float((p - wanted[n]).abs().max()) for n, p in pipe.named_parameters()),
             "paths": {r.module: r.path for r in pipe.split_report()},
             "verified": all(r.verified for r in pipe.split_report()),
+            "grads_touched_in_b": sorted(touched_in_b),
         }
     return results
 

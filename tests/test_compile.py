@@ -3,7 +3,9 @@
 The user's ``layer.compile()``, ``torch.compile(layer)`` and ``Pipeline(compile=...)``, with
 ``fullgraph=True`` and without, under zb-h1, zb-v and 1f1b: the gradients of plain autograd, no
 graph break and no recompile in steady state, the uncompiled model's parameter names, and every
-compiled layer reported as what it is ("compiled: fused backward in B").  The aot_eager backend
+compiled layer reported as what it is: under zb-h1 and zb-v its linears' weight gradients in W
+("compiled: weight gradient in W", the layer "compiled: linear weights in W, other parameters in
+B"), under 1f1b the compiled fused backward ("compiled: fused backward in B").  The aot_eager backend
 (dynamo + AOTAutograd, what decides graph breaks and the backward node) keeps compile time small;
 two cases run inductor.
 """
@@ -14,7 +16,7 @@ import pytest
 
 from _compile_cases import compile_cases
 from _dist import run_ranks
-from zerobubble.runtime.wgrad.install import COMPILED_PATH
+from zerobubble.runtime.wgrad.install import COMPILED_LINEAR_PATH, COMPILED_PATH, COMPILED_SPLIT_PATH
 
 pytestmark = pytest.mark.multiprocess
 
@@ -54,12 +56,22 @@ def test_compiled_layers_are_exact_without_graph_breaks_or_recompiles(case, resu
         assert rank["verified"]
         names += rank["names"]
         assert set(rank["state_keys"]) <= set(rank["expected_keys"])
-        compiled = {m for m, path in rank["paths"].items() if path == COMPILED_PATH}
+        split = case[1] != "1f1b"  # a schedule with W ops splits the compiled layers' linears
+        layer_path = COMPILED_SPLIT_PATH if split else COMPILED_PATH
+        compiled = {m for m, path in rank["paths"].items() if path == layer_path}
+        linears = {m for m, path in rank["paths"].items() if path == COMPILED_LINEAR_PATH}
+        assert {m.rsplit(".", 1)[0] for m in linears} == (compiled if split else set())
+        assert all(m.rsplit(".", 1)[1] in ("fc1", "fc2") for m in linears)
+        # B writes only the norms' gradients of compiled layers (the compiled backward's); the
+        # linears' wait for W (uncompiled layers: nothing in B)
+        assert all(name.split(".")[1] == "norm" for name in rank["grads_touched_in_b"]), rank
+        if split and rank["paths"]:
+            assert any(name.split(".")[0] in compiled for name in rank["grads_touched_in_b"])
         if how == "inplace":  # only layers 1 and 2 compiled: 0 and 3 keep their fast paths
             assert compiled == {"1", "2"} & {m.split(".")[0] for m in rank["paths"]}
             assert any(path.startswith("fast path") for path in rank["paths"].values())
         else:
-            assert compiled and all(path == COMPILED_PATH for path in rank["paths"].values())
+            assert compiled and set(rank["paths"].values()) <= {layer_path, COMPILED_LINEAR_PATH}
     # the names of the uncompiled model, every one on some rank, none with _orig_mod
     assert sorted(names) == sorted(ranks[0]["expected_keys"])
 

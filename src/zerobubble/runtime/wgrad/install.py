@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .compiled import split_linears, unsplit_linear
 from .fast import FastPlan, fast_forward
 from .generic import ModuleSplit, PathChanges
 from .routed import LinearRouter
@@ -20,7 +21,8 @@ class _Installed:
     """One module whose forward the installation replaced."""
 
     module: nn.Module
-    rule: str | None  # a fast path's rule class name; None for the generic split
+    rule: str | None  # a fast path's rule class name, COMPILED_LINEAR inside a compiled layer; None
+    # for the generic split
     split: ModuleSplit | None  # the generic split's state: the module's own, or a fast path's fallback
 
 
@@ -37,13 +39,21 @@ class Deferral:
         self.fallen: list[tuple[nn.Module, str]] = []
         """Modules given back their own forward by :meth:`fall_back`, with why."""
         self.compiled: list[nn.Module] = []
-        """Modules compiled with ``torch.compile`` (:func:`is_compiled`), left whole: their
-        subtree keeps plain autograd through the compiled graph (``docs/wgrad.md``, "torch.compile")."""
+        """Modules compiled with ``torch.compile`` (:func:`is_compiled`): their linear layers defer
+        their weight gradients from inside the compiled graph (:mod:`.compiled`, where the schedule
+        has W ops), everything else in them keeps the compiled fused backward
+        (``docs/wgrad.md``, "torch.compile")."""
 
     @property
     def fast(self) -> list[nn.Module]:
-        """The modules split by a fast path, in installation order."""
-        return [each.module for each in self._installed if each.rule is not None]
+        """The modules split by a fast path, in installation order (the linears inside compiled
+        modules are :attr:`compiled_linears`)."""
+        return [each.module for each in self._installed if each.rule not in (None, COMPILED_LINEAR)]
+
+    @property
+    def compiled_linears(self) -> list[nn.Module]:
+        """The linear layers inside compiled modules whose weight gradients W computes."""
+        return [each.module for each in self._installed if each.rule == COMPILED_LINEAR]
 
     @property
     def generic(self) -> list[nn.Module]:
@@ -71,9 +81,12 @@ class Deferral:
         if any(fallen is module for fallen, _ in self.fallen):
             return "plain autograd (fallback)"
         if any(compiled is module for compiled in self.compiled):
-            return COMPILED_PATH
+            inner = {id(m) for m in self.compiled_linears}
+            return COMPILED_SPLIT_PATH if any(id(m) in inner for m in module.modules()) else COMPILED_PATH
         for each in self._installed:
             if each.module is module:
+                if each.rule == COMPILED_LINEAR:
+                    return COMPILED_LINEAR_PATH
                 if each.rule is not None:
                     return f"fast path ({each.rule})"
                 return each.split.path if each.split is not None else "generic"
@@ -81,7 +94,8 @@ class Deferral:
 
     def paths(self) -> list[tuple[nn.Module, str]]:
         """Every module installed or fallen back, with :meth:`path_of` it."""
-        modules = self.fast + self.generic + [module for module, _ in self.fallen] + self.compiled
+        fallen = [module for module, _ in self.fallen]
+        modules = self.fast + self.generic + self.compiled_linears + fallen + self.compiled
         return [(module, self.path_of(module)) for module in modules]
 
     def why_fallen(self, module: nn.Module) -> str | None:
@@ -91,6 +105,7 @@ class Deferral:
     def fall_back(self, module: nn.Module, why: str) -> None:
         """Give ``module`` its own forward back: plain autograd computes its parameters' gradients
         in the stage's backward (exact; B then does W's share for them)."""
+        # only the forward: a compiled linear's weight keeps its store, another linear may share it
         module.__dict__.pop("forward", None)
         self._installed = [each for each in self._installed if each.module is not module]
         self.fallen.append((module, why))
@@ -106,8 +121,8 @@ class Deferral:
 
     @property
     def modules(self) -> list[nn.Module]:
-        """Every module whose forward was replaced (fast paths first)."""
-        return self.fast + self.generic
+        """Every module whose forward was replaced (fast paths first, compiled layers' linears last)."""
+        return self.fast + self.generic + self.compiled_linears
 
     def summary(self) -> dict[str, int]:
         """``{"fast Linear": 4, "generic MyLayer": 1, ...}``: how each module type is split.
@@ -117,7 +132,8 @@ class Deferral:
         """
         counts: dict[str, int] = {}
         routed_ids = self.routed
-        for kind, modules in (("fast", self.fast), ("generic", self.generic)):
+        kinds = (("fast", self.fast), ("generic", self.generic), ("compiled+split", self.compiled_linears))
+        for kind, modules in kinds:
             for module in modules:
                 routed = kind == "generic" and id(module) in routed_ids
                 key = f"{kind}{'+linear' if routed else ''} {type(module).__name__}"
@@ -130,7 +146,7 @@ class Deferral:
     def remove(self) -> None:
         """Undo the installation: the modules use their class's forward again."""
         for module in self.modules:
-            module.__dict__.pop("forward", None)
+            unsplit_linear(module)
         self._installed = []
         self.fallen = []
         self.compiled = []
@@ -152,10 +168,13 @@ def install_deferral(
     that already have an instance ``forward`` are left alone (their parameters get their gradients
     in B).
 
-    A module compiled with ``torch.compile`` (``module.compile()``, :func:`is_compiled`) is left
-    whole, its descendants too: its forward runs as the user compiled it, with none of the split's
-    hooks or autograd functions in the compiled region, and its parameters get their gradients from
-    the compiled backward, in B (``deferral.compiled``; path :data:`COMPILED_PATH`).
+    A module compiled with ``torch.compile`` (``module.compile()``, :func:`is_compiled`) runs as the
+    user compiled it, with none of the split's hooks in the compiled region (``deferral.compiled``).
+    With ``generic`` (a schedule with W ops) its linear layers get a forward that dynamo traces
+    into the compiled graph and whose backward defers their weight gradients to W
+    (:mod:`.compiled`; path :data:`COMPILED_LINEAR_PATH`); its other parameters get their gradients
+    from the compiled backward, in B (path :data:`COMPILED_SPLIT_PATH`, or :data:`COMPILED_PATH`
+    when nothing in it is split).
 
     ``generic=False`` installs the fast paths only; every other module keeps plain autograd.  That
     is what a schedule without W ops (1F1B, GPipe) runs: its fused BW gets the fast paths' cheaper
@@ -177,6 +196,9 @@ def install_deferral(
         seen.add(id(module))
         if is_compiled(module):
             deferral.compiled.append(module)
+            if generic and not covered:  # else an outer module's local graph holds its parameters
+                for linear in split_linears(module, store, paths):
+                    deferral.add(linear, COMPILED_LINEAR, None)
             return
         if "forward" not in module.__dict__:
             rule = paths.rule_for(module)
@@ -203,8 +225,19 @@ def install_deferral(
 
 
 COMPILED_PATH = "compiled: fused backward in B"
-"""The path of a compiled module: AOTAutograd's one backward node computes the input and the
-weight gradients in one call, so its parameters' gradients are computed in B, not deferred to W."""
+"""The path of a compiled module nothing in which is split (a schedule without W ops, no linear
+layer): AOTAutograd's one backward node computes the input and the weight gradients in one call."""
+
+COMPILED_SPLIT_PATH = "compiled: linear weights in W, other parameters in B"
+"""The path of a compiled module whose linear layers defer their weight gradients (:mod:`.compiled`);
+the compiled backward computes the rest in B."""
+
+COMPILED_LINEAR = "compiled linear"
+"""The rule name :class:`Deferral` records for a linear layer split inside a compiled module."""
+
+COMPILED_LINEAR_PATH = "compiled: weight gradient in W"
+"""The path of a linear layer inside a compiled module: B computes its input gradient in the
+compiled backward, W its weight (and bias) gradient (:mod:`.compiled`)."""
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -184,8 +184,13 @@ class SplitGuard:
         self, inputs: Sequence[Any], params: list[torch.Tensor], seed: int, kwargs: Mapping[str, Any] = _NONE
     ) -> _Outcome:
         """The stage with every module's own forward: outputs and gradients of one backward."""
-        # the modules' own forwards until the backward is done: checkpointing recomputes in it
+        # the modules' own forwards until the backward is done: checkpointing recomputes in it;
+        # compiled modules run eagerly (their graphs were traced through the split's forwards, and
+        # eager autograd is the reference a compiled graph must match too)
         forwards = [(m, m.__dict__.pop("forward")) for m in self.deferral.modules if "forward" in m.__dict__]
+        compiled = [(m, m._compiled_call_impl) for m in self.deferral.compiled]
+        for module, _ in compiled:
+            module._compiled_call_impl = None
         try:
             local = _copies(inputs)
             outputs = _differentiable(self.module(*local, **kwargs))
@@ -197,6 +202,8 @@ class SplitGuard:
         finally:
             for module, forward in forwards:
                 module.forward = forward
+            for module, impl in compiled:
+                module._compiled_call_impl = impl
         return _Outcome([o.detach() for o in outputs], list(grads[: len(params)]), list(grads[len(params) :]))
 
     def _split(
@@ -269,7 +276,8 @@ class SplitGuard:
     def _owners(self, culprits: list[torch.Tensor]) -> list[nn.Module]:
         """The split modules whose own parameters include a culprit (innermost first)."""
         wanted = {id(p) for p in culprits}
-        fast = {id(p): m for m in self.deferral.fast for p in m.parameters(recurse=False)}
+        closed_form = self.deferral.fast + self.deferral.compiled_linears
+        fast = {id(p): m for m in closed_form for p in m.parameters(recurse=False)}
         owners = [fast[key] for key in wanted if key in fast]
         rest = wanted - fast.keys()  # a generic module's own, or of its plain descendants
         for module in self.deferral.generic:
