@@ -73,6 +73,31 @@ def _torch_runner(layers: list[nn.Module], batch, m: int):
     return step
 
 
+class _BackwardTimes:
+    """A recorder summing the seconds of this rank's B and W ops (the W share of the split)."""
+
+    def __init__(self) -> None:
+        self.seconds = {"B": 0.0, "W": 0.0}
+
+    def op(self, op, start, end) -> None:
+        if op.kind.name in self.seconds:
+            self.seconds[op.kind.name] += end - start
+
+    def wait(self, key, start, end) -> None:
+        pass
+
+
+def _w_share(pipe, step, steps: int = 3) -> float:
+    """W / (B + W) over ``steps`` recorded steps of a pipeline with W ops."""
+    recorder = _BackwardTimes()
+    pipe.recorder = recorder
+    for _ in range(steps):
+        step()
+    pipe.recorder = None
+    b, w = recorder.seconds["B"], recorder.seconds["W"]
+    return w / (b + w) if b + w else float("nan")
+
+
 def _rank(count: int, width: int, rows: int, m: int, rounds: int, steps: int) -> dict:
     init_distributed(backend="gloo", timeout=600)
     from torch._dynamo.utils import counters
@@ -83,6 +108,7 @@ def _rank(count: int, width: int, rows: int, m: int, rounds: int, steps: int) ->
     batch = tuple(torch.randn(m * rows, width, generator=generator) for _ in range(2))
     runners = {}
     build = {}
+    pipes = {}
     for schedule in ("1f1b", "zb-h1"):
         for compiled in (False, True):
             started = time.perf_counter()
@@ -96,6 +122,7 @@ def _rank(count: int, width: int, rows: int, m: int, rounds: int, steps: int) ->
             )
             name = f"ours {schedule} {'compiled' if compiled else 'eager'}"
             runners[name] = our_step(pipe, batch)
+            pipes[name] = pipe
             runners[name]()  # the first step compiles (and checks the split)
             build[name] = time.perf_counter() - started
     for compiled in (False, True):
@@ -111,8 +138,10 @@ def _rank(count: int, width: int, rows: int, m: int, rounds: int, steps: int) ->
     breaks_before = sum(counters["graph_break"].values())
     graphs_before = counters["stats"]["unique_graphs"]
     times = interleaved(runners, rounds, steps, warmup=2, settle=1)
+    shares = {name: _w_share(pipes[name], runners[name]) for name in pipes if "zb-h1" in name}
     return {
         "times": times,
+        "w_share": shares,
         "build": build,
         "graph breaks (all)": breaks_before,
         "graphs compiled in timed steps": counters["stats"]["unique_graphs"] - graphs_before,
@@ -147,6 +176,9 @@ def main() -> None:
         ratio = median / sorted(eager)[len(eager) // 2]
         spread = f"{min(values) * 1e3:.1f}-{max(values) * 1e3:.1f}"
         print(f"{name:32} {median * 1e3:10.1f} {spread:>15} {ratio:8.3f} {first['build'][name]:13.1f}")
+    for rank, result in enumerate(results):
+        shares = ", ".join(f"{name} {share:.3f}" for name, share in result["w_share"].items())
+        print(f"rank {rank}: W / (B + W) over 3 recorded steps: {shares}")
     for rank, result in enumerate(results):
         print(
             f"rank {rank}: graph breaks {result['graph breaks (all)']} while building and in first steps, "

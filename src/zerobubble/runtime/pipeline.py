@@ -175,8 +175,9 @@ class Pipeline:
     keyword arguments) compiles every layer that is not, in place (``layer.compile(**kwargs)``).
     An ``OptimizedModule`` is replaced by the module it wraps, compiled in place with its options,
     so parameter and state-dict names stay those of the uncompiled layers.  The compiled region is
-    the layer's own forward only; its parameters get their gradients from the compiled backward,
-    in B (``split_report()``: ``"compiled: fused backward in B"``).
+    the layer's own forward; under a schedule with W ops its linear layers defer their weight
+    gradients to W from inside it (``split_report()``: ``"compiled: weight gradient in W"``), its
+    other parameters get theirs from the compiled backward, in B.
     """
 
     def __init__(
