@@ -188,3 +188,39 @@ def test_the_split_guard_checks_compiled_linears_against_eager_and_falls_them_ba
     reference_x = x.detach().clone().requires_grad_()
     _run(reference, reference_x, autocast=False).backward()
     _assert_close(blocks, reference, [x], [reference_x], autocast=False)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "opt"])
+def test_compiled_transformers_layers_keep_the_split_and_match_eager(family):
+    """The Hugging Face adapters' layers compiled (sdpa attention, float64): their projections defer
+    to W, nothing breaks the graph, and the gradients after W are eager autograd's."""
+    from torch._dynamo.utils import counters
+
+    from _hf_models import lm_loss, run_layers, tiny_model, token_batch
+    from zerobubble.hf import pipeline_layers
+
+    torch._dynamo.reset()
+    counters.clear()
+    layers = pipeline_layers(tiny_model(family, "sdpa").double())
+    reference = copy.deepcopy(layers)
+    for layer in layers:
+        layer.compile(backend="aot_eager")
+    store = WeightGradStore()
+    deferral = install_deferral(layers, store)
+    tokens, targets = token_batch(2)
+    loss = lm_loss(run_layers(layers, tokens), targets)
+    store.begin((0, 0), defer=True)
+    loss.backward()
+    store.end()
+    tied = {id(m.weight) for layer in layers for m in layer.modules() if isinstance(m, nn.Embedding)}
+    untied = [m for m in deferral.compiled_linears if id(m.weight) not in tied]  # not the tied head
+    assert untied
+    assert all(m.weight.grad is None for m in untied)  # waiting for W
+    store.flush((0, 0))
+    lm_loss(run_layers(reference, tokens), targets).backward()
+    for layer, expected in zip(layers, reference):
+        for (name, param), want in zip(layer.named_parameters(), expected.parameters()):
+            assert (param.grad is None) == (want.grad is None), name
+            if want.grad is not None:
+                torch.testing.assert_close(param.grad, want.grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert sum(counters["graph_break"].values()) == 0
