@@ -189,6 +189,7 @@ def test_train_rejects_a_batch_that_does_not_split(capsys):
         (["--schedule", "zb-v", "--layers", "1"], "needs 4 chunks but the model has 3 layers"),
         (["--timeout", "0"], "timeout must be positive"),
         (["--partition", "balanced"], "partition must be even or profile, got 'balanced'"),
+        (["--compile", "nope"], "compile backend 'nope' is not one of torch.compile's"),
     ],
 )
 def test_train_validates_its_flags_before_starting_ranks(capsys, monkeypatch, flags, message):

@@ -106,6 +106,14 @@ def test_training_on_a_mesh_with_fsdp_along_dp():
     assert summary.last_loss < summary.first_loss
 
 
+def test_training_compiled_blocks_keeps_learning():
+    """``zerobubble train --compile aot_eager``: every block compiled, the linears split inside."""
+    summary = run_training(
+        TrainConfig(schedule="zb-h1", compile="aot_eager", steps=4, layers=2, microbatches=2, progress=False)
+    )
+    assert summary.last_loss < summary.first_loss
+
+
 def test_a_mesh_sets_the_ranks_replicas_and_pipeline_size():
     config = TrainConfig(mesh="pp=2,dp=3", data_parallel="fsdp", batch_size=12, microbatches=2)
     assert (config.world, config.replicas, config.pipeline_ranks) == (6, 3, 2)

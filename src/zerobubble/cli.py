@@ -311,6 +311,14 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.profiler traces of a few steps after warm-up: DIR/rank<r>.pt.trace.json per rank",
     )
     parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        metavar="BACKEND",
+        help="compile every block with torch.compile (backend: inductor, or e.g. aot_eager); "
+        "the linears keep the B/W split",
+    )
+    parser.add_argument(
         "--no-post-validation",
         dest="post_validation",
         action="store_false",

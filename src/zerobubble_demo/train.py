@@ -46,7 +46,9 @@ class TrainConfig:
     ``partition`` is ``"even"`` (layers split evenly by count) or ``"profile"`` (a named schedule's
     layers cut where a profile of them says, ``Pipeline(partition="profile")``).  ``profile`` is a
     directory for ``torch.profiler`` traces of a few steps after warm-up, one Chrome trace JSON per
-    rank (:func:`profile_window`); None: no profiler.
+    rank (:func:`profile_window`); None: no profiler.  ``compile`` is a ``torch.compile`` backend
+    (``"inductor"``, ``"aot_eager"``, ...) every block is compiled with, ``Pipeline(compile=...)``;
+    None: eager.
     """
 
     schedule: str = "zb-v"
@@ -75,6 +77,7 @@ class TrainConfig:
     save: str | None = None
     resume: str | None = None
     profile: str | None = None
+    compile: str | None = None
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -170,6 +173,16 @@ class TrainSummary:
         ]
 
 
+def _check_compile_backend(backend: str | None) -> None:
+    if backend is None:
+        return
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(f"compile backend {backend!r} is not one of torch.compile's: {', '.join(known)}")
+
+
 def check_config(config: TrainConfig) -> Schedule | None:
     """Raise a one-line :class:`ConfigError` for any setting that cannot train, before a rank starts.
 
@@ -213,6 +226,7 @@ def check_config(config: TrainConfig) -> Schedule | None:
             f"resume {config.resume!r} is not a checkpoint directory (no .metadata in it); write one with "
             "--save DIR"
         )
+    _check_compile_backend(config.compile)
     if config.partition not in ("even", "profile"):
         raise ConfigError(f"partition must be even or profile, got {config.partition!r}")
     if config.schedule == "auto":
@@ -299,6 +313,7 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         trace=config.trace is not None,
         memory_limit=config.memory_limit,
         example=example if schedule is None or profiled else None,
+        compile={"backend": config.compile} if config.compile is not None else False,
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
