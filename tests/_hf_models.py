@@ -78,12 +78,12 @@ def tiny_model(family: str, attn: str = "eager", seed: int = 0) -> nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
-def run_layers(layers: list[nn.Module], tokens: torch.Tensor) -> torch.Tensor:
-    """The layers in sequence in this process, as the Pipeline chains them (tuples unpacked)."""
-    values: Any = tokens
-    for layer in layers:
-        values = layer(*values) if isinstance(values, tuple) else layer(values)
-    return values
+def run_layers(layers: list[nn.Module], tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The layers in sequence in this process, as a Pipeline stage chains them (tuples unpacked,
+    each layer given the keyword arguments its ``forward`` takes)."""
+    from zerobubble.runtime.staging import StageModule
+
+    return StageModule(layers)(tokens, **kwargs)
 
 
 def token_batch(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,8 +94,48 @@ def token_batch(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    """Mean next-token cross-entropy (targets of -100 ignored, as in ``transformers``)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+#: How a test batch is laid out: padded at the end or the start (with or without the position ids
+#: ``generate`` passes for left padding), or two packed sequences per row told apart by restarting
+#: position ids and no mask.
+LAYOUTS = ("right", "left", "left positions", "packed")
+
+
+def padded_batch(batch: int, layout: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``(tokens, labels, keyword arguments)`` of a ``(batch, SEQ)`` batch laid out as ``layout``.
+
+    Row ``r`` has ``r % (SEQ - 2)`` padded positions (row 0 none, so the microbatches hold different
+    numbers of real tokens); ``labels`` are the tokens with -100 on the padding, as a collator makes
+    them, unshifted (the model's own loss shifts them: :func:`shift_labels`).  ``packed`` rows hold
+    two sequences, split at ``2 + r % (SEQ - 3)``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB, (batch, SEQ), generator=generator)
+    if layout == "packed":
+        starts = [2 + row % (SEQ - 3) for row in range(batch)]
+        positions = torch.stack([torch.cat([torch.arange(s), torch.arange(SEQ - s)]) for s in starts])
+        return tokens, tokens.clone(), {"position_ids": positions}
+    mask = torch.ones(batch, SEQ, dtype=torch.long)
+    for row in range(batch):
+        pad = row % (SEQ - 2)
+        if layout == "right":
+            mask[row, SEQ - pad :] = 0
+        else:
+            mask[row, :pad] = 0
+    tokens = tokens.masked_fill(mask == 0, 0)  # the pad token
+    kwargs: dict = {"attention_mask": mask}
+    if layout == "left positions":
+        kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    return tokens, tokens.masked_fill(mask == 0, -100), kwargs
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of ``labels`` for a loss on every position: ``labels[:, 1:]`` and an
+    ignored last column, which is what ``transformers``' causal-LM loss computes inside the model."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
 
 
 def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:

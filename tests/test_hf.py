@@ -10,7 +10,17 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from _dist import run_ranks
-from _hf_models import FAMILIES, lm_loss, pipeline_cases, run_layers, tiny_model, token_batch
+from _hf_models import (
+    FAMILIES,
+    LAYOUTS,
+    lm_loss,
+    padded_batch,
+    pipeline_cases,
+    run_layers,
+    shift_labels,
+    tiny_model,
+    token_batch,
+)
 from zerobubble.hf import ADAPTER_DOCS, gpt2_layers, llama_layers, pipeline_layers
 
 CASES = [(family, attn) for family, attns in FAMILIES.items() for attn in attns]
@@ -33,6 +43,49 @@ def test_cut_model_has_the_models_logits_and_gradients(family, attn):
     for name, param in model.named_parameters():
         assert param.grad is not None, name
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+#: Every family and attention implementation on every batch layout, in float32; in float64 under
+#: sdpa (eager attention in float64 gives the model itself NaN logits on a query that sees only
+#: padding: it adds the dtype's lowest value to a score and overflows to -inf).
+PADDED = [(*case, layout, "float32") for case in CASES for layout in LAYOUTS] + [
+    (*case, layout, "float64") for case in CASES if case[1] == "sdpa" for layout in LAYOUTS
+]
+
+
+@pytest.mark.parametrize("family, attn, layout, dtype", PADDED)
+def test_padded_batches_have_the_models_logits_and_gradients(family, attn, layout, dtype):
+    model = tiny_model(family, attn).to(getattr(torch, dtype)).eval()
+    tokens, labels, kwargs = padded_batch(4, layout)
+    # without a cache, as in training: with one the model ignores restarting position ids in its
+    # mask (no packed sequences)
+    expected = model(tokens, labels=labels, use_cache=False, **kwargs)
+    expected_loss = lm_loss(expected.logits, shift_labels(labels))  # in the dtype: the model's is float32
+    torch.testing.assert_close(expected_loss.float(), expected.loss)  # the mean over the real tokens
+    expected_loss.backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    logits = run_layers(pipeline_layers(model), tokens, **kwargs)
+    loss = lm_loss(logits, shift_labels(labels))
+    loss.backward()
+
+    tight = {"rtol": 1e-5, "atol": 1e-6} if dtype == "float32" else {"rtol": 1e-12, "atol": 1e-13}
+    torch.testing.assert_close(logits, expected.logits, **tight)  # padded positions too
+    torch.testing.assert_close(loss, expected_loss, **tight)
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, expected_grads[name], **tight, msg=name)
+
+
+def test_the_padding_mask_changes_the_logits():
+    """The comparison above can fail: the same tokens without their mask give other logits."""
+    model = tiny_model("llama").eval()
+    tokens, _, kwargs = padded_batch(4, "left")
+    layers = pipeline_layers(model)
+    masked, unmasked = run_layers(layers, tokens, **kwargs), run_layers(layers, tokens)
+    assert (masked[1:, -1] - unmasked[1:, -1]).abs().max() > 1e-3  # rows 1..3 are padded
+    torch.testing.assert_close(masked[0], unmasked[0], rtol=0, atol=1e-6)  # row 0 is not
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gemma", "opt", "llama"])
