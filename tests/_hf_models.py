@@ -147,33 +147,94 @@ def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max()) / (1e-6 + 1e-5 * float(expected.abs().max()))
 
 
-def pipeline_cases(cases: list[tuple[str, str]]) -> dict:
-    """For each ``(family, schedule)``: one Pipeline step against the model's own forward.
+def token_mean_targets(labels: torch.Tensor, microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(next-token targets, weights)`` for :func:`token_mean_loss` (the recipe of
+    docs/transformers.md): each real target weighs ``microbatches / real targets in the batch``, so
+    the Pipeline's mean over the microbatches of their weighted sums is the batch's mean over its
+    real tokens, the loss the model itself computes from ``labels``."""
+    targets = shift_labels(labels)
+    real = targets != -100
+    return targets, real * (microbatches / real.sum())
 
-    Returns per case the relative loss error (last rank), the gradient error (:func:`_error`) of every
-    parameter this rank holds (named as in the layers), the parameters it covers under their first
-    names and all the model's first names (a tied parameter has one).
+
+def token_mean_loss(logits: torch.Tensor, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The weighted sum of next-token cross-entropies (ignored targets weigh nothing)."""
+    labels, weights = targets
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    return (losses * weights.flatten()).sum()
+
+
+MICROBATCHES = 4
+
+
+def _reference(
+    model: nn.Module, layout: str, loss: str
+) -> tuple[torch.Tensor, Any, dict, torch.Tensor, float]:
+    """One case's batch and the model's own loss on it: ``(tokens, targets, keyword arguments,
+    expected loss, gap)``; the gap (for "mean") is the :func:`_error` of the gradients of the mean
+    over all real tokens against the expected gradients.
+
+    ``layout`` "whole" is an unpadded batch; the others are :func:`padded_batch` layouts.  ``loss``
+    "token mean" is :func:`token_mean_loss`, expected to equal the model's own loss from the labels;
+    "mean" is :func:`lm_loss` per microbatch, expected to give the mean of the microbatch means (the
+    Pipeline's reduction), which differs from the mean over all real tokens of a padded batch.
+    """
+    if layout == "whole":
+        tokens, targets = token_batch(8, seed=1)
+        labels, kwargs = None, {}
+    else:
+        tokens, labels, kwargs = padded_batch(8, layout, seed=1)
+        targets = shift_labels(labels)
+    if loss == "token mean":
+        expected = model(tokens, labels=labels, use_cache=False, **kwargs).loss
+        return tokens, token_mean_targets(labels, MICROBATCHES), kwargs, expected, 0.0
+    logits = model(tokens, use_cache=False, **kwargs).logits
+    rows = len(tokens) // MICROBATCHES
+    expected = torch.stack(
+        [lm_loss(logits[j : j + rows], targets[j : j + rows]) for j in range(0, len(tokens), rows)]
+    ).mean()
+    # how far the gradients of the mean over all real tokens are from the expected ones, in the
+    # units the Pipeline's gradients are checked in (:func:`_error`)
+    params = list(model.parameters())
+    means = torch.autograd.grad(expected, params, retain_graph=True, allow_unused=True)
+    overall = torch.autograd.grad(lm_loss(logits, targets), params, retain_graph=True, allow_unused=True)
+    gap = max(_error(a, b) for a, b in zip(overall, means) if b is not None)
+    return tokens, targets, kwargs, expected, gap
+
+
+def pipeline_cases(cases: list[tuple[str, str, str, str]]) -> dict:
+    """For each ``(family, schedule, layout, loss)`` (:func:`_reference`): one Pipeline step, and an
+    evaluate, on the batch against the model's own forward.
+
+    Returns per case the relative loss errors of the step and the evaluate (last rank), the gap of
+    :func:`_reference`, the gradient error (:func:`_error`) of every parameter this rank holds
+    (named as in the layers), the parameters it covers under their first names and all the model's
+    first names (a tied parameter has one).
     """
     from zerobubble import Pipeline
     from zerobubble.hf import pipeline_layers
     from zerobubble.runtime.launch import init_distributed
 
     init_distributed(backend="gloo", timeout=60)
-    tokens, targets = token_batch(8, seed=1)
     out: dict = {}
-    for family, schedule in cases:
+    for family, schedule, layout, loss_name in cases:
         model = tiny_model(family).train()
         layers = pipeline_layers(model)
-        expected_loss = lm_loss(model(tokens).logits, targets)
+        tokens, targets, kwargs, expected_loss, gap = _reference(model, layout, loss_name)
         expected_loss.backward()
         whole = nn.Sequential(*layers)
         expected = {name: p.grad.clone() for name, p in whole.named_parameters(remove_duplicate=False)}
         canonical = {id(p): name for name, p in whole.named_parameters()}  # a tied one: its first name
         model.zero_grad(set_to_none=True)
-        pipe = Pipeline(layers, schedule=schedule, microbatches=4, loss_fn=lm_loss, timeout=60)
-        loss = pipe.step(tokens, targets)
-        out[f"{family} {schedule}"] = {
-            "loss": None if loss is None else abs(loss.item() - expected_loss.item()) / expected_loss.item(),
+        loss_fn = token_mean_loss if loss_name == "token mean" else lm_loss
+        pipe = Pipeline(layers, schedule=schedule, microbatches=MICROBATCHES, loss_fn=loss_fn, timeout=60)
+        loss = pipe.step(tokens, targets, **kwargs)
+        evaluated = pipe.evaluate(tokens, targets, **kwargs)
+        value = expected_loss.item()
+        out[" ".join((family, schedule, layout, loss_name))] = {
+            "loss": None if loss is None else abs(loss.item() - value) / value,
+            "evaluate": None if evaluated is None else abs(evaluated.item() - value) / value,
+            "gap": gap,
             "grads": {n: _error(p.grad, expected[n]) for n, p in pipe.named_parameters()},
             "covered": sorted({canonical[id(p)] for _, p in pipe.named_parameters()}),
             "canonical": sorted(canonical.values()),
