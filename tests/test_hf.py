@@ -70,7 +70,9 @@ def test_padded_batches_have_the_models_logits_and_gradients(family, attn, layou
     loss = lm_loss(logits, shift_labels(labels))
     loss.backward()
 
-    tight = {"rtol": 1e-5, "atol": 1e-6} if dtype == "float32" else {"rtol": 1e-12, "atol": 1e-13}
+    # measured: bitwise equal in every case (transformers 5.24, CPU); the tolerances leave room for
+    # another version's kernels
+    tight = {"rtol": 1e-6, "atol": 1e-7} if dtype == "float32" else {"rtol": 1e-12, "atol": 1e-14}
     torch.testing.assert_close(logits, expected.logits, **tight)  # padded positions too
     torch.testing.assert_close(loss, expected_loss, **tight)
     for name, param in model.named_parameters():
