@@ -204,7 +204,8 @@ def _reference(
 
 def pipeline_cases(cases: list[tuple[str, str, str, str]]) -> dict:
     """For each ``(family, schedule, layout, loss)`` (:func:`_reference`): one Pipeline step, and an
-    evaluate, on the batch against the model's own forward.
+    evaluate, on the batch against the model's own forward (schedule "auto": planned from a profile
+    on the batch and its keyword arguments).
 
     Returns per case the relative loss errors of the step and the evaluate (last rank), the gap of
     :func:`_reference`, the gradient error (:func:`_error`) of every parameter this rank holds
@@ -227,7 +228,11 @@ def pipeline_cases(cases: list[tuple[str, str, str, str]]) -> dict:
         canonical = {id(p): name for name, p in whole.named_parameters()}  # a tied one: its first name
         model.zero_grad(set_to_none=True)
         loss_fn = token_mean_loss if loss_name == "token mean" else lm_loss
-        pipe = Pipeline(layers, schedule=schedule, microbatches=MICROBATCHES, loss_fn=loss_fn, timeout=60)
+        # schedule="auto" profiles the layers with the batch's keyword arguments
+        planned = {"example": (tokens, targets, kwargs), "calibrate": 0} if schedule == "auto" else {}
+        pipe = Pipeline(
+            layers, schedule=schedule, microbatches=MICROBATCHES, loss_fn=loss_fn, timeout=60, **planned
+        )
         loss = pipe.step(tokens, targets, **kwargs)
         evaluated = pipe.evaluate(tokens, targets, **kwargs)
         value = expected_loss.item()

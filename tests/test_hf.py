@@ -128,7 +128,8 @@ def test_an_unsupported_model_is_refused_with_the_supported_families():
 #: gives each rank two stages.  All of them pass on 1f1b and on the other schedule too.  Each family
 #: runs an unpadded batch with the mean loss, and a padded one (the layouts in turn) with the
 #: token-mean recipe of docs/transformers.md against the model's own loss from the labels; Llama
-#: also runs a padded batch with the plain mean loss, whose value is the mean of the microbatch means.
+#: also runs a padded batch with the plain mean loss, whose value is the mean of the microbatch means,
+#: and Qwen2 a padded one on schedule="auto", profiled with its padding mask.
 TIED = {"gpt2", "gemma", "gemma2", "opt", "falcon", "falcon-alibi"}
 SCHEDULES = {family: "zb-h1" if family in TIED else "zb-v" for family in FAMILIES}
 TRAINED = [
@@ -138,6 +139,7 @@ TRAINED = [
         for index, (family, schedule) in enumerate(SCHEDULES.items())
     ],
     ("llama", "zb-v", "right", "mean"),
+    ("qwen2", "auto", "left", "token mean"),
 ]
 
 
