@@ -150,17 +150,15 @@ class OPTEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One decoder block of an absolute-position model (GPT-2, OPT): hidden states in and out.
+    """One decoder block of an absolute-position model (GPT-2): hidden states in and out.
 
     The causal mask is rebuilt from the hidden states and the padding mask (:func:`causal_mask`).
-    ``layerdrop`` skips the block in training with that probability, as ``OPTDecoder`` does;
-    ``opt`` mirrors ``OPTDecoder`` further: its mask never reads the position ids (no packed
-    sequences) and its default positions count along the padding mask.
+    ``layerdrop`` skips the block in training with that probability, as ``OPTDecoder`` does.
     """
 
-    def __init__(self, block: nn.Module, config: Any, *, layerdrop: float = 0.0, opt: bool = False):
+    def __init__(self, block: nn.Module, config: Any, *, layerdrop: float = 0.0):
         super().__init__()
-        self.block, self.config, self.layerdrop, self.opt = block, config, layerdrop, opt
+        self.block, self.config, self.layerdrop = block, config, layerdrop
 
     def forward(
         self,
@@ -171,14 +169,28 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         if self.training and self.layerdrop > 0 and torch.rand([]) < self.layerdrop:
             return hidden
-        if self.opt:
-            mask = causal_mask(self.config, hidden, attention_mask=attention_mask)
-            if position_ids is None:
-                position_ids = _opt_positions(attention_mask, hidden)
-        else:
-            mask = causal_mask(self.config, hidden, attention_mask=attention_mask, position_ids=position_ids)
-        output = self.block(hidden, attention_mask=mask, position_ids=_positions(hidden, position_ids))
-        return _hidden(output)
+        mask, positions = self.mask_and_positions(hidden, attention_mask, position_ids)
+        return _hidden(self.block(hidden, attention_mask=mask, position_ids=positions))
+
+    def mask_and_positions(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> tuple[Any, torch.Tensor]:
+        """The block's mask and position ids, as ``GPT2Model`` makes them: its mask helper reads
+        the caller's position ids (packed sequences)."""
+        mask = causal_mask(self.config, hidden, attention_mask=attention_mask, position_ids=position_ids)
+        return mask, _positions(hidden, position_ids)
+
+
+class OPTDecoderLayer(DecoderLayer):
+    """One ``OPTDecoderLayer``: as :class:`DecoderLayer`, with the mask and positions ``OPTDecoder``
+    makes — its mask helper never reads the position ids, its positions count along the padding mask."""
+
+    def mask_and_positions(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> tuple[Any, torch.Tensor]:
+        """The mask of the padding alone; the caller's positions, else :func:`_opt_positions`."""
+        mask = causal_mask(self.config, hidden, attention_mask=attention_mask)
+        return mask, position_ids if position_ids is not None else _opt_positions(attention_mask, hidden)
 
 
 class RotaryDecoderLayer(nn.Module):
@@ -355,7 +367,7 @@ def gpt_neox_layers(model: Any) -> list[nn.Module]:
 def opt_layers(model: Any) -> list[nn.Module]:
     """``OPTForCausalLM`` → ``[embedding, decoder layer 0, …, decoder layer n−1, head]``."""
     decoder, config = model.model.decoder, model.config
-    blocks = [DecoderLayer(block, config, layerdrop=decoder.layerdrop, opt=True) for block in decoder.layers]
+    blocks = [OPTDecoderLayer(block, config, layerdrop=decoder.layerdrop) for block in decoder.layers]
     head = LMHead(decoder.final_layer_norm, model.lm_head, project=decoder.project_out)
     return [OPTEmbedding(decoder), *blocks, head]
 
