@@ -78,12 +78,12 @@ def tiny_model(family: str, attn: str = "eager", seed: int = 0) -> nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
-def run_layers(layers: list[nn.Module], tokens: torch.Tensor) -> torch.Tensor:
-    """The layers in sequence in this process, as the Pipeline chains them (tuples unpacked)."""
-    values: Any = tokens
-    for layer in layers:
-        values = layer(*values) if isinstance(values, tuple) else layer(values)
-    return values
+def run_layers(layers: list[nn.Module], tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The layers in sequence in this process, as a Pipeline stage chains them (tuples unpacked,
+    each layer given the keyword arguments its ``forward`` takes)."""
+    from zerobubble.runtime.staging import StageModule
+
+    return StageModule(layers)(tokens, **kwargs)
 
 
 def token_batch(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,8 +94,48 @@ def token_batch(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    """Mean next-token cross-entropy (targets of -100 ignored, as in ``transformers``)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+#: How a test batch is laid out: padded at the end or the start (with or without the position ids
+#: ``generate`` passes for left padding), or two packed sequences per row told apart by restarting
+#: position ids and no mask.
+LAYOUTS = ("right", "left", "left positions", "packed")
+
+
+def padded_batch(batch: int, layout: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``(tokens, labels, keyword arguments)`` of a ``(batch, SEQ)`` batch laid out as ``layout``.
+
+    Row ``r`` has ``r % (SEQ - 2)`` padded positions (row 0 none, so the microbatches hold different
+    numbers of real tokens); ``labels`` are the tokens with -100 on the padding, as a collator makes
+    them, unshifted (the model's own loss shifts them: :func:`shift_labels`).  ``packed`` rows hold
+    two sequences, split at ``2 + r % (SEQ - 3)``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB, (batch, SEQ), generator=generator)
+    if layout == "packed":
+        starts = [2 + row % (SEQ - 3) for row in range(batch)]
+        positions = torch.stack([torch.cat([torch.arange(s), torch.arange(SEQ - s)]) for s in starts])
+        return tokens, tokens.clone(), {"position_ids": positions}
+    mask = torch.ones(batch, SEQ, dtype=torch.long)
+    for row in range(batch):
+        pad = row % (SEQ - 2)
+        if layout == "right":
+            mask[row, SEQ - pad :] = 0
+        else:
+            mask[row, :pad] = 0
+    tokens = tokens.masked_fill(mask == 0, 0)  # the pad token
+    kwargs: dict = {"attention_mask": mask}
+    if layout == "left positions":
+        kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    return tokens, tokens.masked_fill(mask == 0, -100), kwargs
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of ``labels`` for a loss on every position: ``labels[:, 1:]`` and an
+    ignored last column, which is what ``transformers``' causal-LM loss computes inside the model."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
 
 
 def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -107,33 +147,99 @@ def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max()) / (1e-6 + 1e-5 * float(expected.abs().max()))
 
 
-def pipeline_cases(cases: list[tuple[str, str]]) -> dict:
-    """For each ``(family, schedule)``: one Pipeline step against the model's own forward.
+def token_mean_targets(labels: torch.Tensor, microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(next-token targets, weights)`` for :func:`token_mean_loss` (the recipe of
+    docs/transformers.md): each real target weighs ``microbatches / real targets in the batch``, so
+    the Pipeline's mean over the microbatches of their weighted sums is the batch's mean over its
+    real tokens, the loss the model itself computes from ``labels``."""
+    targets = shift_labels(labels)
+    real = targets != -100
+    return targets, real * (microbatches / real.sum())
 
-    Returns per case the relative loss error (last rank), the gradient error (:func:`_error`) of every
-    parameter this rank holds (named as in the layers), the parameters it covers under their first
-    names and all the model's first names (a tied parameter has one).
+
+def token_mean_loss(logits: torch.Tensor, targets: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The weighted sum of next-token cross-entropies (ignored targets weigh nothing)."""
+    labels, weights = targets
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    return (losses * weights.flatten()).sum()
+
+
+MICROBATCHES = 4
+
+
+def _reference(
+    model: nn.Module, layout: str, loss: str
+) -> tuple[torch.Tensor, Any, dict, torch.Tensor, float]:
+    """One case's batch and the model's own loss on it: ``(tokens, targets, keyword arguments,
+    expected loss, gap)``; the gap (for "mean") is the :func:`_error` of the gradients of the mean
+    over all real tokens against the expected gradients.
+
+    ``layout`` "whole" is an unpadded batch; the others are :func:`padded_batch` layouts.  ``loss``
+    "token mean" is :func:`token_mean_loss`, expected to equal the model's own loss from the labels;
+    "mean" is :func:`lm_loss` per microbatch, expected to give the mean of the microbatch means (the
+    Pipeline's reduction), which differs from the mean over all real tokens of a padded batch.
+    """
+    if layout == "whole":
+        tokens, targets = token_batch(8, seed=1)
+        labels, kwargs = None, {}
+    else:
+        tokens, labels, kwargs = padded_batch(8, layout, seed=1)
+        targets = shift_labels(labels)
+    if loss == "token mean":
+        expected = model(tokens, labels=labels, use_cache=False, **kwargs).loss
+        return tokens, token_mean_targets(labels, MICROBATCHES), kwargs, expected, 0.0
+    logits = model(tokens, use_cache=False, **kwargs).logits
+    rows = len(tokens) // MICROBATCHES
+    expected = torch.stack(
+        [lm_loss(logits[j : j + rows], targets[j : j + rows]) for j in range(0, len(tokens), rows)]
+    ).mean()
+    # how far the gradients of the mean over all real tokens are from the expected ones, in the
+    # units the Pipeline's gradients are checked in (:func:`_error`)
+    params = list(model.parameters())
+    means = torch.autograd.grad(expected, params, retain_graph=True, allow_unused=True)
+    overall = torch.autograd.grad(lm_loss(logits, targets), params, retain_graph=True, allow_unused=True)
+    gap = max(_error(a, b) for a, b in zip(overall, means) if b is not None)
+    return tokens, targets, kwargs, expected, gap
+
+
+def pipeline_cases(cases: list[tuple[str, str, str, str]]) -> dict:
+    """For each ``(family, schedule, layout, loss)`` (:func:`_reference`): one Pipeline step, and an
+    evaluate, on the batch against the model's own forward (schedule "auto": planned from a profile
+    on the batch and its keyword arguments).
+
+    Returns per case the relative loss errors of the step and the evaluate (last rank), the gap of
+    :func:`_reference`, the gradient error (:func:`_error`) of every parameter this rank holds
+    (named as in the layers), the parameters it covers under their first names and all the model's
+    first names (a tied parameter has one).
     """
     from zerobubble import Pipeline
     from zerobubble.hf import pipeline_layers
     from zerobubble.runtime.launch import init_distributed
 
     init_distributed(backend="gloo", timeout=60)
-    tokens, targets = token_batch(8, seed=1)
     out: dict = {}
-    for family, schedule in cases:
+    for family, schedule, layout, loss_name in cases:
         model = tiny_model(family).train()
         layers = pipeline_layers(model)
-        expected_loss = lm_loss(model(tokens).logits, targets)
+        tokens, targets, kwargs, expected_loss, gap = _reference(model, layout, loss_name)
         expected_loss.backward()
         whole = nn.Sequential(*layers)
         expected = {name: p.grad.clone() for name, p in whole.named_parameters(remove_duplicate=False)}
         canonical = {id(p): name for name, p in whole.named_parameters()}  # a tied one: its first name
         model.zero_grad(set_to_none=True)
-        pipe = Pipeline(layers, schedule=schedule, microbatches=4, loss_fn=lm_loss, timeout=60)
-        loss = pipe.step(tokens, targets)
-        out[f"{family} {schedule}"] = {
-            "loss": None if loss is None else abs(loss.item() - expected_loss.item()) / expected_loss.item(),
+        loss_fn = token_mean_loss if loss_name == "token mean" else lm_loss
+        # schedule="auto" profiles the layers with the batch's keyword arguments
+        planned = {"example": (tokens, targets, kwargs), "calibrate": 0} if schedule == "auto" else {}
+        pipe = Pipeline(
+            layers, schedule=schedule, microbatches=MICROBATCHES, loss_fn=loss_fn, timeout=60, **planned
+        )
+        loss = pipe.step(tokens, targets, **kwargs)
+        evaluated = pipe.evaluate(tokens, targets, **kwargs)
+        value = expected_loss.item()
+        out[" ".join((family, schedule, layout, loss_name))] = {
+            "loss": None if loss is None else abs(loss.item() - value) / value,
+            "evaluate": None if evaluated is None else abs(evaluated.item() - value) / value,
+            "gap": gap,
             "grads": {n: _error(p.grad, expected[n]) for n, p in pipe.named_parameters()},
             "covered": sorted({canonical[id(p)] for _, p in pipe.named_parameters()}),
             "canonical": sorted(canonical.values()),

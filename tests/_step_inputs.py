@@ -37,6 +37,13 @@ class MaskedMix(nn.Module):
         return hidden + torch.tanh(self.proj(scores.softmax(-1) @ hidden))
 
 
+class MaskRequired(MaskedMix):
+    """:class:`MaskedMix` whose ``attention_mask`` has no default: it fails without its keyword."""
+
+    def forward(self, hidden, attention_mask, position_ids=None, *, temperature: float = 1.0):
+        return super().forward(hidden, attention_mask, position_ids, temperature=temperature)
+
+
 class Plain(nn.Module):
     """Linear + tanh; takes no keyword argument (it would fail if it were given one)."""
 
@@ -81,9 +88,10 @@ class DictOut(nn.Module):
         return {"hidden": hidden, "scaled": hidden * 2}
 
 
-def make_layers(seed: int) -> list[nn.Module]:
+def make_layers(seed: int, *, first_mix: type[MaskedMix] = MaskedMix) -> list[nn.Module]:
+    """The test model; ``first_mix`` is the class of its first mixing layer (the same parameters)."""
     torch.manual_seed(seed)
-    return [Embed(), MaskedMix(), Plain(), Open(), MaskedMix(), Plain(), MaskedMix(), Head()]
+    return [Embed(), first_mix(), Plain(), Open(), MaskedMix(), Plain(), MaskedMix(), Head()]
 
 
 def token_loss(logits, targets):
@@ -208,6 +216,8 @@ def step_cases() -> dict:
     errors["usable_after"] = _grads_error(pipe, expected)
     results["errors"] = errors
 
+    results["auto"] = auto_cases(tokens, targets, kwargs, expected)
+
     # a name no layer takes (no layer has **kwargs here): refused on every rank
     torch.manual_seed(1)
     layers = [Embed(), MaskedMix(), Plain(), Head()]
@@ -230,3 +240,39 @@ def step_cases() -> dict:
     except PipelineError as error:
         results["dict_between_stages"] = str(error)
     return results
+
+
+def auto_cases(tokens, targets, kwargs, expected) -> dict:
+    """schedule="auto" profiled with the step's keyword arguments (``example=(inputs, targets,
+    kwargs)``) on a model one of whose layers fails without its mask: the plan, the gradient error
+    of a step, and the errors of an example without its keywords, with one that does not split, and
+    with keywords that are not a dict."""
+    from zerobubble import Pipeline
+    from zerobubble.runtime import PipelineError
+
+    def auto(example):
+        layers = make_layers(0, first_mix=MaskRequired)
+        return Pipeline(
+            layers,
+            schedule="auto",
+            microbatches=MICROBATCHES,
+            loss_fn=token_loss,
+            example=example,
+            calibrate=0,
+            timeout=60,
+        )
+
+    pipe = auto((tokens, targets, kwargs))
+    pipe.step(tokens, targets, **kwargs)
+    case: dict = {"grads": _grads_error(pipe, expected), "layers": len(pipe.profile.layers)}
+    for name, example in {
+        "without_keywords": (tokens, targets),
+        "not_split": (tokens, targets, {**kwargs, "position_ids": torch.arange(SEQ).repeat(6, 1)}),
+        "not_a_dict": (tokens, targets, [kwargs["attention_mask"]]),
+    }.items():
+        try:
+            auto(example)
+            case[name] = "no error"
+        except PipelineError as error:
+            case[name] = str(error)
+    return case

@@ -155,9 +155,9 @@ def test_the_profile_evicts_the_caches_only_when_ranks_take_turns_on_a_core(
     asked: list[int] = []
     real_profile = auto.profile_layers
 
-    def profile_layers(named, inputs, targets, loss_fn, device, repeats, comm, evict_bytes):
+    def profile_layers(named, inputs, targets, loss_fn, device, repeats, comm, evict_bytes, kwargs):
         asked.append(evict_bytes)
-        return real_profile(named, inputs, targets, loss_fn, device, repeats=1, comm=comm)
+        return real_profile(named, inputs, targets, loss_fn, device, repeats=1, comm=comm, kwargs=kwargs)
 
     monkeypatch.setattr(auto, "profiling_turns", lambda world, device: turns)
     monkeypatch.setattr(auto, "profile_layers", profile_layers)

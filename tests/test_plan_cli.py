@@ -122,6 +122,70 @@ def test_first_layer_is_profiled_as_the_first_stage_runs_it():
     assert seen == {0: {False}, 1: {True}}
 
 
+class _NeedsMask(nn.Module):
+    """A Linear masked by its keyword ``attention_mask`` (no default), scaled by ``scale``; it reports
+    what it was given (``report`` survives deepcopy)."""
+
+    def __init__(self, report):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.report = report
+
+    def forward(self, x, attention_mask, *, scale: float = 1.0):
+        self.report(("mask", tuple(attention_mask.shape), scale))
+        return self.fc(x) * attention_mask[:, None] * scale
+
+
+class _TakesAll(nn.Module):
+    def __init__(self, report):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.report = report
+
+    def forward(self, x, **kwargs):
+        self.report(("all", tuple(sorted(kwargs))))
+        return self.fc(x)
+
+
+def test_layers_are_profiled_with_the_keywords_a_stage_gives_them():
+    """profile_layers(kwargs=) hands every forward (timed, warm-up, fused) of each layer the keywords
+    its forward takes, as a stage does; a layer that needs one fails without."""
+    from zerobubble.runtime.staging import StageModule
+
+    def layers(report):
+        torch.manual_seed(0)
+        return [_NeedsMask(report), nn.Linear(4, 4), _TakesAll(report)]  # nn.Linear takes none
+
+    inputs, targets = torch.randn(2, 4), torch.randn(2, 4)
+    kwargs = {"attention_mask": torch.tensor([1.0, 0.0]), "scale": 2.0}
+    profiled: list = []
+    profile_layers(layers(profiled.append), inputs, targets, nn.functional.mse_loss, repeats=1, kwargs=kwargs)
+    staged: list = []
+    StageModule(layers(staged.append))(inputs, **kwargs)
+    assert set(profiled) == set(staged) == {("mask", (2,), 2.0), ("all", ("attention_mask", "scale"))}
+    assert len(profiled) >= 4  # the warm-up and the timed forward of both layers, at least
+    with pytest.raises(TypeError, match="attention_mask"):
+        profile_layers(layers(profiled.append), inputs, targets, nn.functional.mse_loss, repeats=1)
+
+
+def test_the_example_may_carry_the_steps_keyword_arguments():
+    from zerobubble.runtime import PipelineError
+    from zerobubble.runtime.auto import example_parts
+
+    mask = torch.ones(4, 3)
+    assert example_parts((1, 2)) == (1, 2, {})
+    assert example_parts([1, 2, {"attention_mask": mask}]) == (1, 2, {"attention_mask": mask})
+    for example, words in [
+        (None, "got NoneType"),
+        ((1,), "got a 1-element tuple"),
+        ((1, 2, mask), "got a third element that is a Tensor, not a dict"),
+        ((1, 2, {}, 4), "got a 4-element tuple"),
+    ]:
+        with pytest.raises(PipelineError, match="example=\\(inputs, targets, \\{") as error:
+            example_parts(example)
+        assert words in str(error.value)
+
+
 def test_caches_are_evicted_before_each_timed_piece_only():
     from zerobubble.runtime.profile import CacheEvictor, split_backward
     from zerobubble.runtime.wgrad import WeightGradStore, install_deferral

@@ -77,6 +77,19 @@ def test_the_pipeline_stays_usable_after_keyword_errors(ranks):
 
 
 @pytest.mark.multiprocess
+def test_auto_profiles_the_layers_with_the_examples_keyword_arguments(ranks):
+    for rank in ranks:
+        auto = rank["auto"]
+        assert auto["layers"] == 8 and auto["grads"] < 1e-5
+        # without its keywords the layer needing the mask fails in the profile, on every rank
+        assert 'schedule="auto" cannot run: profiling the layers failed' in auto["without_keywords"]
+        assert "attention_mask" in auto["without_keywords"]
+        assert "batch size 6 (dimension 0), which does not split into 4" in auto["not_split"]
+        assert "example=(inputs, targets, {" in auto["not_a_dict"]
+        assert "a third element that is a list, not a dict" in auto["not_a_dict"]
+
+
+@pytest.mark.multiprocess
 def test_a_keyword_no_layer_takes_is_refused(ranks):
     for rank in ranks:
         message = rank["unknown"]

@@ -11,8 +11,15 @@ families the rotary tables ``(cos, sin)`` the embedding computes once, as the mo
 decoder layer rebuilds its causal attention mask — sliding-window for the blocks whose attention is
 windowed — and the position ids from the hidden states' shape with ``transformers``' own mask
 helpers, so every attention implementation (eager, sdpa, …) gets the mask the model would give it
-and no ``seq × seq`` tensor crosses a stage boundary.  Sequences are whole and unpadded (no
-attention mask, no cache), as in training on packed or fixed-length sequences.
+and no ``seq × seq`` tensor crosses a stage boundary.
+
+Padded batches: the embedding and every decoder layer take ``attention_mask`` (the 2-D padding mask
+of the tokenizer, 1 = keep) and ``position_ids`` (``(batch, seq)``) as keyword arguments, which
+``Pipeline.step(input_ids, targets=labels, attention_mask=mask)`` hands each of them for its
+microbatch.  They are used as the model's ``forward`` uses them: the padding mask is combined with
+the causal (and sliding-window) mask by the same helpers, OPT derives its positions from the mask
+and Falcon its ALiBi bias, and position ids given without a mask mark packed sequences to the
+families whose ``forward`` detects them.  No KV cache.
 
 A tied head (``tie_word_embeddings``) keeps sharing its Parameter with the token embedding; the
 Pipeline keeps tied parameters tied across ranks.  ``transformers`` is imported only when a layer
@@ -37,19 +44,39 @@ def _hidden(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
-def _positions(hidden: torch.Tensor) -> torch.Tensor:
-    """Position ids ``[[0, 1, …, seq − 1]]`` of a ``(batch, seq, …)`` tensor, as the models build them."""
+def _positions(hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The caller's ``position_ids``, else ``[[0, 1, …, seq − 1]]`` for a ``(batch, seq, …)`` tensor,
+    as the models' ``forward`` defaults them."""
+    if position_ids is not None:
+        return position_ids
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
-def causal_mask(config: Any, hidden: torch.Tensor, *, sliding: bool = False) -> Any:
+def _opt_positions(attention_mask: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """``OPTDecoder``'s default position ids: ``cumsum(mask) · mask − 1`` per row (padding at −1,
+    each sequence from 0 wherever its padding ends); ``arange(seq)`` without a mask."""
+    if attention_mask is None:
+        return _positions(tokens)
+    return (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()
+
+
+def causal_mask(
+    config: Any,
+    hidden: torch.Tensor,
+    *,
+    sliding: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> Any:
     """The causal mask ``config``'s attention implementation expects for ``hidden``'s sequences.
 
     Built by ``transformers.masking_utils`` as the model's ``forward`` builds it, with the causal
     skip disabled, so sdpa gets an explicit boolean mask and eager an additive float one (flash
     attention, which masks by itself, gets ``None``).  ``sliding`` gives the sliding-window mask of
-    ``config.sliding_window``.  No position ids are passed: the sequences are never packed here, and
-    the packing check would read a device tensor back in every layer.
+    ``config.sliding_window``.  ``attention_mask`` (2-D, 1 = keep) removes the padded keys, as in
+    the model.  ``position_ids`` are the caller's only: without a padding mask the helper reads
+    restarting positions as packed sequences (a device-to-host read in every layer), and the
+    default ``arange`` positions never restart, so they are not passed.
     """
     from transformers import masking_utils
 
@@ -57,8 +84,9 @@ def causal_mask(config: Any, hidden: torch.Tensor, *, sliding: bool = False) -> 
     return make(
         config=config,
         inputs_embeds=hidden,
-        attention_mask=None,
+        attention_mask=attention_mask,
         cache=None,
+        position_ids=position_ids,
         allow_is_causal_skip=False,
     )
 
@@ -78,9 +106,11 @@ class RotaryEmbedding(nn.Module):
         self.embed_tokens, self.rotary_emb = embed, rotary  # the names llama_layers always gave them
         self.dropout = dropout if dropout is not None else nn.Identity()
 
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden = self.dropout(self.embed_tokens(tokens))
-        cos, sin = self.rotary_emb(hidden, _positions(tokens))
+        cos, sin = self.rotary_emb(hidden, _positions(tokens, position_ids))
         return hidden, cos, sin
 
 
@@ -91,21 +121,28 @@ class GPT2Embedding(nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.wte(tokens) + self.wpe(_positions(tokens)))
+    def forward(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.drop(self.wte(tokens) + self.wpe(_positions(tokens, position_ids)))
 
 
 class OPTEmbedding(nn.Module):
-    """Token and learned position embeddings of an ``OPTDecoder``, with its ``project_in`` if any."""
+    """Token and learned position embeddings of an ``OPTDecoder``, with its ``project_in`` if any
+    (the positions counted along the padding mask, as ``OPTDecoder`` counts them)."""
 
     def __init__(self, decoder: Any):
         super().__init__()
         self.embed_tokens, self.embed_positions = decoder.embed_tokens, decoder.embed_positions
         self.project_in = decoder.project_in if decoder.project_in is not None else nn.Identity()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        ones = torch.ones(tokens.shape, device=tokens.device)
-        positions = self.embed_positions(ones, 0, position_ids=_positions(tokens))
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ids = position_ids if position_ids is not None else _opt_positions(attention_mask, tokens)
+        positions = self.embed_positions(torch.ones(tokens.shape, device=tokens.device), 0, position_ids=ids)
         return self.project_in(self.embed_tokens(tokens)) + positions
 
 
@@ -113,28 +150,55 @@ class OPTEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One decoder block of an absolute-position model (GPT-2, OPT): hidden states in and out.
+    """One decoder block of an absolute-position model (GPT-2): hidden states in and out.
 
-    The causal mask is rebuilt from the hidden states (:func:`causal_mask`).  ``layerdrop`` skips
-    the block in training with that probability, as ``OPTDecoder`` does.
+    The causal mask is rebuilt from the hidden states and the padding mask (:func:`causal_mask`).
+    ``layerdrop`` skips the block in training with that probability, as ``OPTDecoder`` does.
     """
 
     def __init__(self, block: nn.Module, config: Any, *, layerdrop: float = 0.0):
         super().__init__()
         self.block, self.config, self.layerdrop = block, config, layerdrop
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self.training and self.layerdrop > 0 and torch.rand([]) < self.layerdrop:
             return hidden
-        mask = causal_mask(self.config, hidden)
-        return _hidden(self.block(hidden, attention_mask=mask, position_ids=_positions(hidden)))
+        mask, positions = self.mask_and_positions(hidden, attention_mask, position_ids)
+        return _hidden(self.block(hidden, attention_mask=mask, position_ids=positions))
+
+    def mask_and_positions(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> tuple[Any, torch.Tensor]:
+        """The block's mask and position ids, as ``GPT2Model`` makes them: its mask helper reads
+        the caller's position ids (packed sequences)."""
+        mask = causal_mask(self.config, hidden, attention_mask=attention_mask, position_ids=position_ids)
+        return mask, _positions(hidden, position_ids)
+
+
+class OPTDecoderLayer(DecoderLayer):
+    """One ``OPTDecoderLayer``: as :class:`DecoderLayer`, with the mask and positions ``OPTDecoder``
+    makes — its mask helper never reads the position ids, its positions count along the padding mask."""
+
+    def mask_and_positions(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> tuple[Any, torch.Tensor]:
+        """The mask of the padding alone; the caller's positions, else :func:`_opt_positions`."""
+        mask = causal_mask(self.config, hidden, attention_mask=attention_mask)
+        return mask, position_ids if position_ids is not None else _opt_positions(attention_mask, hidden)
 
 
 class RotaryDecoderLayer(nn.Module):
     """One decoder block of a rotary-position model: ``(hidden, cos, sin) → (hidden, cos, sin)``.
 
-    The block's causal mask (sliding-window when ``sliding``) and position ids are rebuilt from the
-    hidden states; the rotary tables pass through to the next block.
+    The block's causal mask (sliding-window when ``sliding``) is rebuilt from the hidden states and
+    the padding mask, the position ids are the caller's or ``arange(seq)``; the rotary tables pass
+    through to the next block.
     """
 
     def __init__(self, block: nn.Module, config: Any, *, sliding: bool = False):
@@ -142,44 +206,75 @@ class RotaryDecoderLayer(nn.Module):
         self.layer, self.config, self.sliding = block, config, sliding  # ``layer``: llama_layers' name
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mask = causal_mask(self.config, hidden, sliding=self.sliding)
+        mask = causal_mask(
+            self.config,
+            hidden,
+            sliding=self.sliding,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+        )
         output = self.layer(
-            hidden, attention_mask=mask, position_ids=_positions(hidden), position_embeddings=(cos, sin)
+            hidden,
+            attention_mask=mask,
+            position_ids=_positions(hidden, position_ids),
+            position_embeddings=(cos, sin),
         )
         return _hidden(output), cos, sin
 
 
 class FalconDecoderLayer(RotaryDecoderLayer):
     """One ``FalconDecoderLayer``: rotary, or ALiBi (``config.alibi``) folded into the mask as
-    ``FalconModel`` folds it (the ALiBi bias is rebuilt from the hidden states' shape too)."""
+    ``FalconModel`` folds it (the ALiBi bias is rebuilt from the padding mask too)."""
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mask, alibi = falcon_mask(self.config, hidden)
+        mask, alibi = falcon_mask(
+            self.config, hidden, attention_mask=attention_mask, position_ids=position_ids
+        )
         output = self.layer(
             hidden,
             alibi=alibi,
             attention_mask=mask,
-            position_ids=_positions(hidden),
+            position_ids=_positions(hidden, position_ids),
             position_embeddings=(cos, sin),
         )
         return _hidden(output), cos, sin
 
 
-def falcon_mask(config: Any, hidden: torch.Tensor) -> tuple[Any, torch.Tensor | None]:
+def falcon_mask(
+    config: Any,
+    hidden: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[Any, torch.Tensor | None]:
     """``FalconModel``'s ``(mask, alibi)`` for ``hidden``: the causal mask, with the ALiBi bias
-    added in (and the bias itself, shaped as the model passes it) when ``config.alibi``."""
+    added in (and the bias itself, shaped as the model passes it) when ``config.alibi``.  The bias
+    counts positions along the padding mask ``attention_mask`` (all ones without one)."""
     from transformers.models.falcon.modeling_falcon import build_alibi_tensor
 
-    mask = causal_mask(config, hidden)
+    mask = causal_mask(config, hidden, attention_mask=attention_mask, position_ids=position_ids)
     if not config.alibi:
         return mask, None
     batch, seq, heads = hidden.shape[0], hidden.shape[1], config.num_attention_heads
-    ones = torch.ones((batch, seq), device=hidden.device, dtype=torch.long)
-    alibi = build_alibi_tensor(ones, heads, dtype=hidden.dtype)
+    if attention_mask is None:
+        attention_mask = torch.ones((batch, seq), device=hidden.device, dtype=torch.long)
+    alibi = build_alibi_tensor(attention_mask, heads, dtype=hidden.dtype)
     if mask is None or mask.ndim != 4:
         return mask, alibi
     lowest = torch.finfo(hidden.dtype).min
@@ -272,7 +367,7 @@ def gpt_neox_layers(model: Any) -> list[nn.Module]:
 def opt_layers(model: Any) -> list[nn.Module]:
     """``OPTForCausalLM`` → ``[embedding, decoder layer 0, …, decoder layer n−1, head]``."""
     decoder, config = model.model.decoder, model.config
-    blocks = [DecoderLayer(block, config, layerdrop=decoder.layerdrop) for block in decoder.layers]
+    blocks = [OPTDecoderLayer(block, config, layerdrop=decoder.layerdrop) for block in decoder.layers]
     head = LMHead(decoder.final_layer_norm, model.lm_head, project=decoder.project_out)
     return [OPTEmbedding(decoder), *blocks, head]
 
@@ -306,8 +401,9 @@ def pipeline_layers(model: Any) -> list[nn.Module]:
     """A ``transformers`` causal LM → ``[embedding, one layer per decoder block, head]`` for
     :class:`~zerobubble.Pipeline`, chosen by ``model.config.model_type`` (see :data:`ADAPTERS`).
 
-    The layers share the model's parameters (nothing is copied) and compute its logits for whole
-    unpadded sequences under any attention implementation.  Raises ``TypeError`` for an object
+    The layers share the model's parameters (nothing is copied) and compute its logits under any
+    attention implementation, for padded batches too (pass ``attention_mask`` and ``position_ids``
+    to ``Pipeline.step`` as keyword arguments, as to the model).  Raises ``TypeError`` for an object
     that is not a ``transformers`` causal LM and ``ValueError`` for an unsupported family.
     """
     family = getattr(getattr(model, "config", None), "model_type", None)

@@ -3,12 +3,12 @@
 :func:`resolve_auto` is called by the Pipeline before it places any layer: :func:`plan_for_pipeline`
 decides, :func:`~.resolve.from_plan` makes the plan the Pipeline's :class:`~.resolve.Resolution`.
 Ranks 0 and 1 of the group time a transfer (:func:`~.profile.measure_transfer`); every rank
-profiles the layers on the first microbatch of the example batch (on copies: the model, its
-gradients and the random state are untouched) — all at once, or in turns when the ranks outnumber
-the CPU cores (:func:`profiling_turns`); rank 0 takes the median of each time over the ranks and
-runs :func:`zerobubble.schedule.modelplan.plan`; the resulting :class:`Plan` — or the error saying why
-nothing fits — is broadcast, so every rank either runs the same schedule and partition or raises
-the same :class:`PipelineError` before allocating anything.
+profiles the layers on the first microbatch of the example batch and of its keyword arguments (on
+copies: the model, its gradients and the random state are untouched) — all at once, or in turns
+when the ranks outnumber the CPU cores (:func:`profiling_turns`); rank 0 takes the median of each
+time over the ranks and runs :func:`zerobubble.schedule.modelplan.plan`; the resulting
+:class:`Plan` — or the error saying why nothing fits — is broadcast, so every rank either runs the
+same schedule and partition or raises the same :class:`PipelineError` before allocating anything.
 
 :class:`Calibrator` then records the run's own first steps and calibrates the plan from them
 (:func:`zerobubble.schedule.modelplan.calibrate`): ``pipe.plan.calibration`` holds the prediction from
@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -60,16 +60,14 @@ def plan_for_pipeline(
 ) -> tuple[Plan, ModelProfile]:
     """The plan every rank of ``group`` agrees on, and the profile it came from (collective).
 
-    ``example`` is one batch as :meth:`Pipeline.step` takes it, ``(inputs, targets)``; ``ranks`` is the
-    pipeline's size; ``schedules`` limits the candidates (every registry schedule but the ILP when
-    None; a named schedule with ``partition="profile"`` passes just its own) and ``chunks`` fixes the
-    interleaved chunk count.  Raises :class:`PipelineError` on every rank when no schedule fits.
+    ``example`` is one batch as :meth:`Pipeline.step` takes it, ``(inputs, targets)`` or
+    ``(inputs, targets, kwargs)`` with the step's keyword arguments in a dict
+    (:func:`example_parts`); ``ranks`` is the pipeline's size; ``schedules`` limits the candidates
+    (every registry schedule but the ILP when None; a named schedule with ``partition="profile"``
+    passes just its own) and ``chunks`` fixes the interleaved chunk count.  Raises
+    :class:`PipelineError` on every rank when no schedule fits.
     """
-    if example is None or not isinstance(example, (tuple, list)) or len(example) != 2:
-        raise PipelineError(
-            'schedule="auto" profiles the layers before placing them: pass example=(inputs, targets), one '
-            "batch as step() takes it"
-        )
+    example = example_parts(example)
     comm = measure_transfer(group, device)
     mine: ModelProfile | str = "this rank did not profile"
     turns = profiling_turns(dist.get_world_size(group), device)
@@ -158,9 +156,29 @@ def cpu_slots(device: torch.device) -> int | None:
     return max(1, cores // max(1, torch.get_num_threads()))
 
 
+def example_parts(example: Any) -> tuple[Any, Any, Mapping[str, Any]]:
+    """``example`` as ``(inputs, targets, keyword arguments)``: ``(inputs, targets)`` has none, a
+    third element is the dict of keyword arguments ``step(inputs, targets, **kwargs)`` would get
+    (``{"attention_mask": mask}``).  Anything else raises :class:`PipelineError`."""
+    sequence = isinstance(example, (tuple, list))
+    if sequence and len(example) == 2:
+        return example[0], example[1], {}
+    if sequence and len(example) == 3 and isinstance(example[2], Mapping):
+        return example[0], example[1], example[2]
+    if sequence and len(example) == 3:
+        given = f"a third element that is a {type(example[2]).__name__}, not a dict"
+    else:
+        given = f"a {len(example)}-element {type(example).__name__}" if sequence else type(example).__name__
+    raise PipelineError(
+        'schedule="auto" profiles the layers before placing them: pass example=(inputs, targets), one '
+        'batch as step() takes it, or example=(inputs, targets, {"attention_mask": mask, ...}) with '
+        f"the keyword arguments step() gets (got {given})"
+    )
+
+
 def _profile_here(
     named: Sequence[tuple[str, nn.Module]],
-    example: Any,
+    example: tuple[Any, Any, Mapping[str, Any]],
     loss_fn: Callable[[Any, Any], torch.Tensor],
     microbatches: int,
     device: torch.device,
@@ -168,11 +186,28 @@ def _profile_here(
     repeats: int,
     evict_bytes: int = 0,
 ) -> ModelProfile | str:
-    """This rank's profile of the layers on the first microbatch, or why it failed."""
+    """This rank's profile of the layers on the first microbatch, or why it failed.
+
+    The keyword arguments are split and checked as :meth:`Pipeline.step` splits them
+    (:func:`~.staging.split_keywords`): the layers are profiled with the first microbatch's.
+    """
+    from .staging import layer_keywords, split_keywords
+
     try:
-        inputs, targets = (_first_microbatch(part, microbatches) for part in example)
+        inputs, targets, kwargs = example
+        inputs, targets = (_first_microbatch(part, microbatches) for part in (inputs, targets))
+        keywords = [(name, layer_keywords(layer)) for name, layer in named]
+        first = split_keywords(kwargs, microbatches, device, "step", keywords)[:1]
         return profile_layers(
-            named, inputs, targets, loss_fn, device, repeats, comm=comm, evict_bytes=evict_bytes
+            named,
+            inputs,
+            targets,
+            loss_fn,
+            device,
+            repeats,
+            comm=comm,
+            evict_bytes=evict_bytes,
+            kwargs=first[0] if first else None,
         )
     except PipelineError as error:
         return str(error)

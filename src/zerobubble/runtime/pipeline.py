@@ -116,8 +116,10 @@ class Pipeline:
 
     ``schedule="auto"`` chooses the schedule, chunk count and partition from measurement
     (:mod:`.auto`): every rank profiles the layers on the first microbatch of ``example`` (one batch,
-    ``(inputs, targets)``), rank 0 plans under ``memory_limit`` bytes per rank (``"24GiB"``, or
-    ``"80%"`` of a GPU's memory) and broadcasts the plan; :attr:`plan` then says what was chosen and why.
+    ``(inputs, targets)``, or ``(inputs, targets, {"attention_mask": mask})`` with the keyword
+    arguments the steps will pass, split and handed to the layers as :meth:`step` does), rank 0 plans
+    under ``memory_limit`` bytes per rank (``"24GiB"``, or ``"80%"`` of a GPU's memory) and
+    broadcasts the plan; :attr:`plan` then says what was chosen and why.
     The ``calibrate`` steps after the first one (0: none) are recorded and the plan is calibrated
     from their measured op times: ``plan.calibration`` then holds the prediction made from them and
     the plan they would choose (the running plan is kept; ``docs/auto-planning.md``).

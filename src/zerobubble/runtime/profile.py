@@ -27,7 +27,7 @@ import copy
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule.modelplan import LayerProfile, ModelProfile, median_profile
+from .staging import layer_keywords
 from .tensors import storage_bytes
 from .wgrad import WeightGradStore, install_deferral
 
@@ -51,12 +52,17 @@ def profile_layers(
     optimizer_bytes_per_parameter_byte: float = 2.0,
     comm: tuple[float, float] = (0.0, 0.0),
     evict_bytes: int = 0,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
 ) -> ModelProfile:
     """Per-layer costs of ``layers`` on the microbatch ``inputs`` (a tensor or tuple of tensors).
 
     ``loss_fn(output, targets)`` is timed with the last layer (its F computes the loss, its B starts
     from it, as on the pipeline's last stage); without it the last layer's B starts from a gradient of
-    ones.  ``comm`` is ``(latency seconds, bandwidth bytes/s)`` from :func:`measure_transfer`.
+    ones.  ``kwargs`` are the microbatch's keyword arguments (``attention_mask=``, already on
+    ``device`` and cut to the microbatch: :func:`~.staging.split_keywords`); every forward of a layer
+    gets those its ``forward`` takes, as a stage passes them (:class:`~.staging.StageModule`).
+    ``comm`` is ``(latency seconds, bandwidth bytes/s)`` from :func:`measure_transfer`.
     ``evict_bytes`` > 0 writes a buffer of that size before each timed F, B, W and BW
     (:class:`CacheEvictor`), for the case where the other layers of a stage push a layer's data out
     of the caches between two of its ops.  Off by default: the op times recorded in pipeline runs of
@@ -82,8 +88,9 @@ def profile_layers(
             for index, (name, layer) in enumerate(named):
                 last = index == len(named) - 1
                 loss = (loss_fn, _to_device(targets, target_device)) if last and loss_fn is not None else None
+                keywords = layer_keywords(layer).select(kwargs, len(values)) if kwargs else {}
                 profile, values = _profile_layer(
-                    name, layer, values, loss, target_device, optimizer_factor, index == 0, evict
+                    name, layer, values, loss, target_device, optimizer_factor, index == 0, evict, keywords
                 )
                 sweep.append(profile)
             sweeps.append(sweep)
@@ -174,12 +181,14 @@ def _profile_layer(
     optimizer_factor: float,
     first: bool = False,
     evict: Callable[[], None] = lambda: None,
+    keywords: Mapping[str, Any] | None = None,
 ) -> tuple[LayerProfile, tuple[torch.Tensor, ...]]:
     """Time and size one layer once (on a copy, after a warm-up); its profile and detached outputs.
 
     The ``first`` layer takes the data as the pipeline's first stage does, without asking for its
-    gradient: its B computes no input gradient.
+    gradient: its B computes no input gradient.  Every forward gets the keyword arguments ``keywords``.
     """
+    keywords = keywords or {}
     module = copy.deepcopy(layer).to(device)
     store = WeightGradStore()
     deferral = install_deferral([module], store)
@@ -196,7 +205,7 @@ def _profile_layer(
         before()
         started = _now(device)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            result = module(*inputs)
+            result = module(*inputs, **keywords)
             outputs = result if isinstance(result, tuple) else (result,)
             head = loss[0](result, loss[1]) if loss is not None else None
         forward = _now(device) - started
@@ -215,7 +224,11 @@ def _profile_layer(
         )
     # fused schedules install the fast paths only: without a generic module that is this copy already
     fused_split = (module, store) if not deferral.generic else _fast_paths_copy(layer, device)
-    fused = _fused_backward_time(*fused_split, _layer_inputs(values, first), loss, evict) if w > 0 else 0.0
+    fused = (
+        _fused_backward_time(*fused_split, _layer_inputs(values, first), loss, evict, keywords)
+        if w > 0
+        else 0.0
+    )
     parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     profile = LayerProfile(
@@ -256,13 +269,14 @@ def _fused_backward_time(
     inputs: tuple[torch.Tensor, ...],
     loss: tuple[Loss, Any] | None,
     evict: Callable[[], None],
+    keywords: Mapping[str, Any],
 ) -> float:
     """The fused backward (BW) of 1F1B-style schedules on ``module``, split into ``store`` as those
-    schedules run it (fast paths only), timed after a warm-up."""
+    schedules run it (fast paths only), timed after a warm-up; the forwards get ``keywords``."""
     elapsed = 0.0
     for timed in (False, True):  # the warm-up creates the .grad tensors the timed run adds into
         with store.keyed_forward((0, 1)):  # as the executor's forwards: no hooks on the norms
-            result = module(*inputs)
+            result = module(*inputs, **keywords)
         outputs = result if isinstance(result, tuple) else (result,)
         tensors, grads = _backward_roots(outputs, loss[0](result, loss[1]) if loss is not None else None)
         if not tensors:
