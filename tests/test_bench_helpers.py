@@ -101,7 +101,7 @@ def test_the_cli_offers_every_bench_wgrad_stage_and_model():
     import argparse
 
     from zerobubble.cli import build_parser
-    from zerobubble_bench.split_models import SPLIT_MODELS
+    from zerobubble_bench.split_models import REFERENCE_MODELS, SPLIT_MODELS
     from zerobubble_bench.wgrad import SPLIT_STAGES
 
     def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -110,5 +110,5 @@ def test_the_cli_offers_every_bench_wgrad_stage_and_model():
 
     wgrad = subparser(subparser(build_parser(), "bench"), "wgrad")
     choices = {action.dest: action.choices for action in wgrad._actions}
-    assert list(choices["models"]) == list(SPLIT_MODELS)
+    assert list(choices["models"]) == [*SPLIT_MODELS, *REFERENCE_MODELS]
     assert list(choices["stages"]) == list(SPLIT_STAGES)
