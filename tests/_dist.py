@@ -326,3 +326,39 @@ def _error_case(case: str) -> str:
     except PipelineError as error:
         return str(error)
     return "no error"
+
+
+def held_sends(cases: list[tuple[str, int]]) -> dict:
+    """Rank worker: per ``(schedule, m)``, the most sends the channels hold after any op of a step
+    (the second: no headers), and the storage bytes behind each loss the step returns."""
+    import torch.nn.functional as F
+
+    from zerobubble.runtime.pipeline import Pipeline
+    from zerobubble_bench.memory import mlp_blocks
+
+    init_distributed(backend="gloo", timeout=60)
+    results = {}
+    for name, m in cases:
+        pipe = Pipeline(mlp_blocks(0), schedule=name, microbatches=m, loss_fn=F.mse_loss, timeout=60)
+        inputs, targets = torch.randn(4 * m, 16), torch.randn(4 * m, 16)
+        pipe.step(inputs, targets)
+        counter = _SendCounter(pipe._executor.comm)
+        pipe.recorder = counter
+        pipe.step(inputs, targets)
+        losses = pipe._executor._losses  # the step's per-microbatch losses (the last stage's rank)
+        sizes = [t.untyped_storage().nbytes() for t in losses]
+        results[(name, m)] = {"held": max(counter.counts), "loss bytes": sizes}
+    return results
+
+
+class _SendCounter:
+    """A recorder noting after every op how many sends ``comm`` still holds."""
+
+    def __init__(self, comm):
+        self.comm, self.counts = comm, []
+
+    def op(self, op, start, end):
+        self.counts.append(len(self.comm._sends))
+
+    def wait(self, key, start, end):
+        pass

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zerobubble_bench.memory import mlp_blocks
+from zerobubble_bench.memory import AllocationMeter, dropout_blocks, mlp_blocks
 from zerobubble_bench.split_models import split_model
 from zerobubble_bench.tables import preserved_torch_state
 from zerobubble_bench.wgrad import wgrad_split_cost
@@ -18,6 +18,7 @@ from zerobubble_bench.workloads import mlp_layers, uneven_lm_workload, workload
         lambda: uneven_lm_workload(2, 1).make_layers(),
         lambda: split_model("convnet", width=4, batch=2, seq=4),
         lambda: mlp_blocks(5),
+        lambda: dropout_blocks(5),
     ],
 )
 def test_building_a_benchmark_model_keeps_the_global_rng(build):
@@ -101,7 +102,7 @@ def test_the_cli_offers_every_bench_wgrad_stage_and_model():
     import argparse
 
     from zerobubble.cli import build_parser
-    from zerobubble_bench.split_models import SPLIT_MODELS
+    from zerobubble_bench.split_models import REFERENCE_MODELS, SPLIT_MODELS
     from zerobubble_bench.wgrad import SPLIT_STAGES
 
     def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -110,5 +111,23 @@ def test_the_cli_offers_every_bench_wgrad_stage_and_model():
 
     wgrad = subparser(subparser(build_parser(), "bench"), "wgrad")
     choices = {action.dest: action.choices for action in wgrad._actions}
-    assert list(choices["models"]) == list(SPLIT_MODELS)
+    assert list(choices["models"]) == [*SPLIT_MODELS, *REFERENCE_MODELS]
     assert list(choices["stages"]) == list(SPLIT_STAGES)
+
+
+def test_the_allocation_meter_counts_live_storages_and_files_them_by_holder():
+    outside = torch.ones(1000)  # allocated before: not counted, nor is a view of an excluded tensor
+    excluded = torch.ones(100)
+    held: list[torch.Tensor] = []
+    meter = AllocationMeter(
+        [excluded], classify=lambda: {"held": {t.untyped_storage().data_ptr() for t in held}}
+    )
+    with meter:
+        held.append(torch.zeros(1000))  # 4000 bytes
+        extra = torch.zeros(2000)  # 8000 more: the peak, 12000
+        excluded.view(10, 10).add_(1)
+        del extra
+        torch.zeros(500)  # 2000, freed at once
+        outside.view(10, 100).mul(1)  # 4000, freed at once
+    assert meter.peak == 12000
+    assert meter.where == {"held": 4000, "other": 8000}

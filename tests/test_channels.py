@@ -14,8 +14,11 @@ from zerobubble.schedule.channels import (
     GRADIENTS,
     MessageKey,
     channel_messages,
+    delivered_before,
     directed_pairs,
+    received_message,
     receiving_stage,
+    sending_stage,
     sent_message,
 )
 
@@ -76,3 +79,48 @@ def test_every_cross_rank_message_on_exactly_one_channel_in_program_order(name, 
     total = sum(len(keys) for keys in expected.values())
     assert total == 2 * boundaries * schedule.microbatches
     assert len({key for keys in expected.values() for key in keys}) == total
+
+
+def test_1f1b_delivery_proofs_by_hand():
+    """Rank 1 of 1F1B receives activation j in F1.j and sends gradient j in BW1.j right after."""
+    schedule = build_schedule("1f1b", 2, 3)
+    assert delivered_before(schedule, 0, 1) == {
+        MessageKey(GRADIENTS, 0, j): [MessageKey(ACTIVATIONS, 0, j)] for j in range(3)
+    }
+    # rank 0 sends activations 0 and 1 (warm-up) before it receives gradient 0 in BW0.0
+    assert delivered_before(schedule, 1, 0) == {
+        MessageKey(ACTIVATIONS, 0, 0): [],
+        MessageKey(ACTIVATIONS, 0, 1): [],
+        MessageKey(ACTIVATIONS, 0, 2): [MessageKey(GRADIENTS, 0, 0)],
+    }
+
+
+def test_received_and_sending_stage_mirror_sent_and_receiving_stage():
+    schedule = build_schedule("zb-v", 2, 4)
+    for program in schedule.programs:
+        for op in program:
+            key = received_message(op, schedule.num_stages)
+            if key is not None:
+                assert receiving_stage(key) == op.stage and key.microbatch == op.microbatch
+            sent = sent_message(op, schedule.num_stages)
+            if sent is not None:
+                assert sending_stage(sent) == op.stage
+
+
+@pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_delivery_proof_lists_messages_the_peer_received_before_sending(name, ranks):
+    """What :func:`delivered_before` lists for a message of ``dst`` are messages of ``src`` that
+    ``dst``'s program waits for before it sends that message (at an earlier op, or at the start of
+    the sending op itself), each listed once."""
+    schedule = build_schedule(name, ranks, 2 * ranks)
+    for src, dst in directed_pairs(schedule):
+        proofs = delivered_before(schedule, src, dst)
+        assert list(proofs) == channel_messages(schedule, dst, src)
+        listed = [key for keys in proofs.values() for key in keys]
+        assert len(listed) == len(set(listed)) and set(listed) <= set(channel_messages(schedule, src, dst))
+        program = schedule.programs[dst]
+        waits = {received_message(op, schedule.num_stages): i for i, op in enumerate(program)}
+        sends = {sent_message(op, schedule.num_stages): i for i, op in enumerate(program)}
+        for key, delivered in proofs.items():
+            assert all(waits[earlier] <= sends[key] for earlier in delivered), (src, dst, key)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import run_ranks
+from _dist import held_sends, run_ranks
 from zerobubble_bench.memory import peak_memory
 
 pytestmark = pytest.mark.multiprocess
@@ -47,3 +47,18 @@ def test_the_meter_sees_memory_grow_where_it_should(peaks):
     for rank in range(2):
         small, large = (peaks[("gpipe", m)][rank]["peak"] for m in (8, 16))
         assert large >= 1.9 * small
+
+
+def test_sent_tensors_and_losses_are_not_kept_for_the_whole_step():
+    """gloo's send work reports completion only to a wait: the channels wait for a send once the
+    peer's reply proves it delivered (``delivered_before``), so the tensors they hold stay a few,
+    whatever m, instead of every message of the step; and a returned loss owns a scalar's storage
+    (CPU ``F.mse_loss`` returns a view into its elementwise buffer)."""
+    cases = [(name, m) for name in ("1f1b", "zb-h1", "v-half", "zb-v") for m in (8, 16)]
+    per_rank = run_ranks(held_sends, 2, cases, timeout=120)
+    for name in ("1f1b", "zb-h1", "v-half", "zb-v"):
+        for rank, result in enumerate(per_rank):
+            held = [result[(name, m)]["held"] for m in (8, 16)]
+            assert held[0] == held[1] and held[1] <= 4, (name, rank, held)
+            assert all(size == 4 for size in result[(name, 16)]["loss bytes"]), (name, rank)
+    assert any(result[("v-half", 16)]["loss bytes"] for result in per_rank), "losses were returned"

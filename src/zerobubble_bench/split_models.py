@@ -31,6 +31,10 @@ are ``F.linear`` calls on parameters: the generic split's routed closed form), a
 blocks written with raw parameters (``x @ weight`` and ``F.layer_norm`` on their own tensors: no
 fast path; the generic split routes the products and takes the norms' gradients from B)."""
 
+REFERENCE_MODELS = ("blocks",)
+"""Models for the W share only: ``blocks`` is ``checkpointed`` without the checkpointing (the demo
+GPT's blocks, which other tests check), so its stages show what recomputing the forward adds to B."""
+
 
 @dataclass
 class SplitModel:
@@ -86,10 +90,12 @@ def _build_split_model(name: str, width: int, batch: int, seq: int, seed: int) -
         labels = torch.randint(10, (batch,), generator=generator)
         layers = [_conv_bn(3, width), _conv_bn(width, width), _conv_bn(width, width), _ConvHead(width, 10)]
         return SplitModel(layers, F.cross_entropy, images, labels)
-    if name == "checkpointed":
+    if name in ("checkpointed", "blocks"):
         config = GPTConfig(vocab=vocab, seq_len=seq, dim=width, heads=2, n_layers=2)
         embedding, *blocks, head = gpt_layers(config)
-        return SplitModel([embedding, *(_Checkpointed(b) for b in blocks), head], lm_loss, tokens, targets)
+        if name == "checkpointed":
+            blocks = [_Checkpointed(b) for b in blocks]
+        return SplitModel([embedding, *blocks, head], lm_loss, tokens, targets)
     if name == "mha":
         layers = [
             nn.Embedding(vocab, width),
@@ -101,7 +107,7 @@ def _build_split_model(name: str, width: int, batch: int, seq: int, seed: int) -
     if name == "raw":
         layers = [nn.Embedding(vocab, width), RawBlock(width), RawBlock(width), _LinearHead(width, vocab)]
         return SplitModel(layers, lm_loss, tokens, targets)
-    raise ValueError(f"unknown model {name!r}; choose from {', '.join(SPLIT_MODELS)}")
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(SPLIT_MODELS + REFERENCE_MODELS)}")
 
 
 def _conv_bn(channels_in: int, channels_out: int) -> nn.Module:
@@ -217,7 +223,8 @@ def w_shares(
     A stage whose parameters all get their gradients in B shows a share near 0; a Linear-dominated
     stage near 0.5 (W is as many FLOPs as the input gradient).  Two measurements: the op times of
     ``Pipeline(trace=True)`` (wall clock), and the same ops timed by each rank's thread CPU time,
-    which load from other processes does not inflate.
+    which load from other processes does not inflate; the CPU times of F, B and W per microbatch
+    show what B holds besides the input gradient (under checkpointing: the recomputed forward).
     """
     arguments = (list(models), width, seq, microbatches, steps, schedule)
     results = launch(_w_share_rank, 2, arguments, threads=1)[0]
@@ -231,22 +238,25 @@ def w_shares(
             "stage 0 (CPU time)",
             "stage 1 (CPU time)",
             "T_B + T_W per microbatch, stage 0 / 1 (ms)",
+            "T_F, T_B, T_W per microbatch, stage 0; stage 1 (ms, CPU time)",
         ],
     )
-    for name, (shares, totals, cpu_shares) in results.items():
+    for name, (shares, totals, cpu_shares, cpu_times) in results.items():
         table.rows.append(
             [
                 name,
                 *(f"{share:.3f}" for share in shares),
                 *(f"{share:.3f}" for share in cpu_shares),
                 " / ".join(f"{t * 1e3:.1f}" for t in totals),
+                "; ".join(", ".join(f"{t * 1e3:.2f}" for t in stage) for stage in cpu_times),
             ]
         )
     table.notes.append(
         f"W share = sum of W op times / sum of B and W op times of the stage over steps 2..{steps}, "
         "1 thread per rank. trace=True: wall-clock op times recorded by Pipeline(trace=True), which "
         f"load from other processes on a shared machine makes noisy; CPU time: {steps - 1} more steps "
-        "with each op timed by its rank's thread CPU time."
+        "with each op timed by its rank's thread CPU time. Under checkpointing B recomputes the forward: "
+        "compare its T_B with T_F + T_B of the same blocks without it (blocks)."
     )
     return table
 
@@ -289,12 +299,15 @@ def _w_share_rank(
         for _ in range(steps - 1):
             pipe.step(model.inputs, model.targets)
             pipe.zero_grad()
-        local = [(cpu.totals.get((s, Kind.B), 0.0), cpu.totals.get((s, Kind.W), 0.0)) for s in pipe.stages]
+        ops = microbatches * (steps - 1)  # of each kind, per stage
+        kinds = (Kind.F, Kind.B, Kind.W)
+        local = [tuple(cpu.totals.get((s, kind), 0.0) / ops for kind in kinds) for s in pipe.stages]
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         if timelines is not None:
-            cpu_shares = [w / (b + w) if b + w else 0.0 for rank in gathered for b, w in rank]
-            shares[name] = (*_stage_w_share(timelines[1:] or timelines, microbatches), cpu_shares)
+            cpu_times = [stage for rank in gathered for stage in rank]
+            cpu_shares = [w / (b + w) if b + w else 0.0 for _, b, w in cpu_times]
+            shares[name] = (*_stage_w_share(timelines[1:] or timelines, microbatches), cpu_shares, cpu_times)
     return shares
 
 

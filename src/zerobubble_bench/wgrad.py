@@ -22,7 +22,7 @@ from zerobubble.cli import UsageError
 from zerobubble_demo.models import Block, GPTConfig
 
 from . import Benchmark
-from .split_models import SPLIT_MODELS, AttentionBlock, RawBlock, w_shares
+from .split_models import REFERENCE_MODELS, SPLIT_MODELS, AttentionBlock, RawBlock, w_shares
 from .tables import Table, median, preserved_torch_state
 from .workloads import mlp_layers
 
@@ -290,8 +290,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models",
         nargs="*",
-        choices=list(SPLIT_MODELS),
-        help="also measure the W share per stage of these models on 2 ranks (gpt2, llama need transformers)",
+        choices=[*SPLIT_MODELS, *REFERENCE_MODELS],
+        help="also measure the W share per stage of these models on 2 ranks (gpt2, llama need transformers; "
+        "blocks: checkpointed's blocks without checkpointing)",
+    )
+    parser.add_argument(
+        "--shares-only", action="store_true", help="skip the cost tables: only the W shares of --models"
     )
     parser.add_argument("--width", type=int, default=256, help="hidden size of --models")
     parser.add_argument("--seq", type=int, default=64, help="sequence length (image side) of --models")
@@ -305,6 +309,8 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> list[Table]:
     """``zerobubble bench wgrad``: with and without accumulation, then ``--models``' W shares."""
+    if args.shares_only:
+        return [w_shares(args.models or ["checkpointed", "blocks"], args.width, args.seq)]
     # this command's process runs nothing else: it may tune glibc's malloc (``keep_freed_memory``)
     results = [
         wgrad_split_cost(

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from ..schedule.channels import GRADIENTS, MessageKey, channel_messages, directed_pairs
+from ..schedule.channels import GRADIENTS, MessageKey, channel_messages, delivered_before, directed_pairs
 from ..schedule.ir import Schedule
 from . import PipelineError, ranges
 from .failures import PeerMonitor
@@ -126,10 +126,16 @@ class Comm:
             sum(len(keys) for keys in self._incoming.values()),
         )
         self._source = {key: src for src, keys in self._incoming.items() for key in keys}
+        # per incoming message: its place on its channel and the sends its arrival proves delivered
+        self._position = {key: i for keys in self._incoming.values() for i, key in enumerate(keys)}
+        self._proves: dict[MessageKey, list[MessageKey]] = {}
+        for src in self._incoming:
+            self._proves.update(delivered_before(schedule, self.rank, src))
+        self._proven: dict[int, int] = {}  # per source: how many of its messages' proofs were used
         self._shapes: dict[tuple[int, int], list[TensorSpec]] = {}  # (direction, boundary) -> specs
         self._queues: dict[int, deque[MessageKey]] = {}
         self._posted: dict[MessageKey, _Pending] = {}
-        self._sends: deque[tuple[list, tuple[torch.Tensor, ...]]] = deque()
+        self._sends: dict[MessageKey, tuple[list, tuple[torch.Tensor, ...]]] = {}  # in sending order
         self._headers = True
         self._keep_shapes = True  # False in forward-only steps: evaluation shapes are not cached
         self._profiling = False  # a torch profiler records this step: transfers get ranges (.ranges)
@@ -196,6 +202,7 @@ class Comm:
             for src, keys in self._incoming.items()
         }
         self._posted.clear()
+        self._proven = dict.fromkeys(self._incoming, 0)
         if not self._headers:
             for src in self._queues:
                 self._post(src, self.lookahead)
@@ -212,7 +219,7 @@ class Comm:
             raise PipelineError(f"rank {self.rank}: messages {unread[:4]} were never consumed this step")
 
     def _wait_sends(self) -> None:
-        for works, _ in self._sends:
+        for works, _ in self._sends.values():
             for work in works:
                 self._wait(work, "a send to finish")
         self._sends.clear()
@@ -248,12 +255,33 @@ class Comm:
         except RuntimeError as error:
             raise self._failure(f"sending message {key} to rank {dst}", error) from error
         self._release_sent()
-        self._sends.append((works, tensors))
+        self._sends[key] = (works, tensors)
 
     def _release_sent(self) -> None:
+        """Drop the oldest sends whose works report completion (NCCL's do; gloo's only after a wait)."""
         sends = self._sends
-        while sends and all(work.is_completed() for work in sends[0][0]):
-            sends.popleft()
+        while sends:
+            oldest = next(iter(sends))
+            if not all(work.is_completed() for work in sends[oldest][0]):
+                break
+            del sends[oldest]
+
+    def _release_delivered(self, src: int, key: MessageKey) -> None:
+        """Wait for (and drop) the sends that message ``key`` of ``src``, just received, proves
+        delivered: those ``src`` received before sending it or any earlier message of its channel
+        (:func:`~zerobubble.schedule.channels.delivered_before`).  Their waits return at once, and
+        the sent tensors, often the only reference left (a B's input gradient), are freed now rather
+        than at the end of the step."""
+        messages, done, upto = self._incoming[src], self._proven[src], self._position[key] + 1
+        if upto <= done:
+            return
+        self._proven[src] = upto
+        for arrived in messages[done:upto]:
+            for sent in self._proves.get(arrived, ()):
+                entry = self._sends.pop(sent, None)
+                if entry is not None:
+                    for work in entry[0]:
+                        self._wait(work, "a delivered send to finish")
 
     def _check_shapes(self, key: MessageKey, tensors: tuple[torch.Tensor, ...]) -> None:
         expected = self._shapes.get((key.direction, key.boundary))
@@ -295,6 +323,7 @@ class Comm:
             for work in pending.works:
                 self._wait(work, lambda: _describe_key(key, src))
             recorder.wait(key, started, clock())
+        self._release_delivered(src, key)
         return tuple(pending.tensors)
 
     def _posted_ahead(self, src: int) -> int:

@@ -31,6 +31,7 @@ from . import PipelineError, ranges
 from .comm import Comm
 from .failures import PeerFailure
 from .recorder import Recorder
+from .tensors import is_dtensor
 from .wgrad import WeightGradStore
 from .wgrad.verify import SplitGuard
 
@@ -423,7 +424,7 @@ class Executor:
                 f"loss_fn must return a scalar tensor (use a mean-reducing loss); it returned {shape} "
                 f"for microbatch {j} on stage {state.index}"
             )
-        self._losses.append(loss.detach())
+        self._losses.append(_own_storage(loss.detach()))
         self.loss_microbatches.append(j)
         if self.outputs is not None:
             self.outputs[j] = tree_map(_detach_value, output)
@@ -494,6 +495,18 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
     return type(value).__name__
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied when it is a view into a larger storage.
+
+    Why: a reduced loss may be a 0-dim view into its elementwise buffer (CPU ``F.mse_loss`` keeps a
+    whole microbatch-sized buffer alive behind its scalar); the losses returned from a step are
+    kept for all of it, so on the rank of the last stage each would hold that buffer to the end.
+    """
+    if is_dtensor(tensor) or tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone()
 
 
 def _detach_value(value: Any) -> Any:

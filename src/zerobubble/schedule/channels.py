@@ -46,9 +46,23 @@ def sent_message(op: Op, num_stages: int) -> MessageKey | None:
     return None
 
 
+def received_message(op: Op, num_stages: int) -> MessageKey | None:
+    """The message ``op`` waits for when it starts (None for W, F of the first stage, B of the last)."""
+    if op.kind is Kind.F:
+        return MessageKey(ACTIVATIONS, op.stage - 1, op.microbatch) if op.stage > 0 else None
+    if op.computes_input_grad and op.stage < num_stages - 1:
+        return MessageKey(GRADIENTS, op.stage, op.microbatch)
+    return None
+
+
 def receiving_stage(key: MessageKey) -> int:
     """The stage that consumes message ``key``."""
     return key.boundary + 1 if key.direction == ACTIVATIONS else key.boundary
+
+
+def sending_stage(key: MessageKey) -> int:
+    """The stage that sends message ``key``."""
+    return key.boundary if key.direction == ACTIVATIONS else key.boundary + 1
 
 
 def channel_messages(schedule: Schedule, src: int, dst: int) -> list[MessageKey]:
@@ -63,6 +77,28 @@ def channel_messages(schedule: Schedule, src: int, dst: int) -> list[MessageKey]
         if key is not None and placement.rank_of(receiving_stage(key)) == dst:
             messages.append(key)
     return messages
+
+
+def delivered_before(schedule: Schedule, src: int, dst: int) -> dict[MessageKey, list[MessageKey]]:
+    """For each message of rank ``dst`` to rank ``src``: the messages of ``src`` to ``dst`` that
+    ``dst`` has received (waited for) before sending it, each listed at the first such message.
+
+    Rank ``src`` holds each tensor it sends until the send is known to be over (gloo's send work
+    reports completion only to a ``wait()``, which may block until the receiver posts its receive).
+    Once ``src`` has received a message of ``dst``, every message listed for it has arrived, so
+    waiting for those sends returns at once and their tensors can go.
+    """
+    stages, placement = schedule.num_stages, schedule.placement
+    delivered: dict[MessageKey, list[MessageKey]] = {}
+    arrived: list[MessageKey] = []
+    for op in schedule.programs[dst]:
+        key = received_message(op, stages)
+        if key is not None and placement.rank_of(sending_stage(key)) == src:
+            arrived.append(key)
+        key = sent_message(op, stages)
+        if key is not None and placement.rank_of(receiving_stage(key)) == src:
+            delivered[key], arrived = arrived, []
+    return delivered
 
 
 def directed_pairs(schedule: Schedule) -> list[tuple[int, int]]:
@@ -80,7 +116,10 @@ __all__ = [
     "GRADIENTS",
     "MessageKey",
     "channel_messages",
+    "delivered_before",
     "directed_pairs",
+    "received_message",
     "receiving_stage",
+    "sending_stage",
     "sent_message",
 ]
