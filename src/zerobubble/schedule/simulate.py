@@ -17,6 +17,7 @@ p = 32, m = 256 takes a few tens of milliseconds.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -424,17 +425,14 @@ def _find_cycle(waits: dict[int, tuple[Op, Op]], where: dict[Op, int]) -> list[i
 
 
 def _memory(schedule: Schedule, costs: StageCosts) -> tuple[tuple[tuple[float, ...], ...], tuple[float, ...]]:
+    # one memory change per (kind, stage), the same for every microbatch; the running sum in C
+    # (itertools.accumulate adds left to right, as a loop would: the same floats)
+    deltas = {
+        kind: [costs.memory_delta(Op(kind, stage, 0)) for stage in range(schedule.num_stages)] for kind in Kind
+    }
     memory, peaks = [], []
-    deltas: dict[tuple[Kind, int], float] = {}  # per (kind, stage): the same for every microbatch
     for program in schedule.programs:
-        level, peak, trace = 0.0, 0.0, []
-        for op in program:
-            delta = deltas.get((op.kind, op.stage))
-            if delta is None:
-                delta = deltas[op.kind, op.stage] = costs.memory_delta(op)
-            level += delta
-            trace.append(level)
-            peak = max(peak, level)
-        memory.append(tuple(trace))
-        peaks.append(peak)
+        trace = tuple(itertools.accumulate([deltas[op.kind][op.stage] for op in program]))
+        memory.append(trace)
+        peaks.append(max(0.0, max(trace)) if trace else 0.0)
     return tuple(memory), tuple(peaks)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..costs import StageCosts, memory_cap, within_limit
-from ..ir import B, F, Kind, Op, Schedule, ScheduleError, W
+from ..ir import Kind, Op, Schedule, ScheduleError
 from ..simulate import simulate
 
 #: Op kinds in plans (plain ints: a plan records hundreds of thousands of them).
@@ -32,7 +32,7 @@ FORWARD, BACKWARD, WEIGHT = 0, 1, 2
 #: An op in a plan: ``(kind, stage, microbatch)``.
 PlanOp = tuple[int, int, int]
 
-_MAKERS = (F, B, W)
+_KINDS = (Kind.F, Kind.B, Kind.W)
 
 
 class Stuck(Exception):
@@ -249,8 +249,8 @@ class PlanState:
 
     def programs_as_ops(self) -> list[list[Op]]:
         """The programs as :class:`~..ir.Op` lists (built once, for the winning candidate)."""
-        makers = _MAKERS
-        return [[makers[kind](stage, j) for kind, stage, j in program] for program in self.programs]
+        kinds = _KINDS  # Op itself rather than F/B/W: one call per op fewer
+        return [[Op(kinds[kind], stage, j) for kind, stage, j in program] for program in self.programs]
 
 
 def schedule_meta(
