@@ -428,11 +428,12 @@ def _memory(schedule: Schedule, costs: StageCosts) -> tuple[tuple[tuple[float, .
     # one memory change per (kind, stage), the same for every microbatch; the running sum in C
     # (itertools.accumulate adds left to right, as a loop would: the same floats)
     deltas = {
-        kind: [costs.memory_delta(Op(kind, stage, 0)) for stage in range(schedule.num_stages)] for kind in Kind
+        kind: [costs.memory_delta(Op(kind, stage, 0)) for stage in range(schedule.num_stages)]
+        for kind in Kind
     }
     memory, peaks = [], []
     for program in schedule.programs:
         trace = tuple(itertools.accumulate([deltas[op.kind][op.stage] for op in program]))
         memory.append(trace)
-        peaks.append(max(0.0, max(trace)) if trace else 0.0)
+        peaks.append(max(0.0, *trace) if trace else 0.0)
     return tuple(memory), tuple(peaks)
