@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..costs import StageCosts, memory_cap, within_limit
-from ..ir import Kind, Op, Schedule, ScheduleError
+from ..ir import Kind, Op, Schedule, ScheduleError, coded_ops
 from ..simulate import simulate
 
 #: Op kinds in plans (plain ints: a plan records hundreds of thousands of them).
@@ -284,8 +284,7 @@ class PlanState:
 
     def programs_as_ops(self) -> list[list[Op]]:
         """The programs as :class:`~..ir.Op` lists (built once, for the winning candidate)."""
-        kinds = _KINDS  # Op itself rather than F/B/W: one call per op fewer
-        return [[Op(kinds[kind], stage, j) for kind, stage, j in program] for program in self.programs]
+        return [coded_ops(program, _KINDS) for program in self.programs]
 
 
 def schedule_meta(
