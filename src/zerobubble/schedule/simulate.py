@@ -281,7 +281,8 @@ def _run(
     compiled = _compile(schedule, costs)
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
     done = [-1.0] * (3 * S * m)
-    waiting: dict[int, list[int]] = {}
+    # waiting[key]: the ranks blocked on that key (a list, not a dict: indexing beats hashing here)
+    waiting: list[list[int] | None] = [None] * (3 * S * m)
     position = [0] * p
     clock = [0.0] * p
     starts: list[list[float]] = [[] for _ in range(p)]
@@ -291,14 +292,19 @@ def _run(
         rank = runnable.pop()
         program, i, now = compiled[rank], position[rank], clock[rank]
         rank_starts, rank_ends = starts[rank], ends[rank]
-        while i < len(program):
+        length = len(program)
+        while i < length:
             duration, deps, produced, j = program[i]
             ready = now
             blocked = False
             for base, delay in deps:
                 finished = done[base + j]
                 if finished < 0:
-                    waiting.setdefault(base + j, []).append(rank)
+                    blocked_on = waiting[base + j]
+                    if blocked_on is None:
+                        waiting[base + j] = [rank]
+                    else:
+                        blocked_on.append(rank)
                     blocked = True
                     break
                 if finished + delay > ready:  # noqa: PLR1730 (hot path: cheaper than a max() call)
@@ -311,8 +317,9 @@ def _run(
             for base in produced:
                 key = base + j
                 done[key] = now
-                woken = waiting.pop(key, None)
-                if woken:
+                woken = waiting[key]
+                if woken is not None:
+                    waiting[key] = None
                     runnable.extend(woken)
             i += 1
         position[rank], clock[rank] = i, now
