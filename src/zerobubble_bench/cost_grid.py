@@ -88,10 +88,13 @@ def cost_grid(*, stages: int, count: int, seed: int) -> list[GridSetting]:
 
 @dataclass(frozen=True)
 class Measured:
-    """One schedule built on one setting: seconds to build and to validate, and its iteration time."""
+    """One schedule built on one setting: seconds to build and to validate (wall clock, and the
+    process's CPU time: on a machine other jobs load, the closer to what an idle one would show),
+    and its iteration time."""
 
     build_s: float
     validate_s: float
+    cpu_s: float
     iteration_time: float
 
     @property
@@ -104,11 +107,13 @@ def measure(setting: GridSetting, name: str, *, stages: int, microbatches: int) 
     """Build ``name`` on ``setting`` (timed), then validate it (timed) and read its iteration time."""
     costs = setting.costs_for(name)
     gc.collect()  # the previous build's garbage is not this one's cost
-    started = time.perf_counter()
+    cpu_started, started = time.process_time(), time.perf_counter()
     schedule = build_schedule(name, stages, microbatches, costs, validate=False)
     built = time.perf_counter()
     timeline = validate_schedule(schedule, REGISTRY[name].resolve_costs(costs, stages))
-    return Measured(built - started, time.perf_counter() - built, timeline.iteration_time)
+    done = time.perf_counter()
+    cpu = time.process_time() - cpu_started
+    return Measured(built - started, done - built, cpu, timeline.iteration_time)
 
 
 def record_baseline(

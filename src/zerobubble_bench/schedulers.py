@@ -158,6 +158,7 @@ def scheduler_grid_times(
             "build + validate (s)",
             "worst (s)",
             "worst setting",
+            "CPU (s, median, worst)",
             "iteration / baseline (median, worst)",
         ],
     )
@@ -165,7 +166,8 @@ def scheduler_grid_times(
         table.rows.append(_grid_row(name, runs[name], grid, recorded.get(name)))
     table.notes.append(
         f"Per setting the median of {rounds} rounds (rotating order); the columns are the median over "
-        "the settings, `worst` the slowest setting's build + validate. Grid (seed "
+        "the settings, `worst` the slowest setting's build + validate; CPU: the process's CPU time of "
+        "build + validate (other jobs inflate the wall clock more). Grid (seed "
         f"{seed}): T_B/T_F 0.8–1.5, T_W/T_F 0.3–1.2, T_comm 0–10 % of T_F, M_W/M_B 0–1, per-rank "
         "costs ±30 %, memory limit 1p–3p·M_B (zb-1p and zb-2p keep their own)."
     )
@@ -189,6 +191,7 @@ def _grid_row(
     name: str, runs: list[list[Measured]], grid: Sequence[GridSetting], recorded: list[float] | None
 ) -> list[str]:
     total = [median([r.total_s for r in setting_runs]) for setting_runs in runs]
+    cpu = [median([r.cpu_s for r in setting_runs]) for setting_runs in runs]
     worst = max(range(len(grid)), key=total.__getitem__)
     goal = BUILD_GOALS.get(name)
     ratio_cell = "–"
@@ -203,6 +206,7 @@ def _grid_row(
         f"{median(total):.3f}",
         f"{total[worst]:.3f}",
         f"#{worst}: {grid[worst].label}",
+        f"{median(cpu):.3f}, {max(cpu):.3f}",
         ratio_cell,
     ]
 
