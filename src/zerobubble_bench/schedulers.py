@@ -141,9 +141,10 @@ def scheduler_grid_times(
     this grid)."""
     grid = cost_grid(stages=stages, count=settings, seed=seed)
     runs: dict[str, list[list[Measured]]] = {name: [[] for _ in grid] for name in schedules}
-    for setting in grid:
-        for round_index in range(rounds):
-            shift = round_index % len(schedules)
+    # rounds outermost: a burst of other load hits one round of many settings, not every round of one
+    for round_index in range(rounds):
+        for setting in grid:
+            shift = (round_index + setting.index) % len(schedules)
             for name in [*schedules[shift:], *schedules[:shift]]:
                 measured = measure(setting, name, stages=stages, microbatches=microbatches)
                 runs[name][setting.index].append(measured)
@@ -165,7 +166,7 @@ def scheduler_grid_times(
     for name in schedules:
         table.rows.append(_grid_row(name, runs[name], grid, recorded.get(name)))
     table.notes.append(
-        f"Per setting the median of {rounds} rounds (rotating order); the columns are the median over "
+        f"Per setting the median of {rounds} rounds over the whole grid (rotating order); the columns are the median over "
         "the settings, `worst` the slowest setting's build + validate; CPU: the process's CPU time of "
         "build + validate (other jobs inflate the wall clock more). Grid (seed "
         f"{seed}): T_B/T_F 0.8–1.5, T_W/T_F 0.3–1.2, T_comm 0–10 % of T_F, M_W/M_B 0–1, per-rank "
