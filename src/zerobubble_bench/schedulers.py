@@ -167,8 +167,9 @@ def scheduler_grid_times(
         table.rows.append(_grid_row(name, runs[name], grid, recorded.get(name)))
     table.notes.append(
         f"Per setting the median of {rounds} rounds over the whole grid (rotating order); the "
-        "columns are the median over the settings, `worst` the slowest setting's build + validate; CPU: the process's CPU time of "
-        "build + validate (other jobs inflate the wall clock more). Grid (seed "
+        "columns are the median over the settings, `worst` the slowest setting's build + validate; "
+        "CPU: the process's CPU time of build + validate (other jobs inflate the wall clock more). "
+        "Grid (seed "
         f"{seed}): T_B/T_F 0.8–1.5, T_W/T_F 0.3–1.2, T_comm 0–10 % of T_F, M_W/M_B 0–1, per-rank "
         "costs ±30 %, memory limit 1p–3p·M_B (zb-1p and zb-2p keep their own)."
     )
