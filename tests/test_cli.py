@@ -234,6 +234,33 @@ def test_bench_schedulers_prints_build_times(capsys):
         assert build_seconds >= 0
 
 
+def test_bench_schedulers_grid_prints_one_row_per_schedule(capsys):
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "schedulers",
+        "--grid",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--grid-settings",
+        "2",
+        "--rounds",
+        "1",
+        "--schedules",
+        "zb-2p",
+        "v-min",
+    )
+    assert code == 0 and "Build time on the cost grid, p = 4, m = 8, 2 settings" in out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith(("| zb-", "| v-"))]
+    assert [row[1].strip() for row in rows] == ["zb-2p", "v-min"]
+    for row in rows:
+        assert float(row[5]) <= float(row[6])  # the median setting is no slower than the worst
+        cpu_median, cpu_worst = map(float, row[8].split(","))
+        assert 0 <= cpu_median <= cpu_worst
+
+
 def test_an_internal_value_error_is_not_swallowed(capsys, monkeypatch):
     """Only the project's own error types become one line; a bug elsewhere keeps its traceback."""
     from zerobubble import cli

@@ -2,7 +2,9 @@
 
 :func:`scheduler_build_times` times building and validating each schedule at ``p`` stages and
 ``m`` microbatches; :func:`schedulers_against_authors` sets our V schedules beside the authors'
-on the paper's Table 5 setups.  Pure schedule layer: no ranks, no torch.
+on the paper's Table 5 setups; :func:`scheduler_grid_times` times them on issue 29's grid of
+cost settings (:mod:`.cost_grid`) and compares their iteration times with the recorded baseline.
+Pure schedule layer: no ranks, no torch.
 """
 
 from __future__ import annotations
@@ -11,10 +13,21 @@ import argparse
 import gc
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from zerobubble.schedule import REGISTRY, CostModel, build_schedule, simulate
 
 from . import Benchmark
+from .cost_grid import (
+    BASELINE_PATH,
+    DEFAULT_GRID,
+    GRID_SCHEDULES,
+    GridSetting,
+    Measured,
+    cost_grid,
+    load_baseline,
+    measure,
+)
 from .tables import Table, median
 
 #: The builders ``zerobubble bench schedulers`` times by default.
@@ -107,6 +120,99 @@ def schedulers_against_authors() -> Table:
     return table
 
 
+#: Issue 29's goals for build plus validation at p = 32, m = 256 (seconds, median over the grid;
+#: the worst setting may take twice as long).
+BUILD_GOALS = {"zb-1p": 0.25, "zb-2p": 0.25, "zb-v": 0.25, "v-half": 0.5, "v-min": 0.5}
+
+
+def scheduler_grid_times(
+    *,
+    stages: int = DEFAULT_GRID["stages"],
+    microbatches: int = DEFAULT_GRID["microbatches"],
+    settings: int = DEFAULT_GRID["count"],
+    seed: int = DEFAULT_GRID["seed"],
+    rounds: int = 5,
+    schedules: Sequence[str] = tuple(GRID_SCHEDULES),
+    baseline: Path | None = BASELINE_PATH,
+) -> Table:
+    """Build (and validate) every schedule on the first ``settings`` settings of the cost grid,
+    ``rounds`` times in rotating order, and report per schedule the median and the worst setting
+    of the per-setting medians, and the iteration time against ``baseline`` (when it records
+    this grid)."""
+    grid = cost_grid(stages=stages, count=settings, seed=seed)
+    runs: dict[str, list[list[Measured]]] = {name: [[] for _ in grid] for name in schedules}
+    # rounds outermost: a burst of other load hits one round of many settings, not every round of one
+    for round_index in range(rounds):
+        for setting in grid:
+            shift = (round_index + setting.index) % len(schedules)
+            for name in [*schedules[shift:], *schedules[:shift]]:
+                measured = measure(setting, name, stages=stages, microbatches=microbatches)
+                runs[name][setting.index].append(measured)
+    recorded = _recorded_times(baseline, stages=stages, microbatches=microbatches, seed=seed, count=settings)
+    table = Table(
+        f"Build time on the cost grid, p = {stages}, m = {microbatches}, {settings} settings",
+        [
+            "schedule",
+            "goal (s)",
+            "build (s)",
+            "validate (s)",
+            "build + validate (s)",
+            "worst (s)",
+            "worst setting",
+            "CPU (s, median, worst)",
+            "iteration / baseline (median, worst)",
+        ],
+    )
+    for name in schedules:
+        table.rows.append(_grid_row(name, runs[name], grid, recorded.get(name)))
+    table.notes.append(
+        f"Per setting the median of {rounds} rounds over the whole grid (rotating order); the "
+        "columns are the median over the settings, `worst` the slowest setting's build + validate; "
+        "CPU: the process's CPU time of build + validate (other jobs inflate the wall clock more). "
+        "Grid (seed "
+        f"{seed}): T_B/T_F 0.8–1.5, T_W/T_F 0.3–1.2, T_comm 0–10 % of T_F, M_W/M_B 0–1, per-rank "
+        "costs ±30 %, memory limit 1p–3p·M_B (zb-1p and zb-2p keep their own)."
+    )
+    if not recorded:
+        table.notes.append("No recorded baseline for this grid: the iteration-time ratios are not shown.")
+    return table
+
+
+def _recorded_times(
+    path: Path | None, *, stages: int, microbatches: int, seed: int, count: int
+) -> dict[str, list[float]]:
+    """The baseline's iteration times when ``path`` records this grid (or a longer one), else {}."""
+    if path is None or not path.exists():
+        return {}
+    grid, times = load_baseline(path)
+    same = (grid["stages"], grid["microbatches"], grid["seed"]) == (stages, microbatches, seed)
+    return times if same and grid["count"] >= count else {}
+
+
+def _grid_row(
+    name: str, runs: list[list[Measured]], grid: Sequence[GridSetting], recorded: list[float] | None
+) -> list[str]:
+    total = [median([r.total_s for r in setting_runs]) for setting_runs in runs]
+    cpu = [median([r.cpu_s for r in setting_runs]) for setting_runs in runs]
+    worst = max(range(len(grid)), key=total.__getitem__)
+    goal = BUILD_GOALS.get(name)
+    ratio_cell = "–"
+    if recorded is not None:
+        ratios = [setting_runs[0].iteration_time / recorded[i] for i, setting_runs in enumerate(runs)]
+        ratio_cell = f"{median(ratios):.4f}, {max(ratios):.4f}"
+    return [
+        name,
+        f"{goal:.2f}" if goal is not None else "–",
+        f"{median([median([r.build_s for r in s]) for s in runs]):.3f}",
+        f"{median([median([r.validate_s for r in s]) for s in runs]):.3f}",
+        f"{median(total):.3f}",
+        f"{total[worst]:.3f}",
+        f"#{worst}: {grid[worst].label}",
+        f"{median(cpu):.3f}, {max(cpu):.3f}",
+        ratio_cell,
+    ]
+
+
 # ---- the ``zerobubble bench schedulers`` command ----
 
 
@@ -119,11 +225,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--table5", action="store_true", help="also compare zb-v, v-half, v-min with the authors' on Table 5"
     )
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="time the schedulers on issue 29's grid of cost settings instead (with zb-auto)",
+    )
+    parser.add_argument(
+        "--grid-settings", type=int, default=DEFAULT_GRID["count"], help="settings of the grid to build"
+    )
+    parser.add_argument("--grid-seed", type=int, default=DEFAULT_GRID["seed"])
 
 
 def run(args: argparse.Namespace) -> list[Table]:
-    """``zerobubble bench schedulers``: the build times, and with ``--table5`` the authors' comparison."""
-    results = [scheduler_build_times(args.stages, args.microbatches, args.rounds, args.schedules)]
+    """``zerobubble bench schedulers``: the build times (with ``--grid`` on the cost grid), and with
+    ``--table5`` the authors' comparison."""
+    if args.grid:
+        schedules = args.schedules if args.schedules != list(BENCH_SCHEDULERS) else list(GRID_SCHEDULES)
+        table = scheduler_grid_times(
+            stages=args.stages,
+            microbatches=args.microbatches,
+            settings=args.grid_settings,
+            seed=args.grid_seed,
+            rounds=args.rounds,
+            schedules=schedules,
+        )
+        results = [table]
+    else:
+        results = [scheduler_build_times(args.stages, args.microbatches, args.rounds, args.schedules)]
     if args.table5:
         results.append(schedulers_against_authors())
     return results

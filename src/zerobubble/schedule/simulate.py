@@ -17,6 +17,7 @@ p = 32, m = 256 takes a few tens of milliseconds.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -280,7 +281,8 @@ def _run(
     compiled = _compile(schedule, costs)
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
     done = [-1.0] * (3 * S * m)
-    waiting: dict[int, list[int]] = {}
+    # waiting[key]: the ranks blocked on that key (a list, not a dict: indexing beats hashing here)
+    waiting: list[list[int] | None] = [None] * (3 * S * m)
     position = [0] * p
     clock = [0.0] * p
     starts: list[list[float]] = [[] for _ in range(p)]
@@ -290,14 +292,19 @@ def _run(
         rank = runnable.pop()
         program, i, now = compiled[rank], position[rank], clock[rank]
         rank_starts, rank_ends = starts[rank], ends[rank]
-        while i < len(program):
+        length = len(program)
+        while i < length:
             duration, deps, produced, j = program[i]
             ready = now
             blocked = False
             for base, delay in deps:
                 finished = done[base + j]
                 if finished < 0:
-                    waiting.setdefault(base + j, []).append(rank)
+                    blocked_on = waiting[base + j]
+                    if blocked_on is None:
+                        waiting[base + j] = [rank]
+                    else:
+                        blocked_on.append(rank)
                     blocked = True
                     break
                 if finished + delay > ready:  # noqa: PLR1730 (hot path: cheaper than a max() call)
@@ -310,8 +317,9 @@ def _run(
             for base in produced:
                 key = base + j
                 done[key] = now
-                woken = waiting.pop(key, None)
-                if woken:
+                woken = waiting[key]
+                if woken is not None:
+                    waiting[key] = None
                     runnable.extend(woken)
             i += 1
         position[rank], clock[rank] = i, now
@@ -424,17 +432,15 @@ def _find_cycle(waits: dict[int, tuple[Op, Op]], where: dict[Op, int]) -> list[i
 
 
 def _memory(schedule: Schedule, costs: StageCosts) -> tuple[tuple[tuple[float, ...], ...], tuple[float, ...]]:
+    # one memory change per (kind, stage), the same for every microbatch; the running sum in C
+    # (itertools.accumulate adds left to right, as a loop would: the same floats)
+    deltas = {
+        kind: [costs.memory_delta(Op(kind, stage, 0)) for stage in range(schedule.num_stages)]
+        for kind in Kind
+    }
     memory, peaks = [], []
-    deltas: dict[tuple[Kind, int], float] = {}  # per (kind, stage): the same for every microbatch
     for program in schedule.programs:
-        level, peak, trace = 0.0, 0.0, []
-        for op in program:
-            delta = deltas.get((op.kind, op.stage))
-            if delta is None:
-                delta = deltas[op.kind, op.stage] = costs.memory_delta(op)
-            level += delta
-            trace.append(level)
-            peak = max(peak, level)
-        memory.append(tuple(trace))
-        peaks.append(peak)
+        trace = tuple(itertools.accumulate([deltas[op.kind][op.stage] for op in program]))
+        memory.append(trace)
+        peaks.append(max(0.0, *trace) if trace else 0.0)
     return tuple(memory), tuple(peaks)

@@ -181,6 +181,8 @@ def _check_memory(timeline: Timeline) -> None:
     limits = timeline.costs.memory_limit
     for rank, trace in enumerate(timeline.memory):
         limit = limits[rank]
+        if within_limit(timeline.peak_memory[rank], limit):
+            continue  # the peak is within the limit, so is every level (the common case)
         for i, level in enumerate(trace):
             if not within_limit(level, limit):
                 op = timeline.schedule.programs[rank][i]

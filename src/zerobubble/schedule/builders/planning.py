@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..costs import StageCosts, memory_cap, within_limit
-from ..ir import B, F, Kind, Op, Schedule, ScheduleError, W
+from ..ir import Kind, Op, Schedule, ScheduleError, coded_ops
 from ..simulate import simulate
 
 #: Op kinds in plans (plain ints: a plan records hundreds of thousands of them).
@@ -32,7 +32,7 @@ FORWARD, BACKWARD, WEIGHT = 0, 1, 2
 #: An op in a plan: ``(kind, stage, microbatch)``.
 PlanOp = tuple[int, int, int]
 
-_MAKERS = (F, B, W)
+_KINDS = (Kind.F, Kind.B, Kind.W)
 
 
 class Stuck(Exception):
@@ -118,14 +118,6 @@ class PlanState:
                 self.max_idle = idle
         return arrival
 
-    def _grow(self, rank: int, change: float) -> None:
-        level = self.memory[rank] + change
-        if change > 0:
-            if level > self.capacity[rank]:
-                raise Stuck
-            self.peak[rank] = max(self.peak[rank], level)
-        self.memory[rank] = level
-
     def put_forward(self, rank: int, stage: int, microbatch: int, not_before: float = 0.0) -> float:
         """Append F(stage, microbatch) to ``rank``; return its end time.
 
@@ -138,29 +130,56 @@ class PlanState:
         if not_before > arrival and not_before > self.clock[rank]:
             arrival = not_before
             self.held_back = True
-        # _grow and _start inlined: this and put_backward run for every op of every candidate
+        # the memory check and _start inlined: this and put_backward run for every op of every candidate
         level = self.memory[rank] + self.mem_b[stage]
         if level > self.capacity[rank]:
             raise Stuck
         self.memory[rank] = level
         if level > self.peak[rank]:  # noqa: PLR1730 (hot path: cheaper than a max() call)
             self.peak[rank] = level
-        end = self._start(rank, arrival) + self.f[stage]
+        clock = self.clock[rank]
+        if arrival <= clock and self.first_start[rank] != math.inf:
+            start = clock
+        else:
+            start = self._start(rank, arrival)
+        duration = self.f[stage]
+        end = start + duration
         self.clock[rank] = end
-        self.remaining[rank] -= self.f[stage]
+        self.remaining[rank] -= duration
         self.f_end[stage][microbatch] = end
         self.programs[rank].append((FORWARD, stage, microbatch))
         return end
 
     def put_backward(self, rank: int, stage: int, microbatch: int) -> float:
         """Append B(stage, microbatch) to ``rank`` and queue its W; return its end time."""
-        arrival = self.backward_arrival(stage, microbatch)
+        # backward_arrival, _grow and _start inlined (the hot path of every planner)
+        arrival = self.f_end[stage][microbatch]
         if arrival < 0:
             raise Stuck
-        self._grow(rank, self.mem_w[stage] - self.mem_b[stage])
-        end = self._start(rank, arrival) + self.b[stage]
+        if stage != self.S - 1:
+            end = self.b_end[stage + 1][microbatch]
+            if end < 0:
+                raise Stuck
+            end += self.hop[stage]
+            if end > arrival:  # noqa: PLR1730 (hot path: cheaper than a max() call)
+                arrival = end
+        change = self.mem_w[stage] - self.mem_b[stage]
+        level = self.memory[rank] + change
+        if change > 0:
+            if level > self.capacity[rank]:
+                raise Stuck
+            if level > self.peak[rank]:  # noqa: PLR1730
+                self.peak[rank] = level
+        self.memory[rank] = level
+        clock = self.clock[rank]
+        if arrival <= clock and self.first_start[rank] != math.inf:
+            start = clock
+        else:
+            start = self._start(rank, arrival)
+        duration = self.b[stage]
+        end = start + duration
         self.clock[rank] = end
-        self.remaining[rank] -= self.b[stage]
+        self.remaining[rank] -= duration
         self.b_end[stage][microbatch] = end
         self.pending_w[rank].append(stage)
         self.pending_mb[rank].append(microbatch)
@@ -170,14 +189,30 @@ class PlanState:
 
     def put_weight(self, rank: int, arrival: float = 0.0) -> float:
         """Append the oldest pending W of ``rank`` (no earlier than ``arrival``); return its end."""
-        if not self.pending_w[rank]:
+        pending = self.pending_w[rank]
+        if not pending:
             raise Stuck
-        stage = self.pending_w[rank].popleft()
-        return self._place_weight(rank, stage, self.pending_mb[rank].popleft(), arrival)
+        stage = pending.popleft()
+        microbatch = self.pending_mb[rank].popleft()
+        # _place_weight and _start inlined for the common case: the rank is busy until now
+        clock = self.clock[rank]
+        if arrival > clock or self.first_start[rank] == math.inf:
+            return self._place_weight(rank, stage, microbatch, arrival)
+        release = self.mem_w[stage]
+        self.memory[rank] -= release
+        self.releasable[rank] -= release
+        duration = self.w[stage]
+        end = clock + duration
+        self.clock[rank] = end
+        self.remaining[rank] -= duration
+        self.programs[rank].append((WEIGHT, stage, microbatch))
+        return end
 
     def put_given_weight(self, rank: int, stage: int, microbatch: int) -> float:
         """Append W(stage, microbatch), pending on ``rank`` (not necessarily its oldest W)."""
         stages, microbatches = self.pending_w[rank], self.pending_mb[rank]
+        if stages and stages[0] == stage and microbatches[0] == microbatch:
+            return self.put_weight(rank)  # the common case: the oldest
         for index, (pending_stage, pending_mb) in enumerate(zip(stages, microbatches)):
             if pending_stage == stage and pending_mb == microbatch:
                 del stages[index], microbatches[index]
@@ -249,8 +284,7 @@ class PlanState:
 
     def programs_as_ops(self) -> list[list[Op]]:
         """The programs as :class:`~..ir.Op` lists (built once, for the winning candidate)."""
-        makers = _MAKERS
-        return [[makers[kind](stage, j) for kind, stage, j in program] for program in self.programs]
+        return [coded_ops(program, _KINDS) for program in self.programs]
 
 
 def schedule_meta(

@@ -98,12 +98,13 @@ class _EqualisedPass:
 
     def _fill_wait(self, rank: int, arrival: float, short_gap: bool) -> None:
         plan = self.plan
-        plan.fill_gap(rank, arrival)
-        if (
-            short_gap
-            and plan.has_weight(rank)
-            and self._short_gap_worth_a_weight(rank, arrival - plan.clock[rank])
-        ):
+        pending = plan.pending_w[rank]
+        if not pending:
+            return  # the common case in the steady state: nothing to fill the wait with
+        clock, w = plan.clock, plan.w
+        while pending and clock[rank] + w[pending[0]] <= arrival:  # PlanState.fill_gap, inlined
+            plan.put_weight(rank)
+        if short_gap and pending and self._short_gap_worth_a_weight(rank, arrival - clock[rank]):
             plan.put_weight(rank)
 
     # -- phases ------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ stage ``2p−1−r`` runs its backward first), 4 W (one stream, or 4/5 = W of th
 
 from __future__ import annotations
 
-import math
+import itertools
+import operator
 
 from ..costs import StageCosts
 from .planning import BACKWARD, FORWARD, WEIGHT, BuilderCandidate, PlanOp, fixed_candidate
@@ -45,22 +46,28 @@ def with_weights(rank_slots: list[list[int]], split: bool) -> list[list[int]]:
     otherwise one stream.  W ops still pending after the last op follow it.
     """
     ops = sorted((slot, kind) for kind, stream in enumerate(rank_slots) for slot in stream)
-    weights: list[list[int]] = [[], []] if split else [[]]
-    pending = [0, 0]
+    up_weights: list[int] = []  # every W when not split
+    down_weights: list[int] = []
+    up = down = 0  # pending W ops of the up and the down stage
     cursor = 0
     for slot, kind in ops:
-        while cursor < slot and (pending[0] or pending[1]):
-            which = 0 if pending[0] else 1
-            pending[which] -= 1
-            weights[which if split else 0].append(cursor)
+        while cursor < slot and (up or down):  # a free slot takes a pending W, the up stage's first
+            if up:
+                up -= 1
+                up_weights.append(cursor)
+            else:
+                down -= 1
+                down_weights.append(cursor)
             cursor += 1
-        cursor = max(cursor, slot + 1)
-        if kind >= 2:
-            pending[kind - 2 if split else 0] += 1
-    for which in (0, 1):
-        for _ in range(pending[which]):
-            weights[which if split else 0].append(cursor)
-            cursor += 1
+        if cursor <= slot:
+            cursor = slot + 1
+        if kind == 2 or (kind == 3 and not split):
+            up += 1
+        elif kind == 3:
+            down += 1
+    up_weights.extend(range(cursor, cursor + up))
+    down_weights.extend(range(cursor + up, cursor + up + down))
+    weights = [up_weights, down_weights] if split else [up_weights]
     return [list(stream) for stream in rank_slots] + weights
 
 
@@ -70,21 +77,40 @@ class _UnitMemory:
     With ``explicit_w`` W ops are in the slots; otherwise each free slot runs one owed W (of a
     backward already run), as the pattern would place them.  ``level[t]`` is the memory after slot
     ``t``; moving an op earlier changes nothing before its new slot, so a trial recomputes only the
-    suffix from there.
+    slots from there until the level and the owed W ops are those stored again (from then on
+    nothing differs): a move is a local change, and so is its trial.
     """
 
     def __init__(self, rank_slots: list[list[int]], explicit_w: bool, horizon: int) -> None:
         self.explicit_w = explicit_w
-        self.delta = [0] * horizon
-        self.busy = [0] * horizon
-        self.backward = [0] * horizon
+        self.delta = delta = [0] * horizon
+        self.busy = busy = [0] * horizon
+        self.backward = backward = [0] * horizon
         for kind, stream in enumerate(rank_slots):
+            change = delta if kind < 2 or kind >= 4 else backward if not explicit_w else None
+            sign = -1 if kind >= 4 else 1
             for slot in stream:
-                self._add(kind, slot, 1)
+                busy[slot] += 1
+                if change is not None:
+                    change[slot] += sign
         self.level = [0] * horizon
         self.owed = [0] * horizon
-        self.prefix_peak = [0] * horizon
-        self._recompute(0, commit=True)
+        levels, owes = self.level, self.owed
+        level = owed = peak = 0
+        for slot in range(horizon):
+            level += delta[slot]
+            if not explicit_w:
+                if busy[slot]:
+                    owed += backward[slot]
+                elif owed:
+                    owed -= 1
+                    level -= 1
+            if level > peak:  # noqa: PLR1730 (hot path: cheaper than a max() call)
+                peak = level
+            levels[slot], owes[slot] = level, owed
+        #: the rank's peak unit memory (of the pattern as given; moves keep every level within the
+        #: limit they are tried with)
+        self.peak = peak
 
     def _add(self, kind: int, slot: int, sign: int) -> None:
         self.busy[slot] += sign
@@ -95,13 +121,16 @@ class _UnitMemory:
         elif not self.explicit_w:
             self.backward[slot] += sign
 
-    def _recompute(self, start: int, commit: bool, limit: float = math.inf) -> float:
-        """Peak from ``start`` on (stored when ``commit``); a trial stops once it passes ``limit``."""
+    def _changed_suffix(self, start: int, settled: int, limit: int) -> tuple[list[int], list[int]] | None:
+        """The levels and owed W ops from ``start`` on, as far as they differ from the stored ones
+        (at ``settled`` or later, the first slot where both agree again ends the walk); None when a
+        level passes ``limit``.  Every stored level is within the limit already."""
         level = self.level[start - 1] if start else 0
         owed = self.owed[start - 1] if start else 0
-        peak: float = self.prefix_peak[start - 1] if start else 0
         delta, busy, backward, explicit_w = self.delta, self.busy, self.backward, self.explicit_w
-        levels, owes, peaks = self.level, self.owed, self.prefix_peak
+        stored_levels, stored_owed = self.level, self.owed
+        levels: list[int] = []
+        owes: list[int] = []
         for slot in range(start, len(delta)):
             level += delta[slot]
             if not explicit_w:
@@ -110,18 +139,13 @@ class _UnitMemory:
                 elif owed:
                     owed -= 1
                     level -= 1
-            if level > peak:
-                peak = level
-                if peak > limit:
-                    return peak
-            if commit:
-                levels[slot], owes[slot], peaks[slot] = level, owed, int(peak)
-        return peak
-
-    @property
-    def peak(self) -> int:
-        """The rank's peak unit memory."""
-        return self.prefix_peak[-1]
+            if level > limit:
+                return None
+            if slot >= settled and level == stored_levels[slot] and owed == stored_owed[slot]:
+                break
+            levels.append(level)
+            owes.append(owed)
+        return levels, owes
 
     def try_move(self, kind: int, original: int, candidate: int, limit: int) -> bool:
         """Move the op from ``original`` to ``candidate`` if the peak stays within ``limit``."""
@@ -139,12 +163,30 @@ class _UnitMemory:
             return True
         self._add(kind, original, -1)
         self._add(kind, candidate, 1)
-        if self._recompute(candidate, commit=False, limit=limit) <= limit:
-            self._recompute(candidate, commit=True)
-            return True
-        self._add(kind, candidate, -1)
-        self._add(kind, original, 1)
-        return False
+        changed = self._changed_suffix(candidate, original, limit)
+        if changed is None:
+            self._add(kind, candidate, -1)
+            self._add(kind, original, 1)
+            return False
+        levels, owes = changed
+        self.level[candidate : candidate + len(levels)] = levels
+        self.owed[candidate : candidate + len(owes)] = owes
+        return True
+
+
+def _kth_smallest(first: list[int], second: list[int], k: int) -> int:
+    """``sorted(first + second)[k]`` of two sorted lists, by bisecting how many come from ``first``."""
+    low, high = max(0, k + 1 - len(second)), min(k + 1, len(first))
+    while low < high:
+        taken = (low + high) // 2
+        if second[k - taken] > first[taken]:
+            low = taken + 1
+        else:
+            high = taken
+    rest = k + 1 - low
+    if low == 0:
+        return second[rest - 1]
+    return first[low - 1] if rest == 0 else max(first[low - 1], second[rest - 1])
 
 
 def _dependency_slot(slots: Slots, rank: int, kind: int, j: int, p: int) -> int:
@@ -157,32 +199,71 @@ def _dependency_slot(slots: Slots, rank: int, kind: int, j: int, p: int) -> int:
     if 0 < kind < 4:
         latest = max(latest, slots[rank][kind - 1][j])
     if kind == 4:
-        latest = max(latest, sorted(slots[rank][2] + slots[rank][3])[j])
+        latest = max(latest, _kth_smallest(slots[rank][2], slots[rank][3], j))
     if j > 0:
         latest = max(latest, slots[rank][kind][j - 1])
     return latest
 
 
-def _slot_order(slots: Slots, p: int) -> list[tuple[int, int, int, int]]:
-    """Every op as ``(slot, rank, kind, microbatch)``, sorted: a bucket per slot, filled in rank,
-    kind and microbatch order (the same order as sorting the tuples, in linear time)."""
-    horizon = max(slot for rank_slots in slots for stream in rank_slots for slot in stream) + 1
-    buckets: list[list[tuple[int, int, int, int]]] = [[] for _ in range(horizon)]
-    for rank in range(p):
-        for kind, stream in enumerate(slots[rank]):
-            for j, slot in enumerate(stream):
-                buckets[slot].append((slot, rank, kind, j))
-    return [op for bucket in buckets for op in bucket]
+class _FlatOps:
+    """Every op of a :data:`Slots` at one flat index, and the ops in slot order.
+
+    Rank by rank, stream by stream, op ``j`` of a stream sits at the stream's base index plus
+    ``j``, so the flat index orders ops by (rank, kind, microbatch) and sorting the integers
+    ``slot · n + index`` orders them by slot first: what the bucket per slot gave, built and
+    sorted in C instead of a Python loop per op.
+    """
+
+    def __init__(self, slots: Slots) -> None:
+        self.bases: list[list[int]] = []
+        ranks: list[int] = []
+        kinds: list[int] = []
+        microbatches: list[int] = []
+        flat_slots: list[int] = []
+        for rank, rank_slots in enumerate(slots):
+            rank_bases = []
+            for kind, stream in enumerate(rank_slots):
+                rank_bases.append(len(ranks))
+                ranks.extend(itertools.repeat(rank, len(stream)))
+                kinds.extend(itertools.repeat(kind, len(stream)))
+                microbatches.extend(range(len(stream)))
+                flat_slots.extend(stream)
+            self.bases.append(rank_bases)
+        self.ranks, self.kinds, self.microbatches, self.slots = ranks, kinds, microbatches, flat_slots
+        n = self.size = len(ranks)
+        keys = list(map(operator.add, map(operator.mul, flat_slots, itertools.repeat(n)), range(n)))
+        keys.sort()
+        #: the flat indices in slot order (ties in rank, kind and microbatch order)
+        self.order = [key % n for key in keys]
+
+    def tuples(self) -> list[tuple[int, int, int, int]]:
+        """Every op as ``(slot, rank, kind, microbatch)``, in slot order."""
+        order = self.order
+        return list(
+            zip(
+                map(self.slots.__getitem__, order),
+                map(self.ranks.__getitem__, order),
+                map(self.kinds.__getitem__, order),
+                map(self.microbatches.__getitem__, order),
+            )
+        )
+
+    def unflatten(self, values: list[int], slots: Slots) -> Slots:
+        """``values`` (one per flat index) in the nesting of ``slots``."""
+        return [
+            [values[base : base + len(stream)] for base, stream in zip(rank_bases, rank_slots)]
+            for rank_bases, rank_slots in zip(self.bases, slots)
+        ]
 
 
 def squeeze(slots: Slots, explicit_w: bool, p: int) -> Slots:
     """Move warm-up (``explicit_w`` only) and cool-down ops to the earliest free slot after their
     inputs that keeps every rank's peak unit memory at most the pattern's."""
-    horizon = max(slot for rank_slots in slots for stream in rank_slots for slot in stream) + 2
+    horizon = max(max(stream) for rank_slots in slots for stream in rank_slots if stream) + 2
     memories = [_UnitMemory(rank_slots, explicit_w, horizon) for rank_slots in slots]
     peak = max(memory.peak for memory in memories)
-    order = _slot_order(slots, p)
-    occupied: list[set[int]] = [set() for _ in range(p)]
+    order = _FlatOps(slots).tuples()
+    occupied = [bytearray(horizon) for _ in range(p)]
     last_forward = len(slots[0][0]) - 1
     phase = 0
     for original, rank, kind, j in order:
@@ -194,38 +275,53 @@ def squeeze(slots: Slots, explicit_w: bool, p: int) -> Slots:
         if movable:
             earliest = _dependency_slot(slots, rank, kind, j, p) + 1
             for candidate in range(earliest, original):
-                if candidate not in occupied[rank] and memories[rank].try_move(
-                    kind, original, candidate, peak
-                ):
+                if not occupied[rank][candidate] and memories[rank].try_move(kind, original, candidate, peak):
                     slots[rank][kind][j] = candidate
                     break
-        occupied[rank].add(slots[rank][kind][j])
+        occupied[rank][slots[rank][kind][j]] = 1
     return slots
 
 
 def eager_unit_slots(slots: Slots, p: int) -> Slots:
     """Start slots when every op runs as early as its inputs and its rank allow (unit times),
     keeping each rank's order by slot."""
-    order = _slot_order(slots, p)
-    end: Slots = [[[0] * len(stream) for stream in rank_slots] for rank_slots in slots]
-    result: Slots = [[[0] * len(stream) for stream in rank_slots] for rank_slots in slots]
+    ops = _FlatOps(slots)
+    n = ops.size
+    # per flat index, the flat indices of its inputs: the neighbour's op of the same kind
+    # (forwards and up backwards from rank - 1, up forwards and down backwards from rank + 1),
+    # its own op of the previous kind, its previous microbatch; n (a slot ending at 0) for none
+    neighbour, previous_kind, previous = [n] * n, [n] * n, [n] * n
+    for rank, (rank_bases, rank_slots) in enumerate(zip(ops.bases, slots)):
+        for kind, (base, stream) in enumerate(zip(rank_bases, rank_slots)):
+            length = len(stream)
+            other = rank - 1 if kind in (0, 2) else rank + 1 if kind in (1, 3) else -1
+            if 0 <= other < p:
+                neighbour[base : base + length] = range(
+                    ops.bases[other][kind], ops.bases[other][kind] + length
+                )
+            if 0 < kind < 4:
+                own = rank_bases[kind - 1]
+                previous_kind[base : base + length] = range(own, own + length)
+            previous[base + 1 : base + length] = range(base, base + length - 1)
+    end = [0] * (n + 1)
+    start = [0] * n
     rank_free = [0] * p
-    for _, rank, kind, j in order:
+    op_rank = ops.ranks
+    for index in ops.order:
+        rank = op_rank[index]
         ready = rank_free[rank]
-        if kind in (0, 2) and rank > 0:
-            other = end[rank - 1][kind][j]
-            ready = max(ready, other)
-        elif kind in (1, 3) and rank + 1 < p:
-            other = end[rank + 1][kind][j]
-            ready = max(ready, other)
-        own = end[rank]
-        if 0 < kind < 4 and own[kind - 1][j] > ready:
-            ready = own[kind - 1][j]
-        if j > 0 and own[kind][j - 1] > ready:
-            ready = own[kind][j - 1]
-        own[kind][j] = rank_free[rank] = ready + 1
-        result[rank][kind][j] = ready
-    return result
+        before = end[neighbour[index]]
+        if before > ready:  # noqa: PLR1730 (hot path: cheaper than a max() call)
+            ready = before
+        before = end[previous_kind[index]]
+        if before > ready:  # noqa: PLR1730
+            ready = before
+        before = end[previous[index]]
+        if before > ready:  # noqa: PLR1730
+            ready = before
+        start[index] = ready
+        end[index] = rank_free[rank] = ready + 1
+    return ops.unflatten(start, slots)
 
 
 def squeezed_programs(name: str, p: int, microbatches: int) -> list[list[PlanOp]]:

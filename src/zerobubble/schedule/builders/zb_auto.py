@@ -106,16 +106,23 @@ class _Planner:
     def _fill_gap(self, rank: int, ready: float) -> None:
         """Fill the wait until ``ready`` with W ops (the paper's "W into every gap")."""
         state = self.state
-        state.fill_gap(rank, ready)
-        if state.has_weight(rank) and state.clock[rank] < ready:
-            leaves_rank_idlest = ready - state.clock[rank] > state.max_idle - state.idle[rank]
+        pending = state.pending_w[rank]
+        if not pending:
+            return
+        clock, w = state.clock, state.w
+        while pending and clock[rank] + w[pending[0]] <= ready:  # PlanState.fill_gap, inlined
+            state.put_weight(rank)
+        if pending and clock[rank] < ready:
+            leaves_rank_idlest = ready - clock[rank] > state.max_idle - state.idle[rank]
             if leaves_rank_idlest or self.variant.fill_small_gaps:
                 state.put_weight(rank)
 
     def _place_forward(self, rank: int) -> None:
         state = self.state
         j = self.forwards[rank]
-        state.make_room(rank, state.mem_b[rank])
+        growth = state.mem_b[rank]
+        if state.memory[rank] + growth > state.capacity[rank]:
+            state.make_room(rank, growth)
         if rank > 0:
             self._fill_gap(rank, state.forward_arrival(rank, j))
         state.put_forward(rank, rank, j)
@@ -123,7 +130,9 @@ class _Planner:
 
     def _place_backward(self, rank: int, microbatch: int) -> None:
         state = self.state
-        state.make_room(rank, state.mem_w[rank] - state.mem_b[rank])
+        growth = state.mem_w[rank] - state.mem_b[rank]
+        if state.memory[rank] + growth > state.capacity[rank]:
+            state.make_room(rank, growth)
         if rank < self.p - 1:
             self._fill_gap(rank, state.backward_arrival(rank, microbatch))
         if rank == 0 and self.forwards[0] == self.m:
