@@ -1,0 +1,277 @@
+"""Refinements of a search's candidates: exact times for paced plans, and a local improvement pass.
+
+**Retiming.**  A pacing planner holds ops back, so its plan's time is only an upper bound and the
+search used to rank it by that bound.  :func:`retimed` replays such a plan's op order as the
+simulator runs it (every op as soon as its rank and input allow) and ranks it by that exact time,
+which is often shorter; the replayed order is the schedule.
+
+**Local improvement.**  A winner built for unit or equalised costs (the authors' squeezed V-Half /
+V-Min order, the equalised ZB-V plan) still idles under the real costs on the rank whose span is the
+iteration time.  :func:`improve_programs` looks only at those waits.  For each idle gap on a
+critical rank (one whose span is the iteration time), largest first, it tries three kinds of move:
+
+* **fill** — move the earliest later W of that rank whose B already ran into the gap.  Moving a W
+  earlier only frees memory earlier, so it never breaks the memory limit.
+* **pull** — on the rank that produces the op the gap waits for, move the producing op up to
+  ``_PULL_WINDOW`` places earlier, past ops it does not need.  The ops it passes end later, so
+  memory may grow: the replay checks the limit.
+* **defer** — move one of the last W ops before the gap into it, so the ops between start earlier
+  where the rank, not an input, held them (memory is held longer: the replay checks the limit).
+
+Each move is replayed on the planning core (:func:`.planning.replay`: the simulator's timing, the
+validator's memory rule, deadlocks rejected) and kept only when it lowers the iteration time, or
+keeps it and lowers the sum of all ranks' spans (so that a tie between critical ranks can be broken
+one rank at a time).  The pass stops at the lower bound, when no move helps, or when its budget of
+replayed ops is spent, so its cost is bounded whatever the problem size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from ..costs import StageCosts
+from ..ir import Op, Schedule
+from .planning import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    BuilderCandidate,
+    Planned,
+    PlanOp,
+    PlanState,
+    as_plan_ops,
+    replay,
+)
+
+Programs = list[list[PlanOp]]
+
+#: Relative tolerance below which two times count as equal (float noise of summed costs).
+_TOLERANCE = 1e-9
+
+#: Ops one improvement pass may replay: about 100 replays at p = 8, m = 24 (6·p·m ops each).
+IMPROVE_BUDGET = 120_000
+
+#: Schedules with more ops are left as they are (at p = 32, m = 256, 49,152 ops, a pass would cost
+#: more than the whole search; there the squeezed pattern and the equalised plan win anyway).
+IMPROVE_MAX_OPS = 12_288
+
+
+def retimed(candidate: BuilderCandidate, costs: StageCosts, microbatches: int) -> BuilderCandidate:
+    """``candidate`` ranked by its exact time: a plan that held ops back is replayed as simulated.
+
+    The replay keeps every rank's op order and starts each op as soon as it can, which is what the
+    schedule will do anyway; when that order exceeds the memory limit the held-back plan stays.
+    The candidate runs without the search's bound: it would prune on the upper bound, not the
+    exact time.
+    """
+
+    def run(bound: float) -> Planned | None:
+        planned = candidate.run(math.inf)
+        if planned is None or planned.exact:
+            return planned
+        state = replay(costs, microbatches, as_plan_ops(planned.programs()))
+        return Planned.of(state, planned.effort) if state is not None else planned
+
+    return BuilderCandidate(candidate.planner, candidate.variant, run)
+
+
+@dataclass(frozen=True)
+class Improved:
+    """What a pass found: the replayed plan, its iteration time and the moves and replays it took."""
+
+    state: PlanState
+    iteration_time: float
+    moves: int
+    replays: int
+
+
+def improve_programs(
+    costs: StageCosts,
+    microbatches: int,
+    programs: Sequence[Sequence[PlanOp]],
+    *,
+    floor: float = 0.0,
+    budget: int = IMPROVE_BUDGET,
+) -> Improved | None:
+    """Improve fixed per-rank ``programs`` by single-op moves (see the module docstring).
+
+    ``floor`` is a lower bound on the iteration time (the pass stops there); ``budget`` caps the
+    ops replayed.  Returns None when the programs cannot run under ``costs`` (deadlock or memory).
+    """
+    current = [list(program) for program in programs]
+    state = replay(costs, microbatches, current)
+    if state is None:
+        return None
+    per_replay = sum(map(len, current))
+    score = _score(state)
+    moves = replays = 0
+    while score[0] > floor * (1 + _TOLERANCE):
+        found = None
+        for candidate in _candidate_moves(state, current):
+            if (replays + 1) * per_replay > budget:
+                break
+            replays += 1
+            trial = replay(costs, microbatches, candidate)
+            if trial is not None and _better(_score(trial), score):
+                found = candidate, trial
+                break
+        if found is None:
+            break
+        current, state = found
+        score = _score(state)
+        moves += 1
+    return Improved(state, score[0], moves, replays)
+
+
+def improve_schedule(
+    schedule: Schedule,
+    costs: StageCosts,
+    *,
+    floor: float = 0.0,
+    budget: int = IMPROVE_BUDGET,
+    max_ops: int = IMPROVE_MAX_OPS,
+) -> Schedule:
+    """``schedule`` improved by :func:`improve_programs`, or ``schedule`` itself when no move helps
+    (or it has more than ``max_ops`` ops).
+
+    ``costs`` are the planned (resolved, memory-limited) costs.  An improved schedule's
+    ``meta["iteration_time"]`` is its new time and ``meta["local_moves"]`` the moves it kept.
+    """
+    if schedule.num_ops > max_ops:
+        return schedule
+    improved = improve_programs(
+        costs, schedule.microbatches, as_plan_ops(schedule.programs), floor=floor, budget=budget
+    )
+    if improved is None or improved.moves == 0:
+        return schedule
+    programs: list[list[Op]] = improved.state.programs_as_ops()
+    meta = {**schedule.meta, "iteration_time": improved.iteration_time, "local_moves": improved.moves}
+    return replace(Schedule(schedule.name, schedule.placement, schedule.microbatches, programs), meta=meta)
+
+
+def _score(state: PlanState) -> tuple[float, float]:
+    spans = [state.span(rank) for rank in range(state.p)]
+    return max(spans), sum(spans)
+
+
+def _better(new: tuple[float, float], old: tuple[float, float]) -> bool:
+    if new[0] < old[0] * (1 - _TOLERANCE):
+        return True
+    return new[0] <= old[0] * (1 + _TOLERANCE) and new[1] < old[1] * (1 - _TOLERANCE)
+
+
+def _op_times(state: PlanState) -> list[list[tuple[float, float]]]:
+    """(start, end) of every op of a replayed plan, rank by rank (an op starts when its rank is
+    free and its input is in, as in :func:`.planning.replay`)."""
+    times = []
+    durations = (state.f, state.b, state.w)
+    for rank, program in enumerate(state.programs):
+        clock = state.first_start[rank]
+        rank_times = []
+        for kind, stage, j in program:
+            if kind == FORWARD:
+                arrival = state.forward_arrival(stage, j)
+            elif kind == BACKWARD:
+                arrival = state.backward_arrival(stage, j)
+            else:
+                arrival = clock
+            start = max(clock, arrival)
+            clock = start + durations[kind][stage]
+            rank_times.append((start, clock))
+        times.append(rank_times)
+    return times
+
+
+def _candidate_moves(state: PlanState, programs: Programs) -> Iterator[Programs]:
+    """Programs with one op moved, for the gaps of the critical ranks, largest gap first."""
+    times = _op_times(state)
+    worst = state.iteration_time()
+    gaps = []
+    for rank in range(state.p):
+        if state.span(rank) < worst * (1 - _TOLERANCE):
+            continue
+        rank_times = times[rank]
+        for i in range(1, len(rank_times)):
+            idle = rank_times[i][0] - rank_times[i - 1][1]
+            if idle > worst * _TOLERANCE:
+                gaps.append((idle, rank, i))
+    gaps.sort(reverse=True)
+    where = {op: (rank, i) for rank, program in enumerate(programs) for i, op in enumerate(program)}
+    for _, rank, i in gaps:
+        filled = _fill(programs, rank, i, where)
+        if filled is not None:
+            yield filled
+        yield from _pull(state, programs, rank, i, where)
+        yield from _defer(programs, rank, i)
+
+
+def _fill(programs: Programs, rank: int, i: int, where: dict[PlanOp, tuple[int, int]]) -> Programs | None:
+    program = programs[rank]
+    for k in range(i + 1, len(program)):
+        kind, stage, j = program[k]
+        if kind == WEIGHT and where[(BACKWARD, stage, j)][1] < i:
+            moved = [*program[:i], program[k], *program[i:k], *program[k + 1 :]]
+            return [moved if r == rank else p for r, p in enumerate(programs)]
+    return None
+
+
+def _pull(
+    state: PlanState, programs: Programs, rank: int, i: int, where: dict[PlanOp, tuple[int, int]]
+) -> Iterator[Programs]:
+    """Programs with the producer of op ``i`` of ``rank`` moved 1.._PULL_WINDOW places earlier on
+    its own rank, past ops it does not need."""
+    kind, stage, j = programs[rank][i]
+    if kind == FORWARD:
+        producer = (FORWARD, stage - 1, j) if stage > 0 else None
+    elif kind == BACKWARD:
+        producer = (BACKWARD, stage + 1, j) if stage + 1 < state.S else None
+    else:
+        producer = None
+    if producer is None or producer not in where:
+        return
+    other, q = where[producer]
+    program = programs[other]
+    for target in range(q - 1, max(q - 1 - _PULL_WINDOW, -1), -1):
+        if _depends(producer, program[target]):
+            return
+        moved = [*program[:target], producer, *program[target:q], *program[q + 1 :]]
+        yield [moved if r == other else p for r, p in enumerate(programs)]
+
+
+#: How far (in ops) the pull move tries to move a producer earlier.
+_PULL_WINDOW = 4
+
+
+def _depends(op: PlanOp, on: PlanOp) -> bool:
+    """Whether ``op`` needs ``on`` (its own input on the same rank)."""
+    kind, stage, j = op
+    if on[2] != j:
+        return False
+    if kind == FORWARD:
+        return on == (FORWARD, stage - 1, j)
+    if kind == BACKWARD:
+        return on in ((FORWARD, stage, j), (BACKWARD, stage + 1, j))
+    return on == (BACKWARD, stage, j)
+
+
+#: How many of the W ops before a gap the defer move tries (the latest first).
+_DEFER_WINDOW = 6
+
+
+def _defer(programs: Programs, rank: int, i: int) -> Iterator[Programs]:
+    """Programs with one earlier W of ``rank`` moved into the gap before op ``i`` (latest W first):
+    the ops between it and the gap then start earlier where the rank, not an input, held them."""
+    program = programs[rank]
+    tried = 0
+    for k in range(i - 1, -1, -1):
+        if tried >= _DEFER_WINDOW:
+            return
+        if program[k][0] != WEIGHT:
+            continue
+        tried += 1
+        if k == i - 1:
+            continue
+        moved = [*program[:k], *program[k + 1 : i], program[k], *program[i:]]
+        yield [moved if r == rank else p for r, p in enumerate(programs)]
