@@ -204,7 +204,9 @@ def _candidate_moves(state: PlanState, programs: Programs) -> Iterator[Programs]
         if filled is not None:
             yield filled
         yield from _pull(state, programs, rank, i, where)
+        yield from _chain_pull(state, times, programs, rank, i, where)
         yield from _defer(programs, rank, i)
+        yield from _hoist(state, times, programs, rank, i)
 
 
 def _fill(programs: Programs, rank: int, i: int, where: dict[PlanOp, tuple[int, int]]) -> Programs | None:
@@ -274,4 +276,71 @@ def _defer(programs: Programs, rank: int, i: int) -> Iterator[Programs]:
         if k == i - 1:
             continue
         moved = [*program[:k], *program[k + 1 : i], program[k], *program[i:]]
+        yield [moved if r == rank else p for r, p in enumerate(programs)]
+
+
+def _binding_input(state: PlanState, op: PlanOp) -> PlanOp | None:
+    """The input of an F or B that arrived last (None for the first forward and for W ops)."""
+    kind, stage, j = op
+    if kind == FORWARD:
+        return (FORWARD, stage - 1, j) if stage > 0 else None
+    if kind != BACKWARD or stage + 1 == state.S:
+        return (FORWARD, stage, j) if kind == BACKWARD else None
+    from_next = state.b_end[stage + 1][j] + state.hop[stage]
+    return (BACKWARD, stage + 1, j) if from_next >= state.f_end[stage][j] else (FORWARD, stage, j)
+
+
+def _chain_pull(
+    state: PlanState,
+    times: list[list[tuple[float, float]]],
+    programs: Programs,
+    rank: int,
+    i: int,
+    where: dict[PlanOp, tuple[int, int]],
+) -> Iterator[Programs]:
+    """Follow the gap's wait up its chain of last-arriving inputs; wherever an op on the chain
+    waited for its rank (not for its input), yield the programs with it one place earlier, before
+    the op that held it."""
+    op: PlanOp | None = programs[rank][i]
+    for _ in range(2 * state.S):
+        op = _binding_input(state, op) if op is not None else None
+        if op is None:
+            return
+        other, q = where[op]
+        if q == 0:
+            continue
+        start, before_end = times[other][q][0], times[other][q - 1][1]
+        program = programs[other]
+        if start <= before_end + _TOLERANCE * max(start, 1.0) and not _depends(op, program[q - 1]):
+            moved = [*program[: q - 1], op, program[q - 1], *program[q + 1 :]]
+            yield [moved if r == other else p for r, p in enumerate(programs)]
+
+
+#: How many later ops of the rank the hoist move looks at.
+_HOIST_WINDOW = 12
+
+
+def _ready_at(state: PlanState, op: PlanOp) -> float:
+    kind, stage, j = op
+    if kind == FORWARD:
+        return state.forward_arrival(stage, j)
+    if kind == BACKWARD:
+        return state.backward_arrival(stage, j)
+    return state.b_end[stage][j]
+
+
+def _hoist(
+    state: PlanState, times: list[list[tuple[float, float]]], programs: Programs, rank: int, i: int
+) -> Iterator[Programs]:
+    """Programs with a later F or B of ``rank``, whose input was in when the gap began, moved into
+    the gap before op ``i`` (it may raise memory: the replay checks the limit)."""
+    program = programs[rank]
+    gap_start = times[rank][i - 1][1]
+    for k in range(i + 1, min(len(program), i + 1 + _HOIST_WINDOW)):
+        op = program[k]
+        if op[0] == WEIGHT or _ready_at(state, op) > gap_start:
+            continue
+        if any(_depends(op, between) for between in program[i:k]):
+            continue
+        moved = [*program[:i], op, *program[i:k], *program[k + 1 :]]
         yield [moved if r == rank else p for r, p in enumerate(programs)]

@@ -458,4 +458,8 @@ def build(
     floor = lower_bound(stages, microbatches, costs, placement=placement)
     # The capped 1F1B fits every feasible limit, so there is always at least one candidate.
     candidates = _candidates(stage_costs, microbatches, variants)
-    return search("zb-auto", stage_costs, microbatches, candidates, OP_BUDGET, floor)
+    # Every greedy variant runs whatever the size (they lead the candidates): their best is the
+    # authors' heuristic, which zb-auto must never lose to.  The budget limits only the rest.
+    greedy_runs = sum(isinstance(variant, Variant) for variant in variants)
+    budget = max(OP_BUDGET, greedy_runs * 3 * stages * microbatches)
+    return search("zb-auto", stage_costs, microbatches, candidates, budget, floor)
