@@ -92,11 +92,18 @@ class _Planner:
         self.forwards = [0] * self.p
         self.backwards = [0] * self.p
 
-    def plan(self) -> PlanState:
-        """Run warm-up, steady rounds and drain (raises :class:`.planning.Stuck` when stuck)."""
+    def plan(self, bound: float = math.inf) -> PlanState:
+        """Run warm-up, steady rounds and drain.
+
+        Raises :class:`.planning.Stuck` when stuck, and when after some round a rank's span so far
+        plus its remaining work exceeds ``bound`` (the plan cannot beat it).
+        """
         self._warm_up()
+        state, ranks = self.state, range(self.p)
         for i in range(1, self.m):
             self._steady_round(i)
+            if bound < math.inf and any(state.cannot_beat(rank, bound) for rank in ranks):
+                raise Stuck
         for rank in range(self.p):
             self.state.drain(rank)
         return self.state
@@ -403,7 +410,7 @@ def _planner_candidate(
     def run(bound: float) -> Planned | None:
         planner = variant.planner(costs, microbatches)
         try:
-            return Planned.of(planner.plan())
+            return Planned.of(planner.plan(bound) if isinstance(planner, _Planner) else planner.plan())
         except Stuck:
             return None
 
