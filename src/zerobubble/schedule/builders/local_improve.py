@@ -8,21 +8,25 @@ which is often shorter; the replayed order is the schedule.
 **Local improvement.**  A winner built for unit or equalised costs (the authors' squeezed V-Half /
 V-Min order, the equalised ZB-V plan) still idles under the real costs on the rank whose span is the
 iteration time.  :func:`improve_programs` looks only at those waits.  For each idle gap on a
-critical rank (one whose span is the iteration time), largest first, it tries three kinds of move:
+critical rank (one whose span is the iteration time), largest first, it tries these moves:
 
 * **fill** — move the earliest later W of that rank whose B already ran into the gap.  Moving a W
   earlier only frees memory earlier, so it never breaks the memory limit.
 * **pull** — on the rank that produces the op the gap waits for, move the producing op up to
-  ``_PULL_WINDOW`` places earlier, past ops it does not need.  The ops it passes end later, so
-  memory may grow: the replay checks the limit.
-* **defer** — move one of the last W ops before the gap into it, so the ops between start earlier
-  where the rank, not an input, held them (memory is held longer: the replay checks the limit).
+  ``_PULL_WINDOW`` places earlier, past ops it does not need.
+* **chain pull** — follow the wait up the chain of last-arriving inputs; where an op on it waited
+  for its rank rather than its input, move it one place earlier, before the op that held it.
+* **defer** — move one of the last ``_DEFER_WINDOW`` W ops before the gap into it, so the ops
+  between start earlier where the rank, not an input, held them.
+* **hoist** — move one of the next ``_HOIST_WINDOW`` F or B ops of the rank whose input was in when
+  the gap began into it.
 
-Each move is replayed on the planning core (:func:`.planning.replay`: the simulator's timing, the
-validator's memory rule, deadlocks rejected) and kept only when it lowers the iteration time, or
-keeps it and lowers the sum of all ranks' spans (so that a tie between critical ranks can be broken
-one rank at a time).  The pass stops at the lower bound, when no move helps, or when its budget of
-replayed ops is spent, so its cost is bounded whatever the problem size.
+All but fill may hold memory longer.  Each move is replayed on the planning core
+(:func:`.planning.replay`: the simulator's timing, the validator's memory rule, deadlocks rejected)
+and kept only when it lowers the iteration time, or keeps it and lowers the sum of all ranks' spans
+(so that a tie between critical ranks can be broken one rank at a time).  The pass stops at the
+lower bound, when no move helps, or when its budget of replayed ops is spent, so its cost is
+bounded whatever the problem size.
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ IMPROVE_BUDGET = 120_000
 #: Schedules with more ops are left as they are (at p = 32, m = 256, 49,152 ops, a pass would cost
 #: more than the whole search; there the squeezed pattern and the equalised plan win anyway).
 IMPROVE_MAX_OPS = 12_288
+
+#: The moves' reach: how far the pull move moves a producer earlier, how many W ops before a gap
+#: the defer move tries (the latest first), how many later ops the hoist move looks at.
+_PULL_WINDOW = 4
+_DEFER_WINDOW = 6
+_HOIST_WINDOW = 12
 
 
 def retimed(candidate: BuilderCandidate, costs: StageCosts, microbatches: int) -> BuilderCandidate:
@@ -152,6 +162,7 @@ def improve_schedule(
 
 
 def _score(state: PlanState) -> tuple[float, float]:
+    """What the pass minimises: the iteration time, then the sum of the ranks' spans."""
     spans = [state.span(rank) for rank in range(state.p)]
     return max(spans), sum(spans)
 
@@ -209,13 +220,19 @@ def _candidate_moves(state: PlanState, programs: Programs) -> Iterator[Programs]
         yield from _hoist(state, times, programs, rank, i)
 
 
+def _with_program(programs: Programs, rank: int, program: list[PlanOp]) -> Programs:
+    """``programs`` with ``rank``'s program replaced (the others shared, not copied)."""
+    return [program if r == rank else other for r, other in enumerate(programs)]
+
+
 def _fill(programs: Programs, rank: int, i: int, where: dict[PlanOp, tuple[int, int]]) -> Programs | None:
+    """Programs with the earliest later W of ``rank`` whose B ran before op ``i`` moved before it."""
     program = programs[rank]
     for k in range(i + 1, len(program)):
         kind, stage, j = program[k]
         if kind == WEIGHT and where[(BACKWARD, stage, j)][1] < i:
             moved = [*program[:i], program[k], *program[i:k], *program[k + 1 :]]
-            return [moved if r == rank else p for r, p in enumerate(programs)]
+            return _with_program(programs, rank, moved)
     return None
 
 
@@ -239,11 +256,7 @@ def _pull(
         if _depends(producer, program[target]):
             return
         moved = [*program[:target], producer, *program[target:q], *program[q + 1 :]]
-        yield [moved if r == other else p for r, p in enumerate(programs)]
-
-
-#: How far (in ops) the pull move tries to move a producer earlier.
-_PULL_WINDOW = 4
+        yield _with_program(programs, other, moved)
 
 
 def _depends(op: PlanOp, on: PlanOp) -> bool:
@@ -256,10 +269,6 @@ def _depends(op: PlanOp, on: PlanOp) -> bool:
     if kind == BACKWARD:
         return on in ((FORWARD, stage, j), (BACKWARD, stage + 1, j))
     return on == (BACKWARD, stage, j)
-
-
-#: How many of the W ops before a gap the defer move tries (the latest first).
-_DEFER_WINDOW = 6
 
 
 def _defer(programs: Programs, rank: int, i: int) -> Iterator[Programs]:
@@ -276,7 +285,7 @@ def _defer(programs: Programs, rank: int, i: int) -> Iterator[Programs]:
         if k == i - 1:
             continue
         moved = [*program[:k], *program[k + 1 : i], program[k], *program[i:]]
-        yield [moved if r == rank else p for r, p in enumerate(programs)]
+        yield _with_program(programs, rank, moved)
 
 
 def _binding_input(state: PlanState, op: PlanOp) -> PlanOp | None:
@@ -313,14 +322,11 @@ def _chain_pull(
         program = programs[other]
         if start <= before_end + _TOLERANCE * max(start, 1.0) and not _depends(op, program[q - 1]):
             moved = [*program[: q - 1], op, program[q - 1], *program[q + 1 :]]
-            yield [moved if r == other else p for r, p in enumerate(programs)]
-
-
-#: How many later ops of the rank the hoist move looks at.
-_HOIST_WINDOW = 12
+            yield _with_program(programs, other, moved)
 
 
 def _ready_at(state: PlanState, op: PlanOp) -> float:
+    """When ``op``'s input is on its rank in the replayed plan."""
     kind, stage, j = op
     if kind == FORWARD:
         return state.forward_arrival(stage, j)
@@ -343,4 +349,4 @@ def _hoist(
         if any(_depends(op, between) for between in program[i:k]):
             continue
         moved = [*program[:i], op, *program[i:k], *program[k + 1 :]]
-        yield [moved if r == rank else p for r, p in enumerate(programs)]
+        yield _with_program(programs, rank, moved)
