@@ -93,10 +93,10 @@ def test_v_min_strictly_faster_than_the_authors_on_named_rows(key):
     assert timeline.iteration_time <= AUTHORS_VMIN[(model, m)] * STRICTLY_FASTER[key]
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
-    p=st.integers(2, 6),
-    per_rank=st.integers(2, 4),
+    p=st.integers(2, 5),
+    per_rank=st.integers(2, 3),
     costs=st.tuples(
         st.lists(st.floats(0.8, 1.2), min_size=6, max_size=6),
         st.lists(st.floats(0.8, 1.3), min_size=6, max_size=6),
