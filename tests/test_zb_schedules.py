@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zerobubble.schedule.builders import build_schedule, zb_auto, zb_handcrafted
+from zerobubble.schedule.builders.planning import Stuck
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.ir import Kind, Placement, Schedule, ScheduleError
 from zerobubble.schedule.paper import paper_rows
@@ -256,3 +257,36 @@ def test_named_schedules_valid_for_any_costs(problem):
         schedule = build_schedule(name, p, m, costs)  # validates, memory included for zb-1p/zb-2p
         assert schedule.splits_backward
         assert math.isfinite(simulate(schedule, costs).makespan)
+
+
+# -- against the authors' heuristic ------------------------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    p=st.integers(2, 8),
+    per_rank=st.integers(2, 4),
+    costs=st.tuples(
+        st.lists(st.floats(0.8, 1.2), min_size=8, max_size=8),
+        st.lists(st.floats(0.8, 1.3), min_size=8, max_size=8),
+        st.lists(st.floats(0.3, 1.0), min_size=8, max_size=8),
+        st.floats(0.0, 0.1),
+        st.floats(0.0, 0.6),
+    ),
+)
+def test_zb_1p_and_2p_never_lose_to_the_authors_heuristic(p, per_rank, costs):
+    """The authors' ZB-1p/2p heuristic (their zb.py) is the best of the eight round-greedy variants;
+    zb-1p and zb-2p run all eight among their candidates, so they are never slower."""
+    f, b, w, comm, mem_w = costs
+    model = CostModel(f=f[:p], b=b[:p], w=w[:p], comm=comm, mem_b=1.0, mem_w=mem_w)
+    m = per_rank * p
+    for name, limit in (("zb-1p", p), ("zb-2p", 2 * p)):
+        resolved = model.with_memory_limit(float(limit)).resolve(Placement.loop(p))
+        theirs = math.inf
+        for variant in zb_auto.GREEDY_VARIANTS:
+            try:
+                theirs = min(theirs, variant.planner(resolved, m).plan().iteration_time())
+            except Stuck:
+                continue
+        ours = simulate(build_schedule(name, p, m, model), model).iteration_time
+        assert ours <= theirs * (1 + 1e-9), name

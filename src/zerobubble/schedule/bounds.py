@@ -105,9 +105,14 @@ def _rank_span_bound(costs: StageCosts, m: int, chains: _Chains, rank: int) -> f
     limit = memory_cap(costs.memory_limit[rank])
     work = costs.rank_work(rank, m)
     forward_work = m * sum(costs.f[s] for s in stages)
-    warm_idle = max(
-        0.0, min(chains.round_trip[s] for s in stages) - _forward_capacity(costs, m, stages, limit)
+    # The rank's first op is a forward of its first stage (every other stage it holds waits for
+    # that one's forward of the same microbatch), so a backward of stage s starts no earlier than
+    # the forward chain from there to s plus s's round trip after the rank's first start.
+    first = stages[0]
+    first_backward = min(
+        chains.forward_prefix[s] - chains.forward_prefix[first] + chains.round_trip[s] for s in stages
     )
+    warm_idle = max(0.0, first_backward - _forward_capacity(costs, m, stages, limit))
     cool_idle = max(
         0.0,
         min(

@@ -12,10 +12,13 @@ The paper's memory and bubble figures: ``docs/schedulers.md``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..bounds import lower_bound
-from ..costs import CostModel
+from ..costs import CostModel, StageCosts
 from ..ir import Placement, Schedule, ScheduleError
-from .planning import check_one_microbatch_fits, search
+from .local_improve import improve_schedule, retimed
+from .planning import BuilderCandidate, check_one_microbatch_fits, search
 from .v_blocks import BLOCK_VARIANTS, block_candidate
 from .v_pattern import pattern_candidates
 from .zb_v import VPolicy, v_candidates
@@ -93,11 +96,19 @@ def build_with_memory(
     candidates = [
         *pattern_candidates(resolved, microbatches, name),
         *(block_candidate(resolved, microbatches, variant) for variant in BLOCK_VARIANTS),
-        *v_candidates(resolved, microbatches, MEMORY_POLICIES),
+        *_greedy_candidates(resolved, microbatches),
     ]
-    return search(
+    best = search(
         name, resolved, microbatches, candidates, OP_BUDGET, floor, memory_microbatches=microbatches_in_memory
     )
+    return improve_schedule(best, resolved, floor=floor)
+
+
+def _greedy_candidates(costs: StageCosts, microbatches: int) -> Iterator[BuilderCandidate]:
+    """The V greedy under :data:`MEMORY_POLICIES`; the paced ones ranked by their exact times."""
+    for policy in MEMORY_POLICIES:
+        for candidate in v_candidates(costs, microbatches, (policy,)):
+            yield retimed(candidate, costs, microbatches) if policy.pace else candidate
 
 
 def _check_chunks(name: str, chunks: int) -> None:

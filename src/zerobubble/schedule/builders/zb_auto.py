@@ -92,11 +92,18 @@ class _Planner:
         self.forwards = [0] * self.p
         self.backwards = [0] * self.p
 
-    def plan(self) -> PlanState:
-        """Run warm-up, steady rounds and drain (raises :class:`.planning.Stuck` when stuck)."""
+    def plan(self, bound: float = math.inf) -> PlanState:
+        """Run warm-up, steady rounds and drain.
+
+        Raises :class:`.planning.Stuck` when stuck, and when after some round a rank's span so far
+        plus its remaining work exceeds ``bound`` (the plan cannot beat it).
+        """
         self._warm_up()
+        state, ranks = self.state, range(self.p)
         for i in range(1, self.m):
             self._steady_round(i)
+            if bound < math.inf and any(state.cannot_beat(rank, bound) for rank in ranks):
+                raise Stuck
         for rank in range(self.p):
             self.state.drain(rank)
         return self.state
@@ -412,7 +419,7 @@ def _planner_candidate(
     def run(bound: float) -> Planned | None:
         planner = variant.planner(costs, microbatches)
         try:
-            return Planned.of(planner.plan())
+            return Planned.of(planner.plan(bound) if isinstance(planner, _Planner) else planner.plan())
         except Stuck:
             return None
 
@@ -467,4 +474,8 @@ def build(
     floor = lower_bound(stages, microbatches, costs, placement=placement)
     # The capped 1F1B fits every feasible limit, so there is always at least one candidate.
     candidates = _candidates(stage_costs, microbatches, variants)
-    return search("zb-auto", stage_costs, microbatches, candidates, OP_BUDGET, floor)
+    # Every greedy variant runs whatever the size (they lead the candidates): their best is the
+    # authors' heuristic, which zb-auto must never lose to.  The budget limits only the rest.
+    greedy_runs = sum(isinstance(variant, Variant) for variant in variants)
+    budget = max(OP_BUDGET, greedy_runs * 3 * stages * microbatches)
+    return search("zb-auto", stage_costs, microbatches, candidates, budget, floor)
