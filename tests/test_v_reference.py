@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _cost_strategies import per_stage_costs
 from zerobubble.schedule.builders import build_schedule
 from zerobubble.schedule.builders.v_equalised import EQUALISED_VARIANTS, equalised_plan
-from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.ir import Placement
 from zerobubble.schedule.paper import authors_reference, authors_reference_source, paper_rows
 from zerobubble.schedule.simulate import simulate
@@ -97,19 +97,12 @@ def test_v_min_strictly_faster_than_the_authors_on_named_rows(key):
 @given(
     p=st.integers(2, 5),
     per_rank=st.integers(2, 3),
-    costs=st.tuples(
-        st.lists(st.floats(0.8, 1.2), min_size=6, max_size=6),
-        st.lists(st.floats(0.8, 1.3), min_size=6, max_size=6),
-        st.lists(st.floats(0.3, 1.0), min_size=6, max_size=6),
-        st.floats(0.0, 0.1),
-        st.floats(0.0, 0.6),
-    ),
+    data=st.data(),
 )
-def test_zb_v_never_loses_to_the_authors_heuristic(p, per_rank, costs):
+def test_zb_v_never_loses_to_the_authors_heuristic(p, per_rank, data):
     """The authors' ZB-V heuristic (zbv.py, best of its four fill variants) is our equalised planner
     (it reproduces their Table 5 times exactly); zb-v runs it among its candidates."""
-    f, b, w, comm, mem_w = costs
-    model = CostModel(f=f[:p], b=b[:p], w=w[:p], comm=comm, mem_b=1.0, mem_w=mem_w)
+    model = data.draw(per_stage_costs(p))
     m = per_rank * p
     resolved = model.with_memory_limit(float(p)).resolve(Placement.vshape(p))
     plans = [equalised_plan(resolved, m, variant)[0] for variant in EQUALISED_VARIANTS]

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _cost_strategies import per_stage_costs
 from zerobubble.schedule.builders import build_schedule, zb_auto, zb_handcrafted
 from zerobubble.schedule.builders.planning import Stuck
 from zerobubble.schedule.costs import CostModel
@@ -266,19 +267,12 @@ def test_named_schedules_valid_for_any_costs(problem):
 @given(
     p=st.integers(2, 8),
     per_rank=st.integers(2, 4),
-    costs=st.tuples(
-        st.lists(st.floats(0.8, 1.2), min_size=8, max_size=8),
-        st.lists(st.floats(0.8, 1.3), min_size=8, max_size=8),
-        st.lists(st.floats(0.3, 1.0), min_size=8, max_size=8),
-        st.floats(0.0, 0.1),
-        st.floats(0.0, 0.6),
-    ),
+    data=st.data(),
 )
-def test_zb_1p_and_2p_never_lose_to_the_authors_heuristic(p, per_rank, costs):
+def test_zb_1p_and_2p_never_lose_to_the_authors_heuristic(p, per_rank, data):
     """The authors' ZB-1p/2p heuristic (their zb.py) is the best of the eight round-greedy variants;
     zb-1p and zb-2p run all eight among their candidates, so they are never slower."""
-    f, b, w, comm, mem_w = costs
-    model = CostModel(f=f[:p], b=b[:p], w=w[:p], comm=comm, mem_b=1.0, mem_w=mem_w)
+    model = data.draw(per_stage_costs(p))
     m = per_rank * p
     for name, limit in (("zb-1p", p), ("zb-2p", 2 * p)):
         resolved = model.with_memory_limit(float(limit)).resolve(Placement.loop(p))
