@@ -284,3 +284,38 @@ def test_zb_1p_and_2p_never_lose_to_the_authors_heuristic(p, per_rank, data):
                 continue
         ours = simulate(build_schedule(name, p, m, model), model).iteration_time
         assert ours <= theirs * (1 + 1e-9), name
+
+
+def _greedy_outcome(variant, resolved, m):
+    """A variant's programs, or None when it gets stuck."""
+    try:
+        return variant.planner(resolved, m).plan().programs
+    except Stuck:
+        return None
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_problems(), st.floats(1.0, 3.0))
+def test_greedy_variants_skipped_as_repeats_build_the_same_plan(problem, headroom):
+    """zb-auto skips a greedy variant whose choices never mattered in an earlier run: the skipped
+    variant, run anyway, must give exactly the programs of a run it is said to repeat."""
+    p, m, costs = problem
+    limit = [need * headroom * p for need in _minimum_limit(costs, p)]
+    resolved = costs.with_memory_limit(limit).resolve(Placement.loop(p))
+    runs = zb_auto._GreedyRuns()
+    outcomes = {}
+    for variant in zb_auto.GREEDY_VARIANTS:
+        if runs.repeats(variant):
+            repeated = [
+                ran
+                for ran, mattered in runs.runs
+                if all(getattr(ran, choice) == getattr(variant, choice) for choice in mattered)
+            ]
+            assert any(_greedy_outcome(variant, resolved, m) == outcomes[ran] for ran in repeated)
+            continue
+        planner = variant.planner(resolved, m)
+        try:
+            outcomes[variant] = planner.plan().programs
+        except Stuck:
+            outcomes[variant] = None
+        runs.record(planner)

@@ -212,12 +212,56 @@ def simulate(
     stage_costs = _resolve(schedule, costs)
     if cores is not None and cores < 1:
         raise ScheduleError(f"cores must be at least 1, got {cores}")
+    return simulate_encoded(schedule, stage_costs, encode_programs(schedule), cores)
+
+
+#: Integer codes of the op kinds, as :class:`EncodedPrograms` and the validator number them.
+KIND_CODE = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.BW: 3}
+_KIND_OF_CODE = (Kind.F, Kind.B, Kind.W, Kind.BW)
+
+
+@dataclass(frozen=True)
+class EncodedPrograms:
+    """Every rank's program as integers: ``codes[r][i]`` is ``kind code · S + stage`` of op ``i``
+    and ``microbatches[r][i]`` its microbatch.
+
+    Why: tens of thousands of ops are read several times per check (timing, memory); reading
+    integers from lists costs a fraction of reading three attributes of an :class:`Op` each time.
+    """
+
+    codes: tuple[list[int], ...]
+    microbatches: tuple[list[int], ...]
+
+
+def encode_programs(schedule: Schedule) -> EncodedPrograms:
+    """``schedule``'s programs as :class:`EncodedPrograms`; raises :class:`ScheduleError` for an
+    op outside the schedule's stages or microbatches."""
+    S, m = schedule.num_stages, schedule.microbatches
+    codes, microbatches = [], []
+    for rank, program in enumerate(schedule.programs):
+        stages = [op.stage for op in program]
+        mbs = [op.microbatch for op in program]
+        if program and (min(stages) < 0 or max(stages) >= S or min(mbs) < 0 or max(mbs) >= m):
+            op = next(op for op in program if not (0 <= op.stage < S and 0 <= op.microbatch < m))
+            raise ScheduleError(
+                f"rank {rank}: op {op} is outside the schedule's {S} stages and {m} microbatches"
+            )
+        codes.append([KIND_CODE[op.kind] * S + stage for op, stage in zip(program, stages)])
+        microbatches.append(mbs)
+    return EncodedPrograms(tuple(codes), tuple(microbatches))
+
+
+def simulate_encoded(
+    schedule: Schedule, costs: StageCosts, encoded: EncodedPrograms, cores: int | None = None
+) -> Timeline:
+    """:func:`simulate` of a schedule already encoded (:func:`encode_programs`), with resolved costs
+    of its placement: the validator encodes while it checks, and so encodes only once."""
     if cores is not None and cores < schedule.num_ranks:
-        starts, ends = _run_shared(schedule, stage_costs, cores)
+        starts, ends = _run_shared(schedule, costs, encoded, cores)
     else:
-        starts, ends = _run(schedule, stage_costs)
-    memory, peaks = _memory(schedule, stage_costs)
-    return Timeline(schedule, stage_costs, starts, ends, memory, peaks)
+        starts, ends = _run(schedule, costs, encoded)
+    memory, peaks = _memory(schedule, costs, encoded)
+    return Timeline(schedule, costs, starts, ends, memory, peaks)
 
 
 def _resolve(schedule: Schedule, costs: CostModel | StageCosts | None) -> StageCosts:
@@ -234,31 +278,21 @@ def _key(role: int, stage: int, microbatch: int, num_stages: int, microbatches: 
     return (role * num_stages + stage) * microbatches + microbatch
 
 
-def _compile(schedule: Schedule, costs: StageCosts) -> list[list[tuple[float, tuple, tuple, int]]]:
-    """Per rank, per op: (duration, ((dep key, transfer delay), ...), produced keys, microbatch),
-    the keys those of microbatch 0: add the microbatch to get the op's own.
+def _compile(
+    schedule: Schedule, costs: StageCosts, encoded: EncodedPrograms
+) -> list[list[tuple[float, tuple, tuple]]]:
+    """Per rank, per op: (duration, ((dep key, transfer delay), ...), produced keys), the keys
+    those of microbatch 0: add the op's microbatch to get its own.
 
-    What an op needs and produces depends on its kind and stage only, up to the microbatch added
-    to each key: those templates are worked out once per (kind, stage), not once per op.
+    What an op needs and produces depends on its kind and stage only: one template per code,
+    shared by every op of that code.
     """
     S, m = schedule.num_stages, schedule.microbatches
     rank_of = schedule.placement.stage_ranks
-    templates: dict[tuple[Kind, int], tuple[float, tuple, tuple]] = {}
-    compiled = []
-    for rank, program in enumerate(schedule.programs):
-        ops = []
-        for op in program:
-            kind, s, j = op.kind, op.stage, op.microbatch
-            if not (0 <= s < S and 0 <= j < m):
-                raise ScheduleError(
-                    f"rank {rank}: op {op} is outside the schedule's {S} stages and {m} microbatches"
-                )
-            template = templates.get((kind, s))
-            if template is None:
-                template = templates[kind, s] = _template(op, S, m, rank_of, costs)
-            ops.append((*template, j))
-        compiled.append(ops)
-    return compiled
+    templates = [
+        _template(Op(kind, stage, 0), S, m, rank_of, costs) for kind in _KIND_OF_CODE for stage in range(S)
+    ]
+    return [list(map(templates.__getitem__, codes)) for codes in encoded.codes]
 
 
 def _template(
@@ -276,9 +310,10 @@ def _template(
 
 
 def _run(
-    schedule: Schedule, costs: StageCosts
+    schedule: Schedule, costs: StageCosts, encoded: EncodedPrograms
 ) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
-    compiled = _compile(schedule, costs)
+    compiled = _compile(schedule, costs, encoded)
+    microbatch_of = encoded.microbatches
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
     done = [-1.0] * (3 * S * m)
     # waiting[key]: the ranks blocked on that key (a list, not a dict: indexing beats hashing here)
@@ -290,11 +325,12 @@ def _run(
     runnable = list(range(p))
     while runnable:
         rank = runnable.pop()
-        program, i, now = compiled[rank], position[rank], clock[rank]
+        program, mbs, i, now = compiled[rank], microbatch_of[rank], position[rank], clock[rank]
         rank_starts, rank_ends = starts[rank], ends[rank]
         length = len(program)
         while i < length:
-            duration, deps, produced, j = program[i]
+            duration, deps, produced = program[i]
+            j = mbs[i]
             ready = now
             blocked = False
             for base, delay in deps:
@@ -329,14 +365,15 @@ def _run(
 
 
 def _run_shared(
-    schedule: Schedule, costs: StageCosts, cores: int
+    schedule: Schedule, costs: StageCosts, encoded: EncodedPrograms, cores: int
 ) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
     """The ranks' programs on ``cores`` shared processors (processor sharing, as an OS gives
     CPU-bound processes): while ``n`` ranks compute, each advances at ``min(1, cores / n)`` of its
     own speed.  Dependencies and transfer delays are those of :func:`_run`; with ``cores`` at least
     the number of ranks the two agree.  One event per op start or end, each costing ``O(p)``.
     """
-    compiled = _compile(schedule, costs)
+    compiled = _compile(schedule, costs, encoded)
+    microbatch_of = encoded.microbatches
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
     done = [-1.0] * (3 * S * m)
     position = [0] * p
@@ -355,7 +392,8 @@ def _run_shared(
         if position[rank] >= len(compiled[rank]):
             return
         at = ends[rank][-1] if ends[rank] else 0.0
-        _, deps, _, j = compiled[rank][position[rank]]
+        _, deps, _ = compiled[rank][position[rank]]
+        j = microbatch_of[rank][position[rank]]
         for base, delay in deps:
             if done[base + j] < 0:
                 return
@@ -383,7 +421,8 @@ def _run_shared(
         for rank in finished:
             computing[rank] = False
             ends[rank].append(now)
-            _, _, produced, j = compiled[rank][position[rank]]
+            _, _, produced = compiled[rank][position[rank]]
+            j = microbatch_of[rank][position[rank]]
             for base in produced:
                 done[base + j] = now
             position[rank] += 1
@@ -431,16 +470,16 @@ def _find_cycle(waits: dict[int, tuple[Op, Op]], where: dict[Op, int]) -> list[i
     return seen[seen.index(rank) :] if rank in seen else seen
 
 
-def _memory(schedule: Schedule, costs: StageCosts) -> tuple[tuple[tuple[float, ...], ...], tuple[float, ...]]:
-    # one memory change per (kind, stage), the same for every microbatch; the running sum in C
-    # (itertools.accumulate adds left to right, as a loop would: the same floats)
-    deltas = {
-        kind: [costs.memory_delta(Op(kind, stage, 0)) for stage in range(schedule.num_stages)]
-        for kind in Kind
-    }
+def _memory(
+    schedule: Schedule, costs: StageCosts, encoded: EncodedPrograms
+) -> tuple[tuple[tuple[float, ...], ...], tuple[float, ...]]:
+    # one memory change per code (kind, stage), the same for every microbatch; the running sum in
+    # C (itertools.accumulate adds left to right, as a loop would: the same floats)
+    stages = range(schedule.num_stages)
+    deltas = [costs.memory_delta(Op(kind, stage, 0)) for kind in _KIND_OF_CODE for stage in stages]
     memory, peaks = [], []
-    for program in schedule.programs:
-        trace = tuple(itertools.accumulate([deltas[op.kind][op.stage] for op in program]))
+    for codes in encoded.codes:
+        trace = tuple(itertools.accumulate(map(deltas.__getitem__, codes)))
         memory.append(trace)
         peaks.append(max(0.0, *trace) if trace else 0.0)
     return tuple(memory), tuple(peaks)

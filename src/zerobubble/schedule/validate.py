@@ -12,7 +12,7 @@ from collections import Counter
 
 from .costs import CostModel, StageCosts, within_limit
 from .ir import Kind, Op, Schedule, ScheduleError
-from .simulate import DeadlockError, Timeline, simulate
+from .simulate import KIND_CODE, DeadlockError, EncodedPrograms, Timeline, simulate_encoded
 
 
 class ValidationError(ScheduleError):
@@ -31,22 +31,30 @@ def validate_schedule(schedule: Schedule, costs: CostModel | StageCosts | None =
     """
     table = _OpTable(schedule)  # placement: every op's stage, microbatch and rank
     table.check_complete()
-    table.check_local_order()
+    stage_costs = costs.resolve(schedule.placement) if isinstance(costs, CostModel) else costs
     try:
-        timeline = simulate(schedule, costs)
+        timeline = simulate_encoded(schedule, _resolved(schedule, stage_costs), table.encoded)
     except DeadlockError as error:
+        # An op before its own dependency on one rank always deadlocks (that rank can never pass
+        # it), so the order check runs only here, to name the op instead of a cycle of waits.
+        table.check_local_order()
         rank = next(iter(error.waits), None)
         raise ValidationError(str(error), rank, error.waits[rank][0] if rank is not None else None) from None
     _check_memory(timeline)
     return timeline
 
 
-_KIND_CODE = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.BW: 3}
+def _resolved(schedule: Schedule, costs: StageCosts | None) -> StageCosts:
+    if costs is None:
+        return CostModel().resolve(schedule.placement)
+    if costs.placement != schedule.placement:
+        raise ScheduleError("the resolved costs belong to another placement; pass the CostModel instead")
+    return costs
 
 
 class _OpTable:
     """Every op of a schedule by an integer key ``(kind code · S + stage) · m + microbatch``: the rank
-    holding it and its position in that rank's program.
+    holding it and its position in that rank's program; and the programs encoded for the simulator.
 
     Why integers: a schedule at p = 32, m = 256 has tens of thousands of ops, and hashing ``Op``
     dataclasses (and building the ones looked up) made validation cost more than building the
@@ -62,18 +70,27 @@ class _OpTable:
         self.position = position_at = [-1] * (4 * size)
         self.duplicated = False
         owners = schedule.placement.stage_ranks
+        codes, microbatches = [], []
         for rank, program in enumerate(schedule.programs):
+            rank_codes, rank_mbs = [], []
             for i, op in enumerate(program):
                 stage, mb = op.stage, op.microbatch
                 if not (0 <= stage < S and 0 <= mb < m) or owners[stage] != rank:
                     _raise_placement(schedule, rank, op)
-                key = _KIND_CODE[op.kind] * size + stage * m + mb
+                code = KIND_CODE[op.kind] * S + stage
+                rank_codes.append(code)
+                rank_mbs.append(mb)
+                key = code * m + mb
                 if rank_at[key] >= 0:
                     self.duplicated = True
                 rank_at[key], position_at[key] = rank, i
+            codes.append(rank_codes)
+            microbatches.append(rank_mbs)
+        #: The programs as the simulator reads them (:func:`~.simulate.encode_programs`).
+        self.encoded = EncodedPrograms(tuple(codes), tuple(microbatches))
 
     def has(self, kind: Kind, stage: int, microbatch: int) -> bool:
-        return self.rank[_KIND_CODE[kind] * self.size + stage * self.schedule.microbatches + microbatch] >= 0
+        return self.rank[KIND_CODE[kind] * self.size + stage * self.schedule.microbatches + microbatch] >= 0
 
     def check_complete(self) -> None:
         """Every op once; each (stage, microbatch) with an F and either a BW or a B and a W."""

@@ -229,12 +229,18 @@ class _EqualisedPass:
 
 
 def equalised_plan(
-    costs: StageCosts, microbatches: int, variant: EqualisedVariant, bound: float = math.inf
+    costs: StageCosts,
+    microbatches: int,
+    variant: EqualisedVariant,
+    bound: float = math.inf,
+    *,
+    floor: float = 0.0,
 ) -> tuple[PlanState | None, int]:
     """The best plan of ``variant`` over its approval passes, and the ops placed in all passes.
 
     The plan is None when the variant gets stuck within the memory limit or cannot beat ``bound``
-    (a pass is abandoned as soon as some rank is sure to end above the best time so far).
+    (a pass is abandoned as soon as some rank is sure to end above the best time so far).  The
+    passes stop once a plan reaches ``floor``, a lower bound on every schedule's time.
     """
     best: PlanState | None = None
     approved: list[float] | None = None
@@ -249,6 +255,8 @@ def equalised_plan(
         if plan is None or (best is not None and plan.iteration_time() >= best.iteration_time()):
             break
         best = plan
+        if plan.iteration_time() <= floor * (1 + 1e-9):
+            break  # nothing can beat it: a further pass would be wasted
         bound = min(bound, plan.iteration_time())
         approved = plan.idle
     return best, effort

@@ -91,6 +91,9 @@ class _Planner:
         self.p, self.m, self.variant = costs.placement.num_ranks, microbatches, variant
         self.forwards = [0] * self.p
         self.backwards = [0] * self.p
+        #: The variant's choices that changed a decision so far.  Flipping any of the others gives
+        #: the same decisions at every step, hence the same plan (see :class:`_GreedyRuns`).
+        self.mattered: set[str] = set()
 
     def plan(self, bound: float = math.inf) -> PlanState:
         """Run warm-up, steady rounds and drain.
@@ -120,9 +123,12 @@ class _Planner:
         while pending and clock[rank] + w[pending[0]] <= ready:  # PlanState.fill_gap, inlined
             state.put_weight(rank)
         if pending and clock[rank] < ready:
-            leaves_rank_idlest = ready - clock[rank] > state.max_idle - state.idle[rank]
-            if leaves_rank_idlest or self.variant.fill_small_gaps:
-                state.put_weight(rank)
+            if ready - clock[rank] > state.max_idle - state.idle[rank]:
+                state.put_weight(rank)  # leaving the gap would make this rank the idlest
+            else:
+                self.mattered.add("fill_small_gaps")
+                if self.variant.fill_small_gaps:
+                    state.put_weight(rank)
 
     def _place_forward(self, rank: int) -> None:
         state = self.state
@@ -156,15 +162,18 @@ class _Planner:
         for rank in range(p):
             state.put_forward(rank, rank, 0)
             self.forwards[rank] = 1
-        extra = self._warm_up_counts()
+        extra = self._warm_up_counts(tight=self.variant.tight_warmup)
+        if extra != self._warm_up_counts(tight=not self.variant.tight_warmup):
+            self.mattered.add("tight_warmup")
         for rank in range(p):
             for _ in range(extra[rank]):
                 self._place_forward(rank)
         for rank in range(p - 1, -1, -1):
             self._place_backward(rank, 0)
 
-    def _warm_up_counts(self) -> list[int]:
-        """Extra warm-up forwards per rank, estimated from the last rank backwards."""
+    def _warm_up_counts(self, *, tight: bool) -> list[int]:
+        """Extra warm-up forwards per rank, estimated from the last rank backwards (``tight``: the
+        variant's ``tight_warmup``)."""
         p, state = self.p, self.state
         f, b, hop = state.f, state.b, state.hop
         extra = [0] * p
@@ -175,9 +184,9 @@ class _Planner:
             b_growth = max(0.0, state.mem_w[rank] - state.mem_b[rank])
             f_growth = state.mem_b[rank]
             while 1 + extra[rank] < self.m and within_limit(level + f_growth + b_growth, state.limit[rank]):
-                if self.variant.tight_warmup and clock + f[rank] > arrival:
+                if tight and clock + f[rank] > arrival:
                     break
-                if not self.variant.tight_warmup and clock >= arrival:
+                if not tight and clock >= arrival:
                     break
                 clock += f[rank]
                 level += f_growth
@@ -201,10 +210,20 @@ class _Planner:
             self._place_backward(rank, microbatch)
 
     def _skip_forward(self, rank: int) -> bool:
-        """Whether ``rank`` should let its B pre-empt this round's forward (``prioritize_b``)."""
-        nf, state = self.forwards, self.state
-        if not self.variant.prioritize_b or rank == self.p - 1 or nf[rank] < nf[rank + 1] + 2:
+        """Whether ``rank`` lets its B pre-empt this round's forward (only with ``prioritize_b``)."""
+        nf = self.forwards
+        if rank == self.p - 1 or nf[rank] < nf[rank + 1] + 2:
             return False
+        if not self.variant.prioritize_b and "prioritize_b" in self.mattered:
+            return False  # known to matter: no need to ask again
+        if not self._b_is_due(rank):
+            return False
+        self.mattered.add("prioritize_b")
+        return self.variant.prioritize_b
+
+    def _b_is_due(self, rank: int) -> bool:
+        """Whether ``rank``'s next B is due so soon that ``prioritize_b`` would skip the forward."""
+        state = self.state
         nxt = rank + 1
         b_due = state.clock[nxt] + state.f[nxt] + state.b[nxt] + state.hop[rank]
         clock = state.clock[rank]
@@ -413,15 +432,51 @@ def _capped_1f1b(costs: StageCosts, microbatches: int) -> list[list[Op]]:
     return programs
 
 
+class _GreedyRuns:
+    """Which choices mattered in the greedy variants run so far, to skip variants that repeat one.
+
+    A variant differing from a run one only in choices that never changed a decision of that run
+    makes the same decision at every step from the same state, so it builds the same plan (or
+    gets stuck, or gives up on the bound, at the same round: the bound only falls during a
+    search).  On the issue-29 cost grid about four in five variants repeat another.
+    """
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[Variant, frozenset[str]]] = []
+
+    def record(self, planner: _Planner) -> None:
+        """Keep what ``planner``'s run decided with (call after it ended, stuck or not)."""
+        self.runs.append((planner.variant, frozenset(planner.mattered)))
+
+    def repeats(self, variant: Variant) -> bool:
+        """Whether ``variant`` would repeat a run already made."""
+        return any(
+            all(getattr(variant, choice) == getattr(ran, choice) for choice in mattered)
+            for ran, mattered in self.runs
+        )
+
+
+def _repeat(bound: float) -> None:
+    """The run of a variant that repeats an earlier one: nothing new."""
+    return None
+
+
 def _planner_candidate(
-    costs: StageCosts, microbatches: int, variant: Variant | ListVariant
+    costs: StageCosts, microbatches: int, variant: Variant | ListVariant, runs: _GreedyRuns
 ) -> BuilderCandidate:
     def run(bound: float) -> Planned | None:
+        if isinstance(variant, ListVariant):
+            try:
+                return Planned.of(variant.planner(costs, microbatches).plan())
+            except Stuck:
+                return None
         planner = variant.planner(costs, microbatches)
         try:
-            return Planned.of(planner.plan(bound) if isinstance(planner, _Planner) else planner.plan())
+            return Planned.of(planner.plan(bound))
         except Stuck:
             return None
+        finally:
+            runs.record(planner)
 
     return BuilderCandidate("list" if isinstance(variant, ListVariant) else "greedy", variant.label, run)
 
@@ -429,11 +484,19 @@ def _planner_candidate(
 def _candidates(
     costs: StageCosts, microbatches: int, variants: tuple[Variant | ListVariant, ...]
 ) -> Iterator[BuilderCandidate]:
-    """The planners' variants, then the handcrafted ZB-H1, ZB-H2 and the memory-capped 1F1B with
-    split backward (each skipped when it exceeds the limit)."""
+    """The planners' variants (less greedy ones that would repeat a run, see :class:`_GreedyRuns`),
+    then the handcrafted ZB-H1, ZB-H2 and the memory-capped 1F1B with split backward (each skipped
+    when it exceeds the limit)."""
     p = costs.placement.num_ranks
+    runs = _GreedyRuns()
     for variant in variants:
-        yield _planner_candidate(costs, microbatches, variant)
+        # Lazy: the runs before this one have ended when the search asks for the next candidate.
+        if isinstance(variant, Variant) and runs.repeats(variant):
+            # It would not beat the run it repeats.  The search charges it a full run's ops, so
+            # the op budget admits the same later candidates as if it had run.
+            yield BuilderCandidate("greedy", variant.label, _repeat)
+            continue
+        yield _planner_candidate(costs, microbatches, variant, runs)
     for label, depth in (("zb-h1", 1), ("zb-h2", 2)):
         yield fixed_candidate(
             "handcrafted", label, costs, microbatches, partial(_handcrafted, p, microbatches, depth)

@@ -395,9 +395,11 @@ def _round_candidate(costs: StageCosts, microbatches: int, variant: RoundVariant
     return BuilderCandidate("rounds", variant.label, run)
 
 
-def _equalised_candidate(costs: StageCosts, microbatches: int, variant: EqualisedVariant) -> BuilderCandidate:
+def _equalised_candidate(
+    costs: StageCosts, microbatches: int, variant: EqualisedVariant, floor: float
+) -> BuilderCandidate:
     def run(bound: float) -> Planned | None:
-        plan, effort = equalised_plan(costs, microbatches, variant, bound)
+        plan, effort = equalised_plan(costs, microbatches, variant, bound, floor=floor)
         return Planned.of(plan, effort) if plan is not None else None
 
     return BuilderCandidate("equalised", variant.label, run)
@@ -409,10 +411,13 @@ def v_candidates(
     policies: Sequence[VPolicy] = ZB_V_POLICIES,
     round_variants: Sequence[RoundVariant] = (),
     equalised_variants: Sequence[EqualisedVariant] = (),
+    *,
+    floor: float = 0.0,
 ) -> Iterator[BuilderCandidate]:
-    """The V search's candidates in the order they are tried: equalised, rounds, then greedy."""
+    """The V search's candidates in the order they are tried: equalised, rounds, then greedy
+    (``floor``: the search's lower bound, where the equalised planner's passes stop)."""
     for equalised in equalised_variants:
-        yield _equalised_candidate(costs, microbatches, equalised)
+        yield _equalised_candidate(costs, microbatches, equalised, floor)
     for variant in round_variants:
         yield _round_candidate(costs, microbatches, variant)
     for policy in policies:
@@ -437,5 +442,6 @@ def build(stages: int, microbatches: int, costs: CostModel, chunks: int = 2) -> 
         ZB_V_POLICIES,
         ZB_V_ROUND_VARIANTS,
         ZB_V_EQUALISED_VARIANTS,
+        floor=floor,
     )
     return search("zb-v", resolved, microbatches, candidates, OP_BUDGET, floor)
