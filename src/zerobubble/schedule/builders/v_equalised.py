@@ -67,6 +67,10 @@ class _EqualisedPass:
         self.approved = list(approved) if approved is not None else [0.0] * self.p
         self.max_approved = max(self.approved)
         self.bound = bound
+        # Every question asked of the approved idle times: (rank, gap + the rank's idle, the
+        # largest idle then).  Replaying them with other approved times tells whether a pass
+        # under those would decide anything differently (:meth:`repeats_with`).
+        self.gap_questions: list[tuple[int, float, float]] = []
 
     def run(self) -> PlanState:
         """Plan every op (raises :class:`Stuck` when the variant cannot go on)."""
@@ -93,8 +97,22 @@ class _EqualisedPass:
     def _short_gap_worth_a_weight(self, rank: int, gap: float) -> bool:
         """Whether idling ``gap`` would make ``rank`` the idlest, counting its approved idle."""
         plan = self.plan
-        most = max(plan.max_idle, self.max_approved - self.approved[rank])
-        return gap > most - plan.idle[rank]
+        idled, max_idle = gap + plan.idle[rank], plan.max_idle
+        self.gap_questions.append((rank, idled, max_idle))
+        return idled > max(max_idle, self.max_approved - self.approved[rank])
+
+    def repeats_with(self, approved: Sequence[float]) -> bool:
+        """Whether a pass under ``approved`` idle times would plan exactly this pass's ops.
+
+        The approved times enter only :meth:`_short_gap_worth_a_weight`; when every answer it
+        gave stays the same, the other pass takes the same decisions from the same states.
+        """
+        mine, most_mine = self.approved, self.max_approved
+        theirs, most_theirs = list(approved), max(approved)
+        return all(
+            (idled > max(max_idle, most_mine - mine[rank])) == (idled > max(max_idle, most_theirs - theirs[rank]))
+            for rank, idled, max_idle in self.gap_questions
+        )
 
     def _fill_wait(self, rank: int, arrival: float, short_gap: bool) -> None:
         plan = self.plan
@@ -168,9 +186,11 @@ class _EqualisedPass:
         down_b, up_b = self.down_b, self.up_b
         fill_before_up = self.variant.fill_before_up_backward
         growth = [w - b for b, w in zip(plan.mem_b, plan.mem_w)]
+        # the planning state's tables, read directly: this loop places every backward
+        f_end, b_end, hop = plan.f_end, plan.b_end, plan.hop
+        memory, capacity, pending_w = plan.memory, plan.capacity, plan.pending_w
         total = 2 * m * p
         placed_b = 0
-        bounded = math.isfinite(self.bound)
         choose = self._backward_choice
         while placed_b < total:
             before = placed_b
@@ -179,12 +199,21 @@ class _EqualisedPass:
             order += [(rank, False) for rank in range(p) if choices[rank] is False]
             for rank, down in order:
                 stage, j = (rank, down_b[rank]) if down else (S - 1 - rank, up_b[rank])
-                arrival = plan.backward_arrival(stage, j)
+                arrival = f_end[stage][j]  # PlanState.backward_arrival, inlined
                 if arrival < 0:
                     continue
-                if growth[stage] > 0:
-                    plan.make_room(rank, growth[stage])
-                self._fill_wait(rank, arrival, down or fill_before_up)
+                if stage != S - 1:
+                    upstream = b_end[stage + 1][j]
+                    if upstream < 0:
+                        continue
+                    upstream += hop[stage]
+                    if upstream > arrival:  # noqa: PLR1730 (hot path: cheaper than a max() call)
+                        arrival = upstream
+                change = growth[stage]
+                if change > 0 and memory[rank] + change > capacity[rank]:
+                    plan.make_room(rank, change)
+                if pending_w[rank]:
+                    self._fill_wait(rank, arrival, down or fill_before_up)
                 plan.put_backward(rank, stage, j)
                 if down:
                     down_b[rank] += 1
@@ -194,12 +223,22 @@ class _EqualisedPass:
             placed_f = self._forward_round()
             if placed_b == before and not placed_f:
                 raise Stuck
-            if bounded and any(plan.cannot_beat(rank, self.bound) for rank in range(p)):
+            self._check_bound()
+
+    def _check_bound(self) -> None:
+        """Raise :class:`Stuck` when some rank is sure to end above the bound (the pass cannot win)."""
+        if self.bound == math.inf:
+            return
+        plan = self.plan
+        limit = self.bound * (1 + 1e-12)  # PlanState.cannot_beat, for every rank at once
+        for start, clock, remaining in zip(plan.first_start, plan.clock, plan.remaining):
+            if (clock - start if start != math.inf else 0.0) + remaining > limit:
                 raise Stuck
 
     def _forward_round(self) -> int:
         plan, p, m, S = self.plan, self.p, self.m, self.S
         up_f, down_f, f_end, mem_b = self.up_f, self.down_f, plan.f_end, plan.mem_b
+        hop, memory, capacity, pending_w = plan.hop, plan.memory, plan.capacity, plan.pending_w
         short_gap = self.variant.fill_before_forward
         placed = 0
         for rank in range(p):
@@ -214,11 +253,17 @@ class _EqualisedPass:
                 stage, j = rank, down_f[rank]
             else:
                 continue
-            arrival = plan.forward_arrival(stage, j)
-            if arrival < 0:
-                continue
-            plan.make_room(rank, mem_b[stage])
-            self._fill_wait(rank, arrival, short_gap)
+            if stage == 0:  # PlanState.forward_arrival, inlined
+                arrival = 0.0
+            else:
+                arrival = f_end[stage - 1][j]
+                if arrival < 0:
+                    continue
+                arrival += hop[stage - 1]
+            if memory[rank] + mem_b[stage] > capacity[rank]:
+                plan.make_room(rank, mem_b[stage])
+            if pending_w[rank]:
+                self._fill_wait(rank, arrival, short_gap)
             plan.put_forward(rank, stage, j)
             if up:
                 up_f[rank] = j + 1
@@ -257,6 +302,8 @@ def equalised_plan(
         best = plan
         if plan.iteration_time() <= floor * (1 + 1e-9):
             break  # nothing can beat it: a further pass would be wasted
+        if attempt.repeats_with(plan.idle):
+            break  # the next pass would plan the same ops, so it would not be better
         bound = min(bound, plan.iteration_time())
         approved = plan.idle
     return best, effort
