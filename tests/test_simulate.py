@@ -129,3 +129,34 @@ def test_busy_and_idle_per_rank():
     # 1F1B idles (p−1)(T_F+T_B+T_W) on every rank within the makespan
     assert timeline.idle == pytest.approx((8.0, 8.0, 8.0))
     assert timeline.summary()["idle"] == pytest.approx([8.0, 8.0, 8.0])
+
+
+def test_building_and_checking_pause_the_garbage_collector_and_resume_it():
+    """The searches run with the cyclic collector paused (gcpause.py) and give it back enabled,
+    also when a build fails; a caller who paused it keeps it paused."""
+    import gc
+
+    from zerobubble.schedule.gcpause import collector_paused
+    from zerobubble.schedule.ir import ScheduleError
+
+    seen = []
+    original = gc.callbacks[:]
+    gc.callbacks.append(lambda phase, info: seen.append(phase))
+    try:
+        assert gc.isenabled()
+        with collector_paused():
+            assert not gc.isenabled()
+            gc.collect()  # explicit collections still run
+        assert gc.isenabled()
+        build_schedule("zb-v", 4, 8)
+        assert gc.isenabled()
+        with pytest.raises(ScheduleError, match="memory limit"):
+            build_schedule("zb-auto", 4, 8, CostModel(mem_b=1.0, mem_w=0.3, memory_limit=0.5))
+        assert gc.isenabled()
+        gc.disable()
+        build_schedule("zb-h1", 4, 8)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.callbacks[:] = original
+    assert "start" in seen

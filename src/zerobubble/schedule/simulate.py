@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .costs import CostModel, StageCosts
+from .gcpause import collector_paused
 from .ir import Kind, Op, Schedule, ScheduleError, dependencies
 
 _ROLE = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
@@ -212,7 +213,8 @@ def simulate(
     stage_costs = _resolve(schedule, costs)
     if cores is not None and cores < 1:
         raise ScheduleError(f"cores must be at least 1, got {cores}")
-    return simulate_encoded(schedule, stage_costs, encode_programs(schedule), cores)
+    with collector_paused():  # a timeline is tens of thousands of acyclic tuples (gcpause.py)
+        return simulate_encoded(schedule, stage_costs, encode_programs(schedule), cores)
 
 
 #: Integer codes of the op kinds, as :class:`EncodedPrograms` and the validator number them.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .costs import CostModel, StageCosts, within_limit
+from .gcpause import collector_paused
 from .ir import Kind, Op, Schedule, ScheduleError
 from .simulate import KIND_CODE, DeadlockError, EncodedPrograms, Timeline, simulate_encoded
 
@@ -29,6 +30,11 @@ def validate_schedule(schedule: Schedule, costs: CostModel | StageCosts | None =
 
     Memory is checked against ``costs.memory_limit`` when costs are given (unit costs otherwise).
     """
+    with collector_paused():  # tens of thousands of acyclic tuples (gcpause.py)
+        return _validate(schedule, costs)
+
+
+def _validate(schedule: Schedule, costs: CostModel | StageCosts | None) -> Timeline:
     table = _OpTable(schedule)  # placement: every op's stage, microbatch and rank
     table.check_complete()
     stage_costs = costs.resolve(schedule.placement) if isinstance(costs, CostModel) else costs

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..costs import CostModel
+from ..gcpause import collector_paused
 from ..ir import Schedule, ScheduleError, check_positive
 
 
@@ -223,11 +224,14 @@ def build_schedule(
     check_positive(stages=stages, microbatches=microbatches)
     v = spec.resolve_chunks(chunks)
     resolved = spec.resolve_costs(costs if costs is not None else CostModel(), stages)
-    schedule = spec.load()(stages, microbatches, resolved, v, **{**spec.options, **options})
-    if schedule.name != name:
-        schedule = Schedule(name, schedule.placement, schedule.microbatches, schedule.programs, schedule.meta)
-    if validate:
-        from ..validate import validate_schedule
+    with collector_paused():  # the searches allocate much and free nothing cyclic (gcpause.py)
+        schedule = spec.load()(stages, microbatches, resolved, v, **{**spec.options, **options})
+        if schedule.name != name:
+            schedule = Schedule(
+                name, schedule.placement, schedule.microbatches, schedule.programs, schedule.meta
+            )
+        if validate:
+            from ..validate import validate_schedule
 
-        validate_schedule(schedule, resolved)
+            validate_schedule(schedule, resolved)
     return schedule

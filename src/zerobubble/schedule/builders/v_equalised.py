@@ -110,7 +110,8 @@ class _EqualisedPass:
         mine, most_mine = self.approved, self.max_approved
         theirs, most_theirs = list(approved), max(approved)
         return all(
-            (idled > max(max_idle, most_mine - mine[rank])) == (idled > max(max_idle, most_theirs - theirs[rank]))
+            (idled > max(max_idle, most_mine - mine[rank]))
+            == (idled > max(max_idle, most_theirs - theirs[rank]))
             for rank, idled, max_idle in self.gap_questions
         )
 
