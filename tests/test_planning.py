@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerobubble.schedule.builders import planning, v_rounds, zb_auto, zb_v
+from zerobubble.schedule.builders import planning, v_equalised, v_rounds, zb_auto, zb_v
 from zerobubble.schedule.builders.v_equalised import EQUALISED_VARIANTS, equalised_plan
 from zerobubble.schedule.costs import MEMORY_TOLERANCE, CostModel, within_limit
 from zerobubble.schedule.ir import Placement, Schedule, ScheduleError
@@ -122,3 +122,23 @@ def test_replay_reports_a_deadlock_as_none():
     costs = CostModel().resolve(Placement.loop(2))
     stuck = [[(planning.BACKWARD, 0, 0), (planning.FORWARD, 0, 0), (planning.WEIGHT, 0, 0)], []]
     assert planning.replay(costs, 1, stuck) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(_costs(Placement.vshape))
+def test_an_approval_pass_said_to_repeat_plans_the_same_ops(problem):
+    """The equalised planner stops its approval passes when the next one would repeat the last
+    (``repeats_with``): such a pass, run anyway, must plan exactly the same programs."""
+    _, m, costs = problem
+    for variant in EQUALISED_VARIANTS:
+        approved = None
+        for _ in range(4):
+            attempt = v_equalised._EqualisedPass(costs, m, variant, approved)
+            try:
+                plan = attempt.run()
+            except planning.Stuck:
+                break
+            if attempt.repeats_with(plan.idle):
+                again = v_equalised._EqualisedPass(costs, m, variant, plan.idle).run()
+                assert again.programs == plan.programs
+            approved = plan.idle
