@@ -321,11 +321,11 @@ def test_calibration_refuses_bounds_of_another_model():
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b"])
 def test_shared_cores_simulation_matches_own_cores_and_total_work(name):
     from zerobubble.schedule import CostModel, build_schedule, simulate
-    from zerobubble.schedule.simulate import _resolve, _run, _run_shared, encode_programs
+    from zerobubble.schedule.simulate import _run, _run_shared, encode_programs, resolve_costs_for
 
     schedule = build_schedule(name, 4, 8)
     costs = CostModel(f=[1, 2, 1.5, 1], b=[2, 1, 1, 3], w=[1, 1, 1, 1], comm=0.1)
-    resolved = _resolve(schedule, costs)
+    resolved = resolve_costs_for(schedule, costs)
     encoded = encode_programs(schedule)
     own_starts, own_ends = _run(schedule, resolved, encoded)
     # a core per rank: the same timeline

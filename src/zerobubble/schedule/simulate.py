@@ -210,7 +210,7 @@ def simulate(
     :class:`DeadlockError` when the programs cannot all finish and :class:`ScheduleError` for ops
     outside the schedule's stages or microbatches.  Use :func:`validate` for the full check.
     """
-    stage_costs = _resolve(schedule, costs)
+    stage_costs = resolve_costs_for(schedule, costs)
     if cores is not None and cores < 1:
         raise ScheduleError(f"cores must be at least 1, got {cores}")
     with collector_paused():  # a timeline is tens of thousands of acyclic tuples (gcpause.py)
@@ -266,7 +266,9 @@ def simulate_encoded(
     return Timeline(schedule, costs, starts, ends, memory, peaks)
 
 
-def _resolve(schedule: Schedule, costs: CostModel | StageCosts | None) -> StageCosts:
+def resolve_costs_for(schedule: Schedule, costs: CostModel | StageCosts | None) -> StageCosts:
+    """``costs`` resolved for ``schedule``'s placement (unit costs for None); resolved costs of
+    another placement are refused."""
     if costs is None:
         costs = CostModel()
     if isinstance(costs, CostModel):

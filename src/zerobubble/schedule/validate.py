@@ -13,7 +13,14 @@ from collections import Counter
 from .costs import CostModel, StageCosts, within_limit
 from .gcpause import collector_paused
 from .ir import Kind, Op, Schedule, ScheduleError
-from .simulate import KIND_CODE, DeadlockError, EncodedPrograms, Timeline, simulate_encoded
+from .simulate import (
+    KIND_CODE,
+    DeadlockError,
+    EncodedPrograms,
+    Timeline,
+    resolve_costs_for,
+    simulate_encoded,
+)
 
 
 class ValidationError(ScheduleError):
@@ -37,9 +44,8 @@ def validate_schedule(schedule: Schedule, costs: CostModel | StageCosts | None =
 def _validate(schedule: Schedule, costs: CostModel | StageCosts | None) -> Timeline:
     table = _OpTable(schedule)  # placement: every op's stage, microbatch and rank
     table.check_complete()
-    stage_costs = costs.resolve(schedule.placement) if isinstance(costs, CostModel) else costs
     try:
-        timeline = simulate_encoded(schedule, _resolved(schedule, stage_costs), table.encoded)
+        timeline = simulate_encoded(schedule, resolve_costs_for(schedule, costs), table.encoded)
     except DeadlockError as error:
         # An op before its own dependency on one rank always deadlocks (that rank can never pass
         # it), so the order check runs only here, to name the op instead of a cycle of waits.
@@ -48,14 +54,6 @@ def _validate(schedule: Schedule, costs: CostModel | StageCosts | None) -> Timel
         raise ValidationError(str(error), rank, error.waits[rank][0] if rank is not None else None) from None
     _check_memory(timeline)
     return timeline
-
-
-def _resolved(schedule: Schedule, costs: StageCosts | None) -> StageCosts:
-    if costs is None:
-        return CostModel().resolve(schedule.placement)
-    if costs.placement != schedule.placement:
-        raise ScheduleError("the resolved costs belong to another placement; pass the CostModel instead")
-    return costs
 
 
 class _OpTable:
