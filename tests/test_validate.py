@@ -1,6 +1,8 @@
 """The validator rejects each kind of broken schedule with a message naming rank, op and reason."""
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from zerobubble.schedule import (
     BW,
@@ -14,6 +16,7 @@ from zerobubble.schedule import (
     build_schedule,
     validate_schedule,
 )
+from zerobubble.schedule.ir import Kind, dependencies
 
 
 def two_rank(programs, microbatches=1):
@@ -96,3 +99,32 @@ def test_memory_above_limit():
 def test_memory_within_limit_passes():
     costs = CostModel(mem_b=1.0, memory_limit=2.0)
     validate_schedule(build_schedule("1f1b", 2, 6), costs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["1f1b", "zb-h1", "zb-v", "v-half", "interleaved-1f1b"]),
+    p=st.integers(2, 5),
+    data=st.data(),
+)
+def test_an_op_moved_before_its_own_dependency_is_named(name, p, data):
+    """The order check runs only when the simulation deadlocks (validate.py); an op moved ahead of
+    an op it depends on, on the same rank, must still be reported as exactly that."""
+    schedule = build_schedule(name, p, 2 * p)
+    rank = data.draw(st.integers(0, p - 1))
+    program = list(schedule.programs[rank])
+    later = data.draw(st.integers(1, len(program) - 1))
+    op = program[later]
+    needs = {(role, stage, mb) for role, stage, mb in dependencies(op, schedule.num_stages)}
+    earlier = [
+        i
+        for i, other in enumerate(program[:later])
+        if (other.kind if other.kind is not Kind.BW else Kind.B, other.stage, other.microbatch) in needs
+    ]
+    assume(earlier)
+    position = data.draw(st.sampled_from(earlier))
+    program.insert(position, program.pop(later))  # ahead of the op it depends on
+    programs = [program if r == rank else list(prog) for r, prog in enumerate(schedule.programs)]
+    broken = Schedule(schedule.name, schedule.placement, schedule.microbatches, programs)
+    with pytest.raises(ValidationError, match=rf"rank {rank}: {op} \(position {position}\) comes before"):
+        validate_schedule(broken)
