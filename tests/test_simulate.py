@@ -136,8 +136,15 @@ def test_building_and_checking_pause_the_garbage_collector_and_resume_it():
     also when a build fails; a caller who paused it keeps it paused."""
     import gc
 
+    from zerobubble.schedule.builders import registered_schedule
     from zerobubble.schedule.gcpause import collector_paused
     from zerobubble.schedule.ir import ScheduleError
+
+    enabled_while_building = []
+
+    def observed(stages, microbatches, costs, chunks):
+        enabled_while_building.append(gc.isenabled())
+        return build_schedule("1f1b", stages, microbatches, costs, validate=False)
 
     seen = []
     original = gc.callbacks[:]
@@ -149,6 +156,10 @@ def test_building_and_checking_pause_the_garbage_collector_and_resume_it():
             gc.collect()  # explicit collections still run
         assert gc.isenabled()
         build_schedule("zb-v", 4, 8)
+        assert gc.isenabled()
+        with registered_schedule("observes-the-collector", observed):
+            build_schedule("observes-the-collector", 4, 8)
+        assert enabled_while_building == [False]  # paused while the builder ran
         assert gc.isenabled()
         with pytest.raises(ScheduleError, match="memory limit"):
             build_schedule("zb-auto", 4, 8, CostModel(mem_b=1.0, mem_w=0.3, memory_limit=0.5))

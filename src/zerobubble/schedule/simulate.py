@@ -217,9 +217,10 @@ def simulate(
         return simulate_encoded(schedule, stage_costs, encode_programs(schedule), cores)
 
 
-#: Integer codes of the op kinds, as :class:`EncodedPrograms` and the validator number them.
-KIND_CODE = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.BW: 3}
-_KIND_OF_CODE = (Kind.F, Kind.B, Kind.W, Kind.BW)
+#: The op kinds by integer code, as :class:`EncodedPrograms`, the validator and the planners'
+#: ``(kind, stage, microbatch)`` triples number them; :data:`KIND_CODE` the other way round.
+KIND_OF_CODE = (Kind.F, Kind.B, Kind.W, Kind.BW)
+KIND_CODE = {kind: code for code, kind in enumerate(KIND_OF_CODE)}
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,7 @@ def _compile(
     S, m = schedule.num_stages, schedule.microbatches
     rank_of = schedule.placement.stage_ranks
     templates = [
-        _template(Op(kind, stage, 0), S, m, rank_of, costs) for kind in _KIND_OF_CODE for stage in range(S)
+        _template(Op(kind, stage, 0), S, m, rank_of, costs) for kind in KIND_OF_CODE for stage in range(S)
     ]
     return [list(map(templates.__getitem__, codes)) for codes in encoded.codes]
 
@@ -480,7 +481,7 @@ def _memory(
     # one memory change per code (kind, stage), the same for every microbatch; the running sum in
     # C (itertools.accumulate adds left to right, as a loop would: the same floats)
     stages = range(schedule.num_stages)
-    deltas = [costs.memory_delta(Op(kind, stage, 0)) for kind in _KIND_OF_CODE for stage in stages]
+    deltas = [costs.memory_delta(Op(kind, stage, 0)) for kind in KIND_OF_CODE for stage in stages]
     memory, peaks = [], []
     for codes in encoded.codes:
         trace = tuple(itertools.accumulate(map(deltas.__getitem__, codes)))

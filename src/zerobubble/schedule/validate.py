@@ -15,6 +15,7 @@ from .gcpause import collector_paused
 from .ir import Kind, Op, Schedule, ScheduleError
 from .simulate import (
     KIND_CODE,
+    KIND_OF_CODE,
     DeadlockError,
     EncodedPrograms,
     Timeline,
@@ -136,16 +137,13 @@ class _OpTable:
                 for key in needed:
                     if rank_at[key] == rank and position_at[key] > i:
                         kind_code, rest = divmod(key, size)
-                        candidate = Op(_KINDS[kind_code], rest // m, rest % m)
+                        candidate = Op(KIND_OF_CODE[kind_code], rest // m, rest % m)
                         raise ValidationError(
                             f"rank {rank}: {op} (position {i}) comes before {candidate} "
                             f"(position {position_at[key]}), which it depends on",
                             rank,
                             op,
                         )
-
-
-_KINDS = (Kind.F, Kind.B, Kind.W, Kind.BW)
 
 
 def _raise_placement(schedule: Schedule, rank: int, op: Op) -> None:

@@ -24,15 +24,14 @@ from typing import Any
 
 from ..costs import StageCosts, memory_cap, within_limit
 from ..ir import Kind, Op, Schedule, ScheduleError, coded_ops
-from ..simulate import simulate
+from ..simulate import KIND_OF_CODE, simulate
 
-#: Op kinds in plans (plain ints: a plan records hundreds of thousands of them).
+#: Op kinds in plans (plain ints: a plan records hundreds of thousands of them), the simulator's
+#: codes (:data:`~..simulate.KIND_OF_CODE`).
 FORWARD, BACKWARD, WEIGHT = 0, 1, 2
 
 #: An op in a plan: ``(kind, stage, microbatch)``.
 PlanOp = tuple[int, int, int]
-
-_KINDS = (Kind.F, Kind.B, Kind.W)
 
 
 class Stuck(Exception):
@@ -284,7 +283,7 @@ class PlanState:
 
     def programs_as_ops(self) -> list[list[Op]]:
         """The programs as :class:`~..ir.Op` lists (built once, for the winning candidate)."""
-        return [coded_ops(program, _KINDS) for program in self.programs]
+        return [coded_ops(program, KIND_OF_CODE) for program in self.programs]
 
 
 def schedule_meta(

@@ -45,6 +45,12 @@ class EqualisedVariant:
 EQUALISED_VARIANTS = tuple(EqualisedVariant(*choice) for choice in itertools.product((True, False), repeat=2))
 
 
+def _makes_idlest(gap: float, idle: float, max_idle: float, approved_margin: float) -> bool:
+    """Whether idling ``gap`` more takes a rank with ``idle`` past the largest idle so far (or the
+    idle the largest approved one leaves it, ``approved_margin``)."""
+    return gap > max(max_idle, approved_margin) - idle
+
+
 class _EqualisedPass:
     """One pass of the equalised planner (all state in the instance and its :class:`PlanState`)."""
 
@@ -67,10 +73,10 @@ class _EqualisedPass:
         self.approved = list(approved) if approved is not None else [0.0] * self.p
         self.max_approved = max(self.approved)
         self.bound = bound
-        # Every question asked of the approved idle times: (rank, gap + the rank's idle, the
-        # largest idle then).  Replaying them with other approved times tells whether a pass
-        # under those would decide anything differently (:meth:`repeats_with`).
-        self.gap_questions: list[tuple[int, float, float]] = []
+        # Every question asked of the approved idle times: (rank, gap, the rank's idle, the largest
+        # idle then).  Replaying them with other approved times tells whether a pass under those
+        # would decide anything differently (:meth:`repeats_with`).
+        self.gap_questions: list[tuple[int, float, float, float]] = []
 
     def run(self) -> PlanState:
         """Plan every op (raises :class:`Stuck` when the variant cannot go on)."""
@@ -96,10 +102,9 @@ class _EqualisedPass:
 
     def _short_gap_worth_a_weight(self, rank: int, gap: float) -> bool:
         """Whether idling ``gap`` would make ``rank`` the idlest, counting its approved idle."""
-        plan = self.plan
-        idled, max_idle = gap + plan.idle[rank], plan.max_idle
-        self.gap_questions.append((rank, idled, max_idle))
-        return idled > max(max_idle, self.max_approved - self.approved[rank])
+        idle, max_idle = self.plan.idle[rank], self.plan.max_idle
+        self.gap_questions.append((rank, gap, idle, max_idle))
+        return _makes_idlest(gap, idle, max_idle, self.max_approved - self.approved[rank])
 
     def repeats_with(self, approved: Sequence[float]) -> bool:
         """Whether a pass under ``approved`` idle times would plan exactly this pass's ops.
@@ -110,9 +115,9 @@ class _EqualisedPass:
         mine, most_mine = self.approved, self.max_approved
         theirs, most_theirs = list(approved), max(approved)
         return all(
-            (idled > max(max_idle, most_mine - mine[rank]))
-            == (idled > max(max_idle, most_theirs - theirs[rank]))
-            for rank, idled, max_idle in self.gap_questions
+            _makes_idlest(gap, idle, max_idle, most_mine - mine[rank])
+            == _makes_idlest(gap, idle, max_idle, most_theirs - theirs[rank])
+            for rank, gap, idle, max_idle in self.gap_questions
         )
 
     def _fill_wait(self, rank: int, arrival: float, short_gap: bool) -> None:
@@ -187,11 +192,9 @@ class _EqualisedPass:
         down_b, up_b = self.down_b, self.up_b
         fill_before_up = self.variant.fill_before_up_backward
         growth = [w - b for b, w in zip(plan.mem_b, plan.mem_w)]
-        # the planning state's tables, read directly: this loop places every backward
-        f_end, b_end, hop = plan.f_end, plan.b_end, plan.hop
-        memory, capacity, pending_w = plan.memory, plan.capacity, plan.pending_w
         total = 2 * m * p
         placed_b = 0
+        bounded = math.isfinite(self.bound)
         choose = self._backward_choice
         while placed_b < total:
             before = placed_b
@@ -200,21 +203,12 @@ class _EqualisedPass:
             order += [(rank, False) for rank in range(p) if choices[rank] is False]
             for rank, down in order:
                 stage, j = (rank, down_b[rank]) if down else (S - 1 - rank, up_b[rank])
-                arrival = f_end[stage][j]  # PlanState.backward_arrival, inlined
+                arrival = plan.backward_arrival(stage, j)
                 if arrival < 0:
                     continue
-                if stage != S - 1:
-                    upstream = b_end[stage + 1][j]
-                    if upstream < 0:
-                        continue
-                    upstream += hop[stage]
-                    if upstream > arrival:  # noqa: PLR1730 (hot path: cheaper than a max() call)
-                        arrival = upstream
-                change = growth[stage]
-                if change > 0 and memory[rank] + change > capacity[rank]:
-                    plan.make_room(rank, change)
-                if pending_w[rank]:
-                    self._fill_wait(rank, arrival, down or fill_before_up)
+                if growth[stage] > 0:
+                    plan.make_room(rank, growth[stage])
+                self._fill_wait(rank, arrival, down or fill_before_up)
                 plan.put_backward(rank, stage, j)
                 if down:
                     down_b[rank] += 1
@@ -224,22 +218,12 @@ class _EqualisedPass:
             placed_f = self._forward_round()
             if placed_b == before and not placed_f:
                 raise Stuck
-            self._check_bound()
-
-    def _check_bound(self) -> None:
-        """Raise :class:`Stuck` when some rank is sure to end above the bound (the pass cannot win)."""
-        if self.bound == math.inf:
-            return
-        plan = self.plan
-        limit = self.bound * (1 + 1e-12)  # PlanState.cannot_beat, for every rank at once
-        for start, clock, remaining in zip(plan.first_start, plan.clock, plan.remaining):
-            if (clock - start if start != math.inf else 0.0) + remaining > limit:
+            if bounded and any(plan.cannot_beat(rank, self.bound) for rank in range(p)):
                 raise Stuck
 
     def _forward_round(self) -> int:
         plan, p, m, S = self.plan, self.p, self.m, self.S
         up_f, down_f, f_end, mem_b = self.up_f, self.down_f, plan.f_end, plan.mem_b
-        hop, memory, capacity, pending_w = plan.hop, plan.memory, plan.capacity, plan.pending_w
         short_gap = self.variant.fill_before_forward
         placed = 0
         for rank in range(p):
@@ -254,17 +238,11 @@ class _EqualisedPass:
                 stage, j = rank, down_f[rank]
             else:
                 continue
-            if stage == 0:  # PlanState.forward_arrival, inlined
-                arrival = 0.0
-            else:
-                arrival = f_end[stage - 1][j]
-                if arrival < 0:
-                    continue
-                arrival += hop[stage - 1]
-            if memory[rank] + mem_b[stage] > capacity[rank]:
-                plan.make_room(rank, mem_b[stage])
-            if pending_w[rank]:
-                self._fill_wait(rank, arrival, short_gap)
+            arrival = plan.forward_arrival(stage, j)
+            if arrival < 0:
+                continue
+            plan.make_room(rank, mem_b[stage])
+            self._fill_wait(rank, arrival, short_gap)
             plan.put_forward(rank, stage, j)
             if up:
                 up_f[rank] = j + 1

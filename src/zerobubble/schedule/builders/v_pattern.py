@@ -16,6 +16,7 @@ stage ``2p−1−r`` runs its backward first), 4 W (one stream, or 4/5 = W of th
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 
 from ..costs import StageCosts
@@ -93,24 +94,15 @@ class _UnitMemory:
                 busy[slot] += 1
                 if change is not None:
                     change[slot] += sign
-        self.level = [0] * horizon
-        self.owed = [0] * horizon
-        levels, owes = self.level, self.owed
-        level = owed = peak = 0
-        for slot in range(horizon):
-            level += delta[slot]
-            if not explicit_w:
-                if busy[slot]:
-                    owed += backward[slot]
-                elif owed:
-                    owed -= 1
-                    level -= 1
-            if level > peak:  # noqa: PLR1730 (hot path: cheaper than a max() call)
-                peak = level
-            levels[slot], owes[slot] = level, owed
+        # the whole walk: nothing stored yet to agree with (settled at the horizon), no limit
+        self.level: list[int] = []
+        self.owed: list[int] = []
+        walk = self._changed_suffix(0, horizon, math.inf)
+        if walk is not None:  # always, with no limit
+            self.level, self.owed = walk
         #: the rank's peak unit memory (of the pattern as given; moves keep every level within the
         #: limit they are tried with)
-        self.peak = peak
+        self.peak = max(0, max(self.level, default=0))
 
     def _add(self, kind: int, slot: int, sign: int) -> None:
         self.busy[slot] += sign
@@ -121,7 +113,7 @@ class _UnitMemory:
         elif not self.explicit_w:
             self.backward[slot] += sign
 
-    def _changed_suffix(self, start: int, settled: int, limit: int) -> tuple[list[int], list[int]] | None:
+    def _changed_suffix(self, start: int, settled: int, limit: float) -> tuple[list[int], list[int]] | None:
         """The levels and owed W ops from ``start`` on, as far as they differ from the stored ones
         (at ``settled`` or later, the first slot where both agree again ends the walk); None when a
         level passes ``limit``.  Every stored level is within the limit already."""

@@ -466,18 +466,14 @@ def _planner_candidate(
     costs: StageCosts, microbatches: int, variant: Variant | ListVariant, runs: _GreedyRuns
 ) -> BuilderCandidate:
     def run(bound: float) -> Planned | None:
-        if isinstance(variant, ListVariant):
-            try:
-                return Planned.of(variant.planner(costs, microbatches).plan())
-            except Stuck:
-                return None
         planner = variant.planner(costs, microbatches)
         try:
-            return Planned.of(planner.plan(bound))
+            return Planned.of(planner.plan(bound) if isinstance(planner, _Planner) else planner.plan())
         except Stuck:
             return None
         finally:
-            runs.record(planner)
+            if isinstance(planner, _Planner):
+                runs.record(planner)
 
     return BuilderCandidate("list" if isinstance(variant, ListVariant) else "greedy", variant.label, run)
 
