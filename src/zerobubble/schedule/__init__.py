@@ -14,6 +14,7 @@ from .builders import (
 )
 from .costs import CostModel, StageCosts, parse_memory_limit, transformer_costs
 from .ir import BW, B, F, Kind, Op, Placement, Schedule, ScheduleError, W, dependencies
+from .polish import PolishReport, polish_schedule, solver_available
 from .simulate import DeadlockError, Timeline, simulate
 from .validate import ValidationError, validate_schedule
 
@@ -28,6 +29,7 @@ __all__ = [
     "Kind",
     "Op",
     "Placement",
+    "PolishReport",
     "Schedule",
     "ScheduleError",
     "StageCosts",
@@ -38,9 +40,11 @@ __all__ = [
     "dependencies",
     "get_spec",
     "parse_memory_limit",
+    "polish_schedule",
     "register_schedule",
     "registered_schedule",
     "simulate",
+    "solver_available",
     "transformer_costs",
     "unregister_schedule",
     "validate_schedule",

@@ -30,7 +30,8 @@ class ComparisonRow:
     """One schedule's numbers in a comparison (``error`` set and numbers ``None`` when it failed).
 
     ``period`` is the iteration period under the comparison's optimizer mode; ``period_sync`` and
-    ``period_post_validation`` give both modes (see :func:`iteration_period`).
+    ``period_post_validation`` give both modes (see :func:`iteration_period`).  ``polished`` says
+    whether a polish (``compare_schedules(polish_seconds=...)``) made the schedule faster.
     """
 
     schedule: str
@@ -48,6 +49,7 @@ class ComparisonRow:
     gap_to_bound: float | None = None
     fits_memory: bool | None = None
     optimal: bool | None = None
+    polished: bool | None = None
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,11 +80,15 @@ def compare_schedules(
     optimizer: str = "post-validation",
     step_time: float = 0.0,
     options: dict[str, dict[str, Any]] | None = None,
+    *,
+    polish_seconds: float | None = None,
 ) -> list[ComparisonRow]:
     """Build and simulate each schedule in ``names`` (default: all fast ones), best period first.
 
     ``chunks`` applies to schedules whose chunk count is free (interleaved-1f1b); ``options`` maps a
-    schedule name to extra builder options (e.g. ``{"zb-ilp": {"time_limit": 10}}``).
+    schedule name to extra builder options (e.g. ``{"zb-ilp": {"time_limit": 10}}``).  With
+    ``polish_seconds`` each schedule is polished by CP-SAT for up to that long
+    (:func:`~.polish.polish_schedule`); speed-ups stay against the unpolished 1F1B.
     """
     if optimizer not in OPTIMIZER_MODES:
         raise ScheduleError(
@@ -90,10 +96,21 @@ def compare_schedules(
         )
     selected = list(names) if names is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
     rows = [
-        _row(name, stages, microbatches, costs, chunks, optimizer, step_time, (options or {}).get(name, {}))
+        _row(
+            name,
+            stages,
+            microbatches,
+            costs,
+            chunks,
+            optimizer,
+            step_time,
+            {**(options or {}).get(name, {}), "polish_seconds": polish_seconds},
+        )
         for name in selected
     ]
     reference = next((row.period for row in rows if row.schedule == "1f1b" and row.period), None)
+    if polish_seconds is not None:
+        reference = None  # a polished 1F1B is no longer the baseline the speed-up means
     if reference is None and rows:
         reference = _reference_period(stages, microbatches, costs, optimizer, step_time)
     rows = [_with_speedup(row, reference) for row in rows]
@@ -137,6 +154,7 @@ def _row(
         lower_bound=bound,
         gap_to_bound=(timeline.iteration_time / bound - 1.0) if bound else None,
         optimal=schedule.meta.get("optimal"),
+        polished=schedule.meta["polish"]["kept"] if "polish" in schedule.meta else None,
     )
 
 

@@ -213,12 +213,16 @@ def build_schedule(
     costs: CostModel | None = None,
     chunks: int | None = None,
     validate: bool = True,
+    *,
+    polish_seconds: float | None = None,
     **options: Any,
 ) -> Schedule:
     """Build the schedule ``name`` for ``stages`` ranks and ``microbatches`` microbatches.
 
     ``costs`` defaults to unit costs; its ``memory_limit`` (absolute, per rank) bounds schedules that
-    plan for memory.  The result is validated unless ``validate=False``.
+    plan for memory.  With ``polish_seconds`` the built schedule's last ops are then reordered by
+    CP-SAT for up to that many seconds, kept only when faster (:func:`~..polish.polish_schedule`;
+    needs ``zerobubble[solver]``).  The result is validated unless ``validate=False``.
     """
     spec = get_spec(name)
     check_positive(stages=stages, microbatches=microbatches)
@@ -230,6 +234,10 @@ def build_schedule(
             schedule = Schedule(
                 name, schedule.placement, schedule.microbatches, schedule.programs, schedule.meta
             )
+        if polish_seconds is not None:
+            from ..polish import polish_schedule
+
+            schedule = polish_schedule(schedule, resolved, seconds=polish_seconds)
         if validate:
             from ..validate import validate_schedule
 
