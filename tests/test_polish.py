@@ -135,6 +135,10 @@ def test_without_ortools_the_error_says_what_to_install(monkeypatch, capsys):
         polish_schedule(build_schedule("zb-h1", 2, 4), seconds=1.0)
     assert main(["simulate", "--schedule", "zb-h1", "-p", "2", "-m", "4", "--polish", "1"]) == 2
     assert "zerobubble[solver]" in capsys.readouterr().err
+    # a comparison says it once and stops, instead of one failed row per schedule
+    assert main(["compare", "-p", "2", "-m", "4", "--polish", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("zerobubble[solver]") == 1
 
 
 def test_the_cli_polishes_and_reports_it(capsys):

@@ -16,6 +16,7 @@ from .bounds import lower_bound
 from .builders import REGISTRY, build_schedule
 from .costs import CostModel, within_limit
 from .ir import Schedule, ScheduleError
+from .polish import check_polish_request
 from .simulate import Timeline
 from .validate import validate_schedule
 
@@ -94,6 +95,8 @@ def compare_schedules(
         raise ScheduleError(
             f"unknown optimizer mode {optimizer!r}; choose one of {', '.join(OPTIMIZER_MODES)}"
         )
+    if polish_seconds is not None:
+        check_polish_request(polish_seconds)  # once, not as the same error on every row
     selected = list(names) if names is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
     rows = [
         _row(
@@ -104,13 +107,15 @@ def compare_schedules(
             chunks,
             optimizer,
             step_time,
-            {**(options or {}).get(name, {}), "polish_seconds": polish_seconds},
+            (options or {}).get(name, {}),
+            polish_seconds=polish_seconds,
         )
         for name in selected
     ]
-    reference = next((row.period for row in rows if row.schedule == "1f1b" and row.period), None)
-    if polish_seconds is not None:
-        reference = None  # a polished 1F1B is no longer the baseline the speed-up means
+    # a polished 1F1B is not the baseline a speed-up means: then the plain one is built for it
+    reference = None
+    if polish_seconds is None:
+        reference = next((row.period for row in rows if row.schedule == "1f1b" and row.period), None)
     if reference is None and rows:
         reference = _reference_period(stages, microbatches, costs, optimizer, step_time)
     rows = [_with_speedup(row, reference) for row in rows]
@@ -126,12 +131,21 @@ def _row(
     optimizer: str,
     step_time: float,
     options: dict[str, Any],
+    *,
+    polish_seconds: float | None,
 ) -> ComparisonRow:
     spec = REGISTRY.get(name)
     take_chunks = chunks if spec is not None and spec.chunks is None else None
     try:
         schedule = build_schedule(
-            name, stages, microbatches, costs, chunks=take_chunks, validate=False, **options
+            name,
+            stages,
+            microbatches,
+            costs,
+            chunks=take_chunks,
+            validate=False,
+            polish_seconds=polish_seconds,
+            **options,
         )
         planned = spec.resolve_costs(costs, stages) if spec else costs
         timeline = validate_schedule(schedule, planned.with_memory_limit(None))

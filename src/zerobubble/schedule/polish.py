@@ -9,16 +9,17 @@ authors' V-Half order is 0.37 % from a better one that reorders ops on all eight
 * ops that start before the cut keep their order and times (their inputs all start before it too);
 * each rank runs the freed ops after its kept ones, one at a time (``NoOverlap``);
 * an op starts after its inputs plus the transfer time between ranks, as in the simulator;
-* ops of one kind and stage keep their microbatch order (it removes symmetric orders);
+* ops of one kind and stage keep their current order (it removes symmetric orders);
 * activation memory is a ``Cumulative`` resource per rank: a forward holds each part of its
   activations from its start until the end of the op that frees that part (B, W or BW), and no
   rank may go above ``min(its memory limit, its peak before polishing)``;
 * the objective is the iteration time: the longest rank span (first start to last end).
 
-Times and memory are scaled to integers; memory is rounded so that the solver is never more
-permissive than the validator.  The solver's order is then replayed by the simulator at the real
-costs and validated, and kept only when it is strictly faster and no rank's peak rose, so a polish
-never makes a schedule slower or hungrier.  The search is warm-started from the schedule itself.
+Times and memory are scaled to integers, exactly where a power of two allows it, else rounded
+(memory parts upwards).  The search is warm-started from the schedule itself, replayed at the
+integer durations.  The solver's order is then replayed by the simulator at the real costs and
+validated, and kept only when it is strictly faster and no rank's peak rose, so a polish never
+makes a schedule slower or hungrier, whatever the rounding admitted.
 
 CP-SAT runs its portfolio of workers (one per core, up to eight) for a wall-clock limit: where it
 stops before proving the optimum, the result can differ between runs and machines (never getting
@@ -39,17 +40,18 @@ from .costs import CostModel, StageCosts, memory_cap
 from .gcpause import collector_paused
 from .ir import Kind, Op, Schedule, ScheduleError, dependencies
 from .simulate import Timeline, resolve_costs_for, simulate
+from .validate import validate_schedule
 
-#: Ops per rank, on average, that a polish frees by default (``docs/schedulers.md`` has the measured
-#: trade-off between window, solver time and gain).
+#: Ops per rank, on average, that a polish frees at first: a round of about a second at p = 8 on
+#: 2 cores (the window then doubles while rounds end proven optimal).
 DEFAULT_WINDOW = 40
 
 #: CP-SAT workers by default: one per core up to this many (its portfolio gains little beyond).
 _MAX_WORKERS = 8
 
-#: Memory that no small power of two makes integral is scaled so that each rank's cap is about this
-#: many units and every part is rounded up: at most 1e-12 of the cap per live part, far inside the
-#: validator's slack (such large coefficients slow the solver, so exact scales are tried first).
+#: Memory that no small power of two makes integral is scaled so that each rank's cap is at most this
+#: many units (fewer where capacity times horizon would near CP-SAT's 64-bit energy sums) and every
+#: part is rounded up.
 _MEMORY_UNITS = 1e12
 
 #: Durations and memory are scaled by the smallest power of two up to this one that makes them all
@@ -104,8 +106,7 @@ def polish_schedule(
     The result's ``meta["polish"]`` is a :class:`PolishReport`.  Raises :class:`ScheduleError`
     when OR-tools is not installed or an argument is out of range.
     """
-    _check_arguments(seconds, window, workers)
-    cp_model = _import_cp_model()
+    cp_model = check_polish_request(seconds, window=window, workers=workers)
     resolved = resolve_costs_for(schedule, costs)
     deadline = time.monotonic() + seconds
     with collector_paused():
@@ -126,6 +127,13 @@ def polish_schedule(
             window *= 2
     after = timeline.iteration_time
     return _reported(schedule, PolishReport(before, after, freed, used, rounds, status, after < before))
+
+
+def check_polish_request(seconds: float, *, window: int = DEFAULT_WINDOW, workers: int | None = None) -> Any:
+    """Raise :class:`ScheduleError` if a polish with these arguments cannot run (a bad argument,
+    OR-tools missing); else return CP-SAT's ``cp_model`` module."""
+    _check_arguments(seconds, window, workers)
+    return _import_cp_model()
 
 
 def _check_arguments(seconds: float, window: int, workers: int | None) -> None:
@@ -188,8 +196,6 @@ def _accepted(candidate: Schedule | None, before: Timeline, costs: StageCosts) -
     """The candidate's timeline if it is valid, strictly faster and raises no rank's peak."""
     if candidate is None:
         return None
-    from .validate import validate_schedule
-
     try:
         after = validate_schedule(candidate, costs)
     except ScheduleError:  # the integer model admitted something the exact rules do not
@@ -218,11 +224,12 @@ class _TailModel:
             self.tails.append(list(program[first_free:]))
             for i, op in enumerate(program):
                 self.where[op] = (rank, i)
+        self.duration = {op: self._ticks(costs.duration(op)) for tail in self.tails for op in tail}
         self.hint = self._integer_replay()
         # every freed op run one after another after the last hinted end: no solution needs longer
         hop = self._ticks(max(costs.comm, default=0.0))
         self.horizon = max(self._fixed_ends(), max(self.hint.values(), default=0)) + sum(
-            self._ticks(costs.duration(op)) + hop + 1 for tail in self.tails for op in tail
+            duration + hop + 1 for duration in self.duration.values()
         )
         self.start: dict[Op, Any] = {}
         self.end: dict[Op, Any] = {}
@@ -280,16 +287,16 @@ class _TailModel:
                     for dep, delay in self._inputs(op)
                 ]
             )
-            start[op], ends[op] = begin, begin + self._ticks(self.costs.duration(op))
+            start[op], ends[op] = begin, begin + self.duration[op]
             rank_free[rank] = ends[op]
         return start
 
     def _add_ops(self) -> None:
-        model, costs = self.model, self.costs
+        model = self.model
         for rank, tail in enumerate(self.tails):
             intervals = []
             for op in tail:
-                duration = self._ticks(costs.duration(op))
+                duration = self.duration[op]
                 start = model.NewIntVar(self._ready(rank), self.horizon, f"start {op}")
                 self.start[op], self.end[op] = start, start + duration
                 intervals.append(model.NewFixedSizeIntervalVar(start, duration, f"{op}"))
@@ -323,7 +330,7 @@ class _TailModel:
             scale = _exact_scale([*costs.mem_b, *costs.mem_w, limit]) or min(
                 _MEMORY_UNITS / cap, 2.0**58 / (cap * max(self.horizon, 1))
             )
-            held = self._held_parts(rank, tail, scale)
+            held = self._held_parts(tail, scale)
             capacity = math.floor(cap * scale)
             # parts are rounded up, so the current order may sit a few units above the scaled cap:
             # let it through (the replay rejects any order whose real memory is above the limit)
@@ -331,7 +338,7 @@ class _TailModel:
             intervals = [interval for _, _, _, interval in held]
             self.model.AddCumulative(intervals, [d for _, _, d, _ in held], capacity)
 
-    def _held_parts(self, rank: int, tail: Sequence[Op], scale: float) -> list[tuple[int, int, int, Any]]:
+    def _held_parts(self, tail: Sequence[Op], scale: float) -> list[tuple[int, int, int, Any]]:
         """Per freed op that frees memory: (hinted start, hinted end, units, interval) of the part it
         frees, held from its forward's start to its own end."""
         held = []
@@ -346,7 +353,7 @@ class _TailModel:
                 hinted_start = start
             else:
                 hinted_start = self.hint[forward]
-            hinted_end = self.hint[op] + self._ticks(self.costs.duration(op))
+            hinted_end = self.hint[op] + self.duration[op]
             size = self.model.NewIntVar(0, self.horizon, f"held until {op}")
             interval = self.model.NewIntervalVar(start, size, self.end[op], f"mem {op}")
             held.append((hinted_start, hinted_end, math.ceil(part * scale), interval))
@@ -364,7 +371,7 @@ class _TailModel:
                 last = model.NewIntVar(0, 2 * self.horizon, f"last end {rank}")
                 model.AddMaxEquality(last, [self.end[op] for op in tail])
                 model.Add(span >= last - first)
-                hinted_last = max(self.hint[op] + self._ticks(self.costs.duration(op)) for op in tail)
+                hinted_last = max(self.hint[op] + self.duration[op] for op in tail)
             else:
                 hinted_last = self._ticks(timeline.end[rank][-1])
                 model.Add(span >= hinted_last - first)
