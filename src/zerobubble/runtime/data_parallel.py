@@ -218,7 +218,8 @@ def mean_loss(
 ) -> torch.Tensor:
     """A step's mean loss from its microbatch ``losses``, over the global batch when there are several
     replicas (an all-reduce over the data-parallel group, waited on with ``wait``)."""
-    mean = torch.stack(list(losses)).float().mean()
+    stacked = torch.stack(list(losses))  # float64 stays float64; lower precisions average in float32
+    mean = stacked.to(torch.promote_types(stacked.dtype, torch.float32)).mean()
     if layout.data_parallel > 1:
         work = dist.all_reduce(mean, group=layout.dp_group, async_op=True)
         wait(work, "the data-parallel loss average")

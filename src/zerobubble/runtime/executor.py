@@ -31,6 +31,7 @@ from . import PipelineError, ranges
 from .comm import Comm
 from .failures import PeerFailure
 from .recorder import Recorder
+from .vocab import VocabRunner
 from .tensors import is_dtensor
 from .wgrad import WeightGradStore
 from .wgrad.verify import SplitGuard
@@ -101,8 +102,10 @@ class Executor:
         comm: Comm,
         loss_fn: Callable,
         seed: int = 0,
+        vocab: VocabRunner | None = None,
     ):
         self.schedule = schedule
+        self.vocab = vocab  # the vocabulary-parallel head and embedding (.vocab), or None
         self.rank = rank
         self.stages = stages
         self.comm = comm
@@ -126,6 +129,9 @@ class Executor:
             Kind.BW: self._backward_fused,
             Kind.W: self.compute_weight,
         }
+        if vocab is not None:
+            self.handlers[Kind.S] = vocab.forward_shard
+            self.handlers[Kind.T] = vocab.weight_grad
         self.program: list[ProgramEntry] = []
         self._profiled: tuple[list[ProgramEntry], list[ProgramEntry]] | None = None  # (program, ranged)
         self._before: dict[int, list[Hook]] = {}
@@ -145,7 +151,8 @@ class Executor:
         program: list[ProgramEntry] = []
         for position, op in enumerate(self.schedule.programs[self.rank]):
             program += [(hook, hook.run, None, 0) for hook in self._before.get(position, ())]
-            program.append((op, self.handlers[op.kind], self.stages[op.stage], op.microbatch))
+            state = self.vocab if op.is_vocab else self.stages[op.stage]
+            program.append((op, self.handlers[op.kind], state, op.microbatch))
             program += [(hook, hook.run, None, 0) for hook in self._after.get(position, ())]
         self.program = program
 
@@ -179,6 +186,8 @@ class Executor:
         self._reported, entry = False, None
         try:
             self.comm.start_step(first=self._steps == 0)
+            if self.vocab is not None:
+                self.vocab.begin_step(inputs, targets, self._scale, training=True)
             recorder = self.recorder
             if ranges.profiling():
                 self._run_profiled(recorder)
@@ -188,6 +197,8 @@ class Executor:
             else:
                 self._run_recorded(recorder, self.program)
             entry = None
+            if self.vocab is not None:
+                self.vocab.finish_step()
             self.comm.finish_step()
         except BaseException as error:
             self._report(error, entry[0] if entry is not None else None)
@@ -215,17 +226,25 @@ class Executor:
         self._inputs, self._targets, self._losses, self._keep = inputs, targets, [], False
         self._begin_call(kwargs, keep_outputs)
         self._reported, op = False, None
+        vocab = self.vocab
         try:
             self.comm.start_step(first=True, forward_only=True)
+            if vocab is not None:
+                vocab.begin_step(inputs, targets, 1.0 / self.schedule.microbatches, training=False)
             profiling = ranges.profiling()
-            for op, _, state, microbatch in self.program:
-                if isinstance(op, Op) and op.kind is Kind.F:  # hooks are training-only
+            for op, handler, state, microbatch in self.program:
+                if isinstance(op, Op) and (op.kind is Kind.F or op.kind is Kind.S):  # hooks: training-only
                     if profiling:
                         with record_function(ranges.op_range(op)):
-                            self._forward(state, microbatch)
+                            handler(state, microbatch)
                     else:
-                        self._forward(state, microbatch)
+                        handler(state, microbatch)
             op = None
+            if vocab is not None:
+                if vocab.head is not None and self._placement.rank_of(self.schedule.num_stages - 1) == self.rank:
+                    for j, loss in vocab.forward_losses():
+                        self._record_loss(loss, j)
+                vocab.finish_step()
             self.comm.finish_step()
         except BaseException as error:
             self._report(error, op)
@@ -294,6 +313,8 @@ class Executor:
 
     def _abort(self) -> None:
         self.comm.abort_step()
+        if self.vocab is not None:
+            self.vocab.abort()
         self._handoff.clear()
         for state in self.stages.values():
             state.saved.clear()
@@ -346,7 +367,9 @@ class Executor:
             state.store.end_forward()
             self._leave_stream(saved_rng)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        if state.last:
+        if state.last and self.vocab is not None and self.vocab.head is not None:
+            self._hand_to_head(state, outputs, j)
+        elif state.last:
             outputs = (self._loss(state, outputs, j),)
         if self._keep:
             state.saved[j] = (inputs, outputs)
@@ -376,7 +399,11 @@ class Executor:
     def receive_backward(self, state: StageState, j: int) -> tuple[torch.Tensor, ...] | None:
         """The gradient of the stage's outputs for microbatch ``j`` (None on the last stage: the loss)."""
         if state.last:
-            return None
+            if self.vocab is None or self.vocab.head is None:
+                return None
+            grad, loss = self.vocab.input_grad(j)
+            self._record_loss(loss, j)
+            return (grad.to(state.saved[j][1][0].dtype),)
         key = MessageKey(GRADIENTS, state.index, j)
         return self._handoff.pop(key) if state.next_local else self.comm.recv(key)
 
@@ -398,6 +425,8 @@ class Executor:
         finally:
             state.store.end()
         if state.first:
+            if self.vocab is not None and self.vocab.embedding is not None:
+                self.vocab.embedding_grad(j, inputs[0].grad)
             return ()
         return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in _floating(inputs))
 
@@ -410,6 +439,8 @@ class Executor:
 
     def _stage_inputs(self, state: StageState, j: int) -> tuple[torch.Tensor, ...]:
         if state.first:
+            if self.vocab is not None and self.vocab.embedding is not None:
+                return (self.vocab.embedded(j), *self._inputs[j][1:])
             return self._inputs[j]
         key = MessageKey(ACTIVATIONS, state.index - 1, j)
         received = self._handoff.pop(key) if state.prev_local else self.comm.recv(key)
@@ -424,11 +455,26 @@ class Executor:
                 f"loss_fn must return a scalar tensor (use a mean-reducing loss); it returned {shape} "
                 f"for microbatch {j} on stage {state.index}"
             )
-        self._losses.append(_own_storage(loss.detach()))
-        self.loss_microbatches.append(j)
+        self._record_loss(loss, j)
         if self.outputs is not None:
             self.outputs[j] = tree_map(_detach_value, output)
         return loss
+
+    def _record_loss(self, loss: torch.Tensor, j: int) -> None:
+        self._losses.append(_own_storage(loss.detach()))
+        self.loss_microbatches.append(j)
+
+    def _hand_to_head(self, state: StageState, outputs: tuple[torch.Tensor, ...], j: int) -> None:
+        """The last stage's output goes to the vocabulary-parallel head (its S ops on every rank)."""
+        if len(outputs) != 1:
+            raise PipelineError(
+                f"with a vocabulary-parallel head the last stage must return one tensor (the hidden "
+                f"states); stage {state.index} returned {len(outputs)} values"
+            )
+        assert self.vocab is not None
+        self.vocab.hidden_ready(j, outputs[0])
+        if self.outputs is not None:
+            self.outputs[j] = outputs[0].detach()
 
     def _pass_on(
         self, state: StageState, key: MessageKey, tensors: tuple[torch.Tensor, ...], forward: bool

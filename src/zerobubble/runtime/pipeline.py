@@ -63,6 +63,8 @@ from .optim import OptimizerStats, check_sharded_optimizer, unscale_gradients
 from .recorder import OpRecorder, StepRecorder, as_recorder
 from .resolve import LossFn, Resolution, agree_on, resolve, wants_profile
 from .staging import layer_keywords, merge_microbatches, split_call, split_keywords
+from .vocab import VocabGroups, VocabRunner, check_vocab_call, check_vocab_request, shard_vocab_layers
+from .vocab_layers import VocabParallelEmbedding, VocabParallelHead
 from .wgrad import FastPaths
 from .wgrad.verify import SplitRecord
 
@@ -210,7 +212,13 @@ class Pipeline:
         check_calls: bool = True,
         parallelize: Callable[[nn.Module, Any], nn.Module] | None = None,
         compile: bool | Mapping[str, Any] = False,
+        head: VocabParallelHead | None = None,
+        embedding: VocabParallelEmbedding | None = None,
     ):
+        check_vocab_request(
+            head, embedding, loss_fn=loss_fn, data_parallel=data_parallel, mesh=mesh, schedule=schedule
+        )
+        self._vocab_layers = (head, embedding)
         layers = prepare_layers(layers, compile)  # before anything reads a name (.compiled)
         if mesh is not None and group is not None:
             raise PipelineError("pass mesh= or group=, not both (the mesh's pipeline dimension is the group)")
@@ -267,6 +275,7 @@ class Pipeline:
                     chunks=chunks,
                     partition=None if isinstance(partition, str) else partition,
                     costs=costs,
+                    vocab_parallel=head is not None,
                 )
             ),
             data_parallel=data_parallel,
@@ -344,9 +353,41 @@ class Pipeline:
             self.schedule, self.group, self.device, self.timeout, static_shapes, monitor=self._monitor
         )
         self._executor = Executor(
-            self.schedule, self.rank, stages, comm, resolution.loss_fn, self._agreement.seed
+            self.schedule,
+            self.rank,
+            stages,
+            comm,
+            resolution.loss_fn,
+            self._agreement.seed,
+            vocab=self._vocab_runner(),
         )
         self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
+
+    def _vocab_runner(self) -> VocabRunner | None:
+        """This rank's shard of the vocabulary-parallel head and embedding, registered in
+        :attr:`module` as ``vocab_head`` and ``vocab_embedding`` (collective: three local groups)."""
+        head, embedding = self._vocab_layers
+        if head is None and embedding is None:
+            return None
+        shard_vocab_layers(head, embedding, self.rank, self.world_size, self.device)
+        for name, layer in (("vocab_head", head), ("vocab_embedding", embedding)):
+            if layer is not None:
+                self.module.add_module(name, layer)
+        ranks = [self.layout.global_rank(r) for r in range(self.world_size)]
+        timeout = self.layout.setup_timeout
+        groups = VocabGroups(*(local_group(ranks, timeout=timeout) for _ in range(3)))
+        placement = self.schedule.placement
+        return VocabRunner(
+            head=head,
+            embedding=embedding,
+            rank=self.rank,
+            size=self.world_size,
+            last=placement.rank_of(self.schedule.num_stages - 1),
+            first=placement.rank_of(0),
+            microbatches=self.schedule.microbatches,
+            groups=groups,
+            device=self.device,
+        )
 
     def _build_recording(self, trace: bool, emulate: CostModel | None) -> None:
         if emulate is not None:  # each op lasts its modelled duration (ms), see .emulate
@@ -577,7 +618,8 @@ class Pipeline:
         unless ``check_calls=False``): :func:`~.consistency.prepare_call`.  Returns the microbatches of
         the inputs, the targets and the keyword arguments."""
 
-        ends = (self._first, self._last)
+        head, embedding = self._vocab_layers  # every rank's shard needs the tokens, the labels
+        ends = (self._first or embedding is not None, self._last or head is not None)
         microbatches = self.schedule.microbatches
 
         def exchange(signature: CallSignature) -> str | None:
@@ -592,6 +634,7 @@ class Pipeline:
             if not isinstance(return_outputs, bool):
                 raise PipelineError(f"return_outputs= takes True or False, not {return_outputs!r}")
             split_inputs, targets_mb = split_call(i, t, microbatches, self.device, call, self.rank, ends)
+            check_vocab_call(head, embedding, split_inputs, targets_mb)
             kwargs_mb = split_keywords(kwargs, microbatches, self.device, call, self._keywords)
             return split_inputs, targets_mb, kwargs_mb
 

@@ -85,17 +85,20 @@ def resolve(
     chunks: int | None = None,
     partition: Sequence[int] | None = None,
     costs: CostModel | None = None,
+    vocab_parallel: bool = False,
 ) -> Resolution:
     """The Pipeline's arguments resolved for ``ranks`` ranks running ``data_parallel`` replicas (pure).
 
     ``schedule`` is a registry name (built for ``microbatches``, :data:`~.staging.DEFAULT_MICROBATCHES`
     when None, and ``chunks``) or a :class:`Schedule` (checked against ``microbatches``); it is
     validated once, under ``costs`` (:func:`~.staging.default_costs` when None).  ``partition``
-    lists the ``S−1`` cut points (even chunks when None).  Raises :class:`PipelineError`.
+    lists the ``S−1`` cut points (even chunks when None).  ``vocab_parallel``: the loss is a
+    vocabulary-parallel head's, whose S and T ops the schedule gets (:mod:`~..schedule.vocab`).
+    Raises :class:`PipelineError`.
     """
-    loss = checked_loss_fn(loss_fn)
+    loss = checked_loss_fn(loss_fn) if not vocab_parallel else _head_loss
     size = pipeline_size_of(ranks, data_parallel)
-    built, timeline = resolve_schedule(schedule, size, microbatches, chunks, costs)
+    built, timeline = resolve_schedule(schedule, size, microbatches, chunks, costs, vocab_parallel=vocab_parallel)
     named = named_layers(layers)
     bounds = partition_bounds(len(named), built.num_stages, partition)
     return Resolution(
@@ -107,6 +110,10 @@ def resolve(
         ties=_ties(named),
         loss_fn=loss,
     )
+
+
+def _head_loss(output: Any, target: Any) -> torch.Tensor:  # pragma: no cover - never called
+    raise PipelineError("the vocabulary-parallel head computes the loss; loss_fn is not used")
 
 
 def from_plan(layers: Sequence[NamedLayer], plan: Plan, profile: ModelProfile, loss_fn: LossFn) -> Resolution:

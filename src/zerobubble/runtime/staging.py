@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..schedule import CostModel, Schedule, ScheduleError, build_schedule, validate_schedule
 from ..schedule.partition import even_partition
+from ..schedule.vocab import add_vocab_ops
 from . import PipelineError
 from .tensors import is_dtensor
 
@@ -121,8 +122,13 @@ def resolve_schedule(
     microbatches: int | None,
     chunks: int | None,
     costs: CostModel | None,
+    *,
+    vocab_parallel: bool = False,
 ) -> tuple[Schedule, Any]:
-    """Build (or check) the schedule for ``world`` ranks and validate it: ``(schedule, timeline)``."""
+    """Build (or check) the schedule for ``world`` ranks and validate it: ``(schedule, timeline)``.
+
+    ``vocab_parallel``: the schedule runs a vocabulary-parallel head, whose S and T ops a built
+    schedule gets (and a given one without them too, :func:`~..schedule.vocab.add_vocab_ops`)."""
     costs = costs if costs is not None else default_costs()
     try:
         if isinstance(schedule, str):
@@ -133,9 +139,16 @@ def resolve_schedule(
                 costs=costs,
                 chunks=chunks,
                 validate=False,
+                vocab_parallel=vocab_parallel,
             )
         else:
             built = schedule
+            if vocab_parallel and not built.vocab_shards:
+                built = add_vocab_ops(built, costs)
+            if built.vocab_shards and not vocab_parallel:
+                raise PipelineError(
+                    f"schedule {built.name!r} has vocabulary-parallel ops (S, T): pass head=VocabParallelHead(...)"
+                )
             if microbatches is not None and microbatches != built.microbatches:
                 raise PipelineError(
                     f"the schedule object runs {built.microbatches} microbatches but "

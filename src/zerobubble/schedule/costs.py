@@ -6,6 +6,10 @@ Costs are given **per rank-stage** (everything one rank holds in a non-chunked s
 until W.  A chunked schedule gives each of its ``v`` chunks ``1/v`` of the times and memory; the
 transfer time is per hop and is not divided.
 
+A vocabulary-parallel output layer (S and T ops, one vocabulary shard per rank) has its own costs,
+per shard: ``vocab_s`` and ``vocab_t`` the times of S and T, ``vocab_mem`` the memory S keeps until
+T, ``vocab_comm`` the latency of its collectives (the hidden states' broadcast, the reduction).
+
 Every number may be a scalar or a per-stage list: a list of length ``p`` is per rank-stage (divided
 among that rank's chunks), a list of length ``S = p*v`` is per virtual stage and used as it is.
 :meth:`CostModel.resolve` turns a model into per-virtual-stage tuples for a given placement.
@@ -61,6 +65,10 @@ class CostModel:
     mem_b: PerStage = 1.0
     mem_w: PerStage = 0.0
     memory_limit: PerStage | None = None
+    vocab_s: PerStage = 0.0
+    vocab_t: PerStage = 0.0
+    vocab_comm: PerStage = 0.0
+    vocab_mem: PerStage = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -128,7 +136,24 @@ class CostModel:
             mem_b=per_stage("mem_b", True),
             mem_w=per_stage("mem_w", True),
             memory_limit=limits,
+            vocab_s=self._per_shard("vocab_s", p),
+            vocab_t=self._per_shard("vocab_t", p),
+            vocab_comm=self._per_shard("vocab_comm", p),
+            vocab_mem=self._per_shard("vocab_mem", p),
         )
+
+    def _per_shard(self, name: str, p: int) -> tuple[float, ...]:
+        value = getattr(self, name)
+        if isinstance(value, float):
+            return (value,) * p
+        if len(value) == p:
+            return tuple(value)
+        raise ScheduleError(f"cost {name!r} has {len(value)} values; give one number or {p} (one per shard)")
+
+    @property
+    def has_vocab_costs(self) -> bool:
+        """Whether any vocabulary-parallel cost is set (the plain model then holds no head)."""
+        return any(getattr(self, name) not in (0.0, None) for name in VOCAB_COST_FIELDS)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -160,14 +185,24 @@ class StageCosts:
     mem_b: tuple[float, ...]
     mem_w: tuple[float, ...]
     memory_limit: tuple[float, ...]
+    vocab_s: tuple[float, ...] = ()
+    vocab_t: tuple[float, ...] = ()
+    vocab_comm: tuple[float, ...] = ()
+    vocab_mem: tuple[float, ...] = ()
     _durations: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        p = self.placement.num_ranks
+        for name in VOCAB_COST_FIELDS:
+            if not getattr(self, name):
+                object.__setattr__(self, name, (0.0,) * p)
         durations = {
             Kind.F: self.f,
             Kind.B: self.b,
             Kind.W: self.w,
             Kind.BW: tuple(b + w for b, w in zip(self.b, self.w)),
+            Kind.S: self.vocab_s,
+            Kind.T: self.vocab_t,
         }
         object.__setattr__(self, "_durations", durations)
 
@@ -180,16 +215,24 @@ class StageCosts:
         s = op.stage
         if op.kind is Kind.F:
             return self.mem_b[s]
+        if op.kind is Kind.S:
+            return self.vocab_mem[s]
+        if op.kind is Kind.T:
+            return -self.vocab_mem[s]
         if op.kind is Kind.B:
             return -(self.mem_b[s] - self.mem_w[s])
         if op.kind is Kind.W:
             return -self.mem_w[s]
         return -self.mem_b[s]
 
-    def rank_work(self, rank: int, microbatches: int) -> float:
-        """Compute time one rank needs for ``microbatches`` microbatches (no idling)."""
+    def rank_work(self, rank: int, microbatches: int, *, vocab: bool = False) -> float:
+        """Compute time one rank needs for ``microbatches`` microbatches (no idling); ``vocab`` adds
+        its vocabulary shard's S and T."""
         stages = self.placement.stages_of(rank)
-        return microbatches * sum(self.f[s] + self.b[s] + self.w[s] for s in stages)
+        work = sum(self.f[s] + self.b[s] + self.w[s] for s in stages)
+        if vocab:
+            work += self.vocab_s[rank] + self.vocab_t[rank]
+        return microbatches * work
 
     @property
     def memory_unit(self) -> float:
@@ -198,6 +241,9 @@ class StageCosts:
         total = sum(self.mem_b)
         return total / p if total > 0 else 1.0
 
+
+#: The :class:`CostModel` fields of a vocabulary-parallel output layer (per shard).
+VOCAB_COST_FIELDS = ("vocab_s", "vocab_t", "vocab_comm", "vocab_mem")
 
 #: Relative and absolute slack of every memory-limit comparison (floating-point sums of M_B, M_W).
 MEMORY_TOLERANCE = 1e-9

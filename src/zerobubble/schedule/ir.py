@@ -27,18 +27,26 @@ class Kind(str, enum.Enum):
 
     ``B`` is the gradient w.r.t. the stage input (someone waits for it), ``W`` the gradient w.r.t.
     the stage weights (nobody waits for it), ``BW`` both fused, as in 1F1B and GPipe.
+
+    ``S`` and ``T`` are the two passes of a vocabulary-parallel output layer (every rank holds a
+    slice of the vocabulary, docs/schedulers.md "Vocabulary parallelism"): ``S`` computes the slice's
+    logits and its share of the loss and of the last stage's input gradient, ``T`` the slice's weight
+    gradient (deferrable, as W).  Their ``stage`` is the vocabulary shard, held by the rank of the
+    same number.
     """
 
     F = "F"
     B = "B"
     W = "W"
     BW = "BW"
+    S = "S"
+    T = "T"
 
     def __str__(self) -> str:
         return self.value
 
 
-_OP_PATTERN = re.compile(r"^\s*(BW|F|B|W)\s*(\d+)\s*\.\s*(\d+)\s*$")
+_OP_PATTERN = re.compile(r"^\s*(BW|F|B|W|S|T)\s*(\d+)\s*\.\s*(\d+)\s*$")
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -70,7 +78,7 @@ class Op:
         if match is None:
             raise ScheduleError(
                 f"cannot read op {text!r}: expected <kind><stage>.<microbatch> such as 'F0.3' "
-                "with kind one of F, B, W, BW"
+                "with kind one of F, B, W, BW, S, T"
             )
         return cls(Kind(match.group(1)), int(match.group(2)), int(match.group(3)))
 
@@ -83,6 +91,11 @@ class Op:
     def computes_weight_grad(self) -> bool:
         """True for W and BW."""
         return self.kind is Kind.W or self.kind is Kind.BW
+
+    @property
+    def is_vocab(self) -> bool:
+        """True for the vocabulary-parallel passes S and T (``stage`` is then the shard)."""
+        return self.kind is Kind.S or self.kind is Kind.T
 
 
 def F(stage: int, microbatch: int) -> Op:
@@ -277,6 +290,11 @@ class Schedule:
         return sum(len(program) for program in self.programs)
 
     @property
+    def vocab_shards(self) -> int:
+        """The number of vocabulary shards (``p``) when the schedule has S and T ops, else 0."""
+        return self.num_ranks if any(op.is_vocab for program in self.programs for op in program) else 0
+
+    @property
     def splits_backward(self) -> bool:
         """True when the schedule uses separate B and W ops (so the runtime must defer W)."""
         return any(op.kind is Kind.W for program in self.programs for op in program)
@@ -333,22 +351,31 @@ class Schedule:
         )
 
 
-def dependencies(op: Op, num_stages: int) -> tuple[tuple[Kind, int, int], ...]:
-    """What ``op`` waits for, as ``(role, stage, microbatch)`` with role F or B.
+def dependencies(op: Op, num_stages: int, vocab_shards: int = 0) -> tuple[tuple[Kind, int, int], ...]:
+    """What ``op`` waits for, as ``(role, stage, microbatch)`` with role F, B or S.
 
     Role ``B`` means "the op that computes the input gradient of that stage" (a B or a BW), so
     schedules may mix fused and split backwards.  F(s,j) needs F(s-1,j); B/BW(s,j) needs F(s,j) and
     the input gradient of stage s+1 (the last stage's backward needs only its own F, which computes
     the loss); W(s,j) needs B(s,j).
+
+    With ``vocab_shards`` = p (a schedule with S and T ops), the loss is the output layer's: S(r,j)
+    needs the last stage's F(S-1,j) (its hidden states, broadcast), and both T(r,j) and the last
+    stage's backward need S(r',j) of every shard r' (the one reduction of microbatch j).
     """
     s, j = op.stage, op.microbatch
-    if op.kind is Kind.F:
+    kind = op.kind
+    if kind is Kind.F:
         return ((Kind.F, s - 1, j),) if s > 0 else ()
-    if op.kind is Kind.W:
+    if kind is Kind.W:
         return ((Kind.B, s, j),)
+    if kind is Kind.S:
+        return ((Kind.F, num_stages - 1, j),)
+    if kind is Kind.T:
+        return tuple((Kind.S, shard, j) for shard in range(vocab_shards))
     if s + 1 < num_stages:
         return ((Kind.F, s, j), (Kind.B, s + 1, j))
-    return ((Kind.F, s, j),)
+    return ((Kind.F, s, j), *((Kind.S, shard, j) for shard in range(vocab_shards)))
 
 
 def check_positive(**values: int) -> None:

@@ -27,8 +27,9 @@ from .costs import CostModel, StageCosts
 from .gcpause import collector_paused
 from .ir import Kind, Op, Schedule, ScheduleError, dependencies
 
-_ROLE = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
-_PRODUCES = {Kind.F: (0,), Kind.B: (1,), Kind.W: (2,), Kind.BW: (1, 2)}
+_ROLE = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.S: 3, Kind.T: 4}
+_PRODUCES = {Kind.F: (0,), Kind.B: (1,), Kind.W: (2,), Kind.BW: (1, 2), Kind.S: (3,), Kind.T: (4,)}
+_ROLES = len(_ROLE)
 
 
 class DeadlockError(ScheduleError):
@@ -168,7 +169,8 @@ class Timeline(SpanMetrics):
     @property
     def ideal(self) -> float:
         """Compute time of the busiest rank: no schedule's iteration is shorter."""
-        return max(self.costs.rank_work(r, self.schedule.microbatches) for r in range(self.num_ranks))
+        m, vocab = self.schedule.microbatches, self.schedule.vocab_shards > 0
+        return max(self.costs.rank_work(r, m, vocab=vocab) for r in range(self.num_ranks))
 
     @property
     def peak_memory_mb(self) -> tuple[float, ...]:
@@ -219,7 +221,7 @@ def simulate(
 
 #: The op kinds by integer code, as :class:`EncodedPrograms`, the validator and the planners'
 #: ``(kind, stage, microbatch)`` triples number them; :data:`KIND_CODE` the other way round.
-KIND_OF_CODE = (Kind.F, Kind.B, Kind.W, Kind.BW)
+KIND_OF_CODE = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.S, Kind.T)
 KIND_CODE = {kind: code for code, kind in enumerate(KIND_OF_CODE)}
 
 
@@ -248,6 +250,12 @@ def encode_programs(schedule: Schedule) -> EncodedPrograms:
             op = next(op for op in program if not (0 <= op.stage < S and 0 <= op.microbatch < m))
             raise ScheduleError(
                 f"rank {rank}: op {op} is outside the schedule's {S} stages and {m} microbatches"
+            )
+        misplaced = next((op for op in program if op.is_vocab and op.stage != rank), None)
+        if misplaced is not None:
+            raise ScheduleError(
+                f"rank {rank}: {misplaced} is of vocabulary shard {misplaced.stage}, which rank "
+                f"{misplaced.stage} holds (a shard's S and T run on the rank of the same number)"
             )
         codes.append([KIND_CODE[op.kind] * S + stage for op, stage in zip(program, stages)])
         microbatches.append(mbs)
@@ -292,26 +300,49 @@ def _compile(
     What an op needs and produces depends on its kind and stage only: one template per code,
     shared by every op of that code.
     """
-    S, m = schedule.num_stages, schedule.microbatches
-    rank_of = schedule.placement.stage_ranks
+    S, m, p = schedule.num_stages, schedule.microbatches, schedule.num_ranks
+    rank_of, shards = schedule.placement.stage_ranks, schedule.vocab_shards
     templates = [
-        _template(Op(kind, stage, 0), S, m, rank_of, costs) for kind in KIND_OF_CODE for stage in range(S)
+        _template(Op(kind, stage, 0), S, m, rank_of, costs, shards)
+        if not (kind is Kind.S or kind is Kind.T) or stage < p
+        else None  # a shard that does not exist: encode_programs refuses such an op before this
+        for kind in KIND_OF_CODE
+        for stage in range(S)
     ]
     return [list(map(templates.__getitem__, codes)) for codes in encoded.codes]
 
 
 def _template(
-    op: Op, S: int, m: int, rank_of: tuple[int, ...], costs: StageCosts
+    op: Op, S: int, m: int, rank_of: tuple[int, ...], costs: StageCosts, shards: int
 ) -> tuple[float, tuple, tuple]:
     """``op``'s duration, its dependencies' keys at microbatch 0 with their transfer delays, and the
     keys it produces at microbatch 0."""
+    deps = tuple(
+        (_key(_ROLE[role], stage, 0, S, m), delay)
+        for role, stage, _, delay in timed_dependencies(op, S, rank_of, costs, shards)
+    )
+    produced = tuple(_key(role, op.stage, 0, S, m) for role in _PRODUCES[op.kind])
+    return costs.duration(op), deps, produced
+
+
+def timed_dependencies(
+    op: Op, num_stages: int, rank_of: tuple[int, ...], costs: StageCosts, shards: int = 0
+) -> tuple[tuple[Kind, int, int, float], ...]:
+    """:func:`~.ir.dependencies` of ``op``, each with the delay between its end and ``op``'s start:
+    the hop's transfer time across ranks (none on one rank).  A vocabulary dependency (S needing the
+    last stage's hidden states, T and the last stage's backward needing every shard's S) waits the
+    collective's latency ``vocab_comm`` of the waiting rank, except S on the last stage's own rank."""
     s = op.stage
-    deps = []
-    for role, dep_stage, _ in dependencies(op, S):
-        delay = costs.comm[min(s, dep_stage)] if rank_of[dep_stage] != rank_of[s] else 0.0
-        deps.append((_key(_ROLE[role], dep_stage, 0, S, m), delay))
-    produced = tuple(_key(role, s, 0, S, m) for role in _PRODUCES[op.kind])
-    return costs.duration(op), tuple(deps), produced
+    rank = s if op.is_vocab else rank_of[s]
+    timed = []
+    for role, dep_stage, j in dependencies(op, num_stages, shards):
+        if role is Kind.S or op.is_vocab:
+            local = op.kind is Kind.S and rank_of[dep_stage] == rank
+            delay = 0.0 if local else costs.vocab_comm[rank]
+        else:
+            delay = costs.comm[min(s, dep_stage)] if rank_of[dep_stage] != rank_of[s] else 0.0
+        timed.append((role, dep_stage, j, delay))
+    return tuple(timed)
 
 
 def _run(
@@ -320,9 +351,9 @@ def _run(
     compiled = _compile(schedule, costs, encoded)
     microbatch_of = encoded.microbatches
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
-    done = [-1.0] * (3 * S * m)
+    done = [-1.0] * (_ROLES * S * m)
     # waiting[key]: the ranks blocked on that key (a list, not a dict: indexing beats hashing here)
-    waiting: list[list[int] | None] = [None] * (3 * S * m)
+    waiting: list[list[int] | None] = [None] * (_ROLES * S * m)
     position = [0] * p
     clock = [0.0] * p
     starts: list[list[float]] = [[] for _ in range(p)]
@@ -380,7 +411,7 @@ def _run_shared(
     compiled = _compile(schedule, costs, encoded)
     microbatch_of = encoded.microbatches
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
-    done = [-1.0] * (3 * S * m)
+    done = [-1.0] * (_ROLES * S * m)
     position = [0] * p
     computing = [False] * p
     left = [0.0] * p  # work left of the op a rank computes
@@ -449,7 +480,7 @@ def _deadlock(schedule: Schedule, position: list[int]) -> DeadlockError:
         if position[rank] >= len(program):
             continue
         head = program[position[rank]]
-        for role, stage, mb in dependencies(head, schedule.num_stages):
+        for role, stage, mb in dependencies(head, schedule.num_stages, schedule.vocab_shards):
             candidates = [Op(role, stage, mb)] + ([Op(Kind.BW, stage, mb)] if role is Kind.B else [])
             if not any(c in executed for c in candidates):
                 waits[rank] = (head, next((c for c in candidates if c in where), candidates[0]))
@@ -480,8 +511,12 @@ def _memory(
 ) -> tuple[tuple[tuple[float, ...], ...], tuple[float, ...]]:
     # one memory change per code (kind, stage), the same for every microbatch; the running sum in
     # C (itertools.accumulate adds left to right, as a loop would: the same floats)
-    stages = range(schedule.num_stages)
-    deltas = [costs.memory_delta(Op(kind, stage, 0)) for kind in KIND_OF_CODE for stage in stages]
+    stages, p = range(schedule.num_stages), schedule.num_ranks
+    deltas = [
+        costs.memory_delta(Op(kind, stage, 0)) if not Op(kind, stage, 0).is_vocab or stage < p else 0.0
+        for kind in KIND_OF_CODE
+        for stage in stages
+    ]
     memory, peaks = [], []
     for codes in encoded.codes:
         trace = tuple(itertools.accumulate(map(deltas.__getitem__, codes)))

@@ -3,7 +3,9 @@
 :func:`validate_schedule` raises :class:`ValidationError` naming the rank, the op and the reason for:
 an op of a stage its rank does not hold, an op outside the microbatches, a missing or duplicated op,
 an order on one rank that contradicts a dependency, a cross-rank order that can never make progress
-(reporting the cycle of waits), and activation memory above the limit.
+(reporting the cycle of waits), and activation memory above the limit.  A vocabulary-parallel schedule
+(S and T ops) must hold every shard's S and T of every microbatch on the shard's rank, and issue its
+collectives in one order on every rank: S ops, and the last stage's forwards, in microbatch order.
 """
 
 from __future__ import annotations
@@ -71,16 +73,21 @@ class _OpTable:
         self.schedule = schedule
         S, m = schedule.num_stages, schedule.microbatches
         self.size = size = S * m
-        self.rank = rank_at = [-1] * (4 * size)
-        self.position = position_at = [-1] * (4 * size)
+        self.rank = rank_at = [-1] * (len(KIND_OF_CODE) * size)
+        self.position = position_at = [-1] * (len(KIND_OF_CODE) * size)
         self.duplicated = False
         owners = schedule.placement.stage_ranks
+        self.vocab = False
         codes, microbatches = [], []
         for rank, program in enumerate(schedule.programs):
             rank_codes, rank_mbs = [], []
             for i, op in enumerate(program):
                 stage, mb = op.stage, op.microbatch
-                if not (0 <= stage < S and 0 <= mb < m) or owners[stage] != rank:
+                if op.is_vocab:
+                    self.vocab = True
+                    if stage != rank or not 0 <= mb < m:
+                        _raise_vocab_placement(schedule, rank, op)
+                elif not (0 <= stage < S and 0 <= mb < m) or owners[stage] != rank:
                     _raise_placement(schedule, rank, op)
                 code = KIND_CODE[op.kind] * S + stage
                 rank_codes.append(code)
@@ -115,6 +122,37 @@ class _OpTable:
                 ):
                     continue  # the common case of a split schedule: F, B and W
                 _check_backwards(owners[stage], stage, j, self)
+        if self.vocab:
+            self._check_vocab()
+
+    def _check_vocab(self) -> None:
+        """Every shard's S and T of every microbatch; S ops and the last stage's forwards in
+        microbatch order (each issues a collective, which every rank must issue in one order)."""
+        schedule = self.schedule
+        for rank in range(schedule.num_ranks):
+            for kind in (Kind.S, Kind.T):
+                for j in range(schedule.microbatches):
+                    if not self.has(kind, rank, j):
+                        op = Op(kind, rank, j)
+                        raise ValidationError(
+                            f"rank {rank}: {op} is missing (a vocabulary-parallel schedule runs S and T "
+                            f"of every shard for every microbatch)",
+                            rank,
+                            op,
+                        )
+        last = schedule.num_stages - 1
+        for rank, program in enumerate(schedule.programs):
+            for kind, stage in ((Kind.S, rank), (Kind.F, last)):
+                order = [op for op in program if op.kind is kind and op.stage == stage]
+                for before, after in zip(order, order[1:]):
+                    if after.microbatch < before.microbatch:
+                        raise ValidationError(
+                            f"rank {rank}: {after} comes after {before}; a vocabulary-parallel schedule "
+                            f"runs its {kind.value} ops of stage/shard {stage} in microbatch order (each "
+                            "starts a collective that every rank starts in the same order)",
+                            rank,
+                            after,
+                        )
 
     def check_local_order(self) -> None:
         """No op before one of its dependencies on the same rank."""
@@ -122,11 +160,16 @@ class _OpTable:
         S, m, size = schedule.num_stages, schedule.microbatches, self.size
         rank_at, position_at = self.rank, self.position
         F, W = Kind.F, Kind.W
+        vocab_s = KIND_CODE[Kind.S] * size
         for rank, program in enumerate(schedule.programs):
             for i, op in enumerate(program):
                 stage, mb, kind = op.stage, op.microbatch, op.kind
                 needed: tuple[int, ...]
-                if kind is F:
+                if kind is Kind.S:
+                    needed = ((S - 1) * m + mb,)
+                elif kind is Kind.T:
+                    needed = (vocab_s + rank * m + mb,)
+                elif kind is F:
                     needed = ((stage - 1) * m + mb,) if stage > 0 else ()
                 elif kind is W:  # its B, or a BW
                     needed = (size + stage * m + mb, 3 * size + stage * m + mb)
@@ -134,6 +177,8 @@ class _OpTable:
                     needed = (stage * m + mb,)
                     if stage + 1 < S:
                         needed += (size + (stage + 1) * m + mb, 3 * size + (stage + 1) * m + mb)
+                    elif self.vocab:
+                        needed += (vocab_s + rank * m + mb,)
                 for key in needed:
                     if rank_at[key] == rank and position_at[key] > i:
                         kind_code, rest = divmod(key, size)
@@ -160,6 +205,22 @@ def _raise_placement(schedule: Schedule, rank: int, op: Op) -> None:
         )
     owner = schedule.placement.rank_of(op.stage)
     raise ValidationError(f"rank {rank}: {op} is of stage {op.stage}, which rank {owner} holds", rank, op)
+
+
+def _raise_vocab_placement(schedule: Schedule, rank: int, op: Op) -> None:
+    m = schedule.microbatches
+    if not 0 <= op.microbatch < m:
+        raise ValidationError(
+            f"rank {rank}: {op} names microbatch {op.microbatch}, but there are microbatches 0..{m - 1}",
+            rank,
+            op,
+        )
+    raise ValidationError(
+        f"rank {rank}: {op} is of vocabulary shard {op.stage}, which rank {op.stage} holds (shards are "
+        f"0..{schedule.num_ranks - 1}, one per rank)",
+        rank,
+        op,
+    )
 
 
 def _check_duplicates(schedule: Schedule) -> None:

@@ -215,6 +215,7 @@ def build_schedule(
     validate: bool = True,
     *,
     polish_seconds: float | None = None,
+    vocab_parallel: bool = False,
     **options: Any,
 ) -> Schedule:
     """Build the schedule ``name`` for ``stages`` ranks and ``microbatches`` microbatches.
@@ -222,12 +223,21 @@ def build_schedule(
     ``costs`` defaults to unit costs; its ``memory_limit`` (absolute, per rank) bounds schedules that
     plan for memory.  With ``polish_seconds`` the built schedule's last ops are then reordered by
     CP-SAT for up to that many seconds, kept only when faster (:func:`~..polish.polish_schedule`;
-    needs ``zerobubble[solver]``).  The result is validated unless ``validate=False``.
+    needs ``zerobubble[solver]``).  ``vocab_parallel`` places a vocabulary-parallel output layer's S
+    and T ops into the built schedule (:func:`~..vocab.add_vocab_ops`, under the ``vocab_*`` costs).
+    The result is validated unless ``validate=False``.
     """
     spec = get_spec(name)
     check_positive(stages=stages, microbatches=microbatches)
     v = spec.resolve_chunks(chunks)
-    resolved = spec.resolve_costs(costs if costs is not None else CostModel(), stages)
+    given = costs if costs is not None else CostModel()
+    resolved = spec.resolve_costs(given, stages)
+    final = resolved
+    if vocab_parallel:
+        from ..vocab import vocab_budgets
+
+        own_limit = not spec.fixed_memory_limit and given.memory_limit is not None
+        resolved, final = vocab_budgets(resolved, stages, budget_given=own_limit)
     with collector_paused():  # the searches allocate much and free nothing cyclic (gcpause.py)
         schedule = spec.load()(stages, microbatches, resolved, v, **{**spec.options, **options})
         if schedule.name != name:
@@ -238,8 +248,12 @@ def build_schedule(
             from ..polish import polish_schedule
 
             schedule = polish_schedule(schedule, resolved, seconds=polish_seconds)
+        if vocab_parallel:
+            from ..vocab import add_vocab_ops
+
+            schedule = add_vocab_ops(schedule, final)
         if validate:
             from ..validate import validate_schedule
 
-            validate_schedule(schedule, resolved)
+            validate_schedule(schedule, final)
     return schedule

@@ -1,0 +1,351 @@
+"""The vocabulary-parallel output layer and embedding at run time: one rank's shard and its collectives.
+
+Every rank of the pipeline holds one slice of the vocabulary rows (:mod:`.vocab_layers`).  The
+output layer runs as the schedule's S and T ops (:mod:`~zerobubble.schedule.vocab`):
+
+* the last stage's F broadcasts its hidden states (``hidden`` group, in microbatch order);
+* S(r, j) computes shard r's partials, then starts the one reduction of microbatch j: an all-gather
+  of the per-token statistics (every rank needs the global max and sum for its T) and a gather of
+  the input-gradient parts to the last stage's rank (``reduce`` group);
+* the last stage's B(j) waits for both and gets the exact gradient of its output and the loss;
+* T(r, j) waits for the statistics only and accumulates shard r's weight gradient.
+
+The embedding needs no op of its own (a lookup costs nothing next to a layer): every rank looks up
+its tokens at the start of a step and the sums are reduced to the first stage's rank, microbatch by
+microbatch (``embed`` group); at the end of the step the first stage's input gradients are broadcast
+and each rank accumulates its rows.  Each group sees its collectives in one order on every rank
+(the validator checks the S order), so no collective can wait for another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import PipelineError
+from .vocab_layers import (
+    HeadTotals,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    check_labels,
+    embedding_partial,
+    embedding_weight_grad,
+    head_input_grad,
+    head_partials,
+    head_totals,
+    head_weight_grad,
+)
+
+
+@dataclass
+class VocabGroups:
+    """The process groups of the vocabulary collectives (each over every rank of the pipeline)."""
+
+    hidden: Any
+    reduce: Any
+    embed: Any
+
+
+@dataclass
+class _Shard:
+    """What S(r, j) leaves for T(r, j) and for the last stage's B(j)."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    stats: list[torch.Tensor]
+    stats_work: Any
+    parts: list[torch.Tensor] = field(default_factory=list)
+    parts_work: Any = None
+    sent: torch.Tensor | None = None  # this rank's parts, alive until the gather is over
+    totals: HeadTotals | None = None
+    uses: int = 1  # T, and on the last stage's rank also B
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class VocabRunner:
+    """The vocabulary-parallel head and embedding of one pipeline rank during a step.
+
+    ``rank``/``size`` are this rank's pipeline position and the pipeline size; ``last``/``first``
+    the ranks of the last and the first stage.  The Executor calls :meth:`begin_step`, the S and T
+    handlers, :meth:`hidden_ready` and :meth:`input_grad` (last stage), :meth:`embedded` and
+    :meth:`embedding_grad` (first stage) and :meth:`finish_step`.
+    """
+
+    def __init__(
+        self,
+        *,
+        head: VocabParallelHead | None,
+        embedding: VocabParallelEmbedding | None,
+        rank: int,
+        size: int,
+        last: int,
+        first: int,
+        microbatches: int,
+        groups: VocabGroups,
+        device: torch.device,
+    ):
+        self.head, self.embedding = head, embedding
+        self.rank, self.size, self.last, self.first = rank, size, last, first
+        self.microbatches, self.groups, self.device = microbatches, groups, device
+        self._labels: list[torch.Tensor] = []
+        self._shapes: list[torch.Size] = []
+        self._hidden: dict[int, tuple[torch.Tensor, Any]] = {}  # microbatch -> (buffer, broadcast work)
+        self._shards: dict[int, _Shard] = {}
+        self._tokens: list[torch.Tensor] = []
+        self._embedded: list[tuple[torch.Tensor, Any]] = []
+        self._embedding_grads: dict[int, torch.Tensor] = {}
+        self._scale, self._training = 1.0, True
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def begin_step(
+        self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any], scale: float, training: bool
+    ) -> None:
+        """Check the labels and tokens (every rank has them all, so every rank raises alike) and
+        start the embedding's reductions."""
+        self._scale, self._training = scale, training
+        if self.head is not None:
+            labels = [torch.as_tensor(t).to(self.device).reshape(-1) for t in targets]
+            check_labels(torch.cat(labels), self.head.vocab_size, self.head.ignore_index)
+            self._labels, self._shapes = labels, [torch.as_tensor(t).shape for t in targets]
+        if self.embedding is not None:
+            self._tokens = [x[0] for x in inputs]
+            self._embedded = []
+            for tokens in self._tokens:
+                part = embedding_partial(self.embedding, tokens)
+                work = dist.reduce(part, group_dst=self.first, group=self.groups.embed, async_op=True)
+                self._embedded.append((part, work))
+
+    def finish_step(self) -> None:
+        """Finish the embedding's gradient (a broadcast from the first stage's rank) and every
+        collective still in flight."""
+        for _, work in self._hidden.values():
+            if work is not None:
+                work.wait()
+        self._hidden.clear()
+        for shard in self._shards.values():  # forward-only steps leave their statistics here
+            self._wait_parts(shard)
+            shard.stats_work.wait()
+        self._shards.clear()
+        if self.embedding is not None:
+            for _, work in self._embedded:
+                if work is not None:
+                    work.wait()
+            self._embedded = []
+            if self._training:
+                self._embedding_backward()
+
+    def abort(self) -> None:
+        """Drop everything of a failed step (its collectives are abandoned with the step)."""
+        self._hidden.clear()
+        self._shards.clear()
+        self._embedded, self._embedding_grads = [], {}
+
+    # -- the output layer ----------------------------------------------------------------------------
+
+    def hidden_ready(self, j: int, hidden: torch.Tensor) -> None:
+        """The last stage's F(j) is done: broadcast its hidden states to every shard."""
+        head = self._head()
+        if hidden.shape[-1] != head.dim or hidden.shape[:-1] != self._shapes[j]:
+            raise PipelineError(
+                f"the last stage's output for microbatch {j} has shape {list(hidden.shape)}, but the "
+                f"vocabulary-parallel head needs the targets' shape {list(self._shapes[j])} followed by "
+                f"its width {head.dim}"
+            )
+        flat = hidden.detach().reshape(-1, head.dim).to(head.weight.dtype).contiguous()
+        work = dist.broadcast(flat, group_src=self.last, group=self.groups.hidden, async_op=True)
+        self._hidden[j] = (flat, work)
+
+    def _post_hidden(self, j: int) -> None:
+        if j < self.microbatches and j not in self._hidden and self.rank != self.last:
+            head = self._head()
+            buffer = torch.empty(self._labels[j].numel(), head.dim, dtype=head.weight.dtype, device=self.device)
+            work = dist.broadcast(buffer, group_src=self.last, group=self.groups.hidden, async_op=True)
+            self._hidden[j] = (buffer, work)
+
+    def forward_shard(self, _: Any, j: int) -> None:
+        """S(r, j): this shard's partials of microbatch ``j``; start its one reduction."""
+        head = self._head()
+        self._post_hidden(j)
+        hidden, work = self._hidden.pop(j)
+        if work is not None and self.rank != self.last:
+            work.wait()
+        elif work is not None:  # the sender keeps the tensor until its broadcast is over (T waits)
+            self._hidden[j] = (hidden, work)
+        self._post_hidden(j + 1)  # the next microbatch's hidden states travel meanwhile
+        partials = head_partials(head, hidden, self._labels[j])
+        stats = [torch.empty_like(partials.stats) for _ in range(self.size)]
+        stats_work = dist.all_gather(stats, partials.stats, group=self.groups.reduce, async_op=True)
+        shard = _Shard(hidden, partials.logits, stats, stats_work, uses=1 + (self.rank == self.last))
+        if self._training:
+            gathered = [torch.empty_like(partials.parts) for _ in range(self.size)] if self.rank == self.last else None
+            shard.parts_work = dist.gather(
+                partials.parts, gathered, group_dst=self.last, group=self.groups.reduce, async_op=True
+            )
+            shard.parts, shard.sent = gathered or [], partials.parts
+        self._shards[j] = shard
+
+    def _totals(self, j: int) -> HeadTotals:
+        shard = self._shards[j]
+        if shard.totals is None:
+            shard.stats_work.wait()
+            head = self._head()
+            shard.totals = head_totals(torch.stack(shard.stats), self._labels[j], ignore_index=head.ignore_index)
+        return shard.totals
+
+    def weight_grad(self, _: Any, j: int) -> None:
+        """T(r, j): accumulate this shard's weight gradient of microbatch ``j``."""
+        head = self._head()
+        shard = self._shards[j]
+        totals = self._totals(j)
+        grad = head_weight_grad(head, shard.logits, shard.hidden, self._labels[j], totals, scale=self._scale)
+        _accumulate(head.weight, grad)
+        if self.rank != self.last:
+            self._wait_parts(shard)
+        shard.logits = torch.empty(0)
+        self._release(j)
+
+    def input_grad(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's B(j): the gradient of its output and the loss of microbatch ``j``."""
+        shard = self._shards[j]
+        totals = self._totals(j)
+        self._wait_parts(shard)
+        grad = head_input_grad(torch.stack(shard.stats), torch.stack(shard.parts), totals, scale=self._scale)
+        self._release(j)
+        return grad.reshape(*self._shapes[j], grad.shape[-1]), totals.loss
+
+    def forward_losses(self) -> list[tuple[int, torch.Tensor]]:
+        """After a forward-only step, on the last stage's rank: every microbatch's loss."""
+        return [(j, self._totals(j).loss) for j in sorted(self._shards)]
+
+    def _wait_parts(self, shard: _Shard) -> None:
+        if shard.parts_work is not None:
+            shard.parts_work.wait()
+            shard.parts_work, shard.sent = None, None
+
+    def _release(self, j: int) -> None:
+        shard = self._shards[j]
+        shard.uses -= 1
+        if shard.uses == 0:
+            del self._shards[j]
+            entry = self._hidden.pop(j, None)
+            if entry is not None and entry[1] is not None:
+                entry[1].wait()
+
+    def _head(self) -> VocabParallelHead:
+        if self.head is None:  # pragma: no cover - the schedule has S/T ops only with a head
+            raise PipelineError("this pipeline has no vocabulary-parallel head")
+        return self.head
+
+    # -- the embedding -------------------------------------------------------------------------------
+
+    def embedded(self, j: int) -> torch.Tensor:
+        """The first stage's input of microbatch ``j``: the summed embedding, a leaf needing grad."""
+        part, work = self._embedded[j]
+        work.wait()
+        self._embedded[j] = (part, None)
+        return part.detach().requires_grad_()
+
+    def embedding_grad(self, j: int, grad: torch.Tensor | None) -> None:
+        """The first stage's B(j) produced the gradient of its input: keep it for the step's end."""
+        self._embedding_grads[j] = grad if grad is not None else torch.zeros_like(self._embedded[j][0])
+
+    def _embedding_backward(self) -> None:
+        embedding = self.embedding
+        assert embedding is not None
+        sizes = [t.numel() for t in self._tokens]
+        if self.rank == self.first:
+            flat = [self._embedding_grads[j].reshape(-1, embedding.dim) for j in range(self.microbatches)]
+            grads = torch.cat(flat).to(embedding.weight.dtype).contiguous()
+        else:
+            grads = torch.empty(sum(sizes), embedding.dim, dtype=embedding.weight.dtype, device=self.device)
+        dist.broadcast(grads, group_src=self.first, group=self.groups.embed)
+        tokens = torch.cat([t.reshape(-1) for t in self._tokens])
+        _accumulate(embedding.weight, embedding_weight_grad(embedding, tokens, grads))
+        self._embedding_grads = {}
+
+
+def check_vocab_request(
+    head: Any, embedding: Any, *, loss_fn: Any, data_parallel: Any, mesh: Any, schedule: Any
+) -> None:
+    """Refuse what the vocabulary-parallel layers do not support, the same way on every rank."""
+    if head is not None and not isinstance(head, VocabParallelHead):
+        raise PipelineError(f"head= takes a zerobubble.VocabParallelHead, not {type(head).__name__}")
+    if embedding is not None and not isinstance(embedding, VocabParallelEmbedding):
+        raise PipelineError(
+            f"embedding= takes a zerobubble.VocabParallelEmbedding, not {type(embedding).__name__}"
+        )
+    if head is None and embedding is None:
+        return
+    if head is not None and loss_fn is not None:
+        raise PipelineError(
+            "head= computes the loss (the exact cross-entropy over the whole vocabulary): drop loss_fn="
+        )
+    if data_parallel not in (None, 1) or mesh is not None:
+        raise PipelineError(
+            "the vocabulary-parallel head and embedding shard over the pipeline's ranks only: they do "
+            "not combine with data_parallel= or mesh= yet"
+        )
+    if schedule == "auto":
+        raise PipelineError(
+            'schedule="auto" plans a plain head: pass a schedule name with head=, or compare both with '
+            "`zerobubble plan --vocab` (docs/guide.md, Vocabulary parallelism)"
+        )
+
+
+def check_vocab_call(
+    head: VocabParallelHead | None,
+    embedding: VocabParallelEmbedding | None,
+    inputs: Sequence[tuple[torch.Tensor, ...]],
+    targets: Sequence[Any],
+) -> None:
+    """A call's labels and tokens, checked before anything runs: every rank holds them all, so a bad
+    one raises the same :class:`PipelineError` on every rank and the Pipeline stays usable."""
+    if head is not None:
+        labels = [torch.as_tensor(t) for t in targets]
+        if any(label.is_floating_point() or label.is_complex() for label in labels):
+            raise PipelineError("the vocabulary-parallel head takes integer labels (token ids), not floats")
+        check_labels(torch.cat([label.reshape(-1) for label in labels]), head.vocab_size, head.ignore_index)
+    if embedding is not None:
+        tokens = [x[0] for x in inputs]
+        if any(t.is_floating_point() for t in tokens):
+            raise PipelineError("the vocabulary-parallel embedding takes integer token ids as the first input")
+        bad = next((t for t in tokens if bool(((t < 0) | (t >= embedding.vocab_size)).any())), None)
+        if bad is not None:
+            value = bad[(bad < 0) | (bad >= embedding.vocab_size)].reshape(-1)[0].item()
+            raise PipelineError(
+                f"token {value} is outside the vocabulary of {embedding.vocab_size} rows "
+                "(the vocabulary-parallel embedding's inputs)"
+            )
+
+
+def shard_vocab_layers(
+    head: VocabParallelHead | None,
+    embedding: VocabParallelEmbedding | None,
+    rank: int,
+    size: int,
+    device: torch.device,
+) -> None:
+    """Keep this rank's vocabulary rows of ``head`` and ``embedding`` on ``device``; a head tied to
+    the embedding (the same Parameter) stays tied to the embedding's shard."""
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    if embedding is not None:
+        embedding.keep_shard(rank, size)
+        embedding.to(device)
+    if head is not None:
+        if tied:
+            assert embedding is not None
+            head.share_shard(embedding)
+        else:
+            head.keep_shard(rank, size)
+        head.to(device)

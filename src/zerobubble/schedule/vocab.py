@@ -1,0 +1,270 @@
+"""Vocabulary parallelism in the schedule: the output layer's S and T passes placed into any schedule.
+
+With a vocabulary-parallel output layer (arXiv 2411.05288) every rank holds ``1/p`` of the vocabulary
+and runs, for each microbatch ``j``, an ``S`` pass (its slice's logits, its share of the loss and of
+the last stage's input gradient, after the last stage's hidden states are broadcast) and a ``T`` pass
+(its slice's weight gradient).  All communication of a microbatch is started at the end of its S
+passes (the *one-barrier* form): the last stage's backward and every T wait for it, and nothing else
+does, so the ranks go on with other work while it travels.
+
+:func:`add_vocab_ops` takes a schedule built by any builder and interleaves the S and T ops with its
+own ops by list scheduling (S as soon as its input is there, T where a rank would idle or where the
+logits it frees must go), trying a few policies and keeping the fastest that respects the memory
+limit.  The base schedule's own order is kept.  :func:`head_costs` gives the costs of the output
+layer, plain or vocabulary-parallel, from its sizes (``docs/schedulers.md``, "Vocabulary parallelism").
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from .costs import CostModel, StageCosts, within_limit
+from .ir import Kind, Op, Schedule, ScheduleError
+from .simulate import Timeline, resolve_costs_for, simulate, timed_dependencies
+
+_PRODUCES = {Kind.F: (Kind.F,), Kind.B: (Kind.B,), Kind.W: (Kind.W,), Kind.BW: (Kind.B, Kind.W)}
+
+
+@dataclass(frozen=True)
+class VocabPolicy:
+    """How :func:`add_vocab_ops` places the T ops: at most ``outstanding`` microbatches between a
+    rank's S and its T (the logits a rank holds), and ``eager`` T before the rank's own next op
+    (else T runs only where the rank would idle, or when the bound forces it)."""
+
+    outstanding: int
+    eager: bool
+
+    def describe(self) -> str:
+        """The policy in words, for ``meta["vocab"]``."""
+        return f"{'eager' if self.eager else 'idle-filling'} T, at most {self.outstanding} outstanding"
+
+
+def default_policies(microbatches: int) -> tuple[VocabPolicy, ...]:
+    """The policies :func:`add_vocab_ops` tries: bounds 1, 2, 4 and ``m``, eager or idle-filling."""
+    bounds = sorted({min(b, microbatches) for b in (1, 2, 4, microbatches)})
+    return tuple(VocabPolicy(bound, eager) for bound in bounds for eager in (False, True))
+
+
+def add_vocab_ops(
+    schedule: Schedule,
+    costs: CostModel | StageCosts | None = None,
+    *,
+    policies: tuple[VocabPolicy, ...] | None = None,
+) -> Schedule:
+    """``schedule`` with every shard's S and T op of every microbatch placed into its programs.
+
+    Each policy of ``policies`` (:func:`default_policies` when None) gives one candidate; the fastest
+    (iteration time, then peak memory) whose activation memory respects ``costs.memory_limit`` is
+    returned, or the least hungry when none does (the validator then says by how much).
+    ``meta["vocab"]`` records the policy.  Raises :class:`ScheduleError` for a schedule that already
+    has S or T ops.
+    """
+    if schedule.vocab_shards:
+        raise ScheduleError(f"schedule {schedule.name!r} already has vocabulary ops (S, T)")
+    stage_costs = resolve_costs_for(schedule, costs)
+    best: tuple[tuple[bool, float, float], Schedule] | None = None
+    for policy in policies or default_policies(schedule.microbatches):
+        candidate = _interleave(schedule, stage_costs, policy)
+        timeline = simulate(candidate, stage_costs)
+        score = (not _within(timeline), timeline.iteration_time, max(timeline.peak_memory))
+        if best is None or score < best[0]:
+            best = (score, candidate)
+    assert best is not None
+    return best[1]
+
+
+#: The microbatches of vocabulary memory (``vocab_mem``) a memory budget sets aside per rank.
+RESERVED_MICROBATCHES = 2
+
+
+def vocab_budgets(costs: CostModel, num_ranks: int, *, budget_given: bool) -> tuple[CostModel, CostModel]:
+    """The costs to build the base schedule under, and those the vocabulary-parallel schedule must
+    respect.  A user's ``memory_limit`` (``budget_given``) is the whole budget: the base schedule
+    gets it less :data:`RESERVED_MICROBATCHES` microbatches of ``vocab_mem``.  A limit the schedule
+    defines itself (zb-1p's p·M_B) bounds the pipeline's own activations; the reserve comes on top.
+    """
+    if costs.memory_limit is None:
+        return costs, costs
+    limits = costs.memory_limit if isinstance(costs.memory_limit, tuple) else (costs.memory_limit,) * num_ranks
+    vocab_mem = costs.vocab_mem if isinstance(costs.vocab_mem, tuple) else (costs.vocab_mem,) * num_ranks
+    reserve = tuple(RESERVED_MICROBATCHES * mem for mem in vocab_mem)
+    if not budget_given:
+        return costs, costs.with_memory_limit(tuple(limit + r for limit, r in zip(limits, reserve)))
+    left = tuple(limit - r for limit, r in zip(limits, reserve))
+    if min(left) <= 0:
+        rank = left.index(min(left))
+        raise ScheduleError(
+            f"the memory limit {limits[rank]:g} of rank {rank} leaves nothing for the pipeline once the "
+            f"vocabulary-parallel output layer's {RESERVED_MICROBATCHES} microbatches "
+            f"({reserve[rank]:g}) are set aside; raise the limit"
+        )
+    return costs.with_memory_limit(left), costs
+
+
+def _within(timeline: Timeline) -> bool:
+    limits = timeline.costs.memory_limit
+    return all(within_limit(peak, limit) for peak, limit in zip(timeline.peak_memory, limits))
+
+
+class _Interleaving:
+    """One list-scheduling pass: the ranks advance in time order; a free rank runs the first of
+    its next S, its next own op and its next T (in the policy's priority) whose inputs are there."""
+
+    def __init__(self, schedule: Schedule, costs: StageCosts, policy: VocabPolicy):
+        self.schedule, self.costs, self.policy = schedule, costs, policy
+        p = schedule.num_ranks
+        self.rank_of = schedule.placement.stage_ranks
+        self.queues = [deque(program) for program in schedule.programs]
+        self.next_s, self.next_t = [0] * p, [0] * p
+        self.done: dict[tuple[Kind, int, int], float] = {}
+        self.programs: list[list[Op]] = [[] for _ in range(p)]
+
+    def candidates(self, rank: int) -> list[Op]:
+        """The ops ``rank`` may run next, highest priority first."""
+        m, policy = self.schedule.microbatches, self.policy
+        s, t = self.next_s[rank], self.next_t[rank]
+        vocab_s = [Op(Kind.S, rank, s)] if s < m and s - t < policy.outstanding else []
+        vocab_t = [Op(Kind.T, rank, t)] if t < s else []
+        own = [self.queues[rank][0]] if self.queues[rank] else []
+        forced = bool(vocab_t) and s - t >= policy.outstanding
+        return vocab_s + (vocab_t + own if policy.eager or forced else own + vocab_t)
+
+    def ready_time(self, op: Op) -> float:
+        """When ``op``'s inputs are all there (inf while one of them is not placed yet)."""
+        ready = 0.0
+        S, shards = self.schedule.num_stages, self.schedule.num_ranks
+        for role, stage, j, delay in timed_dependencies(op, S, self.rank_of, self.costs, shards):
+            finished = self.done.get((role, stage, j))
+            if finished is None:
+                return math.inf
+            ready = max(ready, finished + delay)
+        return ready
+
+    def run(self, rank: int, op: Op, start: float) -> float:
+        """Place ``op`` on ``rank`` at ``start``; its end."""
+        end = start + self.costs.duration(op)
+        for role in _PRODUCES.get(op.kind, (op.kind,)):
+            self.done[(role, op.stage, op.microbatch)] = end
+        self.programs[rank].append(op)
+        if op.kind is Kind.S:
+            self.next_s[rank] += 1
+        elif op.kind is Kind.T:
+            self.next_t[rank] += 1
+        else:
+            self.queues[rank].popleft()
+        return end
+
+
+def _interleave(schedule: Schedule, costs: StageCosts, policy: VocabPolicy) -> Schedule:
+    state = _Interleaving(schedule, costs, policy)
+    p = schedule.num_ranks
+    heap = [(0.0, rank, rank) for rank in range(p)]  # (time the rank decides, tie order, rank)
+    order, stalled = p, 0
+    while heap:
+        now, _, rank = heapq.heappop(heap)
+        options = state.candidates(rank)
+        if not options:
+            continue  # this rank is done
+        ready = [state.ready_time(op) for op in options]
+        chosen = next((op for op, at in zip(options, ready) if at <= now), None)
+        if chosen is not None:
+            stalled, order = 0, order + 1
+            heapq.heappush(heap, (state.run(rank, chosen, now), order, rank))
+            continue
+        later = [at for at in ready if at < math.inf] + [entry[0] for entry in heap if entry[0] > now]
+        stalled += 1
+        if not later and stalled > 2 * p:
+            raise ScheduleError(
+                f"cannot place the vocabulary ops into schedule {schedule.name!r}: rank {rank} waits "
+                f"for the inputs of {options[0]} forever (the schedule deadlocks; validate it first)"
+            )
+        order += 1
+        heapq.heappush(heap, (min(later) if later else now, order, rank))
+    meta = {**schedule.meta, "vocab": {"barriers": 1, "policy": policy.describe()}}
+    return Schedule(schedule.name, schedule.placement, schedule.microbatches, state.programs, meta)
+
+
+@dataclass(frozen=True)
+class HeadCosts:
+    """The output layer's costs (time in FLOPs / ``flops_per_time_unit``, memory in bytes), plain
+    (on the last stage, added to its F, B, W and M_B) or vocabulary-parallel (per shard)."""
+
+    plain_f: float
+    plain_b: float
+    plain_w: float
+    plain_mem: float
+    vocab_s: float
+    vocab_t: float
+    vocab_mem: float
+
+    def plain(self, costs: CostModel, num_ranks: int) -> CostModel:
+        """``costs`` (per rank-stage, one value or ``num_ranks``) with the head on the last stage."""
+
+        def plus(value: float | tuple[float, ...], extra: float) -> tuple[float, ...]:
+            values = list(value) if isinstance(value, tuple) else [value] * num_ranks
+            if len(values) != num_ranks:
+                raise ScheduleError(f"head_costs needs per-rank costs ({num_ranks} values), got {len(values)}")
+            values[-1] += extra
+            return tuple(values)
+
+        return costs.replace(
+            f=plus(costs.f, self.plain_f),  # type: ignore[arg-type]
+            b=plus(costs.b, self.plain_b),  # type: ignore[arg-type]
+            w=plus(costs.w, self.plain_w),  # type: ignore[arg-type]
+            mem_b=plus(costs.mem_b, self.plain_mem),  # type: ignore[arg-type]
+        )
+
+    def vocab(self, costs: CostModel, *, comm: float = 0.0) -> CostModel:
+        """``costs`` with the head's costs per shard (S, T, their memory, the collectives' latency)."""
+        return costs.replace(vocab_s=self.vocab_s, vocab_t=self.vocab_t, vocab_mem=self.vocab_mem, vocab_comm=comm)
+
+
+def head_costs(
+    *,
+    hidden: int,
+    vocab: int,
+    tokens: int,
+    shards: int,
+    flops_per_time_unit: float = 1.0,
+    logit_bytes: int = 4,
+    activation_bytes: int = 2,
+) -> HeadCosts:
+    """The output layer's costs for ``tokens`` tokens per microbatch (FLOP counts as the paper's).
+
+    Plain: F = 2·n·h·V (the logits; the softmax is ``O(n·V)`` and omitted), B = 2·n·h·V (the input
+    gradient), W = 2·n·h·V, and the forward keeps the logits (``logit_bytes`` each) for the backward.
+    Vocabulary-parallel, per shard of ``V/p`` rows: S = 4·n·h·V/p (the logits and their product with
+    the weight for the input gradient), T = 2·n·h·V/p (the weight gradient); S keeps its logits and
+    a copy of the hidden states (``activation_bytes`` each) until T.
+    """
+    for name, value in (("hidden", hidden), ("vocab", vocab), ("tokens", tokens), ("shards", shards)):
+        if value < 1:
+            raise ScheduleError(f"{name} must be at least 1, got {value}")
+    if vocab < shards:
+        raise ScheduleError(f"a vocabulary of {vocab} cannot be cut into {shards} shards (one row each at least)")
+    n, h, v = float(tokens), float(hidden), float(vocab)
+    unit = 1.0 / flops_per_time_unit
+    rows = math.ceil(vocab / shards)
+    return HeadCosts(
+        plain_f=2 * n * h * v * unit,
+        plain_b=2 * n * h * v * unit,
+        plain_w=2 * n * h * v * unit,
+        plain_mem=n * v * logit_bytes,
+        vocab_s=4 * n * h * rows * unit,
+        vocab_t=2 * n * h * rows * unit,
+        vocab_mem=n * rows * logit_bytes + n * h * activation_bytes,
+    )
+
+
+__all__ = [
+    "RESERVED_MICROBATCHES",
+    "HeadCosts",
+    "VocabPolicy",
+    "add_vocab_ops",
+    "default_policies",
+    "head_costs",
+    "vocab_budgets",
+]

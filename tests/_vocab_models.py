@@ -1,0 +1,187 @@
+"""A tiny GPT-like model with a vocabulary-parallel embedding and head, its unsharded reference, and the
+rank worker of tests/test_vocab_pipeline.py (module-level so spawned ranks can import it).
+
+Float64 throughout: the pipeline's loss and gradients must equal the unsharded model's to 1e-10.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerobubble.runtime.launch import init_distributed
+from zerobubble.runtime.vocab_layers import VocabParallelEmbedding, VocabParallelHead, shard_bounds
+
+WIDTH, SEQ = 6, 5
+
+
+class Block(nn.Module):
+    """Pre-norm causal mixing (a cumulative mean over the sequence) and an MLP: hidden in, hidden out."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mix = nn.Linear(WIDTH, WIDTH)
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, hidden):
+        mixed = self.mix(self.norm(hidden))
+        steps = torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype).view(1, -1, 1)
+        hidden = hidden + mixed.cumsum(1) / steps
+        return hidden + self.down(torch.tanh(self.up(hidden)))
+
+
+class FinalNorm(nn.Module):
+    """The last layer before the head (its output is what the head projects)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.norm = Block(), nn.LayerNorm(WIDTH)
+
+    def forward(self, hidden):
+        return self.norm(self.block(hidden))
+
+
+def model(seed: int, *, vocab: int, blocks: int = 4, tied: bool = False, softcap: float | None = None):
+    """``(embedding, layers, head)`` in float64: the embedding and head vocabulary-parallel layers."""
+    torch.manual_seed(seed)
+    embedding = VocabParallelEmbedding(vocab, WIDTH, dtype=torch.float64)
+    with torch.no_grad():
+        embedding.weight.mul_(0.5)
+    layers = [Block() for _ in range(blocks - 1)] + [FinalNorm()]
+    layers = [layer.double() for layer in layers]
+    weight = embedding.weight if tied else None
+    head = VocabParallelHead(weight if tied else WIDTH, None if tied else vocab, softcap=softcap, dtype=torch.float64)
+    if not tied:
+        with torch.no_grad():
+            head.weight.mul_(3.0)  # a wide spread of logits: the max rescaling matters
+    return embedding, layers, head
+
+
+def batch(size: int, vocab: int, seed: int, *, ignored: float = 0.0):
+    """Tokens and labels ``(size, SEQ)``; a share ``ignored`` of the labels is -100."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(vocab, (size, SEQ), generator=generator)
+    labels = torch.randint(vocab, (size, SEQ), generator=generator)
+    if ignored:
+        labels[torch.rand(size, SEQ, generator=generator) < ignored] = -100
+    return tokens, labels
+
+
+def reference(parts, tokens, labels, microbatches: int):
+    """The unsharded model's mean of per-microbatch losses and its gradients (plain autograd; the
+    gradients are left in ``parts``' parameters)."""
+    embedding, layers, head = parts
+    losses = []
+    for t, y in zip(tokens.chunk(microbatches), labels.chunk(microbatches)):
+        hidden = embedding(t)
+        for layer in layers:
+            hidden = layer(hidden)
+        losses.append(head(hidden, y))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    grads = {f"{i}.{n}": p.grad.clone() for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
+    grads["embedding"] = embedding.weight.grad.clone()
+    grads["head"] = head.weight.grad.clone() if head.weight is not embedding.weight else None
+    return loss.item(), grads
+
+
+def _error(actual, expected) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
+
+
+def vocab_cases(cases: list[dict]) -> list[dict]:
+    """Each case ``{schedule, microbatches, vocab, tied, softcap, ignored, steps}``: the errors of the
+    loss and of every gradient of this rank against the unsharded model (max over ``steps`` steps of
+    SGD, each step's reference from the same parameters)."""
+    init_distributed(backend="gloo", timeout=60)
+    from zerobubble import Pipeline
+
+    results: list[dict] = []
+    for index, case in enumerate(cases):
+        if "error" in case:
+            results.append({"error": _error_case(case)})
+            continue
+        vocab, m = case["vocab"], case["microbatches"]
+        parts = model(
+            index, vocab=vocab, blocks=case.get("blocks", 4), tied=case.get("tied", False), softcap=case.get("softcap")
+        )
+        reference_parts = copy.deepcopy(parts)
+        embedding, layers, head = parts
+        pipe = Pipeline(
+            layers, schedule=case["schedule"], microbatches=m, head=head, embedding=embedding, timeout=60
+        )
+        worst = {"loss": 0.0, "grads": 0.0}
+        for step in range(case.get("steps", 1)):
+            tokens, labels = batch(2 * m, vocab, seed=100 * index + step, ignored=case.get("ignored", 0.0))
+            expected_loss, expected = reference(reference_parts, tokens, labels, m)
+            loss = pipe.step(tokens, labels)
+            if loss is not None:
+                worst["loss"] = max(worst["loss"], abs(loss.item() - expected_loss) / abs(expected_loss))
+            worst["grads"] = max(worst["grads"], _worst_grad(pipe, expected, layers))
+            _sgd_step(pipe, reference_parts)
+        results.append(worst)
+    return results
+
+
+def _error_case(case: dict) -> str:
+    """The message of the PipelineError a bad call raises on this rank (``case["error"]`` names it)."""
+    from zerobubble import Pipeline
+    from zerobubble.runtime import PipelineError
+
+    vocab = case["vocab"]
+    embedding, layers, head = model(0, vocab=vocab)
+    try:
+        pipe = Pipeline(layers, schedule="1f1b", microbatches=2, head=head, embedding=embedding, timeout=60)
+    except PipelineError as error:
+        return str(error)
+    tokens, labels = batch(4, vocab, seed=0)
+    if case["error"] == "label":
+        labels[1, 2] = vocab + 3
+    elif case["error"] == "token":
+        tokens[0, 0] = -1
+    try:
+        pipe.step(tokens, labels)
+        message = "no error"
+    except PipelineError as error:
+        message = str(error)
+    tokens, labels = batch(4, vocab, seed=1)
+    pipe.step(tokens, labels)  # the pipeline stays usable after the refused call
+    return message + "; the next step ran"
+
+
+def _worst_grad(pipe, expected, layers) -> float:
+    errors = []
+    for stage in pipe.stages:
+        lo, hi = pipe.layer_bounds[stage], pipe.layer_bounds[stage + 1]
+        for i in range(lo, hi):
+            for n, p in layers[i].named_parameters():
+                errors.append(_error(p.grad, expected[f"{i}.{n}"]))
+    head, embedding = pipe.module.vocab_head, pipe.module.vocab_embedding
+    rows = slice(embedding.vocab_start, embedding.vocab_stop)
+    errors.append(_error(embedding.weight.grad, expected["embedding"][rows]))  # tied: both uses
+    if head.weight is not embedding.weight:
+        errors.append(_error(head.weight.grad, expected["head"][head.vocab_start : head.vocab_stop]))
+    return max(errors)
+
+
+def _sgd_step(pipe, reference_parts, lr: float = 0.1) -> None:
+    """The same SGD step on the pipeline's shards and on the reference, gradients then cleared."""
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p -= lr * p.grad
+        embedding, layers, head = reference_parts
+        for p in {id(p): p for p in [*embedding.parameters(), *head.parameters()] + [
+            q for layer in layers for q in layer.parameters()
+        ]}.values():
+            if p.grad is not None:
+                p -= lr * p.grad
+    pipe.zero_grad()
+    for module in (*reference_parts[1], reference_parts[0], reference_parts[2]):
+        module.zero_grad(set_to_none=True)
+
+
+__all__ = ["F", "batch", "model", "reference", "shard_bounds", "vocab_cases"]
