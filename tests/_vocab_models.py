@@ -54,7 +54,9 @@ def model(seed: int, *, vocab: int, blocks: int = 4, tied: bool = False, softcap
     layers = [Block() for _ in range(blocks - 1)] + [FinalNorm()]
     layers = [layer.double() for layer in layers]
     weight = embedding.weight if tied else None
-    head = VocabParallelHead(weight if tied else WIDTH, None if tied else vocab, softcap=softcap, dtype=torch.float64)
+    head = VocabParallelHead(
+        weight if tied else WIDTH, None if tied else vocab, softcap=softcap, dtype=torch.float64
+    )
     if not tied:
         with torch.no_grad():
             head.weight.mul_(3.0)  # a wide spread of logits: the max rescaling matters
@@ -83,7 +85,9 @@ def reference(parts, tokens, labels, microbatches: int):
         losses.append(head(hidden, y))
     loss = torch.stack(losses).mean()
     loss.backward()
-    grads = {f"{i}.{n}": p.grad.clone() for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
+    grads = {
+        f"{i}.{n}": p.grad.clone() for i, layer in enumerate(layers) for n, p in layer.named_parameters()
+    }
     grads["embedding"] = embedding.weight.grad.clone()
     grads["head"] = head.weight.grad.clone() if head.weight is not embedding.weight else None
     return loss.item(), grads
@@ -107,7 +111,11 @@ def vocab_cases(cases: list[dict]) -> list[dict]:
             continue
         vocab, m = case["vocab"], case["microbatches"]
         parts = model(
-            index, vocab=vocab, blocks=case.get("blocks", 4), tied=case.get("tied", False), softcap=case.get("softcap")
+            index,
+            vocab=vocab,
+            blocks=case.get("blocks", 4),
+            tied=case.get("tied", False),
+            softcap=case.get("softcap"),
         )
         reference_parts = copy.deepcopy(parts)
         embedding, layers, head = parts
@@ -174,9 +182,11 @@ def _sgd_step(pipe, reference_parts, lr: float = 0.1) -> None:
         for p in pipe.parameters():
             p -= lr * p.grad
         embedding, layers, head = reference_parts
-        for p in {id(p): p for p in [*embedding.parameters(), *head.parameters()] + [
-            q for layer in layers for q in layer.parameters()
-        ]}.values():
+        for p in {
+            id(p): p
+            for p in [*embedding.parameters(), *head.parameters()]
+            + [q for layer in layers for q in layer.parameters()]
+        }.values():
             if p.grad is not None:
                 p -= lr * p.grad
     pipe.zero_grad()

@@ -5,6 +5,7 @@ several steps; bad labels and tokens raise on every rank and leave the pipeline 
 from __future__ import annotations
 
 import pytest
+
 from _dist import RUNTIME_SCHEDULES, run_ranks
 from _vocab_models import vocab_cases
 
@@ -14,7 +15,15 @@ TOLERANCE = 1e-10
 
 TWO_RANKS = [
     *({"schedule": name, "microbatches": 4, "vocab": 13, "steps": 2} for name in RUNTIME_SCHEDULES),
-    {"schedule": "zb-v", "microbatches": 4, "vocab": 13, "tied": True, "softcap": 2.0, "ignored": 0.3, "steps": 2},
+    {
+        "schedule": "zb-v",
+        "microbatches": 4,
+        "vocab": 13,
+        "tied": True,
+        "softcap": 2.0,
+        "ignored": 0.3,
+        "steps": 2,
+    },
     {"schedule": "zb-h1", "microbatches": 3, "vocab": 2, "tied": True, "steps": 1},  # one row per shard
     {"error": "label", "vocab": 13},
     {"error": "token", "vocab": 13},
@@ -24,7 +33,15 @@ FOUR_RANKS = [
     {"schedule": name, "microbatches": 8, "vocab": 23, "blocks": 8, "steps": 2}
     for name in ("1f1b", "zb-h1", "zb-2p", "zb-v", "v-half")
 ] + [
-    {"schedule": "zb-v", "microbatches": 5, "vocab": 10, "blocks": 8, "tied": True, "ignored": 0.4, "steps": 1},
+    {
+        "schedule": "zb-v",
+        "microbatches": 5,
+        "vocab": 10,
+        "blocks": 8,
+        "tied": True,
+        "ignored": 0.4,
+        "steps": 1,
+    },
 ]
 
 
@@ -41,13 +58,19 @@ def four_ranks():
 @pytest.mark.parametrize("index", range(len(TWO_RANKS) - 3), ids=lambda i: str(TWO_RANKS[i].get("schedule")))
 def test_two_ranks_match_the_unsharded_model(two_ranks, index):
     for rank, results in enumerate(two_ranks):
-        assert results[index]["loss"] <= TOLERANCE and results[index]["grads"] <= TOLERANCE, (rank, results[index])
+        assert results[index]["loss"] <= TOLERANCE and results[index]["grads"] <= TOLERANCE, (
+            rank,
+            results[index],
+        )
 
 
 @pytest.mark.parametrize("index", range(len(FOUR_RANKS)), ids=lambda i: FOUR_RANKS[i]["schedule"])
 def test_four_ranks_match_the_unsharded_model(four_ranks, index):
     for rank, results in enumerate(four_ranks):
-        assert results[index]["loss"] <= TOLERANCE and results[index]["grads"] <= TOLERANCE, (rank, results[index])
+        assert results[index]["loss"] <= TOLERANCE and results[index]["grads"] <= TOLERANCE, (
+            rank,
+            results[index],
+        )
 
 
 def _messages(two_ranks, kind: str) -> list[str]:

@@ -31,8 +31,8 @@ from . import PipelineError, ranges
 from .comm import Comm
 from .failures import PeerFailure
 from .recorder import Recorder
-from .vocab import VocabRunner
 from .tensors import is_dtensor
+from .vocab import VocabRunner
 from .wgrad import WeightGradStore
 from .wgrad.verify import SplitGuard
 
@@ -241,7 +241,10 @@ class Executor:
                         handler(state, microbatch)
             op = None
             if vocab is not None:
-                if vocab.head is not None and self._placement.rank_of(self.schedule.num_stages - 1) == self.rank:
+                if (
+                    vocab.head is not None
+                    and self._placement.rank_of(self.schedule.num_stages - 1) == self.rank
+                ):
                     for j, loss in vocab.forward_losses():
                         self._record_loss(loss, j)
                 vocab.finish_step()

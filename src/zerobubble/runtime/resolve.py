@@ -98,7 +98,9 @@ def resolve(
     """
     loss = checked_loss_fn(loss_fn) if not vocab_parallel else _head_loss
     size = pipeline_size_of(ranks, data_parallel)
-    built, timeline = resolve_schedule(schedule, size, microbatches, chunks, costs, vocab_parallel=vocab_parallel)
+    built, timeline = resolve_schedule(
+        schedule, size, microbatches, chunks, costs, vocab_parallel=vocab_parallel
+    )
     named = named_layers(layers)
     bounds = partition_bounds(len(named), built.num_stages, partition)
     return Resolution(

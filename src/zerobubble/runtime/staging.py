@@ -147,7 +147,8 @@ def resolve_schedule(
                 built = add_vocab_ops(built, costs)
             if built.vocab_shards and not vocab_parallel:
                 raise PipelineError(
-                    f"schedule {built.name!r} has vocabulary-parallel ops (S, T): pass head=VocabParallelHead(...)"
+                    f"schedule {built.name!r} has vocabulary-parallel ops (S, T): pass "
+                    "head=VocabParallelHead(...)"
                 )
             if microbatches is not None and microbatches != built.microbatches:
                 raise PipelineError(

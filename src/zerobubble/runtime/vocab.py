@@ -169,7 +169,9 @@ class VocabRunner:
     def _post_hidden(self, j: int) -> None:
         if j < self.microbatches and j not in self._hidden and self.rank != self.last:
             head = self._head()
-            buffer = torch.empty(self._labels[j].numel(), head.dim, dtype=head.weight.dtype, device=self.device)
+            buffer = torch.empty(
+                self._labels[j].numel(), head.dim, dtype=head.weight.dtype, device=self.device
+            )
             work = dist.broadcast(buffer, group_src=self.last, group=self.groups.hidden, async_op=True)
             self._hidden[j] = (buffer, work)
 
@@ -188,7 +190,11 @@ class VocabRunner:
         stats_work = dist.all_gather(stats, partials.stats, group=self.groups.reduce, async_op=True)
         shard = _Shard(hidden, partials.logits, stats, stats_work, uses=1 + (self.rank == self.last))
         if self._training:
-            gathered = [torch.empty_like(partials.parts) for _ in range(self.size)] if self.rank == self.last else None
+            gathered = (
+                [torch.empty_like(partials.parts) for _ in range(self.size)]
+                if self.rank == self.last
+                else None
+            )
             shard.parts_work = dist.gather(
                 partials.parts, gathered, group_dst=self.last, group=self.groups.reduce, async_op=True
             )
@@ -200,7 +206,9 @@ class VocabRunner:
         if shard.totals is None:
             shard.stats_work.wait()
             head = self._head()
-            shard.totals = head_totals(torch.stack(shard.stats), self._labels[j], ignore_index=head.ignore_index)
+            shard.totals = head_totals(
+                torch.stack(shard.stats), self._labels[j], ignore_index=head.ignore_index
+            )
         return shard.totals
 
     def weight_grad(self, _: Any, j: int) -> None:
@@ -319,7 +327,9 @@ def check_vocab_call(
     if embedding is not None:
         tokens = [x[0] for x in inputs]
         if any(t.is_floating_point() for t in tokens):
-            raise PipelineError("the vocabulary-parallel embedding takes integer token ids as the first input")
+            raise PipelineError(
+                "the vocabulary-parallel embedding takes integer token ids as the first input"
+            )
         bad = next((t for t in tokens if bool(((t < 0) | (t >= embedding.vocab_size)).any())), None)
         if bad is not None:
             value = bad[(bad < 0) | (bad >= embedding.vocab_size)].reshape(-1)[0].item()

@@ -302,7 +302,7 @@ def _compile(
     """
     S, m, p = schedule.num_stages, schedule.microbatches, schedule.num_ranks
     rank_of, shards = schedule.placement.stage_ranks, schedule.vocab_shards
-    templates = [
+    templates: list[Any] = [
         _template(Op(kind, stage, 0), S, m, rank_of, costs, shards)
         if not (kind is Kind.S or kind is Kind.T) or stage < p
         else None  # a shard that does not exist: encode_programs refuses such an op before this

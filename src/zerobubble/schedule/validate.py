@@ -10,6 +10,7 @@ collectives in one order on every rank: S ops, and the last stage's forwards, in
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 from .costs import CostModel, StageCosts, within_limit
@@ -144,7 +145,7 @@ class _OpTable:
         for rank, program in enumerate(schedule.programs):
             for kind, stage in ((Kind.S, rank), (Kind.F, last)):
                 order = [op for op in program if op.kind is kind and op.stage == stage]
-                for before, after in zip(order, order[1:]):
+                for before, after in itertools.pairwise(order):
                     if after.microbatch < before.microbatch:
                         raise ValidationError(
                             f"rank {rank}: {after} comes after {before}; a vocabulary-parallel schedule "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .costs import CostModel, StageCosts, within_limit
@@ -88,8 +89,7 @@ def vocab_budgets(costs: CostModel, num_ranks: int, *, budget_given: bool) -> tu
     """
     if costs.memory_limit is None:
         return costs, costs
-    limits = costs.memory_limit if isinstance(costs.memory_limit, tuple) else (costs.memory_limit,) * num_ranks
-    vocab_mem = costs.vocab_mem if isinstance(costs.vocab_mem, tuple) else (costs.vocab_mem,) * num_ranks
+    limits, vocab_mem = _per_rank(costs.memory_limit, num_ranks), _per_rank(costs.vocab_mem, num_ranks)
     reserve = tuple(RESERVED_MICROBATCHES * mem for mem in vocab_mem)
     if not budget_given:
         return costs, costs.with_memory_limit(tuple(limit + r for limit, r in zip(limits, reserve)))
@@ -102,6 +102,10 @@ def vocab_budgets(costs: CostModel, num_ranks: int, *, budget_given: bool) -> tu
             f"({reserve[rank]:g}) are set aside; raise the limit"
         )
     return costs.with_memory_limit(left), costs
+
+
+def _per_rank(value: float | Sequence[float], num_ranks: int) -> tuple[float, ...]:
+    return tuple(float(v) for v in value) if isinstance(value, Sequence) else (float(value),) * num_ranks
 
 
 def _within(timeline: Timeline) -> bool:
@@ -206,7 +210,9 @@ class HeadCosts:
         def plus(value: float | tuple[float, ...], extra: float) -> tuple[float, ...]:
             values = list(value) if isinstance(value, tuple) else [value] * num_ranks
             if len(values) != num_ranks:
-                raise ScheduleError(f"head_costs needs per-rank costs ({num_ranks} values), got {len(values)}")
+                raise ScheduleError(
+                    f"head_costs needs per-rank costs ({num_ranks} values), got {len(values)}"
+                )
             values[-1] += extra
             return tuple(values)
 
@@ -219,7 +225,9 @@ class HeadCosts:
 
     def vocab(self, costs: CostModel, *, comm: float = 0.0) -> CostModel:
         """``costs`` with the head's costs per shard (S, T, their memory, the collectives' latency)."""
-        return costs.replace(vocab_s=self.vocab_s, vocab_t=self.vocab_t, vocab_mem=self.vocab_mem, vocab_comm=comm)
+        return costs.replace(
+            vocab_s=self.vocab_s, vocab_t=self.vocab_t, vocab_mem=self.vocab_mem, vocab_comm=comm
+        )
 
 
 def head_costs(
@@ -244,7 +252,9 @@ def head_costs(
         if value < 1:
             raise ScheduleError(f"{name} must be at least 1, got {value}")
     if vocab < shards:
-        raise ScheduleError(f"a vocabulary of {vocab} cannot be cut into {shards} shards (one row each at least)")
+        raise ScheduleError(
+            f"a vocabulary of {vocab} cannot be cut into {shards} shards (one row each at least)"
+        )
     n, h, v = float(tokens), float(hidden), float(vocab)
     unit = 1.0 / flops_per_time_unit
     rows = math.ceil(vocab / shards)
