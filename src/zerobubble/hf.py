@@ -2,38 +2,38 @@
 
 :class:`~zerobubble.Pipeline` takes a list of layers, each called with the previous layer's output
 (a tuple is unpacked).  :func:`pipeline_layers` cuts a ``transformers`` causal LM into such a list
-without copying or renaming a weight: an embedding, one layer per decoder block and a head, computing
-what the model's own ``forward`` computes (``docs/transformers.md`` lists the families and the
-contract an adapter for another architecture follows).
+without copying a weight: an embedding, one layer per decoder block and a head, computing what the
+model's ``forward`` computes (``docs/transformers.md``: the families, and how to write an adapter).
+Between layers travel the hidden states, and for rotary families the tables ``(cos, sin)`` the
+embedding computes once.  Each decoder layer rebuilds its causal (or sliding-window) mask and the
+position ids from the hidden states' shape with ``transformers``' own mask helpers, so every
+attention implementation gets the model's mask and no ``seq × seq`` tensor crosses a stage.
 
-What travels between layers is a tuple of tensors: the hidden states, and for rotary-position
-families the rotary tables ``(cos, sin)`` the embedding computes once, as the model does.  Each
-decoder layer rebuilds its causal attention mask — sliding-window for the blocks whose attention is
-windowed — and the position ids from the hidden states' shape with ``transformers``' own mask
-helpers, so every attention implementation (eager, sdpa, …) gets the mask the model would give it
-and no ``seq × seq`` tensor crosses a stage boundary.
+Padded batches: the layers take ``attention_mask`` (2-D, 1 = keep) and ``position_ids`` as keyword
+arguments (``Pipeline.step(input_ids, targets=labels, attention_mask=mask)``), used as the model
+uses them (OPT's positions and Falcon's ALiBi follow the mask; position ids without a mask mark
+packed sequences where the family detects them).  No KV cache.  A tied head keeps its Parameter
+shared with the token embedding, across ranks too.
 
-Padded batches: the embedding and every decoder layer take ``attention_mask`` (the 2-D padding mask
-of the tokenizer, 1 = keep) and ``position_ids`` (``(batch, seq)``) as keyword arguments, which
-``Pipeline.step(input_ids, targets=labels, attention_mask=mask)`` hands each of them for its
-microbatch.  They are used as the model's ``forward`` uses them: the padding mask is combined with
-the causal (and sliding-window) mask by the same helpers, OPT derives its positions from the mask
-and Falcon its ALiBi bias, and position ids given without a mask mark packed sequences to the
-families whose ``forward`` detects them.  No KV cache.
-
-A tied head (``tie_word_embeddings``) keeps sharing its Parameter with the token embedding; the
-Pipeline keeps tied parameters tied across ranks.  ``transformers`` is imported only when a layer
-runs (the caller's model needs it anyway); nothing here downloads anything.
+``pipeline_layers(model, vocab_parallel=True)`` gives :class:`VocabParallelParts` instead: the token
+embedding and the head as the vocabulary-parallel layers ``Pipeline(layers, head=, embedding=)``
+shards over the ranks, and layers between them: the first takes the embedded tokens, the last
+returns the final-norm hidden states the head projects.  ``transformers`` is imported only when a
+layer runs; nothing here downloads anything.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .runtime import PipelineError
+from .runtime.vocab_layers import VocabParallelEmbedding, VocabParallelHead
 
 #: The section of the docs on writing an adapter for another architecture.
 ADAPTER_DOCS = "docs/transformers.md, section 'Writing an adapter for another architecture'"
@@ -97,11 +97,12 @@ def causal_mask(
 class RotaryEmbedding(nn.Module):
     """Token embedding and rotary tables of a rotary-position model: ``tokens → (hidden, cos, sin)``.
 
-    ``embed`` is the model's own embedding module (Gemma's scales by √hidden inside it);
+    ``embed`` is the model's own embedding module (Gemma's scales by √hidden inside it), or ``None``
+    for a layer that takes the embedded tokens ``(batch, seq, dim)`` instead (vocabulary-parallel);
     ``dropout`` the embedding dropout where the family has one (GPT-NeoX).
     """
 
-    def __init__(self, embed: nn.Module, rotary: nn.Module, *, dropout: nn.Module | None = None):
+    def __init__(self, embed: nn.Module | None, rotary: nn.Module, *, dropout: nn.Module | None = None):
         super().__init__()
         self.embed_tokens, self.rotary_emb = embed, rotary  # the names llama_layers always gave them
         self.dropout = dropout if dropout is not None else nn.Identity()
@@ -109,29 +110,48 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden = self.dropout(self.embed_tokens(tokens))
+        embedded = tokens if self.embed_tokens is None else self.embed_tokens(tokens)
+        hidden = self.dropout(embedded)
         cos, sin = self.rotary_emb(hidden, _positions(tokens, position_ids))
         return hidden, cos, sin
 
+    def without_tokens(self) -> tuple[nn.Module | None, RotaryEmbedding]:
+        """``(token embedding, this layer taking the embedded tokens)``, sharing every module."""
+        return self.embed_tokens, RotaryEmbedding(None, self.rotary_emb, dropout=self.dropout)
+
 
 class GPT2Embedding(nn.Module):
-    """Token and position embeddings of a ``GPT2Model`` (its ``wte``, ``wpe`` and dropout)."""
+    """Token and position embeddings of a ``GPT2Model`` (its ``wte``, ``wpe`` and dropout).
 
-    def __init__(self, transformer: Any):
+    ``embedded``: without ``wte``, taking the embedded tokens ``(batch, seq, dim)`` instead.
+    """
+
+    def __init__(self, transformer: Any, *, embedded: bool = False):
         super().__init__()
-        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+        self.wte = None if embedded else transformer.wte
+        self.wpe, self.drop = transformer.wpe, transformer.drop
 
     def forward(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.drop(self.wte(tokens) + self.wpe(_positions(tokens, position_ids)))
+        embedded = tokens if self.wte is None else self.wte(tokens)
+        return self.drop(embedded + self.wpe(_positions(tokens, position_ids)))
+
+    def without_tokens(self) -> tuple[nn.Module | None, GPT2Embedding]:
+        """``(token embedding, this layer taking the embedded tokens)``, sharing every module."""
+        return self.wte, GPT2Embedding(self, embedded=True)
 
 
 class OPTEmbedding(nn.Module):
     """Token and learned position embeddings of an ``OPTDecoder``, with its ``project_in`` if any
-    (the positions counted along the padding mask, as ``OPTDecoder`` counts them)."""
+    (the positions counted along the padding mask, as ``OPTDecoder`` counts them).
 
-    def __init__(self, decoder: Any):
+    ``embedded``: without ``embed_tokens``, taking the embedded tokens ``(batch, seq, dim)`` instead
+    (before ``project_in``); the positions follow their first two dimensions.
+    """
+
+    def __init__(self, decoder: Any, *, embedded: bool = False):
         super().__init__()
-        self.embed_tokens, self.embed_positions = decoder.embed_tokens, decoder.embed_positions
+        self.embed_tokens = None if embedded else decoder.embed_tokens
+        self.embed_positions = decoder.embed_positions
         self.project_in = decoder.project_in if decoder.project_in is not None else nn.Identity()
 
     def forward(
@@ -142,8 +162,14 @@ class OPTEmbedding(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ids = position_ids if position_ids is not None else _opt_positions(attention_mask, tokens)
-        positions = self.embed_positions(torch.ones(tokens.shape, device=tokens.device), 0, position_ids=ids)
-        return self.project_in(self.embed_tokens(tokens)) + positions
+        shape = tokens.shape[:2]  # (batch, seq) of the tokens or of their embedding
+        positions = self.embed_positions(torch.ones(shape, device=tokens.device), 0, position_ids=ids)
+        embedded = tokens if self.embed_tokens is None else self.embed_tokens(tokens)
+        return self.project_in(embedded) + positions
+
+    def without_tokens(self) -> tuple[nn.Module | None, OPTEmbedding]:
+        """``(token embedding, this layer taking the embedded tokens)``, sharing every module."""
+        return self.embed_tokens, OPTEmbedding(self, embedded=True)
 
 
 # -- decoder layers ---------------------------------------------------------------------------------
@@ -287,7 +313,20 @@ def falcon_mask(
 # -- head -------------------------------------------------------------------------------------------
 
 
-class LMHead(nn.Module):
+class FinalNorm(nn.Module):
+    """The final norm (and OPT's ``project_out``) of a vocabulary-parallel cut: ``hidden → hidden``,
+    the states the vocabulary-parallel head projects; extra inputs (the rotary tables) are dropped."""
+
+    def __init__(self, norm: nn.Module | None, *, project: nn.Module | None = None):
+        super().__init__()
+        self.norm = norm if norm is not None else nn.Identity()
+        self.project = project if project is not None else nn.Identity()
+
+    def forward(self, hidden: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        return self.project(self.norm(hidden))
+
+
+class LMHead(FinalNorm):
     """Final norm and vocabulary projection; extra inputs (the rotary tables) are dropped.
 
     ``project`` is OPT's ``project_out`` (applied between the norm and the head); ``softcap`` the
@@ -302,13 +341,11 @@ class LMHead(nn.Module):
         project: nn.Module | None = None,
         softcap: float | None = None,
     ):
-        super().__init__()
-        self.norm = norm if norm is not None else nn.Identity()
-        self.project = project if project is not None else nn.Identity()
+        super().__init__(norm, project=project)
         self.head, self.softcap = head, softcap
 
     def forward(self, hidden: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.project(self.norm(hidden)))
+        logits = self.head(super().forward(hidden))
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -397,14 +434,40 @@ ADAPTERS: dict[str, Callable[[Any], list[nn.Module]]] = {
 }
 
 
-def pipeline_layers(model: Any) -> list[nn.Module]:
+class VocabParallelParts(NamedTuple):
+    """A causal LM cut for ``Pipeline(layers, head=head, embedding=embedding)``
+    (:func:`pipeline_layers` with ``vocab_parallel=True``), every Parameter the model's own.
+
+    ``embedding``: the token embedding (its scale too: Gemma's √hidden); ``layers``: the layer
+    taking the embedded tokens, one per decoder block, and :class:`FinalNorm`; ``head``: the output
+    projection (Gemma 2's soft-capping too), holding the embedding's Parameter when they are tied.
+    """
+
+    embedding: VocabParallelEmbedding
+    layers: list[nn.Module]
+    head: VocabParallelHead
+
+
+@overload
+def pipeline_layers(model: Any, *, vocab_parallel: Literal[False] = False) -> list[nn.Module]: ...
+@overload
+def pipeline_layers(model: Any, *, vocab_parallel: Literal[True]) -> VocabParallelParts: ...
+@overload
+def pipeline_layers(model: Any, *, vocab_parallel: bool) -> list[nn.Module] | VocabParallelParts: ...
+
+
+def pipeline_layers(model: Any, *, vocab_parallel: bool = False) -> list[nn.Module] | VocabParallelParts:
     """A ``transformers`` causal LM → ``[embedding, one layer per decoder block, head]`` for
     :class:`~zerobubble.Pipeline`, chosen by ``model.config.model_type`` (see :data:`ADAPTERS`).
 
     The layers share the model's parameters (nothing is copied) and compute its logits under any
     attention implementation, for padded batches too (pass ``attention_mask`` and ``position_ids``
-    to ``Pipeline.step`` as keyword arguments, as to the model).  Raises ``TypeError`` for an object
-    that is not a ``transformers`` causal LM and ``ValueError`` for an unsupported family.
+    to ``Pipeline.step`` as keyword arguments, as to the model).  ``vocab_parallel=True`` gives the
+    :class:`VocabParallelParts` of the vocabulary-parallel Pipeline instead (its head computes the
+    logits and the cross-entropy), for the model in the dtype it will train in (Gemma's embedding
+    scale is read in it).  Raises ``TypeError`` for an object that is not a ``transformers`` causal
+    LM and ``ValueError`` for an unsupported family (or one the vocabulary-parallel layers cannot
+    reproduce: a head with a bias, an embedding other than a scaled lookup).
     """
     family = getattr(getattr(model, "config", None), "model_type", None)
     if not isinstance(family, str) or not isinstance(model, nn.Module):
@@ -424,4 +487,54 @@ def pipeline_layers(model: Any) -> list[nn.Module]:
             f"{type(model).__name__} has no language-model head: pass the ...ForCausalLM model "
             "(AutoModelForCausalLM), not its base model"
         )
-    return adapter(model)
+    layers = adapter(model)
+    return vocab_parallel_parts(layers, family) if vocab_parallel else layers
+
+
+def vocab_parallel_parts(layers: list[nn.Module], family: str) -> VocabParallelParts:
+    """The :class:`VocabParallelParts` of an adapter's ``layers`` (``family`` names it in errors):
+    the token embedding taken out of the first layer, the head's projection out of the last."""
+    first, last = layers[0], layers[-1]
+    if not isinstance(first, (RotaryEmbedding, GPT2Embedding, OPTEmbedding)) or not isinstance(last, LMHead):
+        raise ValueError(
+            f"the {family} layers ({type(first).__name__} … {type(last).__name__}) are not cut with "
+            "this module's embedding layers and LMHead: vocab_parallel needs them"
+        )
+    tokens, embedded = first.without_tokens()
+    embedding = _vocab_embedding(tokens, family)
+    if not isinstance(last.head, nn.Linear) or last.head.bias is not None:
+        what = "has a bias" if isinstance(last.head, nn.Linear) else f"is a {type(last.head).__name__}"
+        raise ValueError(
+            f"the {family} language-model head {what}: a vocabulary-parallel head is a Linear "
+            "without bias (use pipeline_layers(model) without vocab_parallel)"
+        )
+    head = VocabParallelHead.from_linear(last.head, softcap=last.softcap)
+    final = FinalNorm(last.norm, project=last.project)
+    return VocabParallelParts(embedding, [embedded, *layers[1:-1], final], head)
+
+
+def _vocab_embedding(module: nn.Module | None, family: str) -> VocabParallelEmbedding:
+    """``module`` as a :class:`VocabParallelEmbedding` with its ``embed_scale`` (Gemma's), in its
+    weight's dtype as the model multiplies; refused unless a probe lookup is reproduced exactly."""
+    if not isinstance(module, nn.Embedding):
+        raise ValueError(
+            f"the {family} token embedding is a {type(module).__name__}, not an nn.Embedding: "
+            "the vocabulary-parallel lookup cannot reproduce it"
+        )
+    scale = getattr(module, "embed_scale", None)
+    if isinstance(scale, torch.Tensor):
+        scale = float(scale.to(module.weight.dtype))
+    try:
+        embedding = VocabParallelEmbedding.from_embedding(module, scale=scale)
+    except PipelineError as error:
+        raise ValueError(f"the {family} token embedding: {error}") from error
+    if not module.weight.is_meta:
+        probe = torch.arange(min(module.num_embeddings, 8), device=module.weight.device)
+        with torch.no_grad():
+            expected, rows = module(probe), F.embedding(probe, module.weight)
+        if not torch.equal(expected, rows if scale is None else rows * scale):
+            raise ValueError(
+                f"the {family} token embedding ({type(module).__name__}) is not a lookup times a "
+                f"scale ({scale}): the vocabulary-parallel lookup cannot reproduce it"
+            )
+    return embedding

@@ -2,7 +2,7 @@
 
 Not part of the library (``zerobubble``).  One module per benchmark — :mod:`.pipelines`,
 :mod:`.wgrad`, :mod:`.split_models`, :mod:`.emulate`, :mod:`.schedulers`, :mod:`.plan`,
-:mod:`.memory` — over the shared models and runners of :mod:`.workloads` and the result
+:mod:`.memory`, :mod:`.vocab` — over the shared models and runners of :mod:`.workloads` and the result
 :class:`~.tables.Table` of :mod:`.tables`.  Every benchmark measures its configurations side by
 side in one run and reports medians and ratios.
 
@@ -42,7 +42,7 @@ class Benchmark:
 
 # the modules that declare a ``BENCHMARK``, in ``zerobubble bench --help`` order; each command is
 # named after its module
-COMMANDS = ("pipelines", "schedulers", "plan", "wgrad", "emulate", "fsdp")
+COMMANDS = ("pipelines", "schedulers", "plan", "wgrad", "emulate", "fsdp", "vocab")
 
 
 def benchmarks() -> list[Benchmark]:

@@ -151,6 +151,15 @@ class VocabRunner:
         self._shards.clear()
         self._embedded, self._embedding_grads = [], {}
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every activation this rank's shard keeps now (for :class:`~.memory.ActivationMeter`)."""
+        held = [buffer for buffer, _ in self._hidden.values()]
+        for shard in self._shards.values():
+            held += [shard.hidden, shard.logits, *shard.stats, *shard.parts]
+            held += [shard.sent] if shard.sent is not None else []
+        held += [part for part, _ in self._embedded] + list(self._embedding_grads.values())
+        return held
+
     # -- the output layer ----------------------------------------------------------------------------
 
     def hidden_ready(self, j: int, hidden: torch.Tensor) -> None:

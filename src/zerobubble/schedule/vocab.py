@@ -17,6 +17,7 @@ layer, plain or vocabulary-parallel, from its sizes (``docs/schedulers.md``, "Vo
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -31,22 +32,46 @@ _PRODUCES = {Kind.F: (Kind.F,), Kind.B: (Kind.B,), Kind.W: (Kind.W,), Kind.BW: (
 
 @dataclass(frozen=True)
 class VocabPolicy:
-    """How :func:`add_vocab_ops` places the T ops: at most ``outstanding`` microbatches between a
-    rank's S and its T (the logits a rank holds), and ``eager`` T before the rank's own next op
-    (else T runs only where the rank would idle, or when the bound forces it)."""
+    """How :func:`add_vocab_ops` places the vocabulary ops: at most ``outstanding`` microbatches
+    between a rank's S and its T (the logits a rank holds); ``eager`` T before the rank's own next
+    op (else T runs only where the rank would idle, or when the bound forces it); and ``lookahead``
+    forwards a rank may run ahead of its program while its next op waits (the last stage's backward
+    waits for the reduction: one more forward in flight hides it, as a deeper warm-up would); and
+    ``patience``: a rank whose S input arrives within that fraction of its next op's duration waits
+    for it instead of starting the op (every shard's S is on the last stage's critical path)."""
 
     outstanding: int
     eager: bool
+    lookahead: int = 0
+    patience: float = 0.0
 
     def describe(self) -> str:
         """The policy in words, for ``meta["vocab"]``."""
-        return f"{'eager' if self.eager else 'idle-filling'} T, at most {self.outstanding} outstanding"
+        ahead = f", {self.lookahead} forward(s) ahead" if self.lookahead else ""
+        wait = f", waits up to {self.patience:g}× an op for its S" if self.patience else ""
+        return f"{'eager' if self.eager else 'idle-filling'} T, at most {self.outstanding} outstanding{ahead}{wait}"
+
+
+#: How many of a rank's next program entries :class:`VocabPolicy.lookahead` looks through for a forward.
+LOOKAHEAD_WINDOW = 4
 
 
 def default_policies(microbatches: int) -> tuple[VocabPolicy, ...]:
-    """The policies :func:`add_vocab_ops` tries: bounds 1, 2, 4 and ``m``, eager or idle-filling."""
+    """The T placements :func:`add_vocab_ops` tries first: bounds 1, 2, 4 and ``m``, eager or
+    idle-filling T, with neither lookahead nor patience."""
     bounds = sorted({min(b, microbatches) for b in (1, 2, 4, microbatches)})
     return tuple(VocabPolicy(bound, eager) for bound in bounds for eager in (False, True))
+
+
+def refined_policies(policy: VocabPolicy) -> tuple[VocabPolicy, ...]:
+    """``policy``'s T placement with zero to two forwards ahead and patience 0, ½ or 1 (the second
+    round of :func:`add_vocab_ops`, around the first round's choice)."""
+    return tuple(
+        VocabPolicy(policy.outstanding, policy.eager, ahead, patience)
+        for ahead in (0, 1, 2)
+        for patience in (0.0, 0.5, 1.0)
+        if ahead or patience
+    )
 
 
 def add_vocab_ops(
@@ -57,24 +82,44 @@ def add_vocab_ops(
 ) -> Schedule:
     """``schedule`` with every shard's S and T op of every microbatch placed into its programs.
 
-    Each policy of ``policies`` (:func:`default_policies` when None) gives one candidate; the fastest
-    (iteration time, then peak memory) whose activation memory respects ``costs.memory_limit`` is
-    returned, or the least hungry when none does (the validator then says by how much).
+    Each policy of ``policies`` gives one candidate; by default the T placements of
+    :func:`default_policies`, then :func:`refined_policies` around the best of them.  Among
+    those whose activation memory respects ``costs.memory_limit`` and whose largest rank peak is
+    within :data:`MEMORY_SLACK` of the lowest any candidate reaches, the fastest is returned: a
+    shard's logits weigh as much on the last stage's rank as on the others, so the policy that
+    keeps fewer of them costs little time and keeps the ranks' memory even.  With no candidate
+    within the limit, the least hungry is returned (the validator then says by how much).
     ``meta["vocab"]`` records the policy.  Raises :class:`ScheduleError` for a schedule that already
     has S or T ops.
     """
     if schedule.vocab_shards:
         raise ScheduleError(f"schedule {schedule.name!r} already has vocabulary ops (S, T)")
     stage_costs = resolve_costs_for(schedule, costs)
-    best: tuple[tuple[bool, float, float], Schedule] | None = None
-    for policy in policies or default_policies(schedule.microbatches):
-        candidate = _interleave(schedule, stage_costs, policy)
-        timeline = simulate(candidate, stage_costs)
-        score = (not _within(timeline), timeline.iteration_time, max(timeline.peak_memory))
-        if best is None or score < best[0]:
-            best = (score, candidate)
-    assert best is not None
-    return best[1]
+    rounds = [policies] if policies else [default_policies(schedule.microbatches), None]
+    scored: list[tuple[Timeline, Schedule, VocabPolicy]] = []
+    for tried in rounds:
+        chosen = _choose(scored)[2] if scored else None
+        for policy in tried if tried is not None else refined_policies(chosen):  # type: ignore[arg-type]
+            candidate = _interleave(schedule, stage_costs, policy)
+            scored.append((simulate(candidate, stage_costs), candidate, policy))
+    return _choose(scored)[1]
+
+
+def _choose(
+    scored: Sequence[tuple[Timeline, Schedule, VocabPolicy]],
+) -> tuple[Timeline, Schedule, VocabPolicy]:
+    """The fastest within the memory limit and :data:`MEMORY_SLACK` of the lowest peak (else the
+    least hungry)."""
+    fitting = [entry for entry in scored if _within(entry[0])]
+    if not fitting:
+        return min(scored, key=lambda entry: max(entry[0].peak_memory))
+    lowest = min(max(entry[0].peak_memory) for entry in fitting)
+    even = [entry for entry in fitting if max(entry[0].peak_memory) <= lowest * MEMORY_SLACK + 1e-12]
+    return min(even, key=lambda entry: entry[0].iteration_time)
+
+
+#: How far above the lowest largest-rank peak of the candidates :func:`add_vocab_ops` may go for speed.
+MEMORY_SLACK = 1.15
 
 
 #: The microbatches of vocabulary memory (``vocab_mem``) a memory budget sets aside per rank.
@@ -122,7 +167,7 @@ class _Interleaving:
         p = schedule.num_ranks
         self.rank_of = schedule.placement.stage_ranks
         self.queues = [deque(program) for program in schedule.programs]
-        self.next_s, self.next_t = [0] * p, [0] * p
+        self.next_s, self.next_t, self.early = [0] * p, [0] * p, [0] * p
         self.done: dict[tuple[Kind, int, int], float] = {}
         self.programs: list[list[Op]] = [[] for _ in range(p)]
 
@@ -132,7 +177,11 @@ class _Interleaving:
         s, t = self.next_s[rank], self.next_t[rank]
         vocab_s = [Op(Kind.S, rank, s)] if s < m and s - t < policy.outstanding else []
         vocab_t = [Op(Kind.T, rank, t)] if t < s else []
-        own = [self.queues[rank][0]] if self.queues[rank] else []
+        queue = self.queues[rank]
+        own = [queue[0]] if queue else []
+        if self.early[rank] < policy.lookahead:
+            window = itertools.islice(queue, 1, 1 + LOOKAHEAD_WINDOW)
+            own += [next((op for op in window if op.kind is Kind.F), own[0])] if own else []
         forced = bool(vocab_t) and s - t >= policy.outstanding
         return vocab_s + (vocab_t + own if policy.eager or forced else own + vocab_t)
 
@@ -157,8 +206,11 @@ class _Interleaving:
             self.next_s[rank] += 1
         elif op.kind is Kind.T:
             self.next_t[rank] += 1
-        else:
+        elif self.queues[rank][0] == op:
             self.queues[rank].popleft()
+        else:  # a forward run ahead of its place
+            self.queues[rank].remove(op)
+            self.early[rank] += 1
         return end
 
 
@@ -166,7 +218,8 @@ def _interleave(schedule: Schedule, costs: StageCosts, policy: VocabPolicy) -> S
     state = _Interleaving(schedule, costs, policy)
     p = schedule.num_ranks
     heap = [(0.0, rank, rank) for rank in range(p)]  # (time the rank decides, tie order, rank)
-    order, stalled = p, 0
+    order, stalled, stalled_at = p, 0, -1.0
+    deferred: set[tuple[int, float]] = set()
     while heap:
         now, _, rank = heapq.heappop(heap)
         options = state.candidates(rank)
@@ -174,13 +227,22 @@ def _interleave(schedule: Schedule, costs: StageCosts, policy: VocabPolicy) -> S
             continue  # this rank is done
         ready = [state.ready_time(op) for op in options]
         chosen = next((op for op, at in zip(options, ready) if at <= now), None)
+        if chosen is not None and policy.patience and options[0].kind is Kind.S and chosen is not options[0]:
+            if ready[0] == math.inf and (rank, now) not in deferred and any(e[0] == now for e in heap):
+                deferred.add((rank, now))  # a peer deciding at this instant may start the hidden states
+                order += 1
+                heapq.heappush(heap, (now, order, rank))
+                continue
+            if ready[0] - now <= policy.patience * costs.duration(chosen):
+                chosen = None  # wait for the S input rather than delay every shard's reduction
         if chosen is not None:
             stalled, order = 0, order + 1
             heapq.heappush(heap, (state.run(rank, chosen, now), order, rank))
             continue
-        later = [at for at in ready if at < math.inf] + [entry[0] for entry in heap if entry[0] > now]
-        stalled += 1
-        if not later and stalled > 2 * p:
+        later = [at for at in ready if now < at < math.inf] + [entry[0] for entry in heap if entry[0] > now]
+        stalled = stalled + 1 if stalled_at == now else 1
+        stalled_at = now
+        if not later and stalled > 4 * p:  # every rank waits at this instant for what none will do
             raise ScheduleError(
                 f"cannot place the vocabulary ops into schedule {schedule.name!r}: rank {rank} waits "
                 f"for the inputs of {options[0]} forever (the schedule deadlocks; validate it first)"
@@ -270,11 +332,13 @@ def head_costs(
 
 
 __all__ = [
+    "MEMORY_SLACK",
     "RESERVED_MICROBATCHES",
     "HeadCosts",
     "VocabPolicy",
     "add_vocab_ops",
     "default_policies",
     "head_costs",
+    "refined_policies",
     "vocab_budgets",
 ]
