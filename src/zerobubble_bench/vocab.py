@@ -30,7 +30,7 @@ from zerobubble.runtime.vocab_layers import VocabParallelEmbedding, VocabParalle
 from zerobubble.schedule import CostModel, build_schedule, simulate, transformer_costs
 from zerobubble.schedule.partition import optimal_partition
 from zerobubble.schedule.vocab import head_costs
-from zerobubble_demo.models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
+from zerobubble_demo.models import Embedding, GPTConfig, Head, MarkovCorpus, gpt_layers, lm_loss
 
 from . import Benchmark
 from .tables import Table, median, preserved_torch_state
@@ -175,6 +175,7 @@ def vocab_parallel_parts(
     """``gpt_layers``' model as a vocabulary-parallel embedding, the layers between and the head
     (the same Parameters: the two models compute the same loss)."""
     embedding_layer, blocks, head_layer = layers[0], layers[1:-1], layers[-1]
+    assert isinstance(embedding_layer, Embedding) and isinstance(head_layer, Head)
     embedding = VocabParallelEmbedding.from_embedding(embedding_layer.tokens)
     head = VocabParallelHead.from_linear(head_layer.logits)
     return embedding, [_AddPositions(embedding_layer.positions), *blocks, head_layer.norm], head
@@ -249,8 +250,8 @@ def measured_table(ranks: Sequence[int], schedule: str, m: int, rows: int, round
             ]
             table.rows.append(
                 [
-                    f"{vocab // 1024}k", str(p), f"{plain:.3f}", f"{vocab_time:.3f}", f"{plain / vocab_time:.2f}×",
-                    f"{ratios[0]:.2f}", f"{ratios[1]:.2f}",
+                    f"{vocab // 1024}k", str(p), f"{plain:.3f}", f"{vocab_time:.3f}",
+                    f"{plain / vocab_time:.2f}×", f"{ratios[0]:.2f}", f"{ratios[1]:.2f}",
                 ]
             )  # fmt: skip
     table.notes.append(

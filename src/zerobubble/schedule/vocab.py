@@ -49,7 +49,8 @@ class VocabPolicy:
         """The policy in words, for ``meta["vocab"]``."""
         ahead = f", {self.lookahead} forward(s) ahead" if self.lookahead else ""
         wait = f", waits up to {self.patience:g}× an op for its S" if self.patience else ""
-        return f"{'eager' if self.eager else 'idle-filling'} T, at most {self.outstanding} outstanding{ahead}{wait}"
+        placing = "eager" if self.eager else "idle-filling"
+        return f"{placing} T, at most {self.outstanding} outstanding{ahead}{wait}"
 
 
 #: How many of a rank's next program entries :class:`VocabPolicy.lookahead` looks through for a forward.
