@@ -27,6 +27,7 @@ from .schedule import (
     polish_schedule,
 )
 from .schedule.compare import OPTIMIZER_MODES, compare_schedules, iteration_period
+from .schedule.modelplan.search import HEAD_LAYOUTS
 from .schedule.paper import paper_models, paper_setup
 
 
@@ -398,6 +399,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         schedules=args.schedules.split(",") if args.schedules else None,
         interleaved_chunks=args.chunks,
         optimizer=args.optimizer,
+        head=args.head,
     )
     if args.output:
         result.render(args.output)
@@ -450,6 +452,13 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="chunk counts tried for interleaved-1f1b (default 2)",
     )
     parser.add_argument("--optimizer", choices=OPTIMIZER_MODES, default="post-validation")
+    parser.add_argument(
+        "--head",
+        choices=HEAD_LAYOUTS,
+        default="plain",
+        help="the profile's last layer (the output layer) on the last stage, vocabulary-parallel, or both "
+        "tried (default plain)",
+    )
     parser.add_argument("--output", "-o", help="draw the chosen schedule (.svg or .png)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -30,7 +30,7 @@ from zerobubble.runtime.vocab_layers import VocabParallelEmbedding, VocabParalle
 from zerobubble.schedule import CostModel, build_schedule, simulate, transformer_costs
 from zerobubble.schedule.partition import optimal_partition
 from zerobubble.schedule.vocab import head_costs
-from zerobubble_demo.models import Embedding, GPTConfig, Head, MarkovCorpus, gpt_layers, lm_loss
+from zerobubble_demo.models import Embedding, GPTConfig, Head, gpt_layers, lm_loss
 
 from . import Benchmark
 from .tables import Table, median, preserved_torch_state
@@ -195,7 +195,7 @@ class _AddPositions(nn.Module):
 def _measure_rank(vocab: int, schedule: str, m: int, rows: int, rounds: int, steps: int) -> dict[str, Any]:
     init_distributed(backend="gloo", timeout=600)
     config = bench_config(vocab)
-    batch = MarkovCorpus(config.vocab, config.seq_len, seed=1).batch(m * rows)
+    batch = _random_batch(config, m * rows)
     pipes: dict[str, Any] = {}
     with preserved_torch_state():
         torch.manual_seed(0)
@@ -218,6 +218,16 @@ def _measure_rank(vocab: int, schedule: str, m: int, rows: int, rounds: int, ste
         name: pipe.schedule.placement.rank_of(pipe.schedule.num_stages - 1) for name, pipe in pipes.items()
     }
     return {"times": times, "memory": memory, "last": last, "rank": pipes["vocab-parallel"].rank}
+
+
+def _random_batch(config: GPTConfig, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random tokens and labels: a speed benchmark needs no learnable corpus (and the Markov
+    corpus draws a permutation of the vocabulary per token: seconds at 128k)."""
+    generator = torch.Generator().manual_seed(1)
+    shape = (sequences, config.seq_len)
+    return torch.randint(config.vocab, shape, generator=generator), torch.randint(
+        config.vocab, shape, generator=generator
+    )
 
 
 def _peak(pipe: Pipeline, batch: tuple[torch.Tensor, torch.Tensor]) -> int:

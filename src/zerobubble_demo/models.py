@@ -112,7 +112,8 @@ class MarkovCorpus:
         generator = torch.Generator().manual_seed(seed)
         self.vocab, self.seq_len = vocab, seq_len
         self.successors = torch.stack(
-            [torch.randperm(vocab, generator=generator)[:branching] for _ in range(vocab)]
+            # clone: a slice keeps its whole permutation's storage alive (vocab² values in all)
+            [torch.randperm(vocab, generator=generator)[:branching].clone() for _ in range(vocab)]
         )
         weights = torch.rand(branching, generator=generator) + 0.5
         self.probabilities = weights / weights.sum()

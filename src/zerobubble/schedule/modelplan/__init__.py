@@ -19,9 +19,10 @@ from .amounts import format_bytes, parse_bytes
 from .calibration import calibrate, calibrated_profile, profile_from_trace
 from .profile import LayerProfile, ModelProfile, median_profile, stage_costs
 from .result import Calibration, Plan, PlanCandidate
-from .search import plan
+from .search import HEAD_LAYOUTS, plan
 
 __all__ = [
+    "HEAD_LAYOUTS",
     "Calibration",
     "LayerProfile",
     "ModelProfile",

@@ -41,9 +41,15 @@ class PlanCandidate:
     peak_bytes: tuple[float, ...] = ()
     fits: bool = False
     note: str = ""
+    vocab_parallel: bool = False
     built: Schedule | None = field(default=None, compare=False, repr=False)
     costs: CostModel | None = field(default=None, compare=False, repr=False)
     timeline: Timeline | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        """The schedule's name, ``+vocab`` when the output layer is vocabulary-parallel."""
+        return self.schedule + ("+vocab" if self.vocab_parallel else "")
 
     def row(self) -> dict[str, Any]:
         """JSON-ready numbers (no schedule object)."""
@@ -58,6 +64,7 @@ class PlanCandidate:
             "peak_bytes": list(self.peak_bytes),
             "fits": self.fits,
             "note": self.note,
+            "vocab_parallel": self.vocab_parallel,
         }
 
 
@@ -110,6 +117,7 @@ class Plan:
         winner = self.winner
         return {
             "schedule": winner.schedule,
+            "vocab_parallel": winner.vocab_parallel,
             "chunks": winner.chunks,
             "partition": list(winner.partition),
             "predicted_iteration_time": winner.period,
@@ -136,14 +144,15 @@ class Plan:
         lines = [header]
         for candidate in self.candidates:
             mark = "* " if candidate is self.winner else "  "
+            name = candidate.label
             if candidate.period is None:
-                lines.append(f"{mark}{candidate.schedule:<18}{candidate.chunks:>2}  n/a: {candidate.note}")
+                lines.append(f"{mark}{name:<18}{candidate.chunks:>2}  n/a: {candidate.note}")
                 continue
             peak = format_bytes(max(candidate.peak_bytes)) + ("" if candidate.fits else " !")
             speedup = f"{reference / candidate.period:.3f}x" if reference else "-"
             bubble = candidate.bubble_rate or 0.0
             lines.append(
-                f"{mark}{candidate.schedule:<18}{candidate.chunks:>2}  {candidate.period * 1e3:>14.3f}"
+                f"{mark}{name:<18}{candidate.chunks:>2}  {candidate.period * 1e3:>14.3f}"
                 f"{bubble:>8.1%}{peak:>17}{speedup:>9}  {list(candidate.partition)}"
             )
         budget = format_bytes(self.memory_budget) if self.memory_budget else "none"
@@ -207,6 +216,7 @@ class Calibration:
             "keeps_plan": self.keeps_plan,
             "replan": {
                 "schedule": winner.schedule,
+                "vocab_parallel": winner.vocab_parallel,
                 "chunks": winner.chunks,
                 "partition": list(winner.partition),
                 "predicted_iteration_time": winner.period,

@@ -8,7 +8,8 @@ cut points by the simulator (moves of one cut by one layer while the predicted p
 the fastest partition does not fit the budget, a memory-capped partition is tried (each stage's
 activations weighted by the microbatches it held at once in the simulation).  The result names the
 winner and keeps every alternative with its predicted time, bubble and peak bytes; when nothing fits,
-a :class:`~..ir.ScheduleError` names the rank, the bytes it needs and the budget.
+a :class:`~..ir.ScheduleError` names the rank, the bytes it needs and the budget.  With
+``head="both"`` every schedule is also tried with the output layer vocabulary-parallel.
 
 Pure Python; no torch.
 """
@@ -18,9 +19,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any
 
 from ..builders import REGISTRY, build_schedule, get_spec
 from ..compare import OPTIMIZER_MODES, SLOW_SCHEDULES, iteration_period
+from ..costs import CostModel
 from ..ir import Kind, Schedule, ScheduleError
 from ..partition import MemoryCap, even_partition, optimal_partition
 from ..simulate import Timeline, simulate
@@ -42,6 +46,7 @@ def plan(
     refine: int = 12,
     tie_margin: float = 0.05,
     cores: int | None = None,
+    head: str = "plain",
 ) -> Plan:
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
@@ -52,7 +57,10 @@ def plan(
     the simulator-guided moves of cut points of each candidate within 10 % of the best; a candidate
     with fewer chunks whose prediction is within ``tie_margin`` of the fastest wins the tie.
     ``cores`` fewer than ``ranks`` predicts ranks sharing that many processors (CPU ranks on one
-    machine; the profile then holds each rank's times on a core of its own).  Raises
+    machine; the profile then holds each rank's times on a core of its own).  ``head`` is
+    ``"plain"`` (the profile's last layer, the output layer, on the last stage), ``"vocab-parallel"``
+    (that layer sharded over every rank by vocabulary, :mod:`~..vocab`) or ``"both"`` (the planner
+    chooses; each candidate's ``vocab_parallel`` says which it is).  Raises
     :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it needs and
     the budget.
     """
@@ -62,19 +70,31 @@ def plan(
         )
     if ranks < 1 or microbatches < 1:
         raise ScheduleError(f"ranks and microbatches must be at least 1, got {ranks} and {microbatches}")
+    if head not in HEAD_LAYOUTS:
+        raise ScheduleError(f"unknown head layout {head!r}; choose one of {', '.join(HEAD_LAYOUTS)}")
     budget = parse_bytes(memory_limit, device_memory)
     names = list(schedules) if schedules is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
-    search = _Search(profile, ranks, microbatches, budget, optimizer, refine, cores)
+    searches: list[_Search] = []
+    if head != "vocab-parallel":
+        searches.append(_Search(profile, ranks, microbatches, budget, optimizer, refine, cores))
+    if head != "plain":
+        searches.append(_VocabSearch(profile, ranks, microbatches, budget, optimizer, refine, cores))
     candidates: list[PlanCandidate] = []
-    for name in names:
-        spec = get_spec(name)
-        for chunks in [spec.chunks] if spec.chunks is not None else list(interleaved_chunks):
-            candidates.append(search.candidate(name, chunks))
+    by_candidate: dict[int, _Search] = {}
+    for search in searches:
+        for name in names:
+            spec = get_spec(name)
+            for chunks in [spec.chunks] if spec.chunks is not None else list(interleaved_chunks):
+                found = search.candidate(name, chunks)
+                by_candidate[id(found)] = search
+                candidates.append(found)
     # refining costs simulations: only for candidates that may still win (within 10 % of the best)
     periods = [c.period for c in candidates if c.fits and c.period is not None]
     threshold = min(periods) * 1.1 if periods else math.inf
     candidates = [
-        search.refined(c) if c.period is not None and (c.period <= threshold or not periods) else c
+        by_candidate[id(c)].refined(c)
+        if c.period is not None and (c.period <= threshold or not periods)
+        else c
         for c in candidates
     ]
     ordered = tuple(
@@ -204,14 +224,21 @@ class _Search:
                 return PlanCandidate(name, chunks, cuts, peak_bytes=tuple(static), note=note)
         try:
             costs = stage_costs(self.profile, cuts, len(stage_ranks), limits)
-            schedule = build_schedule(
-                name, self.ranks, self.microbatches, costs, chunks=chunks, validate=False
-            )
+            schedule = self._build(name, costs, chunks)
             # the budget is checked on static + activation bytes: validate without the limit
-            validate_schedule(schedule, costs.with_memory_limit(None))
+            validate_schedule(schedule, self._score_costs(costs).with_memory_limit(None))
         except ScheduleError as error:
-            return PlanCandidate(name, chunks, cuts, peak_bytes=tuple(static), note=str(error))
+            return self._tag(PlanCandidate(name, chunks, cuts, peak_bytes=tuple(static), note=str(error)))
         return self._simulated(schedule, cuts)
+
+    def _build(self, name: str, costs: CostModel, chunks: int) -> Schedule:
+        return build_schedule(name, self.ranks, self.microbatches, costs, chunks=chunks, validate=False)
+
+    def _score_costs(self, costs: CostModel) -> CostModel:
+        return costs
+
+    def _tag(self, candidate: PlanCandidate) -> PlanCandidate:
+        return candidate
 
     def _simulated(self, schedule: Schedule, cuts: tuple[int, ...]) -> PlanCandidate:
         """Score a valid ``schedule`` with the layers cut at ``cuts``."""
@@ -219,25 +246,28 @@ class _Search:
         static = self._static_bytes(cuts, stage_ranks)
         # a schedule of BW ops is predicted with the measured fused backward
         costs = stage_costs(self.profile, cuts, len(stage_ranks), fused=not schedule.splits_backward)
+        costs = self._score_costs(costs)
         timeline = simulate(schedule, costs, cores=self.cores)
         peaks = tuple(s + a for s, a in zip(static, timeline.peak_memory))
         fits = self.budget is None or all(peak <= self.budget * (1 + 1e-9) for peak in peaks)
         over = max(range(self.ranks), key=lambda r: peaks[r])
         sync = self.optimizer == "sync"
-        return PlanCandidate(
-            schedule.name,
-            schedule.chunks,
-            cuts,
-            period=iteration_period(timeline, self.optimizer),
-            iteration_time=timeline.iteration_time,
-            makespan=timeline.makespan,
-            bubble_rate=timeline.bubble_rate_makespan if sync else timeline.bubble_rate,
-            peak_bytes=peaks,
-            fits=fits,
-            note="" if fits else f"rank {over} needs {format_bytes(peaks[over])}",
-            built=schedule,
-            costs=costs,
-            timeline=timeline,
+        return self._tag(
+            PlanCandidate(
+                schedule.name,
+                schedule.chunks,
+                cuts,
+                period=iteration_period(timeline, self.optimizer),
+                iteration_time=timeline.iteration_time,
+                makespan=timeline.makespan,
+                bubble_rate=timeline.bubble_rate_makespan if sync else timeline.bubble_rate,
+                peak_bytes=peaks,
+                fits=fits,
+                note="" if fits else f"rank {over} needs {format_bytes(peaks[over])}",
+                built=schedule,
+                costs=costs,
+                timeline=timeline,
+            )
         )
 
     def _static_bytes(self, cuts: Sequence[int], stage_ranks: Sequence[int]) -> list[float]:
@@ -257,6 +287,49 @@ class _Search:
             inflight=_peak_inflight(candidate.timeline),
             capacity=[self.budget] * self.ranks,
         )
+
+
+#: The output-layer layouts :func:`plan` takes.
+HEAD_LAYOUTS = ("plain", "vocab-parallel", "both")
+
+
+class _VocabSearch(_Search):
+    """Candidates with the profile's last layer (the output layer) vocabulary-parallel: the other
+    layers are cut over the stages, and every rank holds ``1/p`` of the output layer, whose S pass
+    costs its share of the measured forward and input gradient, T its share of the weight gradient
+    (the same matmuls, cut by vocabulary rows), S keeping its share of the layer's activations."""
+
+    def __init__(self, profile: ModelProfile, ranks: int, *args: Any):
+        if len(profile.layers) < 2:
+            raise ScheduleError("a vocabulary-parallel head needs a profile of at least two layers")
+        head = profile.layers[-1]
+        super().__init__(replace(profile, layers=profile.layers[:-1]), ranks, *args)
+        self.head = head
+        self.head_static = head.static_bytes / ranks
+
+    def _head_costs(self, costs: CostModel) -> CostModel:
+        head, p = self.head, self.ranks
+        return costs.replace(
+            vocab_s=(head.forward + head.backward_input) / p,
+            vocab_t=head.backward_weight / p,
+            vocab_mem=head.activation_bytes / p,
+            vocab_comm=self.profile.transfer_time(self.head.output_bytes / max(1, p)),
+        )
+
+    def _build(self, name: str, costs: CostModel, chunks: int) -> Schedule:
+        return build_schedule(
+            name, self.ranks, self.microbatches, self._head_costs(costs), chunks=chunks, validate=False,
+            vocab_parallel=True,
+        )  # fmt: skip
+
+    def _score_costs(self, costs: CostModel) -> CostModel:
+        return self._head_costs(costs)
+
+    def _static_bytes(self, cuts: Sequence[int], stage_ranks: Sequence[int]) -> list[float]:
+        return [s + self.head_static for s in super()._static_bytes(cuts, stage_ranks)]
+
+    def _tag(self, candidate: PlanCandidate) -> PlanCandidate:
+        return replace(candidate, vocab_parallel=True)
 
 
 def _rank_key(candidate: PlanCandidate) -> tuple[bool, float, float]:
@@ -289,16 +362,22 @@ def _reason(winner: PlanCandidate, candidates: Sequence[PlanCandidate], budget: 
     assert winner.period is not None and fastest.period is not None
     if fastest is winner:
         parts = [
-            f"{winner.schedule} (v={winner.chunks}) with partition {list(winner.partition)} has the shortest "
+            f"{winner.label} (v={winner.chunks}) with partition {list(winner.partition)} has the shortest "
             f"predicted period among the schedules that fit, {winner.period * 1e3:.3f} ms"
         ]
         if runner_up is not None and runner_up.period:
-            parts.append(f"{runner_up.period / winner.period - 1:.1%} ahead of {runner_up.schedule}")
+            parts.append(f"{runner_up.period / winner.period - 1:.1%} ahead of {runner_up.label}")
+        other = next((c for c in candidates if c.fits and c.vocab_parallel != winner.vocab_parallel), None)
+        if other is not None and other.period:
+            layout = "vocabulary-parallel" if other.vocab_parallel else "plain"
+            parts.append(
+                f"{other.period / winner.period - 1:.1%} ahead of the best {layout} head ({other.label})"
+            )
     else:
         parts = [
-            f"{winner.schedule} (v={winner.chunks}) with partition {list(winner.partition)}, predicted "
+            f"{winner.label} (v={winner.chunks}) with partition {list(winner.partition)}, predicted "
             f"{winner.period * 1e3:.3f} ms, is within {winner.period / fastest.period - 1:.1%} of the "
-            f"fastest prediction ({fastest.schedule}, v={fastest.chunks}) with fewer chunks: fewer ops and "
+            f"fastest prediction ({fastest.label}, v={fastest.chunks}) with fewer chunks: fewer ops and "
             "transfers, whose overhead the model leaves out"
         ]
     if reference:
