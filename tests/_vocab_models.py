@@ -195,3 +195,35 @@ def _sgd_step(pipe, reference_parts, lr: float = 0.1) -> None:
 
 
 __all__ = ["F", "batch", "model", "reference", "shard_bounds", "vocab_cases"]
+
+
+def checkpoint_cases(cases: list[dict]) -> list[dict]:
+    """Each case ``{schedule, tied}``: full_state_dict equals the unsharded weights (every row, on
+    the owners' ranks), and a pipeline of another schedule loaded from it computes the same loss."""
+    init_distributed(backend="gloo", timeout=60)
+    from zerobubble import Pipeline
+
+    results = []
+    for index, case in enumerate(cases):
+        vocab, m = 11, 2
+        parts = model(index, vocab=vocab, tied=case["tied"])
+        unsharded = copy.deepcopy(parts)
+        embedding, layers, head = parts
+        pipe = Pipeline(layers, schedule=case["schedule"], microbatches=m, head=head, embedding=embedding)
+        full = pipe.full_state_dict()
+        errors = [
+            (full["vocab_embedding.weight"] - unsharded[0].weight).abs().max().item(),
+            (full["vocab_head.weight"] - unsharded[2].weight).abs().max().item(),
+        ]
+        tokens, labels = batch(2 * m, vocab, seed=index)
+        loss = pipe.step(tokens, labels)
+        pipe.zero_grad()
+        fresh = model(index + 50, vocab=vocab, tied=case["tied"])
+        other = Pipeline(fresh[1], schedule="1f1b", microbatches=m, head=fresh[2], embedding=fresh[0])
+        other.load_state_dict(full)
+        again = other.step(tokens, labels)
+        if loss is not None and again is not None:
+            errors.append(abs(loss.item() - again.item()))
+        own = pipe.state_dict()
+        results.append({"errors": errors, "keys": sorted(k for k in own if k.startswith("vocab"))})
+    return results

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from _dist import RUNTIME_SCHEDULES, run_ranks
+from _vocab_models import checkpoint_cases as _checkpoint_cases
 from _vocab_models import vocab_cases
 
 pytestmark = pytest.mark.multiprocess
@@ -91,3 +92,13 @@ def test_a_bad_token_raises_on_every_rank_and_the_pipeline_goes_on(two_ranks):
 def test_a_vocabulary_smaller_than_the_ranks_is_refused_naming_the_sizes(two_ranks):
     messages = _messages(two_ranks, "sizes")
     assert all("vocabulary of 1" in m and "2 shards" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_checkpoints_hold_the_full_vocabulary_weights(tied):
+    per_rank = run_ranks(_checkpoint_cases, 2, [{"schedule": "zb-h1", "tied": tied}])
+    for rank, results in enumerate(per_rank):
+        assert max(results[0]["errors"]) <= TOLERANCE, (rank, results)
+    # the embedding on the first stage's rank (0), the head on the last stage's (1)
+    assert per_rank[0][0]["keys"] == ["vocab_embedding.weight"]
+    assert per_rank[1][0]["keys"] == ["vocab_head.weight"]

@@ -521,9 +521,11 @@ def _vocab_embedding(module: nn.Module | None, family: str) -> VocabParallelEmbe
             f"the {family} token embedding is a {type(module).__name__}, not an nn.Embedding: "
             "the vocabulary-parallel lookup cannot reproduce it"
         )
-    scale = getattr(module, "embed_scale", None)
+    scale = getattr(module, "embed_scale", None)  # Gemma's: a 0-d buffer, cast to the weight's dtype
     if isinstance(scale, torch.Tensor):
         scale = float(scale.to(module.weight.dtype))
+    elif not isinstance(scale, (int, float)):
+        scale = None
     try:
         embedding = VocabParallelEmbedding.from_embedding(module, scale=scale)
     except PipelineError as error:
@@ -532,7 +534,8 @@ def _vocab_embedding(module: nn.Module | None, family: str) -> VocabParallelEmbe
         probe = torch.arange(min(module.num_embeddings, 8), device=module.weight.device)
         with torch.no_grad():
             expected, rows = module(probe), F.embedding(probe, module.weight)
-        if not torch.equal(expected, rows if scale is None else rows * scale):
+        rows = rows if scale is None else rows * scale
+        if expected.shape != rows.shape or not torch.isclose(expected, rows, 0, 0, equal_nan=True).all():
             raise ValueError(
                 f"the {family} token embedding ({type(module).__name__}) is not a lookup times a "
                 f"scale ({scale}): the vocabulary-parallel lookup cannot reproduce it"

@@ -63,7 +63,16 @@ from .optim import OptimizerStats, check_sharded_optimizer, unscale_gradients
 from .recorder import OpRecorder, StepRecorder, as_recorder
 from .resolve import LossFn, Resolution, agree_on, resolve, wants_profile
 from .staging import layer_keywords, merge_microbatches, split_call, split_keywords
-from .vocab import VocabGroups, VocabRunner, check_vocab_call, check_vocab_request, shard_vocab_layers
+from .vocab import (
+    VOCAB_LAYER_NAMES,
+    VocabGroups,
+    VocabRunner,
+    check_vocab_call,
+    check_vocab_request,
+    gathered_state,
+    load_vocab_state,
+    shard_vocab_layers,
+)
 from .vocab_layers import VocabParallelEmbedding, VocabParallelHead
 from .wgrad import FastPaths
 from .wgrad.verify import SplitRecord
@@ -373,6 +382,8 @@ class Pipeline:
         for name, layer in (("vocab_head", head), ("vocab_embedding", embedding)):
             if layer is not None:
                 self.module.add_module(name, layer)
+                self._model_keys = (*self._model_keys, f"{name}.weight")
+        self._known_keys = frozenset(self._model_keys)
         ranks = [self.layout.global_rank(r) for r in range(self.world_size)]
         timeout = self.layout.setup_timeout
         groups = VocabGroups(*(local_group(ranks, timeout=timeout) for _ in range(3)))
@@ -687,6 +698,9 @@ class Pipeline:
         every rank).  The tensors share storage with the parameters, as ``nn.Module.state_dict``'s.
         """
         self.synchronize()
+        runner = self._executor.vocab
+        if runner is not None:  # the full vocabulary weights, on the first / last stage's rank
+            return self._guarded("state_dict", lambda: gathered_state(runner, self.module.state_dict()))
         return self.module.state_dict()
 
     def full_state_dict(self) -> dict[str, Any]:
@@ -730,7 +744,12 @@ class Pipeline:
         """
         self.synchronize()
         local = self.module.state_dict()
+        vocab_missing: list[str] = []
+        if self._executor.vocab is not None:  # each rank loads its rows of the full weights
+            state_dict, vocab_missing = load_vocab_state(self._executor.vocab, state_dict, strict=strict)
+            local = {k: v for k, v in local.items() if k.split(".")[0] not in VOCAB_LAYER_NAMES}
         entries, missing, unexpected = select_entries(state_dict, local, self._known_keys, self._ties)
+        missing = [*missing, *vocab_missing]
         if strict and (missing or unexpected):
             raise strict_error(missing, unexpected, self.rank)
         self.module.load_state_dict(_sharded_like(entries, local), strict=False)
@@ -754,6 +773,7 @@ class Pipeline:
         """
         from .checkpoint import create_optimizer_state, optimizer_state_by_name
 
+        self._refuse_vocab_optimizer_state("optimizer_state_dict")
         self.synchronize()
         optimizer = self._named_optimizer(optimizer, "optimizer_state_dict")
         if optimizer is None:  # a rank without parameters
@@ -775,12 +795,22 @@ class Pipeline:
         """
         from .checkpoint import load_optimizer_state_by_name
 
+        self._refuse_vocab_optimizer_state("load_optimizer_state_dict")
         self.synchronize()
         optimizer = self._named_optimizer(optimizer, "load_optimizer_state_dict")
         if optimizer is None:
             return []
         aliases = {tie[0]: tie[1:] for tie in self._ties}
         return load_optimizer_state_by_name(optimizer, state_dict, self._parameter_names(), aliases, strict)
+
+    def _refuse_vocab_optimizer_state(self, call: str) -> None:
+        if self._executor.vocab is not None:
+            raise PipelineError(
+                f"{call}() names the optimizer state by parameter, and every rank holds different rows of "
+                "the vocabulary-parallel weights under one name: not supported yet — save each rank's "
+                "optimizer.state_dict() and load it into the same layout (docs/guide.md, Vocabulary "
+                "parallelism)"
+            )
 
     def _named_optimizer(
         self, optimizer: torch.optim.Optimizer | None, call: str

@@ -38,6 +38,7 @@ from .vocab_layers import (
     head_partials,
     head_totals,
     head_weight_grad,
+    shard_bounds,
 )
 
 
@@ -368,3 +369,77 @@ def shard_vocab_layers(
         else:
             head.keep_shard(rank, size)
         head.to(device)
+
+
+#: The state-dict keys of the vocabulary-parallel layers (the names they have in ``Pipeline.module``).
+VOCAB_LAYER_NAMES = ("vocab_embedding", "vocab_head")
+
+
+def _owner(runner: VocabRunner, name: str) -> int:
+    """The rank whose state dict holds the full weight: the first stage's for the embedding (where
+    a plain model keeps it), the last stage's for the head."""
+    return runner.first if name == "vocab_embedding" else runner.last
+
+
+def gathered_state(runner: VocabRunner, local: dict[str, Any]) -> dict[str, Any]:
+    """``local`` with the vocabulary shards replaced by the full weights, each on its owner's rank
+    only (collective over the pipeline): the ranks' dicts stay disjoint and their union holds every
+    row.  A tied weight appears under both names, on both owners."""
+    entries = {key: value for key, value in local.items() if key.split(".")[0] not in VOCAB_LAYER_NAMES}
+    for name, layer in (("vocab_embedding", runner.embedding), ("vocab_head", runner.head)):
+        if layer is None:
+            continue
+        full = _gather_rows(runner, layer, _owner(runner, name))
+        if full is not None:
+            entries[f"{name}.weight"] = full
+    return entries
+
+
+def _gather_rows(runner: VocabRunner, layer: VocabParallelHead | VocabParallelEmbedding, dst: int) -> Any:
+    """Every shard's rows of ``layer.weight`` concatenated on rank ``dst`` (None elsewhere); the shards
+    are padded to the largest for the gather, which takes equal sizes."""
+    rows = -(-layer.vocab_size // runner.size)
+    weight = layer.weight.detach()
+    padded = torch.zeros(rows, layer.dim, dtype=weight.dtype, device=weight.device)
+    padded[: weight.shape[0]] = weight
+    parts = [torch.empty_like(padded) for _ in range(runner.size)] if runner.rank == dst else None
+    dist.gather(padded, parts, group_dst=dst, group=runner.groups.embed)
+    if parts is None:
+        return None
+    sizes = [
+        layer.vocab_size // runner.size + (r < layer.vocab_size % runner.size) for r in range(runner.size)
+    ]
+    return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+
+def load_vocab_state(
+    runner: VocabRunner, state_dict: Any, *, strict: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """Load this rank's rows of the full vocabulary weights in ``state_dict`` (a whole-model dict:
+    every rank needs the full tensors); the rest of the dict, and the vocabulary keys it lacked."""
+    rest = {key: value for key, value in state_dict.items() if key.split(".")[0] not in VOCAB_LAYER_NAMES}
+    missing: list[str] = []
+    loads = []
+    for name, layer in (("vocab_embedding", runner.embedding), ("vocab_head", runner.head)):
+        if layer is None:
+            continue
+        key = f"{name}.weight"
+        value = state_dict.get(key)
+        if value is None:
+            missing.append(key)
+            continue
+        if tuple(value.shape) != (layer.vocab_size, layer.dim):
+            raise PipelineError(
+                f"{key} has shape {list(value.shape)} in the state dict; the vocabulary-parallel layer "
+                f"loads the full weight [{layer.vocab_size}, {layer.dim}] and keeps its own rows"
+            )
+        loads.append((layer, value))
+    if strict and missing:
+        raise PipelineError(
+            f"the state dict lacks {missing}: the vocabulary-parallel layers load their rows from the full "
+            "weights of a whole-model dict (full_state_dict(), or every rank's state_dict() merged)"
+        )
+    with torch.no_grad():
+        for layer, value in loads:
+            layer.weight.copy_(value[layer.vocab_start : layer.vocab_stop])
+    return rest, missing
