@@ -38,7 +38,6 @@ from .vocab_layers import (
     head_partials,
     head_totals,
     head_weight_grad,
-    shard_bounds,
 )
 
 
