@@ -245,3 +245,46 @@ def pipeline_cases(cases: list[tuple[str, str, str, str]]) -> dict:
             "canonical": sorted(canonical.values()),
         }
     return out
+
+
+def vocab_pipeline_cases(cases: list[tuple[str, str, str]]) -> dict:
+    """For each ``(family, schedule, layout)``: one Pipeline step of the model cut with
+    ``pipeline_layers(model, vocab_parallel=True)`` against the model's own mean of microbatch mean
+    losses (:func:`_reference`, "mean").  Returns per case the loss error (last rank) and the gradient
+    error (:func:`_error`) of every parameter this rank holds, its vocabulary shards against their rows."""
+    from zerobubble import Pipeline
+    from zerobubble.hf import pipeline_layers
+    from zerobubble.runtime.launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=60)
+    out: dict = {}
+    for family, schedule, layout in cases:
+        model = tiny_model(family).train()
+        parts = pipeline_layers(model, vocab_parallel=True)
+        tokens, targets, kwargs, expected_loss, _ = _reference(model, layout, "mean")
+        expected_loss.backward()
+        expected = {id(p): p.grad.clone() for p in model.parameters()}
+        full = {
+            "vocab_embedding": expected[id(parts.embedding.weight)],
+            "vocab_head": expected[id(parts.head.weight)],
+        }
+        model.zero_grad(set_to_none=True)
+        pipe = Pipeline(
+            parts.layers, schedule=schedule, microbatches=MICROBATCHES, embedding=parts.embedding,
+            head=parts.head, timeout=60,
+        )  # fmt: skip
+        loss = pipe.step(tokens, targets, **kwargs)
+        grads = {}
+        for name, p in pipe.named_parameters():
+            layer = name.split(".")[0]
+            if layer in full:
+                shard = getattr(pipe.module, layer)
+                grads[name] = _error(p.grad, full[layer][shard.vocab_start : shard.vocab_stop])
+            else:
+                grads[name] = _error(p.grad, expected[id(p)])
+        value = expected_loss.item()
+        out[" ".join((family, schedule, layout))] = {
+            "loss": None if loss is None else abs(loss.item() - value) / value,
+            "grads": grads,
+        }
+    return out

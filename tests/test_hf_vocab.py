@@ -13,7 +13,17 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from _hf_models import FAMILIES, LAYOUTS, padded_batch, run_layers, shift_labels, tiny_model, token_batch
+from _dist import run_ranks
+from _hf_models import (
+    FAMILIES,
+    LAYOUTS,
+    padded_batch,
+    run_layers,
+    shift_labels,
+    tiny_model,
+    token_batch,
+    vocab_pipeline_cases,
+)
 from zerobubble.hf import FinalNorm, VocabParallelParts, pipeline_layers
 from zerobubble.runtime.vocab_layers import (
     VocabParallelEmbedding,
@@ -216,3 +226,30 @@ def test_layers_of_another_adapter_are_refused(monkeypatch):
     monkeypatch.setitem(hf.ADAPTERS, "llama", lambda model: [nn.Identity(), nn.Identity()])
     with pytest.raises(ValueError, match=r"llama layers .* vocab_parallel needs them"):
         pipeline_layers(tiny_model("llama"), vocab_parallel=True)
+
+
+# -- 2 ranks ----------------------------------------------------------------------------------------
+
+#: Every family cut vocabulary-parallel and trained for one step on 2 gloo ranks: zb-h1 (the
+#: embedding's and the head's rows on both ranks, the blocks split), padded layouts in turn.
+VOCAB_TRAINED = [
+    (family, "zb-h1" if index % 2 else "1f1b", ["whole", *LAYOUTS][index % (len(LAYOUTS) + 1)])
+    for index, family in enumerate(FAMILIES)
+]
+
+
+@pytest.fixture(scope="module")
+def vocab_trained() -> list[dict]:
+    return run_ranks(vocab_pipeline_cases, 2, VOCAB_TRAINED, timeout=400)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", VOCAB_TRAINED, ids=" ".join)
+def test_vocab_parallel_pipeline_step_matches_the_models_gradients(case, vocab_trained):
+    results = [ranks[" ".join(case)] for ranks in vocab_trained]
+    values = [result["loss"] for result in results if result["loss"] is not None]
+    assert len(values) == 1 and values[0] <= 1e-6, values
+    for result in results:
+        assert any(name.startswith("vocab_head") for name in result["grads"])  # every rank has rows
+        worst = max(result["grads"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1.0, worst  # within 1e-6 + 1e-5 · max |expected|

@@ -302,7 +302,13 @@ def test_calibrated_plan_json_fields():
         assert key in section
     assert set(section["measured_seconds"]) == {"f", "b", "w"}
     assert len(section["measured_seconds"]["f"]) == running.schedule.num_stages
-    assert set(section["replan"]) == {"schedule", "chunks", "partition", "predicted_iteration_time"}
+    assert set(section["replan"]) == {
+        "schedule",
+        "vocab_parallel",
+        "chunks",
+        "partition",
+        "predicted_iteration_time",
+    }
     assert section["keeps_plan"] is True
     assert data["predicted_iteration_time"] == running.predicted_iteration_time
     assert "calibrated on 2 recorded steps" in calibrated.calibration.describe()

@@ -1,8 +1,8 @@
 """zerobubble: pipeline-parallel training of PyTorch models with zero-bubble schedules.
 
 ``zerobubble.schedule`` (pure Python) builds, simulates, validates and draws schedules;
-``zerobubble.runtime`` (torch) runs them.  ``Pipeline`` is imported lazily so that using only the
-schedule layer never imports torch.
+``zerobubble.runtime`` (torch) runs them.  ``Pipeline``, ``VocabParallelHead`` and
+``VocabParallelEmbedding`` are imported lazily so that using only the schedule layer never imports torch.
 """
 
 from .schedule import CostModel, Schedule, ScheduleError, build_schedule, simulate, validate_schedule
@@ -14,6 +14,8 @@ __all__ = [
     "Pipeline",
     "Schedule",
     "ScheduleError",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
     "build_schedule",
     "simulate",
     "validate_schedule",
@@ -25,4 +27,8 @@ def __getattr__(name: str):
         from .runtime.pipeline import Pipeline
 
         return Pipeline
+    if name in ("VocabParallelHead", "VocabParallelEmbedding"):
+        from .runtime import vocab_layers
+
+        return getattr(vocab_layers, name)
     raise AttributeError(f"module 'zerobubble' has no attribute {name!r}")
