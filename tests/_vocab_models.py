@@ -73,9 +73,7 @@ def batch(size: int, vocab: int, seed: int, *, ignored: float = 0.0):
     return tokens, labels
 
 
-def reference(parts, tokens, labels, microbatches: int):
-    """The unsharded model's mean of per-microbatch losses and its gradients (plain autograd; the
-    gradients are left in ``parts``' parameters)."""
+def _forward_loss(parts, tokens, labels, microbatches: int):
     embedding, layers, head = parts
     losses = []
     for t, y in zip(tokens.chunk(microbatches), labels.chunk(microbatches)):
@@ -84,6 +82,14 @@ def reference(parts, tokens, labels, microbatches: int):
             hidden = layer(hidden)
         losses.append(head(hidden, y))
     loss = torch.stack(losses).mean()
+    return loss.item(), loss
+
+
+def reference(parts, tokens, labels, microbatches: int):
+    """The unsharded model's mean of per-microbatch losses and its gradients (plain autograd; the
+    gradients are left in ``parts``' parameters)."""
+    embedding, layers, head = parts
+    _, loss = _forward_loss(parts, tokens, labels, microbatches)
     loss.backward()
     grads = {
         f"{i}.{n}": p.grad.clone() for i, layer in enumerate(layers) for n, p in layer.named_parameters()
@@ -131,6 +137,11 @@ def vocab_cases(cases: list[dict]) -> list[dict]:
                 worst["loss"] = max(worst["loss"], abs(loss.item() - expected_loss) / abs(expected_loss))
             worst["grads"] = max(worst["grads"], _worst_grad(pipe, expected, layers))
             _sgd_step(pipe, reference_parts)
+        evaluated = pipe.evaluate(tokens, labels)  # the last step's batch, with the updated weights
+        with torch.no_grad():
+            expected_eval, _ = _forward_loss(reference_parts, tokens, labels, m)
+        if evaluated is not None:
+            worst["loss"] = max(worst["loss"], abs(evaluated.item() - expected_eval) / abs(expected_eval))
         results.append(worst)
     return results
 

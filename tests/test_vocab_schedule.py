@@ -154,3 +154,20 @@ def test_a_large_head_pipelines_faster_vocab_parallel():
         plain_costs = head.plain(base, 4)
         slow = simulate(build_schedule(name, 4, 8, plain_costs), plain_costs).iteration_time
         assert fast < 0.8 * slow, (name, fast, slow)
+
+
+def test_pictures_show_the_vocab_ops_and_torch_export_refuses_them(tmp_path):
+    from zerobubble.schedule.export import to_torch_csv
+    from zerobubble.schedule.render import render_image, render_text
+
+    costs = _vocab_costs()
+    schedule = build_schedule("zb-v", 2, 4, costs, vocab_parallel=True)
+    timeline = simulate(schedule, costs)
+    text = render_text(timeline)
+    assert "S vocab shard" in text and "T vocab shard" in text
+    rows = [line for line in text.splitlines() if line.startswith("rank")]
+    assert all("S" in row and "T" in row for row in rows)
+    render_image(timeline, tmp_path / "vocab.svg")
+    assert "vocab shard" in (tmp_path / "vocab.svg").read_text()
+    with pytest.raises(ScheduleError, match="no action for"):
+        to_torch_csv(schedule)

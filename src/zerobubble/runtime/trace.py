@@ -266,6 +266,8 @@ def measured_costs(timelines: Sequence[MeasuredTimeline], comm: float = 0.0) -> 
     for timeline in timelines:
         for rank, program in enumerate(schedule.programs):
             for op, a, b in zip(program, timeline.start[rank], timeline.end[rank]):
+                if op.is_vocab:  # a vocabulary shard's S and T are not a stage's work
+                    continue
                 kind = Kind.B if op.kind is Kind.BW else op.kind
                 sums[kind][op.stage] += b - a
                 counts[kind][op.stage] += 1

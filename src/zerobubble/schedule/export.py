@@ -38,9 +38,15 @@ def torch_action(op: Op) -> str:
     """``op`` as a torch pipelining action string: ``<stage><F|I|W|B><microbatch>``, e.g. ``0I3``.
 
     torch's stage index is our virtual stage index; its ``I`` (backward-input) is our B and its
-    ``B`` (full backward) is our fused BW.
+    ``B`` (full backward) is our fused BW.  torch has no vocabulary-parallel ops: S and T are refused.
     """
-    return f"{op.stage}{_TORCH_ACTION[op.kind]}{op.microbatch}"
+    action = _TORCH_ACTION.get(op.kind)
+    if action is None:
+        raise ScheduleError(
+            f"{op} is a vocabulary-parallel op, which torch's pipelining runtime has no action for; export "
+            "the schedule without vocab_parallel"
+        )
+    return f"{op.stage}{action}{op.microbatch}"
 
 
 def to_torch_csv(schedule: Schedule) -> str:

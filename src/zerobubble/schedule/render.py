@@ -32,11 +32,27 @@ if TYPE_CHECKING:  # matplotlib and numpy load only when a picture is drawn
     from matplotlib.figure import Figure
 
 #: Text letters per kind; chunks after a rank's first are written in lower case.
-_LETTERS = MappingProxyType({Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"})
+_LETTERS = MappingProxyType({Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X", Kind.S: "S", Kind.T: "T"})
 _KIND_NAMES = MappingProxyType(
-    {Kind.F: "forward", Kind.B: "input grad", Kind.W: "weight grad", Kind.BW: "fused B+W"}
+    {
+        Kind.F: "forward",
+        Kind.B: "input grad",
+        Kind.W: "weight grad",
+        Kind.BW: "fused B+W",
+        Kind.S: "vocab shard: logits, loss part",
+        Kind.T: "vocab shard: weight grad",
+    }
 )
-_COLOURS = MappingProxyType({Kind.F: "#2f6fb5", Kind.B: "#1f9e89", Kind.W: "#e39b2d", Kind.BW: "#7b5ea7"})
+_COLOURS = MappingProxyType(
+    {
+        Kind.F: "#2f6fb5",
+        Kind.B: "#1f9e89",
+        Kind.W: "#e39b2d",
+        Kind.BW: "#7b5ea7",
+        Kind.S: "#c2437a",
+        Kind.T: "#8c8c3a",
+    }
+)
 _IDLE_COLOUR = "#e9e9ec"
 _IMAGE_SUFFIXES = MappingProxyType({".svg": "svg", ".png": "png"})
 _MAX_LABELS = 4000
@@ -164,7 +180,7 @@ def _text_row(
         if c1 <= c0:
             continue
         letter = _LETTERS[op.kind]
-        if placement.chunk_index(op.stage) > 0:
+        if not op.is_vocab and placement.chunk_index(op.stage) > 0:
             letter = letter.lower()
         text = f"{letter}{op.microbatch}".ljust(c1 - c0) if numbered else letter * (c1 - c0)
         cells[c0:c1] = text[: columns - c0]
@@ -182,7 +198,7 @@ def _text_legend(schedule: Schedule) -> str:
 
 def _kinds_present(schedule: Schedule) -> list[Kind]:
     present = {op.kind for _, op in schedule.ops()}
-    return [kind for kind in (Kind.F, Kind.B, Kind.W, Kind.BW) if kind in present]
+    return [kind for kind in (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.S, Kind.T) if kind in present]
 
 
 # -------------------------------------------------------------------------------------------- image
@@ -335,7 +351,7 @@ def _draw_timeline(axes: Axes, timeline: Any, t0: float, extent: float) -> None:
     chunk_of = [schedule.placement.chunk_index(s) for s in range(schedule.num_stages)]
     for rank, program in enumerate(schedule.programs):
         for op, start, end in zip(program, timeline.start[rank], timeline.end[rank]):
-            fill = palette[(op.kind, chunk_of[op.stage])]
+            fill = palette[(op.kind, 0 if op.is_vocab else chunk_of[op.stage])]
             boxes.append((start - t0, end - t0, rank))
             fills.append(fill)
             cells.append((op.microbatch, fill))
