@@ -238,3 +238,57 @@ def checkpoint_cases(cases: list[dict]) -> list[dict]:
         own = pipe.state_dict()
         results.append({"errors": errors, "keys": sorted(k for k in own if k.startswith("vocab"))})
     return results
+
+
+def _budget_between(plan) -> float | None:
+    """A budget between the smallest planned peak of a vocabulary-parallel candidate and that of a
+    plain one (None when the vocabulary-parallel layout is not the leaner)."""
+    peaks = {True: [], False: []}
+    for candidate in plan.candidates:
+        if candidate.peak_bytes and candidate.period is not None:
+            peaks[candidate.vocab_parallel].append(max(candidate.peak_bytes))
+    lean, plain = min(peaks[True]), min(peaks[False])
+    return (lean + plain) / 2 if lean < plain else None
+
+
+def auto_cases(cases: list[dict]) -> list[dict]:
+    """Each case ``{vocab, blocks, budget}``: ``schedule="auto"`` with ``head=`` and ``embedding=``
+    chooses a layout (``budget="vocab only"``: under a byte budget only the vocabulary-parallel
+    layout fits, set from a first plan's peaks); its step's loss and gradients against the unsharded
+    model."""
+    init_distributed(backend="gloo", timeout=120)
+    from zerobubble import Pipeline
+
+    results = []
+    for index, case in enumerate(cases):
+        vocab, m = case["vocab"], 4
+        tokens, labels = batch(2 * m, vocab, seed=index)
+        budget = None
+        if case.get("budget") == "vocab only":
+            embedding, layers, head = model(index, vocab=vocab, blocks=case["blocks"])
+            first = Pipeline(
+                layers, schedule="auto", microbatches=m, head=head, embedding=embedding,
+                example=(tokens, labels), timeout=120,
+            )  # fmt: skip
+            budget = _budget_between(first.plan)
+        parts = model(index, vocab=vocab, blocks=case["blocks"])
+        reference_parts = copy.deepcopy(parts)
+        embedding, layers, head = parts
+        pipe = Pipeline(
+            layers, schedule="auto", microbatches=m, head=head, embedding=embedding, example=(tokens, labels),
+            timeout=120, memory_limit=budget,
+        )  # fmt: skip
+        expected_loss, expected = reference(reference_parts, tokens, labels, m)
+        loss = pipe.step(tokens, labels)
+        vocab_parallel = pipe.plan.winner.vocab_parallel
+        grads = [_worst_grad(pipe, expected, layers)] if vocab_parallel else []
+        results.append(
+            {
+                "vocab_parallel": vocab_parallel,
+                "budget": budget,
+                "reason": pipe.plan.reason,
+                "loss": None if loss is None else abs(loss.item() - expected_loss) / abs(expected_loss),
+                "grads": max(grads, default=0.0),
+            }
+        )
+    return results

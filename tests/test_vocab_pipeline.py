@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from _dist import RUNTIME_SCHEDULES, run_ranks
+from _vocab_models import auto_cases as _auto_cases
 from _vocab_models import checkpoint_cases as _checkpoint_cases
 from _vocab_models import vocab_cases
 
@@ -102,3 +103,23 @@ def test_checkpoints_hold_the_full_vocabulary_weights(tied):
     # the embedding on the first stage's rank (0), the head on the last stage's (1)
     assert per_rank[0][0]["keys"] == ["vocab_embedding.weight"]
     assert per_rank[1][0]["keys"] == ["vocab_head.weight"]
+
+
+AUTO = [{"vocab": 4000, "blocks": 4}, {"vocab": 4000, "blocks": 4, "budget": "vocab only"}]
+
+
+@pytest.fixture(scope="module")
+def planned():
+    return run_ranks(_auto_cases, 2, AUTO)
+
+
+def test_auto_weighs_both_layouts_and_runs_the_winner_exactly(planned):
+    for results in planned:
+        first, budgeted = results
+        assert "ahead of the best" in first["reason"] or "+vocab" in first["reason"], first
+        for result in results:
+            assert result["grads"] <= TOLERANCE, result
+            assert result["loss"] is None or result["loss"] <= TOLERANCE, result
+        # under a budget only its smaller peak fits, the vocabulary-parallel layout runs
+        assert budgeted["budget"] is not None and budgeted["vocab_parallel"], budgeted
+    assert any(results[0]["loss"] is not None for results in planned)

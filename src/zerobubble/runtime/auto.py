@@ -57,6 +57,8 @@ def plan_for_pipeline(
     repeats: int = 5,
     schedules: Sequence[str] | None = None,
     chunks: int | None = None,
+    head: str = "plain",
+    vocab_embedding: bool = False,
 ) -> tuple[Plan, ModelProfile]:
     """The plan every rank of ``group`` agrees on, and the profile it came from (collective).
 
@@ -86,8 +88,9 @@ def plan_for_pipeline(
     payload: list[Any] = [None]
     if gathered is not None:
         payload[0] = _decide(
-            gathered, ranks, microbatches, memory_limit, post_validation, device, schedules, chunks
-        )
+            gathered, ranks, microbatches, memory_limit, post_validation, device, schedules, chunks,
+            head=head, vocab_embedding=vocab_embedding,
+        )  # fmt: skip
     dist.broadcast_object_list(payload, src=source, group=group, device=_object_device(device))
     outcome = payload[0]
     if isinstance(outcome, str):
@@ -107,14 +110,18 @@ def resolve_auto(
     device: torch.device,
     schedules: Sequence[str] | None = None,
     chunks: int | None = None,
+    vocab: VocabPlanning | None = None,
 ) -> Resolution:
     """The Pipeline's arguments resolved by the planner (collective): :func:`plan_for_pipeline`'s
     plan as a :class:`~.resolve.Resolution`, the same on every rank; or the same error on every rank.
 
     ``ranks`` is the pipeline's size; ``microbatches`` defaults to
     :data:`~.staging.DEFAULT_MICROBATCHES`; ``schedules`` and ``chunks`` as for :func:`plan_for_pipeline`.
+    With ``vocab``, ``layers`` is the plain model of a vocabulary-parallel one (the head, and the
+    embedding, as layers of their own) and the plan chooses: a vocabulary-parallel winner resolves
+    ``vocab.blocks`` with the head's loss.
     """
-    from .resolve import from_plan
+    from .resolve import from_plan, head_loss
     from .staging import DEFAULT_MICROBATCHES, checked_loss_fn, named_layers
 
     named, loss = named_layers(layers), checked_loss_fn(loss_fn)
@@ -130,8 +137,20 @@ def resolve_auto(
         device,
         schedules=schedules,
         chunks=chunks,
+        head="both" if vocab is not None else "plain",
+        vocab_embedding=vocab is not None and vocab.embedding,
     )
+    if vocab is not None and chosen.winner.vocab_parallel:
+        return from_plan(named_layers(vocab.blocks), chosen, profile, head_loss)
     return from_plan(named, chosen, profile, loss)
+
+
+class VocabPlanning:
+    """What :func:`resolve_auto` needs to plan a vocabulary-parallel model: the layers between the
+    embedding and the head, and whether the embedding is vocabulary-parallel (its plain layer first)."""
+
+    def __init__(self, blocks: nn.Sequential | Sequence[nn.Module], *, embedding: bool):
+        self.blocks, self.embedding = blocks, embedding
 
 
 def profiling_turns(world: int, device: torch.device) -> int:
@@ -224,6 +243,9 @@ def _decide(
     device: torch.device,
     schedules: Sequence[str] | None = None,
     chunks: int | None = None,
+    *,
+    head: str = "plain",
+    vocab_embedding: bool = False,
 ) -> tuple[Plan, ModelProfile] | str:
     """Rank 0's plan from every rank's profile (median times), or the message every rank will raise."""
     failures = [outcome for outcome in profiles if isinstance(outcome, str)]
@@ -245,6 +267,8 @@ def _decide(
             cores=_shared_cores(device, ranks, len(profiles)),
             schedules=schedules,
             interleaved_chunks=(chunks,) if chunks is not None else (2,),
+            head=head,
+            vocab_embedding=vocab_embedding,
         )
         return chosen, profile
     except ScheduleError as error:

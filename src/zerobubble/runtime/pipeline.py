@@ -71,6 +71,7 @@ from .vocab import (
     check_vocab_request,
     gathered_state,
     load_vocab_state,
+    plain_model,
     shard_vocab_layers,
 )
 from .vocab_layers import VocabParallelEmbedding, VocabParallelHead
@@ -255,11 +256,16 @@ class Pipeline:
             )
         planned: Resolution | None = None
         if wants_profile(schedule, partition):  # profile, plan once, broadcast: .auto
-            from .auto import Calibrator, resolve_auto
+            from .auto import Calibrator, VocabPlanning, resolve_auto
 
+            profiled, vocab = layers, None
+            if head is not None:  # the planner weighs a plain head against the vocabulary-parallel one
+                profiled, loss_fn = plain_model(head, embedding, layers)
+                vocab = VocabPlanning(layers, embedding=embedding is not None)
+                calibrate = 0  # the calibration models stages only, not the vocabulary ops
             self._calibrator = Calibrator(calibrate) if calibrate else None  # checked before collectives
             planned = resolve_auto(
-                layers,
+                profiled,
                 example,
                 loss_fn,
                 group,
@@ -270,7 +276,10 @@ class Pipeline:
                 self.device,
                 schedules=[schedule] if isinstance(schedule, str) and partition == "profile" else None,
                 chunks=chunks,
+                vocab=vocab,
             )
+            if vocab is not None and planned.plan is not None and not planned.plan.winner.vocab_parallel:
+                self._vocab_layers = (None, None)  # the plain model won: its layers hold head and embedding
         resolution, self._agreement = agree_on(  # collective: every rank checks every rank's
             lambda: (
                 planned

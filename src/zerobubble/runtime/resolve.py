@@ -96,7 +96,7 @@ def resolve(
     vocabulary-parallel head's, whose S and T ops the schedule gets (:mod:`~..schedule.vocab`).
     Raises :class:`PipelineError`.
     """
-    loss = checked_loss_fn(loss_fn) if not vocab_parallel else _head_loss
+    loss = checked_loss_fn(loss_fn) if not vocab_parallel else head_loss
     size = pipeline_size_of(ranks, data_parallel)
     built, timeline = resolve_schedule(
         schedule, size, microbatches, chunks, costs, vocab_parallel=vocab_parallel
@@ -114,7 +114,8 @@ def resolve(
     )
 
 
-def _head_loss(output: Any, target: Any) -> torch.Tensor:  # pragma: no cover - never called
+def head_loss(output: Any, target: Any) -> torch.Tensor:  # pragma: no cover - never called
+    """The loss function of a vocabulary-parallel pipeline: the head computes the loss itself."""
     raise PipelineError("the vocabulary-parallel head computes the loss; loss_fn is not used")
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from . import PipelineError
 from .vocab_layers import (
@@ -313,10 +315,10 @@ def check_vocab_request(
             "the vocabulary-parallel head and embedding shard over the pipeline's ranks only: they do "
             "not combine with data_parallel= or mesh= yet"
         )
-    if schedule == "auto":
+    if head is None and schedule == "auto":
         raise PipelineError(
-            'schedule="auto" plans a plain head: pass a schedule name with head=, or compare both with '
-            "`zerobubble plan --vocab` (docs/guide.md, Vocabulary parallelism)"
+            'schedule="auto" with embedding= needs head= too: it chooses between a plain and a '
+            "vocabulary-parallel output layer (docs/guide.md, Vocabulary parallelism)"
         )
 
 
@@ -442,3 +444,43 @@ def load_vocab_state(
         for layer, value in loads:
             layer.weight.copy_(value[layer.vocab_start : layer.vocab_stop])
     return rest, missing
+
+
+class _EmbeddingLayer(nn.Module):
+    """A vocabulary-parallel embedding (unsharded) as the first layer of the plain model: it embeds
+    the first input and passes the others on, as the Pipeline does before its first stage."""
+
+    def __init__(self, embedding: VocabParallelEmbedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, tokens: torch.Tensor, *rest: Any) -> Any:
+        hidden = self.embedding(tokens)
+        return (hidden, *rest) if rest else hidden
+
+
+class _HeadLayer(nn.Module):
+    """A vocabulary-parallel head (unsharded) as the last layer of the plain model: the logits."""
+
+    def __init__(self, head: VocabParallelHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(hidden)
+
+
+def plain_model(
+    head: VocabParallelHead,
+    embedding: VocabParallelEmbedding | None,
+    layers: nn.Sequential | Sequence[nn.Module],
+) -> tuple[list[nn.Module], Any]:
+    """The same model with a plain head (and embedding) on the last (first) stage, and its loss: what
+    ``schedule="auto"`` profiles and runs when the plan prefers it (the same Parameters)."""
+    ignore_index = head.ignore_index
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index)
+
+    first = [_EmbeddingLayer(embedding)] if embedding is not None else []
+    return [*first, *list(layers), _HeadLayer(head)], loss

@@ -47,6 +47,7 @@ def plan(
     tie_margin: float = 0.05,
     cores: int | None = None,
     head: str = "plain",
+    vocab_embedding: bool = False,
 ) -> Plan:
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
@@ -60,7 +61,9 @@ def plan(
     machine; the profile then holds each rank's times on a core of its own).  ``head`` is
     ``"plain"`` (the profile's last layer, the output layer, on the last stage), ``"vocab-parallel"``
     (that layer sharded over every rank by vocabulary, :mod:`~..vocab`) or ``"both"`` (the planner
-    chooses; each candidate's ``vocab_parallel`` says which it is).  Raises
+    chooses; each candidate's ``vocab_parallel`` says which it is); ``vocab_embedding``: the
+    profile's first layer is an embedding that is vocabulary-parallel along with the head (its
+    bytes are then spread over the ranks and the partition covers the layers between).  Raises
     :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it needs and
     the budget.
     """
@@ -78,7 +81,11 @@ def plan(
     if head != "vocab-parallel":
         searches.append(_Search(profile, ranks, microbatches, budget, optimizer, refine, cores))
     if head != "plain":
-        searches.append(_VocabSearch(profile, ranks, microbatches, budget, optimizer, refine, cores))
+        searches.append(
+            _VocabSearch(
+                profile, ranks, microbatches, budget, optimizer, refine, cores, embedding=vocab_embedding
+            )
+        )
     candidates: list[PlanCandidate] = []
     by_candidate: dict[int, _Search] = {}
     for search in searches:
@@ -299,13 +306,15 @@ class _VocabSearch(_Search):
     costs its share of the measured forward and input gradient, T its share of the weight gradient
     (the same matmuls, cut by vocabulary rows), S keeping its share of the layer's activations."""
 
-    def __init__(self, profile: ModelProfile, ranks: int, *args: Any):
-        if len(profile.layers) < 2:
+    def __init__(self, profile: ModelProfile, ranks: int, *args: Any, embedding: bool = False):
+        first = 1 if embedding else 0
+        if len(profile.layers) < 2 + first:
             raise ScheduleError("a vocabulary-parallel head needs a profile of at least two layers")
         head = profile.layers[-1]
-        super().__init__(replace(profile, layers=profile.layers[:-1]), ranks, *args)
+        super().__init__(replace(profile, layers=profile.layers[first:-1]), ranks, *args)
         self.head = head
-        self.head_static = head.static_bytes / ranks
+        spread = [head, *profile.layers[:first]]  # the head's and the embedding's rows on every rank
+        self.head_static = math.fsum(layer.static_bytes for layer in spread) / ranks
 
     def _head_costs(self, costs: CostModel) -> CostModel:
         head, p = self.head, self.ranks
@@ -313,7 +322,8 @@ class _VocabSearch(_Search):
             vocab_s=(head.forward + head.backward_input) / p,
             vocab_t=head.backward_weight / p,
             vocab_mem=head.activation_bytes / p,
-            vocab_comm=self.profile.transfer_time(self.head.output_bytes / max(1, p)),
+            # the hidden states broadcast, the gradient parts (twice their width) gathered
+            vocab_comm=self.profile.transfer_time(3 * self.profile.layers[-1].output_bytes),
         )
 
     def _build(self, name: str, costs: CostModel, chunks: int) -> Schedule:
