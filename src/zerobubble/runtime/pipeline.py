@@ -65,14 +65,13 @@ from .resolve import LossFn, Resolution, agree_on, resolve, wants_profile
 from .staging import layer_keywords, merge_microbatches, split_call, split_keywords
 from .vocab import (
     VOCAB_LAYER_NAMES,
-    VocabGroups,
     VocabRunner,
     check_vocab_call,
     check_vocab_request,
     gathered_state,
     load_vocab_state,
+    place_vocab,
     plain_model,
-    shard_vocab_layers,
 )
 from .vocab_layers import VocabParallelEmbedding, VocabParallelHead
 from .wgrad import FastPaths
@@ -382,32 +381,25 @@ class Pipeline:
         self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
 
     def _vocab_runner(self) -> VocabRunner | None:
-        """This rank's shard of the vocabulary-parallel head and embedding, registered in
-        :attr:`module` as ``vocab_head`` and ``vocab_embedding`` (collective: three local groups)."""
+        """This rank's shard of the vocabulary-parallel head and embedding (:func:`~.vocab.place_vocab`);
+        their weights join the model's state-dict keys."""
         head, embedding = self._vocab_layers
         if head is None and embedding is None:
             return None
-        shard_vocab_layers(head, embedding, self.rank, self.world_size, self.device)
-        for name, layer in (("vocab_head", head), ("vocab_embedding", embedding)):
-            if layer is not None:
-                self.module.add_module(name, layer)
-                self._model_keys = (*self._model_keys, f"{name}.weight")
-        self._known_keys = frozenset(self._model_keys)
         ranks = [self.layout.global_rank(r) for r in range(self.world_size)]
-        timeout = self.layout.setup_timeout
-        groups = VocabGroups(*(local_group(ranks, timeout=timeout) for _ in range(3)))
-        placement = self.schedule.placement
-        return VocabRunner(
-            head=head,
-            embedding=embedding,
-            rank=self.rank,
-            size=self.world_size,
-            last=placement.rank_of(self.schedule.num_stages - 1),
-            first=placement.rank_of(0),
-            microbatches=self.schedule.microbatches,
-            groups=groups,
-            device=self.device,
+        runner, keys = place_vocab(
+            head,
+            embedding,
+            self.schedule,
+            self.rank,
+            ranks,
+            self.module,
+            self.device,
+            self.layout.setup_timeout,
         )
+        self._model_keys = (*self._model_keys, *keys)
+        self._known_keys = frozenset(self._model_keys)
+        return runner
 
     def _build_recording(self, trace: bool, emulate: CostModel | None) -> None:
         if emulate is not None:  # each op lasts its modelled duration (ms), see .emulate

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,7 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..schedule import Schedule
 from . import PipelineError
+from .groups import local_group
 from .vocab_layers import (
     HeadTotals,
     VocabParallelEmbedding,
@@ -320,6 +323,40 @@ def check_vocab_request(
             'schedule="auto" with embedding= needs head= too: it chooses between a plain and a '
             "vocabulary-parallel output layer (docs/guide.md, Vocabulary parallelism)"
         )
+
+
+def place_vocab(
+    head: VocabParallelHead | None,
+    embedding: VocabParallelEmbedding | None,
+    schedule: Schedule,
+    rank: int,
+    ranks: Sequence[int],
+    module: nn.Module,
+    device: torch.device,
+    timeout: timedelta,
+) -> tuple[VocabRunner, list[str]]:
+    """Keep this pipeline rank's vocabulary rows, register the layers in ``module`` as
+    ``vocab_head`` and ``vocab_embedding``, and make their runner (collective: three local groups
+    over the pipeline's global ``ranks``).  Returns the runner and the layers' state-dict keys."""
+    shard_vocab_layers(head, embedding, rank, len(ranks), device)
+    keys = []
+    for name, layer in (("vocab_head", head), ("vocab_embedding", embedding)):
+        if layer is not None:
+            module.add_module(name, layer)
+            keys.append(f"{name}.weight")
+    groups = VocabGroups(*(local_group(ranks, timeout=timeout) for _ in range(3)))
+    runner = VocabRunner(
+        head=head,
+        embedding=embedding,
+        rank=rank,
+        size=len(ranks),
+        last=schedule.placement.rank_of(schedule.num_stages - 1),
+        first=schedule.placement.rank_of(0),
+        microbatches=schedule.microbatches,
+        groups=groups,
+        device=device,
+    )
+    return runner, keys
 
 
 def check_vocab_call(
