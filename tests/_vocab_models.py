@@ -236,8 +236,40 @@ def checkpoint_cases(cases: list[dict]) -> list[dict]:
         if loss is not None and again is not None:
             errors.append(abs(loss.item() - again.item()))
         own = pipe.state_dict()
+        errors += _optimizer_state_errors(pipe, unsharded, fresh, other, tokens, labels, m)
         results.append({"errors": errors, "keys": sorted(k for k in own if k.startswith("vocab"))})
     return results
+
+
+def _optimizer_state_errors(pipe, unsharded, fresh, other, tokens, labels, m) -> list[float]:
+    """AdamW state of a vocabulary-parallel pipeline, saved (flat) and loaded into another layout:
+    the owner's full rows equal the unsharded model's, every rank's loaded rows too."""
+    import torch.distributed as dist
+
+    reference(unsharded, tokens, labels, m)  # the gradients the pipeline's step computes too
+    reference_optimizer = torch.optim.AdamW(
+        {
+            id(p): p for part in (unsharded[0], *unsharded[1], unsharded[2]) for p in part.parameters()
+        }.values(),
+        lr=0.1,
+    )
+    reference_optimizer.step()
+    full_rows = reference_optimizer.state[unsharded[2].weight]["exp_avg"]
+    pipe.step(tokens, labels)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.1)
+    pipe.optimizer_step(optimizer)
+    saved = pipe.optimizer_state_dict(optimizer, flatten=True)
+    merged: list = [None] * dist.get_world_size()
+    dist.all_gather_object(merged, saved)
+    whole = {key: value for part in merged for key, value in part.items()}
+    key = "state.vocab_head.weight.exp_avg"
+    errors = [(whole[key] - full_rows).abs().max().item()]
+    loaded = torch.optim.AdamW(other.parameters(), lr=0.1)
+    other.load_optimizer_state_dict(loaded, whole)
+    head = other.module.vocab_head
+    rows = loaded.state[head.weight]["exp_avg"]
+    errors.append((rows - full_rows[head.vocab_start : head.vocab_stop]).abs().max().item())
+    return errors
 
 
 def _budget_between(plan) -> float | None:

@@ -68,10 +68,12 @@ from .vocab import (
     VocabRunner,
     check_vocab_call,
     check_vocab_request,
+    gathered_optimizer_state,
     gathered_state,
     load_vocab_state,
     place_vocab,
     plain_model,
+    sliced_optimizer_state,
 )
 from .vocab_layers import VocabParallelEmbedding, VocabParallelHead
 from .wgrad import FastPaths
@@ -774,13 +776,20 @@ class Pipeline:
         """
         from .checkpoint import create_optimizer_state, optimizer_state_by_name
 
-        self._refuse_vocab_optimizer_state("optimizer_state_dict")
         self.synchronize()
         optimizer = self._named_optimizer(optimizer, "optimizer_state_dict")
         if optimizer is None:  # a rank without parameters
             return {} if flatten else {"state": {}, "param_groups": []}
         create_optimizer_state(optimizer)
-        return optimizer_state_by_name(optimizer, self._parameter_names(), flatten)
+        names = self._parameter_names()
+        state = optimizer_state_by_name(optimizer, names, flatten)
+        runner = self._executor.vocab
+        if runner is not None:  # the vocabulary rows' state, gathered to the weights' owners
+            return self._guarded(
+                "optimizer_state_dict",
+                lambda: gathered_optimizer_state(runner, state, names, flatten=flatten),
+            )
+        return state
 
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer | None, state_dict: Mapping[str, Any], strict: bool = True
@@ -796,22 +805,14 @@ class Pipeline:
         """
         from .checkpoint import load_optimizer_state_by_name
 
-        self._refuse_vocab_optimizer_state("load_optimizer_state_dict")
         self.synchronize()
         optimizer = self._named_optimizer(optimizer, "load_optimizer_state_dict")
         if optimizer is None:
             return []
+        if self._executor.vocab is not None:  # this rank's rows of the full vocabulary state
+            state_dict = sliced_optimizer_state(self._executor.vocab, state_dict, self._parameter_names())
         aliases = {tie[0]: tie[1:] for tie in self._ties}
         return load_optimizer_state_by_name(optimizer, state_dict, self._parameter_names(), aliases, strict)
-
-    def _refuse_vocab_optimizer_state(self, call: str) -> None:
-        if self._executor.vocab is not None:
-            raise PipelineError(
-                f"{call}() names the optimizer state by parameter, and every rank holds different rows of "
-                "the vocabulary-parallel weights under one name: not supported yet — save each rank's "
-                "optimizer.state_dict() and load it into the same layout (docs/guide.md, Vocabulary "
-                "parallelism)"
-            )
 
     def _named_optimizer(
         self, optimizer: torch.optim.Optimizer | None, call: str
