@@ -324,3 +324,38 @@ def auto_cases(cases: list[dict]) -> list[dict]:
             }
         )
     return results
+
+
+def feature_cases(cases: list[dict]) -> list[dict]:
+    """The Pipeline's other options with the vocabulary-parallel layers: ``trace=True`` (the recorded
+    timeline holds the S and T ops; the trace is written), ``static_shapes=False``, and
+    ``return_outputs=True`` (the last stage's hidden states); the loss against the unsharded model."""
+    import tempfile
+
+    init_distributed(backend="gloo", timeout=60)
+    from zerobubble import Pipeline
+
+    results = []
+    for index, case in enumerate(cases):
+        vocab, m = 13, 2
+        parts = model(index, vocab=vocab)
+        reference_parts = copy.deepcopy(parts)
+        embedding, layers, head = parts
+        pipe = Pipeline(
+            layers, schedule="zb-h1", microbatches=m, head=head, embedding=embedding,
+            trace=case.get("trace", False), static_shapes=case.get("static_shapes", True),
+        )  # fmt: skip
+        tokens, labels = batch(2 * m, vocab, seed=index)
+        expected_loss, _ = reference(reference_parts, tokens, labels, m)
+        loss, outputs = pipe.step(tokens, labels, return_outputs=True)
+        result = {"loss": None if loss is None else abs(loss.item() - expected_loss) / abs(expected_loss)}
+        result["outputs"] = None if outputs is None else list(outputs.shape)
+        if case.get("trace"):
+            pipe.step(tokens, labels)
+            with tempfile.TemporaryDirectory() as folder:
+                report = pipe.write_trace(folder)
+            timelines = pipe.measured_timelines() or []
+            result["recorded"] = sorted({op.kind.value for t in timelines for _, op in t.schedule.ops()})
+            result["report"] = report is not None
+        results.append(result)
+    return results

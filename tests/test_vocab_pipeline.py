@@ -9,6 +9,7 @@ import pytest
 from _dist import RUNTIME_SCHEDULES, run_ranks
 from _vocab_models import auto_cases as _auto_cases
 from _vocab_models import checkpoint_cases as _checkpoint_cases
+from _vocab_models import feature_cases as _feature_cases
 from _vocab_models import vocab_cases
 
 pytestmark = pytest.mark.multiprocess
@@ -123,3 +124,15 @@ def test_auto_weighs_both_layouts_and_runs_the_winner_exactly(planned):
         # under a budget only its smaller peak fits, the vocabulary-parallel layout runs
         assert budgeted["budget"] is not None and budgeted["vocab_parallel"], budgeted
     assert any(results[0]["loss"] is not None for results in planned)
+
+
+def test_trace_dynamic_shapes_and_outputs_work_with_the_vocab_layers():
+    cases = [{"trace": True}, {"static_shapes": False}]
+    per_rank = run_ranks(_feature_cases, 2, cases)
+    for rank, results in enumerate(per_rank):
+        for result in results:
+            assert result["loss"] is None or result["loss"] <= TOLERANCE, (rank, result)
+    traced = per_rank[0][0]  # the measured timelines and the report are rank 0's
+    assert {"S", "T"} <= set(traced["recorded"]) and traced["report"], traced
+    last = per_rank[1]  # zb-h1: the last stage on rank 1 returns its hidden states
+    assert all(result["outputs"] == [4, 5, 6] for result in last), last

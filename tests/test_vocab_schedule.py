@@ -171,3 +171,15 @@ def test_pictures_show_the_vocab_ops_and_torch_export_refuses_them(tmp_path):
     assert "vocab shard" in (tmp_path / "vocab.svg").read_text()
     with pytest.raises(ScheduleError, match="no action for"):
         to_torch_csv(schedule)
+
+
+def test_polish_refuses_vocab_ops_but_runs_before_they_are_placed():
+    pytest.importorskip("ortools")
+    from zerobubble.schedule import polish_schedule
+
+    costs = _vocab_costs()
+    schedule = build_schedule("zb-h1", 2, 4, costs, vocab_parallel=True)
+    with pytest.raises(ScheduleError, match="polish the schedule before placing them"):
+        polish_schedule(schedule, costs, seconds=1.0)
+    polished = build_schedule("zb-h1", 2, 4, costs, vocab_parallel=True, polish_seconds=1.0)
+    assert polished.vocab_shards == 2

@@ -104,9 +104,16 @@ def polish_schedule(
     solver proves the freed ops' order optimal with time left, the window doubles and it solves again
     from the better schedule.  ``workers`` are CP-SAT's threads (default: one per core, up to 8).
     The result's ``meta["polish"]`` is a :class:`PolishReport`.  Raises :class:`ScheduleError`
-    when OR-tools is not installed or an argument is out of range.
+    when OR-tools is not installed, an argument is out of range or the schedule has vocabulary ops
+    (the model has no S and T: polish before :func:`~.vocab.add_vocab_ops`, as ``build_schedule`` does).
     """
     cp_model = check_polish_request(seconds, window=window, workers=workers)
+    if schedule.vocab_shards:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} has vocabulary-parallel ops (S, T), which the polish does not "
+            "model: polish the schedule before placing them (build_schedule(..., polish_seconds=, "
+            "vocab_parallel=True) does)"
+        )
     resolved = resolve_costs_for(schedule, costs)
     deadline = time.monotonic() + seconds
     with collector_paused():
