@@ -270,3 +270,68 @@ def split_cases() -> dict:
     shard[0, 0] = float("inf") if torch.distributed.get_rank() == 1 else 0.0
     results["nonfinite"] = local_state(grads, 2.0, torch.device("cpu"))[1].item()
     return results
+
+
+def three_d_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
+    """On pp 2 × dp 2 × tp 2 (8 ranks) with ``data_parallel="fsdp"``: FSDP2 over the tensor-parallel
+    blocks.  For each schedule, ``steps`` AdamW steps clipped to ``max_norm`` against one process on
+    the whole batch (each replica steps on its half).  Returns per schedule the worst relative
+    error of the parameters after the steps, the steps the clip scaled, the parameters' placements,
+    and this rank's bytes of parameters, gradients and AdamW state over the replicated stage's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerobubble import Pipeline
+    from zerobubble.runtime.launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=120)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    results = {}
+    for case, schedule in enumerate(schedules):
+        model = nn.Sequential(*_model(seed=case))
+        ref_opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        pipe = Pipeline(
+            _model(seed=case), schedule=schedule, microbatches=4, loss_fn=F.mse_loss, mesh=mesh,
+            parallelize=parallelize, data_parallel="fsdp", timeout=120,
+        )  # fmt: skip
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.1)
+        half = slice(8 * pipe.layout.dp_index, 8 * pipe.layout.dp_index + 8)
+        for step in range(steps):
+            x, y = _batch(16, seed=100 + step)
+            F.mse_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            pipe.step(x[half], y[half])
+            pipe.optimizer_step(optimizer, max_norm=max_norm)
+            held = _held_bytes(pipe, optimizer)  # with this step's gradients and AdamW state
+            optimizer.zero_grad(set_to_none=True)
+        pipe.synchronize()
+        wanted = dict(model.named_parameters())
+        errors = {n: _relative(full(p.detach()), wanted[n].detach()) for n, p in pipe.named_parameters()}
+        replicated = sum(3 * wanted[n].numel() * wanted[n].element_size() for n in errors)  # p, g, 2·state/2
+        results[schedule] = {
+            "params": max(errors.values()),
+            "clipped": pipe.optimizer_stats.clipped,
+            "steps": pipe.optimizer_stats.steps,
+            "placements": sorted(
+                {str(getattr(p, "placements", "plain")) for _, p in pipe.named_parameters()}
+            ),
+            "bytes": held / (replicated * 4 / 3),
+        }
+    return results
+
+
+def _held_bytes(pipe, optimizer) -> int:
+    """This rank's bytes of parameters, gradients and optimizer state (local shards)."""
+    from zerobubble.runtime.tensors import local_value
+
+    total = 0
+    for param in pipe.parameters():
+        total += local_value(param).numel() * param.element_size()
+        if param.grad is not None:
+            total += local_value(param.grad).numel() * param.element_size()
+        for value in optimizer.state.get(param, {}).values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                total += local_value(value).numel() * value.element_size()
+    return total

@@ -94,17 +94,32 @@ def local_state(
     """
     if not grads:
         return torch.zeros(2, dtype=torch.float64, device=device)
+    if shards:
+        parts = torch.stack([_shard_part(g, norm_type, device) for g in grads])
+        nonfinite = (~torch.isfinite(parts)).any().to(torch.float64)
+        return torch.stack([parts.max() if math.isinf(norm_type) else parts.sum(), nonfinite])
     norms = torch.stack(
-        [
-            torch.linalg.vector_norm(local_value(g), norm_type).to(device, torch.float64)
-            if shards
-            else full_value(torch.linalg.vector_norm(g, norm_type)).to(device, torch.float64)
-            for g in grads
-        ]
+        [full_value(torch.linalg.vector_norm(g, norm_type)).to(device, torch.float64) for g in grads]
     )
     nonfinite = (~torch.isfinite(norms)).any().to(torch.float64)
     part = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
     return torch.stack([part, nonfinite])
+
+
+def _shard_part(grad: torch.Tensor, norm_type: float, device: torch.device) -> torch.Tensor:
+    """A sharded gradient's part of the state over the data-parallel group: ``‖local shard‖_p^p``
+    (``‖·‖_∞``).  A DTensor of FSDP2 over tensor parallelism (a mesh of more than one dimension, the
+    data-parallel one first) is also cut along the other dimensions where it is sharded: its part
+    is first summed (or maxed) over those dimensions' groups, so each row is counted once."""
+    norm = torch.linalg.vector_norm(local_value(grad), norm_type).to(device, torch.float64)
+    part = norm if math.isinf(norm_type) else norm.pow(norm_type)
+    mesh = getattr(grad, "device_mesh", None)
+    if mesh is None or mesh.ndim < 2:
+        return part
+    for dim, placement in enumerate(grad.placements[1:], start=1):  # type: ignore[attr-defined]
+        if placement.is_shard():
+            dist.all_reduce(part, op=reduce_op(norm_type), group=mesh.get_group(dim))
+    return part
 
 
 def combine_states(earlier: torch.Tensor, local: torch.Tensor, norm_type: float) -> torch.Tensor:

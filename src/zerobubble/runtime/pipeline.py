@@ -250,11 +250,6 @@ class Pipeline:
             group = local_group(mesh_ranks(mesh), timeout=setup)
         size, data_parallel, sharding = parallel_size(data_parallel, mesh, self._dims, group)
         self.sharding: str | None = sharding  # "fsdp", or None: replicated
-        if sharding is not None and parallelize is not None:  # the same on every rank
-            raise PipelineError(
-                'data_parallel="fsdp" with parallelize= (FSDP2 over tensor-parallel DTensors) is not '
-                'supported yet: use data_parallel="replicate" with parallelize=, or FSDP2 without it'
-            )
         planned: Resolution | None = None
         if wants_profile(schedule, partition):  # profile, plan once, broadcast: .auto
             from .auto import Calibrator, VocabPlanning, resolve_auto
