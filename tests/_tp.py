@@ -335,3 +335,97 @@ def _held_bytes(pipe, optimizer) -> int:
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 total += local_value(value).numel() * value.element_size()
     return total
+
+
+SAVED_AT = 2  # clipped AdamW steps before the 3-D checkpoint
+
+
+def _reference_run(seed: int, max_norm: float) -> tuple[dict, dict]:
+    """One process on the whole batch: the state after SAVED_AT steps and after one more."""
+    model = nn.Sequential(*_model(seed=seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    states = []
+    for step in range(SAVED_AT + 1):
+        x, y = _batch(16, seed=100 + step)
+        F.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return states[SAVED_AT - 1], states[SAVED_AT]
+
+
+def _pipeline_step(pipe, optimizer, step: int, max_norm: float) -> None:
+    x, y = _batch(16, seed=100 + step)
+    rows = 16 // pipe.data_parallel
+    part = slice(rows * pipe.layout.dp_index, rows * (pipe.layout.dp_index + 1))
+    pipe.step(x[part], y[part])
+    pipe.optimizer_step(optimizer, max_norm=max_norm)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _distance(state: dict, expected: dict) -> float:
+    return max(float((full(state[k]).double() - expected[k]).abs().max()) for k in expected)
+
+
+def three_d_checkpoint_cases(root: str, max_norm: float) -> dict:
+    """A DCP checkpoint of pp 2 × dp 2 (FSDP2) × tp 2 after SAVED_AT clipped AdamW steps, loaded into
+    pp 2 × dp 4 (FSDP2, no tensor parallelism) and into the unpipelined model (rank 0, torch's own
+    ``set_state_dict``); each takes one more step.  Returns the largest parameter difference from one
+    process run uninterrupted, at the checkpoint and after the step."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerobubble import Pipeline
+    from zerobubble.runtime.launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=120)
+    torch.set_num_threads(1)
+    saved_state, expected = _reference_run(0, max_norm)
+    three = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    options = {"microbatches": 4, "loss_fn": F.mse_loss, "data_parallel": "fsdp", "timeout": 120}
+    pipe = Pipeline(_model(seed=0), schedule="zb-h1", mesh=three, parallelize=parallelize, **options)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(SAVED_AT):
+        _pipeline_step(pipe, optimizer, step, max_norm)
+    out = {"saved": _distance(pipe.full_state_dict(), saved_state)}
+    state = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(optimizer, flatten=True)}
+    dcp.save(state, checkpoint_id=root)
+    del pipe, optimizer, state
+    dist.barrier()
+    two = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    pipe = Pipeline(_model(seed=1), schedule="1f1b", mesh=two, **options)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.1)
+    state = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(optimizer, flatten=True)}
+    dcp.load(state, checkpoint_id=root)
+    pipe.load_state_dict(state["model"])
+    pipe.load_optimizer_state_dict(optimizer, state["optim"])
+    _pipeline_step(pipe, optimizer, SAVED_AT, max_norm)
+    out["pp2 dp4"] = _distance(pipe.full_state_dict(), expected)
+    if dist.get_rank() == 0:
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        model = nn.Sequential(*_model(seed=2))
+        plain = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        model_state, optim_state = get_state_dict(model, plain, options=flat)
+        loaded = {"model": model_state, "optim": optim_state}
+        dcp.load(loaded, checkpoint_id=root, no_dist=True)
+        set_state_dict(
+            model, plain, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=flat
+        )
+        x, y = _batch(16, seed=100 + SAVED_AT)
+        F.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        plain.step()
+        out["unpipelined"] = _distance(model.state_dict(), expected)
+    dist.barrier()
+    return out
+
+
+def three_d_all(schedules: list[str], steps: int, max_norm: float, root: str) -> dict:
+    """:func:`three_d_cases` and :func:`three_d_checkpoint_cases` in one spawn of 8 ranks."""
+    return {
+        "steps": three_d_cases(schedules, steps, max_norm),
+        "checkpoint": three_d_checkpoint_cases(root, max_norm),
+    }

@@ -4,7 +4,8 @@ FSDP2 shards the tensor-parallel DTensors of each chunk over "dp" (2-D DTensors,
 composes them); the B/W split, the clipped post-validated AdamW steps and the gradients' reduction run
 on them.  One spawn runs every schedule: after 3 clipped AdamW steps the parameters equal one process
 training the whole model on the whole batch, and each rank holds about 1/(dp·tp) of the replicated
-bytes of parameters, gradients and AdamW state.
+bytes of parameters, gradients and AdamW state.  The same spawn then saves the 3-D layout with DCP
+and loads it into pp 2 × dp 4 and into the unpipelined model, each continuing exactly.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from _dist import run_ranks
-from _tp import three_d_cases
+from _tp import three_d_all
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,8 +21,14 @@ SCHEDULES = ["zb-h1", "zb-v", "1f1b"]
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(three_d_cases, 8, SCHEDULES, 3, 0.5, timeout=400)
+def spawned(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("three_d") / "checkpoint")
+    return run_ranks(three_d_all, 8, SCHEDULES, 3, 0.5, root, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def results(spawned):
+    return [per_rank["steps"] for per_rank in spawned]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -39,3 +46,11 @@ def test_parameters_are_two_dimensional_shards(results, schedule):
         assert "(Shard(dim=0), Shard(dim=1))" in outcome["placements"]  # dp rows × tp columns
         # 1/(dp·tp) = 0.25 of the replicated bytes; the norms and row-wise biases are split over dp only
         assert 0.25 <= outcome["bytes"] <= 0.32, outcome
+
+
+def test_a_checkpoint_of_the_3d_layout_loads_into_other_layouts_and_continues_exactly(spawned):
+    """DCP from pp 2 × dp 2 × tp 2 into pp 2 × dp 4 (FSDP2 alone) and into the unpipelined model."""
+    per_rank = [outcome["checkpoint"] for outcome in spawned]
+    for rank, outcome in enumerate(per_rank):
+        assert outcome["saved"] <= 1e-10 and outcome["pp2 dp4"] <= 1e-10, (rank, outcome)
+    assert per_rank[0]["unpipelined"] <= 1e-10, per_rank[0]
