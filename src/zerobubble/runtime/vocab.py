@@ -37,6 +37,7 @@ from .vocab_layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
     check_labels,
+    check_tokens,
     embedding_partial,
     embedding_weight_grad,
     head_input_grad,
@@ -117,18 +118,17 @@ class VocabRunner:
     def begin_step(
         self, inputs: Sequence[tuple[torch.Tensor, ...]], targets: Sequence[Any], scale: float, training: bool
     ) -> None:
-        """Check the labels and tokens (every rank has them all, so every rank raises alike) and
-        start the embedding's reductions."""
+        """Keep the step's labels and start the embedding's reductions; the labels and tokens were
+        checked before the call ran (:func:`check_vocab_call`)."""
         self._scale, self._training = scale, training
         if self.head is not None:
             labels = [torch.as_tensor(t).to(self.device).reshape(-1) for t in targets]
-            check_labels(torch.cat(labels), self.head.vocab_size, self.head.ignore_index)
             self._labels, self._shapes = labels, [torch.as_tensor(t).shape for t in targets]
         if self.embedding is not None:
             self._tokens = [x[0] for x in inputs]
             self._embedded = []
             for tokens in self._tokens:
-                part = embedding_partial(self.embedding, tokens)
+                part = embedding_partial(self.embedding, tokens, checked=True)
                 work = dist.reduce(part, group_dst=self.first, group=self.groups.embed, async_op=True)
                 self._embedded.append((part, work))
 
@@ -200,7 +200,7 @@ class VocabRunner:
         elif work is not None:  # the sender keeps the tensor until its broadcast is over (T waits)
             self._hidden[j] = (hidden, work)
         self._post_hidden(j + 1)  # the next microbatch's hidden states travel meanwhile
-        partials = head_partials(head, hidden, self._labels[j])
+        partials = head_partials(head, hidden, self._labels[j], checked=True)
         stats = [torch.empty_like(partials.stats) for _ in range(self.size)]
         stats_work = dist.all_gather(stats, partials.stats, group=self.groups.reduce, async_op=True)
         shard = _Shard(hidden, partials.logits, stats, stats_work, uses=1 + (self.rank == self.last))
@@ -369,23 +369,10 @@ def check_vocab_call(
     """A call's labels and tokens, checked before anything runs: every rank holds them all, so a bad
     one raises the same :class:`PipelineError` on every rank and the Pipeline stays usable."""
     if head is not None:
-        labels = [torch.as_tensor(t) for t in targets]
-        if any(label.is_floating_point() or label.is_complex() for label in labels):
-            raise PipelineError("the vocabulary-parallel head takes integer labels (token ids), not floats")
-        check_labels(torch.cat([label.reshape(-1) for label in labels]), head.vocab_size, head.ignore_index)
+        labels = torch.cat([torch.as_tensor(t).reshape(-1) for t in targets])
+        check_labels(labels, head.vocab_size, head.ignore_index)
     if embedding is not None:
-        tokens = [x[0] for x in inputs]
-        if any(t.is_floating_point() for t in tokens):
-            raise PipelineError(
-                "the vocabulary-parallel embedding takes integer token ids as the first input"
-            )
-        bad = next((t for t in tokens if bool(((t < 0) | (t >= embedding.vocab_size)).any())), None)
-        if bad is not None:
-            value = bad[(bad < 0) | (bad >= embedding.vocab_size)].reshape(-1)[0].item()
-            raise PipelineError(
-                f"token {value} is outside the vocabulary of {embedding.vocab_size} rows "
-                "(the vocabulary-parallel embedding's inputs)"
-            )
+        check_tokens(torch.cat([x[0].reshape(-1) for x in inputs]), embedding.vocab_size)
 
 
 def shard_vocab_layers(

@@ -38,6 +38,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "check_labels",
+    "check_tokens",
     "embedding_partial",
     "embedding_weight_grad",
     "head_input_grad",
@@ -349,6 +350,12 @@ def check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
     _check_ids(labels, vocab, ignore_index, "label")
 
 
+def check_tokens(tokens: torch.Tensor, vocab: int) -> None:
+    """Raise :class:`PipelineError` if ``tokens`` is not an integer tensor, or if a token is outside
+    [0, vocab); the message names the first bad value, its position and the vocabulary size."""
+    _check_ids(tokens, vocab, None, "token")
+
+
 class HeadPartials(NamedTuple):
     """What one shard of the head contributes to a batch of n tokens (:func:`head_partials`).
 
@@ -406,14 +413,18 @@ def _label_columns(
 
 
 @torch.no_grad()
-def head_partials(head: VocabParallelHead, hidden: torch.Tensor, labels: torch.Tensor) -> HeadPartials:
+def head_partials(
+    head: VocabParallelHead, hidden: torch.Tensor, labels: torch.Tensor, *, checked: bool = False
+) -> HeadPartials:
     """The 'S pass' of the one-barrier vocabulary-parallel head: all that this shard contributes.
 
     ``hidden`` [n, dim] (2-D, already flattened) and ``labels`` [n] of the FULL vocabulary (checked with
-    :func:`check_labels`); computed from this shard's rows only, without autograd.
+    :func:`check_labels` unless the caller did, ``checked``: the check reads the labels on the host);
+    computed from this shard's rows only, without autograd.
     """
     _check_head_inputs(head, hidden, labels)
-    check_labels(labels, head.vocab_size, head.ignore_index)
+    if not checked:
+        check_labels(labels, head.vocab_size, head.ignore_index)
     weight = head.weight.detach()
     logits = F.linear(hidden, weight)
     slope = None  # d softcapped / d logit, 1 − tanh²
@@ -520,24 +531,28 @@ def head_weight_grad(
 
 
 def _embedding_rows(
-    embedding: VocabParallelEmbedding, tokens: torch.Tensor
+    embedding: VocabParallelEmbedding, tokens: torch.Tensor, checked: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check the tokens; ``(inside, row)``: whether each token is in this shard, and its row there (0
-    where it is not, so that the row is always a valid index)."""
-    _check_ids(tokens, embedding.vocab_size, None, "token")
+    """Check the tokens (unless ``checked``); ``(inside, row)``: whether each token is in this shard,
+    and its row there (0 where it is not, so that the row is always a valid index)."""
+    if not checked:
+        check_tokens(tokens, embedding.vocab_size)
     tokens = tokens.long()
     inside = (tokens >= embedding.vocab_start) & (tokens < embedding.vocab_stop)
     return inside, torch.where(inside, tokens - embedding.vocab_start, 0)
 
 
 @torch.no_grad()
-def embedding_partial(embedding: VocabParallelEmbedding, tokens: torch.Tensor) -> torch.Tensor:
+def embedding_partial(
+    embedding: VocabParallelEmbedding, tokens: torch.Tensor, *, checked: bool = False
+) -> torch.Tensor:
     """This shard's contribution to the embedding of ``tokens`` (any shape), ``tokens.shape + (dim,)``.
 
     Its rows (times ``scale``) where the token is in [vocab_start, vocab_stop), zeros elsewhere: the sum
-    over the shards is the full embedding.  Raises if a token is outside [0, vocab_size).
+    over the shards is the full embedding.  Raises if a token is outside [0, vocab_size), unless the
+    caller checked them (``checked``, :func:`check_tokens`).
     """
-    inside, row = _embedding_rows(embedding, tokens)
+    inside, row = _embedding_rows(embedding, tokens, checked)
     rows = F.embedding(row, embedding.weight.detach())
     if embedding.scale is not None:
         rows = rows * embedding.scale

@@ -150,11 +150,6 @@ class CostModel:
             return tuple(value)
         raise ScheduleError(f"cost {name!r} has {len(value)} values; give one number or {p} (one per shard)")
 
-    @property
-    def has_vocab_costs(self) -> bool:
-        """Whether any vocabulary-parallel cost is set (the plain model then holds no head)."""
-        return any(getattr(self, name) not in (0.0, None) for name in VOCAB_COST_FIELDS)
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {

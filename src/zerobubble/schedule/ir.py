@@ -261,6 +261,9 @@ class Schedule:
         object.__setattr__(self, "microbatches", microbatches)
         object.__setattr__(self, "programs", tuple(tuple(program) for program in programs))
         object.__setattr__(self, "meta", dict(meta or {}))
+        # read by every simulation and validation: found once, not per read
+        has_vocab = any(op.kind is Kind.S or op.kind is Kind.T for program in self.programs for op in program)
+        object.__setattr__(self, "_vocab_shards", placement.num_ranks if has_vocab else 0)
         if len(self.programs) != self.placement.num_ranks:
             raise ScheduleError(
                 f"schedule {self.name!r} has {len(self.programs)} programs for "
@@ -292,7 +295,7 @@ class Schedule:
     @property
     def vocab_shards(self) -> int:
         """The number of vocabulary shards (``p``) when the schedule has S and T ops, else 0."""
-        return self.num_ranks if any(op.is_vocab for program in self.programs for op in program) else 0
+        return self._vocab_shards  # type: ignore[attr-defined]
 
     @property
     def splits_backward(self) -> bool:

@@ -251,7 +251,11 @@ def encode_programs(schedule: Schedule) -> EncodedPrograms:
             raise ScheduleError(
                 f"rank {rank}: op {op} is outside the schedule's {S} stages and {m} microbatches"
             )
-        misplaced = next((op for op in program if op.is_vocab and op.stage != rank), None)
+        misplaced = (
+            next((op for op in program if op.is_vocab and op.stage != rank), None)
+            if schedule.vocab_shards
+            else None
+        )
         if misplaced is not None:
             raise ScheduleError(
                 f"rank {rank}: {misplaced} is of vocabulary shard {misplaced.stage}, which rank "
