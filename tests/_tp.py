@@ -274,52 +274,103 @@ def split_cases() -> dict:
 
 def three_d_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
     """On pp 2 × dp 2 × tp 2 (8 ranks) with ``data_parallel="fsdp"``: FSDP2 over the tensor-parallel
-    blocks.  For each schedule, ``steps`` AdamW steps clipped to ``max_norm`` against one process on
-    the whole batch (each replica steps on its half).  Returns per schedule the worst relative
-    error of the parameters after the steps, the steps the clip scaled, the parameters' placements,
-    and this rank's bytes of parameters, gradients and AdamW state over the replicated stage's."""
+    blocks, per schedule (:func:`_sharded_steps`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from zerobubble import Pipeline
     from zerobubble.runtime.launch import init_distributed
 
     init_distributed(backend="gloo", timeout=120)
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    results = {}
-    for case, schedule in enumerate(schedules):
-        model = nn.Sequential(*_model(seed=case))
-        ref_opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-        pipe = Pipeline(
-            _model(seed=case), schedule=schedule, microbatches=4, loss_fn=F.mse_loss, mesh=mesh,
-            parallelize=parallelize, data_parallel="fsdp", timeout=120,
-        )  # fmt: skip
-        optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.1)
-        half = slice(8 * pipe.layout.dp_index, 8 * pipe.layout.dp_index + 8)
-        for step in range(steps):
-            x, y = _batch(16, seed=100 + step)
-            F.mse_loss(model(x), y).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            pipe.step(x[half], y[half])
-            pipe.optimizer_step(optimizer, max_norm=max_norm)
-            held = _held_bytes(pipe, optimizer)  # with this step's gradients and AdamW state
-            optimizer.zero_grad(set_to_none=True)
-        pipe.synchronize()
-        wanted = dict(model.named_parameters())
-        errors = {n: _relative(full(p.detach()), wanted[n].detach()) for n, p in pipe.named_parameters()}
-        replicated = sum(3 * wanted[n].numel() * wanted[n].element_size() for n in errors)  # p, g, 2·state/2
-        results[schedule] = {
-            "params": max(errors.values()),
-            "clipped": pipe.optimizer_stats.clipped,
-            "steps": pipe.optimizer_stats.steps,
-            "placements": sorted(
-                {str(getattr(p, "placements", "plain")) for _, p in pipe.named_parameters()}
-            ),
-            "bytes": held / (replicated * 4 / 3),
-        }
-    return results
+    return {
+        schedule: _sharded_steps(mesh, "fsdp", parallelize, schedule, case, steps, max_norm)
+        for case, schedule in enumerate(schedules)
+    }
+
+
+def hsdp_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
+    """On pp 2 × dp_replicate 2 × dp_shard 2 (8 ranks) with ``data_parallel="hsdp"``, no tensor
+    parallelism, per schedule (:func:`_sharded_steps`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    return {
+        schedule: _sharded_steps(mesh, "hsdp", None, schedule, case, steps, max_norm)
+        for case, schedule in enumerate(schedules)
+    }
+
+
+def hsdp_tp_norm_case() -> dict:
+    """FSDP2 over tensor parallelism on a 3-D mesh dp_replicate 2 × dp_shard 2 × tp 2 (HSDP + TP,
+    the 16-rank pipeline layout without its pipeline dimension): one :class:`Block`'s gradients after
+    a backward of the same batch everywhere.  Returns the relative error of the clip's norm state
+    (summed over the dp_shard group, as the optimizer does) against the unsharded block's, for the
+    2-norm and the max norm, and the gradients' placements."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from zerobubble.runtime.optim import local_state, reduce_op
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    torch.manual_seed(0)
+    plain = Block().double()
+    block = fully_shard(parallelize(copy.deepcopy(plain), mesh["tp"]), mesh=mesh["dp_replicate", "dp_shard"])
+    x = torch.randn(4, SEQ, WIDTH, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    block(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    grads = [p.grad for p in block.parameters()]
+    out: dict = {"placements": sorted({str(g.placements) for g in grads})}
+    for norm_type in (2.0, float("inf")):
+        state = local_state(grads, norm_type, torch.device("cpu"), shards=True)
+        dist.all_reduce(state, op=reduce_op(norm_type), group=mesh.get_group("dp_shard"))
+        norms = torch.stack([p.grad.norm(norm_type) for p in plain.parameters()])
+        want = norms.max() if norm_type == float("inf") else norms.pow(2).sum()
+        out[norm_type] = abs(state[0].item() - want.item()) / want.item()
+    return out
+
+
+def _sharded_steps(mesh, data_parallel: str, parallelize_fn, schedule: str, seed: int, steps: int,
+                   max_norm: float) -> dict:  # fmt: skip
+    """``steps`` AdamW steps clipped to ``max_norm`` on ``mesh`` against one process on the whole
+    batch (each replica steps on its share).  Returns the worst relative error of the parameters
+    after the steps, the steps the clip scaled, the parameters' placements, and this rank's bytes of
+    parameters, gradients and AdamW state over the replicated stage's."""
+    from zerobubble import Pipeline
+
+    model = nn.Sequential(*_model(seed=seed))
+    ref_opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    pipe = Pipeline(
+        _model(seed=seed), schedule=schedule, microbatches=4, loss_fn=F.mse_loss, mesh=mesh,
+        parallelize=parallelize_fn, data_parallel=data_parallel, timeout=120,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.1)
+    rows = 16 // pipe.data_parallel
+    share = slice(rows * pipe.layout.dp_index, rows * (pipe.layout.dp_index + 1))
+    for step in range(steps):
+        x, y = _batch(16, seed=100 + step)
+        F.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        pipe.step(x[share], y[share])
+        pipe.optimizer_step(optimizer, max_norm=max_norm)
+        held = _held_bytes(pipe, optimizer)  # with this step's gradients and AdamW state
+        optimizer.zero_grad(set_to_none=True)
+    pipe.synchronize()
+    wanted = dict(model.named_parameters())
+    errors = {n: _relative(full(p.detach()), wanted[n].detach()) for n, p in pipe.named_parameters()}
+    replicated = sum(3 * wanted[n].numel() * wanted[n].element_size() for n in errors)  # p, g, 2·state/2
+    return {
+        "params": max(errors.values()),
+        "clipped": pipe.optimizer_stats.clipped,
+        "steps": pipe.optimizer_stats.steps,
+        "placements": sorted({str(getattr(p, "placements", "plain")) for _, p in pipe.named_parameters()}),
+        "bytes": held / (replicated * 4 / 3),
+        "replicas": pipe.data_parallel,
+    }
 
 
 def _held_bytes(pipe, optimizer) -> int:
@@ -424,8 +475,12 @@ def three_d_checkpoint_cases(root: str, max_norm: float) -> dict:
 
 
 def three_d_all(schedules: list[str], steps: int, max_norm: float, root: str) -> dict:
-    """:func:`three_d_cases` and :func:`three_d_checkpoint_cases` in one spawn of 8 ranks."""
+    """:func:`three_d_cases`, :func:`hsdp_cases`, :func:`hsdp_tp_norm_case` and
+    :func:`three_d_checkpoint_cases` in one spawn
+    of 8 ranks."""
     return {
         "steps": three_d_cases(schedules, steps, max_norm),
+        "hsdp": hsdp_cases(schedules[:2], steps, max_norm),
+        "hsdp tp norm": hsdp_tp_norm_case(),
         "checkpoint": three_d_checkpoint_cases(root, max_norm),
     }

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -185,10 +186,11 @@ def test_a_replica_count_other_than_the_mesh_s_is_refused(outcomes):
 
 
 class _Mesh:
-    """What ``mesh_dims`` reads of a DeviceMesh: its dimension names."""
+    """What ``mesh_dims`` and ``parallel_size`` read of a DeviceMesh: its dimension names (and sizes)."""
 
-    def __init__(self, *names: str):
+    def __init__(self, *names: str, shape: tuple[int, ...] = ()):
         self.mesh_dim_names = names
+        self.mesh = torch.zeros(shape or (2,) * len(names))
 
 
 def test_mesh_dims_name_the_roles_and_refuse_what_does_not_fit():
@@ -210,3 +212,26 @@ def test_mesh_dims_name_the_roles_and_refuse_what_does_not_fit():
 def test_a_data_parallel_mode_needs_a_mesh():
     with pytest.raises(PipelineError, match=r"data_parallel='fsdp' names how a mesh"):
         parallel_size("fsdp", None, None, None)
+
+
+def test_hsdp_runs_on_the_replicate_and_shard_pair_and_each_mode_names_what_it_needs():
+    hsdp = _Mesh("pp", "dp_replicate", "dp_shard", "tp", shape=(2, 3, 2, 2))
+    dims = mesh_dims(hsdp)
+    assert dims.data == ("dp_replicate", "dp_shard") and dims.dp is None
+    assert parallel_size("hsdp", hsdp, dims, None) == (12, 6, "hsdp")
+    assert parallel_size("replicate", hsdp, dims, None) == (12, 6, None)
+    alone = _Mesh("pp", "dp_shard", shape=(2, 4))  # torchtitan's name when nothing replicates
+    assert parallel_size("fsdp", alone, mesh_dims(alone), None) == (8, 4, "fsdp")
+    renamed = _Mesh("pipe", "rows", "cols")
+    names = {"pp": "pipe", "dp_replicate": "rows", "dp_shard": "cols"}
+    assert mesh_dims(renamed, names).data == ("rows", "cols")
+    for mesh, mode, message in [
+        (hsdp, "fsdp", 'pass data_parallel="hsdp" to shard within a row'),
+        (_Mesh("pp", "dp"), "hsdp", 'mesh_dim_names=("pp", "dp_replicate", "dp_shard"[, "tp"])'),
+        (_Mesh("pp", "dp_replicate"), "fsdp", 'add a "dp" dimension'),
+        (hsdp, 4, "the replica count comes from the mesh (6 along dp_replicate × dp_shard)"),
+    ]:
+        with pytest.raises(PipelineError, match=re.escape(message)):
+            parallel_size(mode, mesh, mesh_dims(mesh), None)
+    with pytest.raises(PipelineError, match='one "dp" dimension or along the pair'):
+        mesh_dims(_Mesh("pp", "dp", "dp_shard"))

@@ -213,8 +213,8 @@ def chain_optimizer(
         wait=wait,
         # a tied parameter's summed gradient is counted once, by the holder of its first layer
         norm_excludes=[t.param for t in tied if t.source != layout.global_rank(rank)],
-        # sharded gradients: each rank's norm state covers its shards, summed over the replicas first
-        shard_group=layout.dp_group if sharded else None,
+        # sharded gradients: each rank's norm state covers its shards, summed over their holders first
+        shard_group=layout.shard_group if sharded else None,
     )
 
 

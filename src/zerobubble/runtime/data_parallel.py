@@ -40,6 +40,8 @@ class ParallelLayout:
     is used by the pipeline's transfers).  ``everyone`` lists every rank taking part in the Pipeline,
     sorted — the grid's ranks, and on a mesh those of its other dimensions (tensor parallelism) too;
     ``labels`` names a global rank by its mesh coordinates.  ``mesh`` is the user's mesh, if any.
+    ``shard_group`` is the part of ``dp_group`` a sharded parameter is cut over: all of it, but
+    under HSDP only this rank's ``dp_shard`` row (the rows hold equal copies).
     """
 
     pipeline_size: int
@@ -55,6 +57,7 @@ class ParallelLayout:
     everyone: tuple[int, ...] = ()
     labels: Mapping[int, str] = field(default_factory=dict)
     mesh: Any = None
+    shard_group: Any = None
 
     def global_rank(self, pipeline_rank: int, dp_index: int | None = None) -> int:
         """The global rank of ``pipeline_rank`` in replica ``dp_index`` (this rank's replica by default)."""
@@ -108,6 +111,7 @@ def create_layout(group: Any, data_parallel: int, timeout: float) -> ParallelLay
         setup_timeout=setup,
         ties_group=local_group(replica, timeout=setup),
         everyone=tuple(sorted(span)),
+        shard_group=dp_group,
     )
 
 

@@ -38,22 +38,24 @@ from . import PipelineError
 from .consistency import broadcast_replicas
 from .data_parallel import ParallelLayout
 
-SHARDINGS = (None, "fsdp")
-"""How replicas hold the parameters: None (replicated, gradients all-reduced) or ``"fsdp"`` (FSDP2),
-from ``Pipeline(..., data_parallel="replicate" | "fsdp")`` on a mesh (:func:`~.mesh.parallel_size`)."""
+SHARDINGS = (None, "fsdp", "hsdp")
+"""How replicas hold the parameters: None (replicated, gradients all-reduced), ``"fsdp"`` (FSDP2) or
+``"hsdp"`` (FSDP2 on a 2-D data-parallel mesh: sharded along ``dp_shard``, replicated along
+``dp_replicate``), from ``Pipeline(..., data_parallel=...)`` on a mesh (:func:`~.mesh.parallel_size`)."""
 
 
 def check_sharding(sharding: Any, data_parallel: int) -> str | None:
     """``sharding`` checked against ``data_parallel`` (raises :class:`PipelineError`)."""
     if sharding not in SHARDINGS or isinstance(sharding, bool):
         raise PipelineError(
-            f"sharding={sharding!r}: None (replicate the stages and all-reduce their gradients) or "
-            '"fsdp" (shard them over the data-parallel replicas with FSDP2)'
+            f"sharding={sharding!r}: None (replicate the stages and all-reduce their gradients), "
+            '"fsdp" (shard them over the data-parallel replicas with FSDP2) or "hsdp" (shard within '
+            "a dp_shard row, replicate across rows)"
         )
-    if sharding == "fsdp" and data_parallel < 2:
+    if sharding is not None and data_parallel < 2:
         raise PipelineError(
-            'data_parallel="fsdp" shards the stages over the mesh\'s data-parallel dimension, which '
-            f"has {data_parallel} rank; give it two or more"
+            f'data_parallel="{sharding}" shards the stages over the mesh\'s data-parallel dimension, '
+            f"which has {data_parallel} rank; give it two or more"
         )
     return sharding
 
@@ -65,7 +67,7 @@ def check_ties(ties: Sequence[Sequence[tuple[int, str]]], bounds: Sequence[int])
         if len(chunks) > 1:
             names = ", ".join(name for _, name in uses)
             raise PipelineError(
-                f'data_parallel="fsdp" cannot shard the parameter tied across chunks ({names}): each '
+                f'data_parallel="fsdp"/"hsdp" cannot shard the parameter tied across chunks ({names}): each '
                 "chunk is one FSDP2 unit and a parameter belongs to one unit; untie it, put its uses in "
                 'one chunk (partition=...), or use data_parallel="replicate"'
             )
@@ -85,7 +87,8 @@ class ShardedStages:
         from torch.distributed.device_mesh import DeviceMesh
 
         self.layout = layout
-        # the user's mesh's data-parallel dimension, else a 1-D mesh over the layout's dp group
+        # the user's mesh's data-parallel dimension (HSDP: its dp_replicate × dp_shard submesh, which
+        # fully_shard reads as replicate × shard), else a 1-D mesh over the layout's dp group
         self.mesh = mesh or DeviceMesh.from_group(layout.dp_group, device.type, mesh_dim_names=("dp",))
         self.units: dict[int, Any] = {}  # stage index -> the FSDPModule (a StageModule)
         self._source = layout.global_rank(layout.pipeline_rank, 0)

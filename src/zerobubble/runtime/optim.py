@@ -95,7 +95,7 @@ def local_state(
     if not grads:
         return torch.zeros(2, dtype=torch.float64, device=device)
     if shards:
-        parts = torch.stack([_shard_part(g, norm_type, device) for g in grads])
+        parts = _shard_parts(grads, norm_type, device)
         nonfinite = (~torch.isfinite(parts)).any().to(torch.float64)
         return torch.stack([parts.max() if math.isinf(norm_type) else parts.sum(), nonfinite])
     norms = torch.stack(
@@ -106,20 +106,48 @@ def local_state(
     return torch.stack([part, nonfinite])
 
 
-def _shard_part(grad: torch.Tensor, norm_type: float, device: torch.device) -> torch.Tensor:
-    """A sharded gradient's part of the state over the data-parallel group: ``‖local shard‖_p^p``
-    (``‖·‖_∞``).  A DTensor of FSDP2 over tensor parallelism (a mesh of more than one dimension, the
-    data-parallel one first) is also cut along the other dimensions where it is sharded: its part
-    is first summed (or maxed) over those dimensions' groups, so each row is counted once."""
+def _shard_parts(grads: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """Each sharded gradient's part of the state over the data-parallel shard group: ``‖local
+    shard‖_p^p`` (``‖·‖_∞``), float64 on ``device``.
+
+    FSDP2's DTensors put their data-parallel dimensions first: HSDP's ``Replicate`` (equal copies,
+    counted once), then the dimension FSDP shards over (summed by the caller).  A gradient of FSDP2
+    over tensor parallelism is also cut along the dimensions after that one where it is ``Shard``:
+    its part is summed (maxed) over those dimensions' groups first, one collective per set of groups
+    for all the gradients cut alike, so that each row is counted once.
+    """
+    parts = [_local_part(grad, norm_type, device) for grad in grads]
+    alike: dict[tuple[Any, ...], list[int]] = {}
+    for index, grad in enumerate(grads):
+        groups = _inner_shard_groups(grad)
+        if groups:
+            alike.setdefault(groups, []).append(index)
+    reduced = {index for indices in alike.values() for index in indices}
+    combined = [part for index, part in enumerate(parts) if index not in reduced]
+    for groups, indices in alike.items():
+        chosen = torch.stack([parts[index] for index in indices])
+        total = chosen.max() if math.isinf(norm_type) else chosen.sum()
+        for group in groups:
+            dist.all_reduce(total, op=reduce_op(norm_type), group=group)
+        combined.append(total)
+    return torch.stack(combined)
+
+
+def _local_part(grad: torch.Tensor, norm_type: float, device: torch.device) -> torch.Tensor:
+    """``‖local shard‖_p^p`` (``‖·‖_∞`` for p = inf) of one gradient, float64 on ``device``."""
     norm = torch.linalg.vector_norm(local_value(grad), norm_type).to(device, torch.float64)
-    part = norm if math.isinf(norm_type) else norm.pow(norm_type)
+    return norm if math.isinf(norm_type) else norm.pow(norm_type)
+
+
+def _inner_shard_groups(grad: torch.Tensor) -> tuple[Any, ...]:
+    """The groups of a DTensor's sharded mesh dimensions after its first (FSDP's) one."""
     mesh = getattr(grad, "device_mesh", None)
     if mesh is None or mesh.ndim < 2:
-        return part
-    for dim, placement in enumerate(grad.placements[1:], start=1):  # type: ignore[attr-defined]
-        if placement.is_shard():
-            dist.all_reduce(part, op=reduce_op(norm_type), group=mesh.get_group(dim))
-    return part
+        return ()
+    placements = grad.placements  # type: ignore[attr-defined]
+    # cut: Shard, or the _StridedShard FSDP2 uses over a tensor-parallel Shard of the same dim
+    cut = [dim for dim, p in enumerate(placements) if not (p.is_replicate() or p.is_partial())]
+    return tuple(mesh.get_group(dim) for dim in cut[1:])
 
 
 def combine_states(earlier: torch.Tensor, local: torch.Tensor, norm_type: float) -> torch.Tensor:

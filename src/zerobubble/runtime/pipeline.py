@@ -57,7 +57,7 @@ from .failures import PeerFailure, PeerMonitor
 from .fsdp import ShardedStages
 from .groups import equalize_group_counts, local_group
 from .launch import init_distributed, local_device
-from .mesh import layout_of_mesh, mesh_groups, mesh_ranks, parallel_size
+from .mesh import data_mesh, layout_of_mesh, mesh_groups, mesh_ranks, parallel_size
 from .mesh import mesh_dims as mesh_dims_of
 from .optim import OptimizerStats, check_sharded_optimizer, unscale_gradients
 from .recorder import OpRecorder, StepRecorder, as_recorder
@@ -249,7 +249,7 @@ class Pipeline:
         if mesh is not None:  # the Pipeline's world: every rank of the mesh (agreement, planning)
             group = local_group(mesh_ranks(mesh), timeout=setup)
         size, data_parallel, sharding = parallel_size(data_parallel, mesh, self._dims, group)
-        self.sharding: str | None = sharding  # "fsdp", or None: replicated
+        self.sharding: str | None = sharding  # "fsdp", "hsdp", or None: replicated
         planned: Resolution | None = None
         if wants_profile(schedule, partition):  # profile, plan once, broadcast: .auto
             from .auto import Calibrator, VocabPlanning, resolve_auto
@@ -338,11 +338,9 @@ class Pipeline:
         self._known_keys = frozenset(self._model_keys)
         self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
         self.module = nn.Module()
-        # data_parallel="fsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
-        dp_mesh = (
-            self._mesh[self._dims.dp] if self._mesh is not None and self._dims and self._dims.dp else None
-        )
-        self._sharded = ShardedStages(self.layout, self.device, dp_mesh) if self.sharding == "fsdp" else None
+        # data_parallel="fsdp"/"hsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
+        dp_mesh = data_mesh(self._mesh, self._dims) if self._mesh is not None and self._dims else None
+        self._sharded = ShardedStages(self.layout, self.device, dp_mesh) if self.sharding else None
         shard = self._sharded.shard if self._sharded is not None else None
         # the keywords every layer of the model takes (step(**kwargs)): read before any is placed
         self._keywords = [(name, layer_keywords(layer)) for name, layer in resolution.layers]

@@ -165,7 +165,7 @@ def agree_on(
         resolution = attempt()
         check_verify(verify)
         check_sharding(sharding, data_parallel)
-        if sharding == "fsdp":
+        if sharding is not None:
             check_ties(resolution.ties, resolution.bounds)
         mine = fingerprint(
             resolution.layers,
