@@ -9,6 +9,7 @@ One spawn of 4 gloo ranks (pipeline 2 × data-parallel 2) runs every case:
   per step each chunk is all-gathered once and reduce-scattered once (by FSDP2's own collectives);
   ``full_state_dict()`` is the unpipelined model's; ``load_state_dict`` of it loads; ``evaluate`` runs.
 * post_validation=False (a synchronous step) on one schedule.
+* ``schedule="auto"`` plans the sharded bytes: a budget only the sharded layout fits is planned.
 * a layer the user wrapped in ``fully_shard``, an unknown ``data_parallel`` mode and ``"fsdp"`` with
   one replica are refused on every rank.
 """
@@ -174,6 +175,44 @@ def refusals() -> dict[str, str]:
     return messages
 
 
+def auto_case(mesh) -> dict:
+    """``schedule="auto"`` with FSDP2: the plan counts sharded bytes.  Wide Linear layers on few rows,
+    so that parameters, gradients and AdamW state outweigh the activations: first planned without a
+    budget, then with a budget 2 % above the least any sharded candidate needs, which no replicated
+    plan of the same measured profile fits (:func:`plan` without a layout raises): planned, and one
+    step runs."""
+    from zerobubble import Pipeline
+    from zerobubble.schedule import ScheduleError
+    from zerobubble.schedule.modelplan import plan
+
+    def wide() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Sequential(nn.Linear(64, 64), nn.Tanh()).double() for _ in range(4)]
+
+    x = torch.randn(4, 64, dtype=torch.float64)
+    options = {"microbatches": 2, "loss_fn": nn.functional.mse_loss, "timeout": 60, "example": (x, x)}
+    pipe = Pipeline(wide(), schedule="auto", mesh=mesh, data_parallel="fsdp", **options)
+    assert pipe.plan is not None and pipe.profile is not None
+    sharded = min(max(c.peak_bytes) for c in pipe.plan.candidates if c.peak_bytes)
+    budget = sharded * 1.02
+    try:
+        plan(pipe.profile, 2, 2, budget)
+        replicated = "fits"
+    except ScheduleError as error:
+        replicated = str(error)
+    second = Pipeline(
+        wide(), schedule="auto", mesh=mesh, data_parallel="fsdp", memory_limit=budget, **options
+    )
+    loss = second.step(x, x)
+    return {
+        "reason": pipe.plan.reason,
+        "replicated": replicated,
+        "budgeted peak": max(second.plan.winner.peak_bytes) if second.plan else None,
+        "budget": budget,
+        "loss": float(loss) if loss is not None else None,
+    }
+
+
 def rank_worker() -> dict:
     init_distributed(backend="gloo", timeout=60)
     torch.set_num_threads(1)
@@ -183,6 +222,7 @@ def rank_worker() -> dict:
     results: dict = {name: run_case(mesh, name) for name in SCHEDULES}
     results["zb-h1-synchronous"] = run_case(mesh, "zb-h1", post_validation=False)
     results["refusals"] = refusals()
+    results["auto"] = auto_case(mesh)
     return results
 
 
@@ -261,3 +301,13 @@ def test_post_validation_rolls_back_sharded_states_exactly(outcomes):
     """zb-v's optimistic steps are rolled back on some rank (DTensor parameters and AdamW states),
     and the parameters still equal the reference (checked above)."""
     assert sum(results["zb-v"]["rolled_back"] for results in outcomes) > 0
+
+
+@pytest.mark.multiprocess
+def test_the_planner_counts_sharded_bytes_and_plans_a_budget_only_sharding_fits(outcomes):
+    for results in outcomes:
+        auto = results["auto"]
+        assert "on dp 2 (FSDP2) × tp 1 the busiest rank holds" in auto["reason"], auto
+        assert "no schedule fits the memory budget" in auto["replicated"], auto
+        assert auto["budgeted peak"] <= auto["budget"], auto
+    assert any(results["auto"]["loss"] is not None for results in outcomes)

@@ -22,6 +22,7 @@ import math
 import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import ScheduleError
-from ..schedule.modelplan import ModelProfile, Plan, calibrate, median_profile, plan
+from ..schedule.modelplan import Link, MeshLayout, ModelProfile, Plan, calibrate, median_profile, plan
 from . import PipelineError
 from .profile import measure_transfer, profile_layers
 from .recorder import OpRecorder, StepRecorder
@@ -59,6 +60,7 @@ def plan_for_pipeline(
     chunks: int | None = None,
     head: str = "plain",
     vocab_embedding: bool = False,
+    layout: MeshLayout | None = None,
 ) -> tuple[Plan, ModelProfile]:
     """The plan every rank of ``group`` agrees on, and the profile it came from (collective).
 
@@ -66,7 +68,8 @@ def plan_for_pipeline(
     ``(inputs, targets, kwargs)`` with the step's keyword arguments in a dict
     (:func:`example_parts`); ``ranks`` is the pipeline's size; ``schedules`` limits the candidates
     (every registry schedule but the ILP when None; a named schedule with ``partition="profile"``
-    passes just its own) and ``chunks`` fixes the interleaved chunk count.  Raises
+    passes just its own) and ``chunks`` fixes the interleaved chunk count.  ``layout`` places each
+    stage on the mesh's ``dp × tp`` ranks (its links timed by the measured transfer).  Raises
     :class:`PipelineError` on every rank when no schedule fits.
     """
     example = example_parts(example)
@@ -89,7 +92,7 @@ def plan_for_pipeline(
     if gathered is not None:
         payload[0] = _decide(
             gathered, ranks, microbatches, memory_limit, post_validation, device, schedules, chunks,
-            head=head, vocab_embedding=vocab_embedding,
+            head=head, vocab_embedding=vocab_embedding, layout=layout,
         )  # fmt: skip
     dist.broadcast_object_list(payload, src=source, group=group, device=_object_device(device))
     outcome = payload[0]
@@ -111,6 +114,7 @@ def resolve_auto(
     schedules: Sequence[str] | None = None,
     chunks: int | None = None,
     vocab: VocabPlanning | None = None,
+    layout: MeshLayout | None = None,
 ) -> Resolution:
     """The Pipeline's arguments resolved by the planner (collective): :func:`plan_for_pipeline`'s
     plan as a :class:`~.resolve.Resolution`, the same on every rank; or the same error on every rank.
@@ -139,6 +143,7 @@ def resolve_auto(
         chunks=chunks,
         head="both" if vocab is not None else "plain",
         vocab_embedding=vocab is not None and vocab.embedding,
+        layout=layout,
     )
     if vocab is not None and chosen.winner.vocab_parallel:
         return from_plan(named_layers(vocab.blocks), chosen, profile, head_loss)
@@ -246,6 +251,7 @@ def _decide(
     *,
     head: str = "plain",
     vocab_embedding: bool = False,
+    layout: MeshLayout | None = None,
 ) -> tuple[Plan, ModelProfile] | str:
     """Rank 0's plan from every rank's profile (median times), or the message every rank will raise."""
     failures = [outcome for outcome in profiles if isinstance(outcome, str)]
@@ -257,6 +263,9 @@ def _decide(
             float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
         )
         optimizer = "post-validation" if post_validation else "sync"
+        if layout is not None:  # the mesh's collectives on the link the transfer was measured on
+            link = Link(profile.comm_latency, profile.comm_bandwidth)
+            layout = replace(layout, tp_link=link, dp_link=link)
         chosen = plan(
             profile,
             ranks,
@@ -269,6 +278,7 @@ def _decide(
             interleaved_chunks=(chunks,) if chunks is not None else (2,),
             head=head,
             vocab_embedding=vocab_embedding,
+            layout=layout,
         )
         return chosen, profile
     except ScheduleError as error:

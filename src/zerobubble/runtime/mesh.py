@@ -181,6 +181,19 @@ def data_mesh(mesh: Any, dims: MeshDims) -> Any:
     return mesh[dims.data[0]] if len(dims.data) == 1 else mesh[dims.data]
 
 
+def stage_layout(mesh: Any, dims: MeshDims, replicas: int, sharding: str | None, parallelized: bool) -> Any:
+    """What the planner needs of the mesh (:class:`~..schedule.modelplan.MeshLayout`): the
+    replicas and how they hold the parameters, and the ranks each stage's layers are parallelised
+    over (the dimensions inside a stage; 1 without ``parallelize``, each then running whole layers)."""
+    from ..schedule.modelplan import MeshLayout
+
+    names, shape = list(mesh.mesh_dim_names), mesh.mesh.shape
+    inside = [name for name in names if name != dims.pp and name not in dims.data]
+    tp = math.prod(int(shape[names.index(name)]) for name in inside) if parallelized else 1
+    shard = int(shape[names.index(dims.dp_shard)]) if sharding == "hsdp" and dims.dp_shard else None
+    return MeshLayout(dp=replicas, tp=tp, sharding=sharding, dp_shard=shard)
+
+
 def _labels(mesh: Any) -> dict[int, str]:
     """Each rank of ``mesh`` named by its coordinates: ``{5: "pp 1, dp 0, tp 1"}``."""
     names, grid = list(mesh.mesh_dim_names), mesh.mesh

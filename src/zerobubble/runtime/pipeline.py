@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import CostModel, Schedule, Timeline
+from ..schedule.modelplan import MeshLayout
 from . import PipelineError
 from .build import (
     chain_optimizer,
@@ -57,7 +58,7 @@ from .failures import PeerFailure, PeerMonitor
 from .fsdp import ShardedStages
 from .groups import equalize_group_counts, local_group
 from .launch import init_distributed, local_device
-from .mesh import data_mesh, layout_of_mesh, mesh_groups, mesh_ranks, parallel_size
+from .mesh import data_mesh, layout_of_mesh, mesh_groups, mesh_ranks, parallel_size, stage_layout
 from .mesh import mesh_dims as mesh_dims_of
 from .optim import OptimizerStats, check_sharded_optimizer, unscale_gradients
 from .recorder import OpRecorder, StepRecorder, as_recorder
@@ -273,6 +274,7 @@ class Pipeline:
                 schedules=[schedule] if isinstance(schedule, str) and partition == "profile" else None,
                 chunks=chunks,
                 vocab=vocab,
+                layout=self._stage_layout(data_parallel, sharding),
             )
             if vocab is not None and planned.plan is not None and not planned.plan.winner.vocab_parallel:
                 self._vocab_layers = (None, None)  # the plain model won: its layers hold head and embedding
@@ -302,6 +304,13 @@ class Pipeline:
         self._build(resolution, group, data_parallel, static_shapes, fast_paths, verify, check_calls)
         self._build_recording(trace, emulate)
         self._init_optimization(post_validation)
+
+    def _stage_layout(self, data_parallel: int, sharding: str | None) -> Any:
+        """Each stage's ranks for the planner: the mesh's, or ``data_parallel`` replicas (None: one)."""
+        if self._mesh is not None and self._dims is not None:
+            parallelized = self._parallelize is not None
+            return stage_layout(self._mesh, self._dims, data_parallel, sharding, parallelized)
+        return MeshLayout(dp=data_parallel) if data_parallel > 1 else None
 
     def _build(
         self,

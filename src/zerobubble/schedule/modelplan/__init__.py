@@ -8,6 +8,8 @@ one schedule.
 * :mod:`.amounts` — byte budgets: :func:`parse_bytes`, :func:`format_bytes`;
 * :mod:`.profile` — :class:`LayerProfile`, :class:`ModelProfile`, :func:`median_profile`,
   :func:`stage_costs`;
+* :mod:`.layout` — :class:`MeshLayout`, :class:`Link`, :func:`parse_mesh`: a stage on ``dp × tp``
+  ranks;
 * :mod:`.result` — :class:`PlanCandidate`, :class:`Plan`, :class:`Calibration`;
 * :mod:`.search` — :func:`plan`, the search and the reason text;
 * :mod:`.calibration` — :func:`calibrate`, :func:`calibrated_profile`, :func:`profile_from_trace`.
@@ -17,6 +19,7 @@ Each module imports only those listed before it.  Pure Python; no torch.
 
 from .amounts import format_bytes, parse_bytes
 from .calibration import calibrate, calibrated_profile, profile_from_trace
+from .layout import Link, MeshLayout, parse_mesh
 from .profile import LayerProfile, ModelProfile, median_profile, stage_costs
 from .result import Calibration, Plan, PlanCandidate
 from .search import HEAD_LAYOUTS, plan
@@ -25,6 +28,8 @@ __all__ = [
     "HEAD_LAYOUTS",
     "Calibration",
     "LayerProfile",
+    "Link",
+    "MeshLayout",
     "ModelProfile",
     "Plan",
     "PlanCandidate",
@@ -33,6 +38,7 @@ __all__ = [
     "format_bytes",
     "median_profile",
     "parse_bytes",
+    "parse_mesh",
     "plan",
     "profile_from_trace",
     "stage_costs",

@@ -30,7 +30,8 @@ from ..partition import MemoryCap, even_partition, optimal_partition
 from ..simulate import Timeline, simulate
 from ..validate import validate_schedule
 from .amounts import format_bytes, parse_bytes
-from .profile import ModelProfile, stage_costs
+from .layout import MeshLayout
+from .profile import LayerProfile, ModelProfile, stage_costs
 from .result import Plan, PlanCandidate, one_f_one_b_period
 
 
@@ -48,6 +49,7 @@ def plan(
     cores: int | None = None,
     head: str = "plain",
     vocab_embedding: bool = False,
+    layout: MeshLayout | None = None,
 ) -> Plan:
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
@@ -63,9 +65,11 @@ def plan(
     (that layer sharded over every rank by vocabulary, :mod:`~..vocab`) or ``"both"`` (the planner
     chooses; each candidate's ``vocab_parallel`` says which it is); ``vocab_embedding``: the
     profile's first layer is an embedding that is vocabulary-parallel along with the head (its
-    bytes are then spread over the ranks and the partition covers the layers between).  Raises
-    :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it needs and
-    the budget.
+    bytes are then spread over the ranks and the partition covers the layers between).  ``layout``
+    places each stage on ``dp × tp`` ranks (:class:`~.layout.MeshLayout`: tensor-parallel costs,
+    sharded bytes, the step's data-parallel collectives); the budget is then per rank of that mesh.
+    Raises :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it
+    needs and the budget.
     """
     if optimizer not in OPTIMIZER_MODES:
         raise ScheduleError(
@@ -75,11 +79,16 @@ def plan(
         raise ScheduleError(f"ranks and microbatches must be at least 1, got {ranks} and {microbatches}")
     if head not in HEAD_LAYOUTS:
         raise ScheduleError(f"unknown head layout {head!r}; choose one of {', '.join(HEAD_LAYOUTS)}")
+    layout = layout or MeshLayout()
+    if head != "plain" and not layout.trivial:
+        raise ScheduleError(
+            f"a vocabulary-parallel head is planned on pipeline ranks alone, not on {layout.describe()}"
+        )
     budget = parse_bytes(memory_limit, device_memory)
     names = list(schedules) if schedules is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
     searches: list[_Search] = []
     if head != "vocab-parallel":
-        searches.append(_Search(profile, ranks, microbatches, budget, optimizer, refine, cores))
+        searches.append(_Search(profile, ranks, microbatches, budget, optimizer, refine, cores, layout))
     if head != "plain":
         searches.append(
             _VocabSearch(
@@ -112,9 +121,11 @@ def plan(
     )
     fitting = [c for c in ordered if c.fits]
     if not fitting:
-        raise ScheduleError(_nothing_fits(ordered, budget, ranks))
+        raise ScheduleError(_nothing_fits(ordered, budget, ranks, layout))
     winner = _choose(fitting, tie_margin)
     reason = _reason(winner, ordered, budget)
+    if not layout.trivial:
+        reason += "; " + searches[0].memory_text(winner)
     if cores is not None and cores < ranks:
         reason += f"; {ranks} ranks predicted on {cores} shared cores"
     return Plan(winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores)
@@ -147,10 +158,14 @@ class _Search:
         optimizer: str,
         refine: int,
         cores: int | None = None,
+        layout: MeshLayout | None = None,
     ):
-        self.profile, self.ranks, self.microbatches = profile, ranks, microbatches
+        self.layout = layout or MeshLayout()
+        # one rank's share of each layer's compute and activations (its static bytes: self.layout)
+        self.profile = self.layout.per_rank(profile)
+        self.ranks, self.microbatches = ranks, microbatches
         self.budget, self.optimizer, self.refine, self.cores = budget, optimizer, refine, cores
-        self.work = [layer.work for layer in profile.layers]
+        self.work = [layer.work for layer in self.profile.layers]
 
     def candidate(self, name: str, chunks: int) -> PlanCandidate:
         """The better of the bottleneck-optimal and the even partition of ``name`` (or why there is none).
@@ -255,6 +270,11 @@ class _Search:
         costs = stage_costs(self.profile, cuts, len(stage_ranks), fused=not schedule.splits_backward)
         costs = self._score_costs(costs)
         timeline = simulate(schedule, costs, cores=self.cores)
+        # the step's data-parallel collectives, exposed in full (.layout), on the slowest rank
+        collectives = max(
+            self.layout.step_seconds(layers, schedule.chunks)
+            for layers in self._rank_layers(cuts, stage_ranks)
+        )
         peaks = tuple(s + a for s, a in zip(static, timeline.peak_memory))
         fits = self.budget is None or all(peak <= self.budget * (1 + 1e-9) for peak in peaks)
         over = max(range(self.ranks), key=lambda r: peaks[r])
@@ -264,9 +284,9 @@ class _Search:
                 schedule.name,
                 schedule.chunks,
                 cuts,
-                period=iteration_period(timeline, self.optimizer),
-                iteration_time=timeline.iteration_time,
-                makespan=timeline.makespan,
+                period=iteration_period(timeline, self.optimizer) + collectives,
+                iteration_time=timeline.iteration_time + collectives,
+                makespan=timeline.makespan + collectives,
                 bubble_rate=timeline.bubble_rate_makespan if sync else timeline.bubble_rate,
                 peak_bytes=peaks,
                 fits=fits,
@@ -278,18 +298,31 @@ class _Search:
         )
 
     def _static_bytes(self, cuts: Sequence[int], stage_ranks: Sequence[int]) -> list[float]:
+        return [
+            math.fsum(self.layout.static_bytes(layer) for layer in layers)
+            for layers in self._rank_layers(cuts, stage_ranks)
+        ]
+
+    def _rank_layers(self, cuts: Sequence[int], stage_ranks: Sequence[int]) -> list[list[LayerProfile]]:
+        """The layers each rank holds with the layers cut at ``cuts``."""
         bounds = [0, *cuts, len(self.work)]
-        static = [0.0] * self.ranks
+        held: list[list[LayerProfile]] = [[] for _ in range(self.ranks)]
         for stage, rank in enumerate(stage_ranks):
-            layers = self.profile.layers[bounds[stage] : bounds[stage + 1]]
-            static[rank] += math.fsum(layer.static_bytes for layer in layers)
-        return static
+            held[rank].extend(self.profile.layers[bounds[stage] : bounds[stage + 1]])
+        return held
+
+    def memory_text(self, winner: PlanCandidate) -> str:
+        """Where the winner's busiest rank's bytes go (:meth:`.layout.MeshLayout.memory_text`)."""
+        assert winner.built is not None
+        busiest = max(range(self.ranks), key=lambda r: winner.peak_bytes[r])
+        layers = self._rank_layers(winner.partition, winner.built.placement.stage_ranks)[busiest]
+        return self.layout.memory_text(layers, winner.peak_bytes[busiest])
 
     def _memory_cap(self, candidate: PlanCandidate) -> MemoryCap:
         """The budget as a partition constraint: each stage's activations times its peak in-flight count."""
         assert candidate.timeline is not None and self.budget is not None
         return MemoryCap(
-            fixed=[layer.static_bytes for layer in self.profile.layers],
+            fixed=[self.layout.static_bytes(layer) for layer in self.profile.layers],
             scaled=[layer.activation_bytes for layer in self.profile.layers],
             inflight=_peak_inflight(candidate.timeline),
             capacity=[self.budget] * self.ranks,
@@ -400,7 +433,9 @@ def _reason(winner: PlanCandidate, candidates: Sequence[PlanCandidate], budget: 
     return "; ".join(parts)
 
 
-def _nothing_fits(candidates: Sequence[PlanCandidate], budget: float | None, ranks: int) -> str:
+def _nothing_fits(
+    candidates: Sequence[PlanCandidate], budget: float | None, ranks: int, layout: MeshLayout
+) -> str:
     measured = [c for c in candidates if c.peak_bytes]
     if not measured or budget is None:
         notes = "; ".join(f"{c.schedule}: {c.note}" for c in candidates)
@@ -408,8 +443,9 @@ def _nothing_fits(candidates: Sequence[PlanCandidate], budget: float | None, ran
     smallest = min(measured, key=lambda c: max(c.peak_bytes))
     rank = max(range(len(smallest.peak_bytes)), key=lambda r: smallest.peak_bytes[r])
     need = smallest.peak_bytes[rank]
+    where = "" if layout.trivial else f" (each stage on {layout.describe()})"
     return (
-        f"no schedule fits the memory budget of {format_bytes(budget)} per rank: the smallest need is "
+        f"no schedule fits the memory budget of {format_bytes(budget)} per rank{where}: the smallest need is "
         f"{smallest.schedule} (v={smallest.chunks}, partition {list(smallest.partition)}), whose rank {rank} "
         f"needs {format_bytes(need)} ({need:.0f} bytes) against the budget of {budget:.0f} bytes; raise the "
         "budget, use more ranks or smaller microbatches"
