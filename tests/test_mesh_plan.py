@@ -8,6 +8,7 @@ refused with the numbers.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from zerobubble.schedule import ScheduleError
 from zerobubble.schedule.modelplan import LayerProfile, Link, MeshLayout, ModelProfile, parse_mesh, plan
+from zerobubble.schedule.modelplan.cluster import Cluster, TransformerShape, best_layout_text, plan_cluster
 
 MIB = 2**20
 
@@ -135,3 +137,59 @@ def test_layouts_and_mesh_texts_are_checked():
             MeshLayout(**kwargs)
     with pytest.raises(ScheduleError, match="vocabulary-parallel head is planned on pipeline ranks alone"):
         plan(PROFILE, 2, 8, head="both", layout=MeshLayout(tp=2))
+
+
+# -- a cluster on paper ----------------------------------------------------------------------------
+
+LLAMA3_8B = {
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+}  # fmt: skip
+A100S = "nodes=8,gpus=8,intra=300GB/s,inter=25GB/s,flops=312e12,memory=80GiB,efficiency=0.6"
+
+
+def test_a_model_config_gives_its_parameter_count():
+    assert round(TransformerShape.from_config(LLAMA3_8B).parameters / 1e9, 2) == 8.03  # Llama 3 8B
+    gpt2 = TransformerShape.from_config({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12,
+                                         "vocab_size": 50257})  # fmt: skip
+    assert not gpt2.gated and gpt2.intermediate == 4 * 768
+    assert 0.12e9 < gpt2.parameters < 0.17e9  # 124M with a tied head; ours counts it untied
+    with pytest.raises(ScheduleError, match="needs hidden_size"):
+        TransformerShape.from_config({"model_type": "llama"})
+
+
+def test_every_layout_of_the_cluster_is_planned_and_ranked_by_throughput():
+    shape, cluster = TransformerShape.from_config(LLAMA3_8B), Cluster.parse(A100S)
+    options = plan_cluster(shape, cluster, 64 * 8192, 8192, recompute=True)
+    fitting = [o for o in options if o.plan is not None]
+    assert fitting and all(o.pp * o.dp * o.tp == 64 and o.tp <= 8 for o in options)
+    speeds = [o.tokens_per_second for o in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    for option in fitting:  # throughput is the step's tokens over the planned step time
+        assert option.plan is not None and max(option.plan.winner.peak_bytes) <= cluster.memory
+        step = option.plan.predicted_iteration_time
+        assert math.isclose(option.tokens_per_second, 64 * 8192 / step / 64, rel_tol=1e-12)
+        assert 0 < option.mfu < cluster.efficiency  # the collectives and bubbles only take away
+    assert "best: pp " in best_layout_text(options)
+
+
+def test_the_planned_step_is_at_least_the_compute_on_one_gpu():
+    """No layout predicts less than each GPU's share of the FLOPs at the given efficiency."""
+    shape, cluster = TransformerShape.from_config(LLAMA3_8B), Cluster.parse(A100S)
+    flops = shape.flops_per_token(8192) * 64 * 8192 / 64
+    floor = flops / (cluster.flops * cluster.efficiency)
+    for option in plan_cluster(shape, cluster, 64 * 8192, 8192):
+        if option.plan is not None:
+            assert option.plan.predicted_iteration_time >= floor * 0.999, option.row()
+
+
+def test_cluster_texts_are_checked():
+    assert Cluster.parse("nodes=2,gpus=8,intra=300GB/s,inter=25GB/s").size == 16
+    for text, message in [
+        ("nodes=2,gpus=8", "lacks intra, inter"),
+        ("nodes=2,gpus=8,intra=fast,inter=25GB/s", "intra='fast'"),
+        ("nodes=2,gpus=8,intra=300GB/s,inter=25GB/s,efficiency=2", "efficiency at most 1"),
+        ("nodes=2,gpus=8,intra=300GB/s,inter=25GB/s,cores=3", "the fields are nodes"),
+    ]:
+        with pytest.raises(ScheduleError, match=re.escape(message)):
+            Cluster.parse(text)

@@ -60,6 +60,28 @@ def test_plan_table_names_the_winner(capsys, profile_file):
     assert f"* {winner}" in out and f"chosen: {winner}" in out
 
 
+def test_plan_on_a_mesh_says_the_memory_per_rank(capsys, profile_file):
+    code, out, _ = run(
+        capsys, "plan", "--profile", profile_file, "--mesh", "pp=2,dp=2,tp=2", "--data-parallel", "fsdp"
+    )
+    assert code == 0 and "on dp 2 (FSDP2) × tp 2 the busiest rank holds" in out
+
+
+def test_plan_of_a_cluster_on_paper(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096,
+                                  "num_hidden_layers": 8, "num_attention_heads": 16, "vocab_size": 32000}))  # fmt: skip
+    cluster = "nodes=2,gpus=8,intra=300GB/s,inter=25GB/s"
+    argv = ["plan", "--cluster", cluster, "--model", str(config), "--tokens-per-step", str(64 * 2048)]
+    code, out, _ = run(capsys, *argv, "--seq-len", "2048")
+    assert code == 0 and "on 16 GPUs" in out and "best: pp " in out and "tok/s/GPU" in out
+    code, out, _ = run(capsys, *argv, "--seq-len", "2048", "--mesh", "pp=2,dp=4,tp=2", "--json")
+    (row,) = json.loads(out)["layouts"]
+    assert code == 0 and (row["pp"], row["dp"], row["tp"], row["sharding"]) == (2, 4, 2, "fsdp")
+    code, _, err = run(capsys, "plan", "--cluster", cluster)
+    assert code == 2 and "--cluster needs --model" in err
+
+
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [

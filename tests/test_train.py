@@ -106,6 +106,15 @@ def test_training_on_a_mesh_with_fsdp_along_dp():
     assert summary.last_loss < summary.first_loss
 
 
+def test_training_with_tensor_parallel_blocks():
+    """``--mesh pp=2,tp=2``: the blocks split Megatron-style (separate q, k, v), one rank reporting."""
+    config = TrainConfig(mesh="pp=2,tp=2", steps=6, microbatches=2, batch_size=8, progress=False)
+    assert not config.model.fused_qkv and config.replicas == 1
+    summary = run_training(config)
+    assert summary.ranks == 4 and "(mesh pp 2 × tp 2)" in summary.lines()[0]
+    assert summary.last_loss < summary.first_loss
+
+
 def test_training_compiled_blocks_keeps_learning():
     """``zerobubble train --compile aot_eager``: every block compiled, the linears split inside."""
     summary = run_training(
@@ -117,6 +126,8 @@ def test_training_compiled_blocks_keeps_learning():
 def test_a_mesh_sets_the_ranks_replicas_and_pipeline_size():
     config = TrainConfig(mesh="pp=2,dp=3", data_parallel="fsdp", batch_size=12, microbatches=2)
     assert (config.world, config.replicas, config.pipeline_ranks) == (6, 3, 2)
+    hsdp = TrainConfig(mesh="pp=2,dp_replicate=2,dp_shard=2,tp=2", data_parallel="hsdp")
+    assert (hsdp.world, hsdp.replicas, hsdp.pipeline_ranks) == (16, 4, 2)
     assert TrainConfig().world == 2 and TrainConfig(ranks=4, data_parallel=2).pipeline_ranks == 2
 
 
@@ -127,10 +138,11 @@ def test_a_mesh_sets_the_ranks_replicas_and_pipeline_size():
         ({"mesh": "pp=2,pp=2"}, "write each dimension once as name=size"),
         ({"mesh": "pp=two"}, "write each dimension once"),
         ({"mesh": "pp=2,cp=2"}, "unknown dimensions ['cp']"),
-        ({"mesh": "pp=2,tp=2"}, "the built-in model has no tensor-parallel plan"),
+        ({"mesh": "pp=2,tp=3"}, "tp=3 must divide the heads (4) and the width (64)"),
+        ({"mesh": "pp=2,dp=2", "data_parallel": "hsdp"}, "lacks them (e.g. pp=2,dp_replicate=2,dp_shard=2)"),
         ({"mesh": "pp=2,dp=2", "ranks": 2}, "ranks=2 but the mesh 'pp=2,dp=2' has 4 ranks"),
         ({"mesh": "pp=2", "data_parallel": "fsdp"}, "has none"),
-        ({"mesh": "pp=2,dp=2", "data_parallel": 3}, "replicate or fsdp along its dp dimension"),
+        ({"mesh": "pp=2,dp=2", "data_parallel": 3}, "replicate, fsdp (along dp) or hsdp"),
         ({"data_parallel": "fsdp"}, "add --mesh pp=P,dp=D"),
     ],
 )

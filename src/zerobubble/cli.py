@@ -305,9 +305,14 @@ _TRAIN_OPTIONS = (
         "--data-parallel",
         "_data_parallel",
         "pipeline replicas D (--ranks counts all p·D processes; default 1); with --mesh: replicate "
-        "(default) or fsdp along its dp dimension",
+        "(default), fsdp along its dp dimension, or hsdp along dp_replicate × dp_shard",
     ),
-    ("--mesh", str, "a DeviceMesh as name=size in order, e.g. pp=2,dp=2 (dimensions pp and dp)"),
+    (
+        "--mesh",
+        str,
+        "a DeviceMesh as name=size in order, e.g. pp=2,dp=2,tp=2 (dimensions pp, dp or "
+        "dp_replicate and dp_shard, tp)",
+    ),
     ("--memory-limit", str, "per-rank byte budget for --schedule auto, e.g. 24GiB or 80%% (GPU)"),
     ("--partition", str, "even (default): layers split evenly by count; profile: where a profile says"),
     ("--save", str, "write the model, optimizer state and step count to this directory at the end (DCP)"),
@@ -317,12 +322,14 @@ _TRAIN_OPTIONS = (
 
 def _data_parallel(text: str) -> int | str:
     """``--data-parallel``: a replica count, or how a mesh's dp dimension holds the parameters."""
-    if text in ("replicate", "fsdp"):
+    if text in ("replicate", "fsdp", "hsdp"):
         return text
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a replica count, replicate or fsdp") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a replica count, replicate, fsdp or hsdp"
+        ) from None
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -389,17 +396,26 @@ def _add_bench_commands(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .schedule.modelplan import plan
+    from .schedule.modelplan import Link, mesh_layout, parse_mesh, plan
 
+    if args.cluster:
+        return _plan_cluster(args)
+    profile = _plan_profile(args)
+    ranks, layout = args.ranks, None
+    if args.mesh:
+        sizes = parse_mesh(args.mesh)
+        link = Link(profile.comm_latency, profile.comm_bandwidth)
+        ranks, layout = sizes["pp"], mesh_layout(sizes, args.data_parallel or "replicate", link)
     result = plan(
-        _plan_profile(args),
-        args.ranks,
+        profile,
+        ranks,
         args.microbatches,
         args.memory_limit,
         schedules=args.schedules.split(",") if args.schedules else None,
         interleaved_chunks=args.chunks,
         optimizer=args.optimizer,
         head=args.head,
+        layout=layout,
     )
     if args.output:
         result.render(args.output)
@@ -410,6 +426,51 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"chosen: {result.reason}")
     if args.output:
         print(f"wrote {args.output}")
+    return 0
+
+
+def _plan_cluster(args: argparse.Namespace) -> int:
+    """``plan --cluster``: every layout of the cluster planned from a model config (on paper)."""
+    from pathlib import Path
+
+    from .schedule.modelplan import parse_mesh
+    from .schedule.modelplan.cluster import (
+        DEFAULT_SCHEDULES,
+        Cluster,
+        TransformerShape,
+        best_layout_text,
+        cluster_table,
+        layouts_from_mesh,
+        plan_cluster,
+    )
+
+    if not args.model or not args.tokens_per_step:
+        raise UsageError(
+            "--cluster needs --model CONFIG.json (a Hugging Face config) and --tokens-per-step N"
+        )
+    try:
+        shape = TransformerShape.from_config(json.loads(Path(args.model).read_text()))
+    except (OSError, json.JSONDecodeError) as error:
+        raise UsageError(f"cannot read the model config {args.model!r}: {error}") from None
+    cluster = Cluster.parse(args.cluster)
+    options = plan_cluster(
+        shape,
+        cluster,
+        args.tokens_per_step,
+        args.seq_len,
+        microbatch_size=args.microbatch_size,
+        recompute=args.recompute,
+        schedules=args.schedules.split(",") if args.schedules else DEFAULT_SCHEDULES,
+        layouts=layouts_from_mesh(parse_mesh(args.mesh), cluster) if args.mesh else None,
+        sharding=None if args.data_parallel == "replicate" else "fsdp",
+    )
+    if args.json:
+        print(json.dumps({"parameters": shape.parameters, "layouts": [o.row() for o in options]}))
+        return 0
+    size = f"{shape.parameters / 1e9:.2f}B parameters"
+    print(f"{size} on {cluster.size} GPUs ({args.tokens_per_step} tokens a step)")
+    print(cluster_table(options, args.top))
+    print(best_layout_text(options))
     return 0
 
 
@@ -459,6 +520,27 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="the profile's last layer (the output layer) on the last stage, vocabulary-parallel, or both "
         "tried (default plain)",
     )
+    parser.add_argument(
+        "--mesh",
+        help="each stage on dp × tp ranks: pp=2,dp=2,tp=2 (or dp_replicate=,dp_shard= for hsdp); "
+        "the collectives on the profile's measured link",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        choices=("replicate", "fsdp", "hsdp"),
+        help="with --mesh (default replicate) or --cluster (default fsdp; replicate tries that instead)",
+    )
+    cluster = parser.add_argument_group("a cluster on paper (--cluster, instead of --profile)")
+    cluster.add_argument(
+        "--cluster",
+        help="nodes=8,gpus=8,intra=300GB/s,inter=25GB/s[,flops=312e12,memory=80GiB,efficiency=0.5]",
+    )
+    cluster.add_argument("--model", help="a Hugging Face config.json (its sizes)")
+    cluster.add_argument("--tokens-per-step", type=int, help="the global batch in tokens")
+    cluster.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
+    cluster.add_argument("--microbatch-size", type=int, default=1, help="sequences a microbatch (default 1)")
+    cluster.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    cluster.add_argument("--top", type=int, default=10, help="layouts listed (default 10)")
     parser.add_argument("--output", "-o", help="draw the chosen schedule (.svg or .png)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 

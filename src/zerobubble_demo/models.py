@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,13 +24,18 @@ from . import ConfigError
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Size of the model: vocabulary, context length, width, heads and depth."""
+    """Size of the model: vocabulary, context length, width, heads and depth.
+
+    ``fused_qkv`` projects q, k and v with one Linear (the default); False gives each its own, so
+    that a column-wise tensor-parallel split keeps whole heads of each (:func:`tensor_parallel`).
+    """
 
     vocab: int = 64
     seq_len: int = 32
     dim: int = 64
     heads: int = 4
     n_layers: int = 4
+    fused_qkv: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab", "seq_len", "dim", "heads"):
@@ -60,9 +66,12 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.heads = config.heads
+        self.head_dim = config.dim // config.heads
         self.norm1 = nn.LayerNorm(config.dim)
-        self.qkv = nn.Linear(config.dim, 3 * config.dim)
+        if config.fused_qkv:
+            self.qkv = nn.Linear(config.dim, 3 * config.dim)
+        else:
+            self.q, self.k, self.v = (nn.Linear(config.dim, config.dim) for _ in range(3))
         self.proj = nn.Linear(config.dim, config.dim)
         self.norm2 = nn.LayerNorm(config.dim)
         self.fc = nn.Linear(config.dim, 4 * config.dim)
@@ -74,10 +83,13 @@ class Block(nn.Module):
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, dim = x.shape
-        q, k, v = self.qkv(x).split(dim, dim=-1)
-        q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(dim, dim=-1)
+        else:  # separate projections: under tensor parallelism each holds this rank's heads
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = (t.view(batch, length, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return y.transpose(1, 2).reshape(batch, length, dim)
+        return y.transpose(1, 2).reshape(batch, length, -1)
 
 
 class Head(nn.Module):
@@ -95,6 +107,22 @@ class Head(nn.Module):
 def gpt_layers(config: GPTConfig) -> list[nn.Module]:
     """The model as layers in order: embedding, blocks, head (``n_layers + 2`` modules)."""
     return [Embedding(config), *(Block(config) for _ in range(config.n_layers)), Head(config)]
+
+
+def tensor_parallel(layer: nn.Module, mesh: Any) -> nn.Module:
+    """The Pipeline's ``parallelize=`` for these layers: each :class:`Block` split Megatron-style over
+    the mesh's ``"tp"`` dimension (q, k, v and ``fc`` by columns, ``proj`` and ``out`` by rows, so a
+    block needs two all-reduces forward and two backward); the embedding and the head stay whole.
+    Needs ``fused_qkv=False`` (columns of a fused projection would mix q, k and v)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if not isinstance(layer, Block):
+        return layer
+    if hasattr(layer, "qkv"):
+        raise ConfigError("tensor parallelism needs GPTConfig(fused_qkv=False): separate q, k, v")
+    column, row = ColwiseParallel, RowwiseParallel
+    plan = {"q": column(), "k": column(), "v": column(), "proj": row(), "fc": column(), "out": row()}
+    return parallelize_module(layer, mesh["tp"], plan)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

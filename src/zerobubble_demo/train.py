@@ -30,7 +30,7 @@ from zerobubble.schedule import Schedule, build_schedule, transformer_costs
 from zerobubble.schedule.modelplan import parse_bytes
 
 from . import ConfigError
-from .models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss
+from .models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss, tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,11 @@ class TrainConfig:
     """What to train and how: schedule, ranks, steps, batch split, model size, optimiser, runtime.
 
     ``ranks`` counts every process: ``data_parallel`` pipelines of ``ranks / data_parallel`` ranks.
-    ``mesh`` (``"pp=2,dp=2"``, dimensions in mesh order) lays the ranks out on a ``DeviceMesh``
-    instead — ``ranks`` is then the product of its sizes (None: 2 without a mesh) and
-    ``data_parallel`` ``"replicate"`` (the default) or ``"fsdp"`` along its ``dp`` dimension.
+    ``mesh`` (``"pp=2,dp=2,tp=2"``, dimensions in mesh order) lays the ranks out on a ``DeviceMesh``
+    instead — ``ranks`` is then the product of its sizes (None: 2 without a mesh),
+    ``data_parallel`` ``"replicate"`` (the default) or ``"fsdp"`` along its ``dp`` dimension, or
+    ``"hsdp"`` along ``dp_replicate`` × ``dp_shard``; a ``tp`` dimension splits each block
+    Megatron-style (:func:`~.models.tensor_parallel`, the blocks then with separate q, k, v).
     ``batch_size`` is the global batch, split equally over the replicas and then into
     ``microbatches``.  ``max_norm`` clips the global gradient norm (None: no clipping).
     ``partition`` is ``"even"`` (layers split evenly by count) or ``"profile"`` (a named schedule's
@@ -108,7 +110,8 @@ class TrainConfig:
     def replicas(self) -> int:
         """Data-parallel replicas of the pipeline (``D``)."""
         if self.mesh is not None:
-            return self.mesh_shape.get("dp", 1)
+            shape = self.mesh_shape
+            return shape.get("dp", 1) * shape.get("dp_replicate", 1) * shape.get("dp_shard", 1)
         return self.data_parallel if isinstance(self.data_parallel, int) else 1
 
     @property
@@ -122,7 +125,12 @@ class TrainConfig:
     def model(self) -> GPTConfig:
         """The GPT size these knobs describe."""
         return GPTConfig(
-            vocab=self.vocab, seq_len=self.seq_len, dim=self.dim, heads=self.heads, n_layers=self.layers
+            vocab=self.vocab,
+            seq_len=self.seq_len,
+            dim=self.dim,
+            heads=self.heads,
+            n_layers=self.layers,
+            fused_qkv="tp" not in self.mesh_shape,
         )
 
 
@@ -244,28 +252,41 @@ def check_config(config: TrainConfig) -> Schedule | None:
     return schedule
 
 
+MESH_DIMENSIONS = ("pp", "dp", "dp_replicate", "dp_shard", "tp")
+"""The mesh dimensions ``train`` knows (the Pipeline's roles, :mod:`zerobubble.runtime.mesh`)."""
+
+
 def _check_mesh(config: TrainConfig) -> None:
     """With a mesh: known dimensions, a matching ``ranks``, ``data_parallel`` a mode of the ``dp`` one."""
     shape = config.mesh_shape
     if not shape:
         return
-    if "tp" in shape:  # its attention fuses q, k and v in one Linear: column shards would mix them
-        raise ConfigError(
-            f"mesh {config.mesh!r}: the built-in model has no tensor-parallel plan; tensor parallelism is "
-            "Pipeline(..., parallelize=fn) on your own layers (docs/guide.md, § 4)"
-        )
-    unknown = sorted(set(shape) - {"pp", "dp"})
+    unknown = sorted(set(shape) - set(MESH_DIMENSIONS))
     if unknown:
-        raise ConfigError(f"mesh {config.mesh!r}: unknown dimensions {unknown}; use pp and dp")
+        raise ConfigError(
+            f"mesh {config.mesh!r}: unknown dimensions {unknown}; use {', '.join(MESH_DIMENSIONS)}"
+        )
     if config.ranks is not None and config.ranks != config.world:
         raise ConfigError(f"ranks={config.ranks} but the mesh {config.mesh!r} has {config.world} ranks")
-    if config.data_parallel not in (1, "replicate", "fsdp"):
+    if config.data_parallel not in (1, "replicate", "fsdp", "hsdp"):
         raise ConfigError(
-            f"data-parallel {config.data_parallel!r} with a mesh: replicate or fsdp along its dp dimension"
+            f"data-parallel {config.data_parallel!r} with a mesh: replicate, fsdp (along dp) or hsdp "
+            "(along dp_replicate × dp_shard)"
         )
     if config.data_parallel == "fsdp" and "dp" not in shape:
         raise ConfigError(
             f"data-parallel fsdp shards along the mesh's dp dimension; {config.mesh!r} has none"
+        )
+    if config.data_parallel == "hsdp" and not {"dp_replicate", "dp_shard"} <= set(shape):
+        raise ConfigError(
+            f"data-parallel hsdp shards along dp_shard and replicates along dp_replicate; {config.mesh!r} "
+            "lacks them (e.g. pp=2,dp_replicate=2,dp_shard=2)"
+        )
+    tp = shape.get("tp", 1)
+    if config.heads % tp or config.dim % tp:
+        raise ConfigError(
+            f"mesh {config.mesh!r}: tp={tp} must divide the heads ({config.heads}) and the width "
+            f"({config.dim}) so that each rank holds whole heads"
         )
 
 
@@ -324,7 +345,8 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
     else:
         start = 0
     shard = slice(pipe.layout.dp_index * shard_size, (pipe.layout.dp_index + 1) * shard_size)
-    reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0
+    # one rank reports: the loss holder of replica 0, at tensor-parallel coordinate 0
+    reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0 and _tp_index(config) == 0
     losses, times = [], []
     profiler = _profiler(config, dist.get_rank(), backend)
     with _progress(config.progress and reports_loss, config.steps) as advance, profiler:
@@ -476,7 +498,20 @@ def _parallelism(config: TrainConfig, backend: str) -> dict[str, Any]:
     device_type = "cuda" if backend == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
     mode = "replicate" if config.data_parallel == 1 else config.data_parallel
-    return {"mesh": mesh, "data_parallel": mode if "dp" in shape else None}
+    data = any(name in shape for name in ("dp", "dp_replicate", "dp_shard"))
+    parallelize = tensor_parallel if "tp" in shape else None
+    return {"mesh": mesh, "data_parallel": mode if data else None, "parallelize": parallelize}
+
+
+def _tp_index(config: TrainConfig) -> int:
+    """This rank's coordinate along the mesh's ``tp`` dimension (0 without one)."""
+    shape = config.mesh_shape
+    if "tp" not in shape:
+        return 0
+    names = list(shape)
+    # the mesh's ranks are laid out row-major in the order of its dimensions
+    stride = math.prod(list(shape.values())[names.index("tp") + 1 :])
+    return (dist.get_rank() // stride) % shape["tp"]
 
 
 def _describe_mesh(config: TrainConfig) -> str | None:
@@ -486,7 +521,8 @@ def _describe_mesh(config: TrainConfig) -> str | None:
         return None
     sizes = " × ".join(f"{name} {size}" for name, size in shape.items())
     mode = "replicate" if config.data_parallel == 1 else config.data_parallel
-    return f"{sizes}, {mode}" if "dp" in shape else sizes
+    data = any(name in shape for name in ("dp", "dp_replicate", "dp_shard"))
+    return f"{sizes}, {mode}" if data else sizes
 
 
 def _plan_lines(pipe) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ one schedule.
   ranks;
 * :mod:`.result` — :class:`PlanCandidate`, :class:`Plan`, :class:`Calibration`;
 * :mod:`.search` — :func:`plan`, the search and the reason text;
+* :mod:`.cluster` — :func:`~.cluster.plan_cluster`: a cluster planned on paper from a model's sizes;
 * :mod:`.calibration` — :func:`calibrate`, :func:`calibrated_profile`, :func:`profile_from_trace`.
 
 Each module imports only those listed before it.  Pure Python; no torch.
@@ -19,7 +20,7 @@ Each module imports only those listed before it.  Pure Python; no torch.
 
 from .amounts import format_bytes, parse_bytes
 from .calibration import calibrate, calibrated_profile, profile_from_trace
-from .layout import Link, MeshLayout, parse_mesh
+from .layout import Link, MeshLayout, mesh_layout, parse_mesh
 from .profile import LayerProfile, ModelProfile, median_profile, stage_costs
 from .result import Calibration, Plan, PlanCandidate
 from .search import HEAD_LAYOUTS, plan
@@ -37,6 +38,7 @@ __all__ = [
     "calibrated_profile",
     "format_bytes",
     "median_profile",
+    "mesh_layout",
     "parse_bytes",
     "parse_mesh",
     "plan",

@@ -190,3 +190,19 @@ def parse_mesh(text: str) -> dict[str, int]:
     if sizes["dp"] > 1 and sizes["dp_replicate"] * sizes["dp_shard"] > 1:
         raise ScheduleError(f"mesh {text!r}: give dp=, or dp_replicate= and dp_shard= (HSDP), not both")
     return sizes
+
+
+def mesh_layout(sizes: dict[str, int], data_parallel: str = "replicate", link: Link = Link()) -> MeshLayout:
+    """The :class:`MeshLayout` of :func:`parse_mesh`'s sizes with ``data_parallel`` ``"replicate"``,
+    ``"fsdp"`` or ``"hsdp"`` (over ``dp_shard``), every collective on ``link``."""
+    if data_parallel not in ("replicate", "fsdp", "hsdp"):
+        raise ScheduleError(f"data parallelism {data_parallel!r}: choose replicate, fsdp or hsdp")
+    hsdp = sizes["dp_replicate"] * sizes["dp_shard"] > 1
+    if (data_parallel == "hsdp") != hsdp and not (data_parallel == "replicate" and hsdp):
+        raise ScheduleError(
+            "hsdp runs on dp_replicate= and dp_shard= (e.g. pp=2,dp_replicate=2,dp_shard=2); fsdp on dp="
+        )
+    dp = sizes["dp"] * sizes["dp_replicate"] * sizes["dp_shard"]
+    sharding = None if data_parallel == "replicate" or dp == 1 else data_parallel
+    shard = sizes["dp_shard"] if sharding == "hsdp" else None
+    return MeshLayout(dp=dp, tp=sizes["tp"], sharding=sharding, dp_shard=shard, tp_link=link, dp_link=link)

@@ -1,0 +1,340 @@
+"""A plan on paper for a cluster: the best (pp, dp, tp, schedule, microbatches) for a transformer.
+
+``zerobubble plan --cluster nodes=N,gpus=8,intra=…,inter=… --model config.json --tokens-per-step T``
+(``docs/auto-planning.md``, "A cluster on paper"):
+
+* :class:`TransformerShape` reads a Hugging Face ``config.json`` (the sizes only);
+* :func:`transformer_profile` writes the per-layer profile the planner takes from those sizes: times
+  from FLOPs at :attr:`Cluster.efficiency` of the GPUs' peak, bytes from the parameter counts
+  (bf16 weights and gradients, fp32 master weights and Adam moments: 16 bytes a parameter) and the
+  activations of Korthikanti et al. (2022): ``34·s·b·h`` bytes a block with flash attention, ``2·s·b·h``
+  with full recomputation, which then repeats the forward in B;
+* :func:`plan_cluster` runs :func:`~.search.plan` with a :class:`~.layout.MeshLayout` for every
+  factorisation ``pp × dp × tp`` of the GPUs (tp within a node), the GPUs' memory as the budget,
+  and orders the layouts by predicted tokens per second.
+
+Everything here is a model: the efficiency is an input, not a measurement.  Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..ir import ScheduleError
+from .amounts import format_bytes, parse_bytes
+from .layout import Link, MeshLayout
+from .profile import LayerProfile, ModelProfile
+from .result import Plan
+from .search import plan
+
+GATED_MLP = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
+"""``model_type`` values whose MLP has three matrices (gate, up, down); others have two."""
+
+DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+"""The schedules a cluster plan tries unless told (the memory-planned ones are slow at 1024 GPUs)."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` × ``gpus`` GPUs: links within a node (``intra``) and between nodes (``inter``) in
+    bytes/s, each GPU's peak ``flops``, the fraction of it a transformer's matmuls reach
+    (``efficiency``) and its ``memory`` in bytes."""
+
+    nodes: int
+    gpus: int
+    intra: float
+    inter: float
+    flops: float = 312e12
+    memory: float = 80 * 2**30
+    efficiency: float = 0.5
+    latency: float = 1e-5
+
+    @property
+    def size(self) -> int:
+        """Every GPU."""
+        return self.nodes * self.gpus
+
+    @classmethod
+    def parse(cls, text: str) -> Cluster:
+        """``"nodes=8,gpus=8,intra=300GB/s,inter=25GB/s[,flops=312e12,memory=80GiB,efficiency=0.5]"``."""
+        fields: dict[str, Any] = {}
+        for part in filter(None, (piece.strip() for piece in text.split(","))):
+            name, _, value = part.partition("=")
+            try:
+                fields[name] = _cluster_value(name, value.strip())
+            except (ValueError, ScheduleError) as error:
+                raise ScheduleError(f"cluster {text!r}: {name}={value!r}: {error}") from None
+        missing = [name for name in ("nodes", "gpus", "intra", "inter") if name not in fields]
+        if missing:
+            raise ScheduleError(
+                f"cluster {text!r} lacks {', '.join(missing)}: e.g. nodes=8,gpus=8,intra=300GB/s,inter=25GB/s"
+            )
+        return cls(**fields)
+
+
+def _cluster_value(name: str, value: str) -> Any:
+    if name in ("nodes", "gpus"):
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError("a positive integer")
+        return int(value)
+    if name in ("intra", "inter"):
+        rate = parse_bytes(value.removesuffix("/s"))
+        if rate is None or rate <= 0:
+            raise ValueError("a rate such as 25GB/s")
+        return rate
+    if name == "memory":
+        return parse_bytes(value)
+    if name in ("flops", "efficiency", "latency"):
+        number = float(value.upper().replace("T", "e12"))
+        if number <= 0 or (name == "efficiency" and number > 1):
+            raise ValueError("a positive number (efficiency at most 1)")
+        return number
+    raise ValueError("unknown; the fields are nodes, gpus, intra, inter, flops, memory, efficiency, latency")
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The sizes of a decoder-only transformer that its cost depends on."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    gated: bool
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> TransformerShape:
+        """From a Hugging Face ``config.json`` (Llama-, GPT-2-, NeoX-, OPT-, Falcon-style names)."""
+
+        def first(*names: str) -> Any:
+            return next((config[n] for n in names if config.get(n) is not None), None)
+
+        hidden = first("hidden_size", "n_embd", "d_model")
+        layers = first("num_hidden_layers", "n_layer", "num_layers")
+        heads = first("num_attention_heads", "n_head")
+        vocab = first("vocab_size")
+        if None in (hidden, layers, heads, vocab):
+            raise ScheduleError(
+                "the model config needs hidden_size (n_embd), num_hidden_layers (n_layer), "
+                "num_attention_heads (n_head) and vocab_size"
+            )
+        return cls(
+            layers=int(layers),
+            hidden=int(hidden),
+            intermediate=int(first("intermediate_size", "n_inner", "ffn_dim") or 4 * hidden),
+            heads=int(heads),
+            kv_heads=int(first("num_key_value_heads", "num_kv_heads") or heads),
+            vocab=int(vocab),
+            gated=str(config.get("model_type", "")) in GATED_MLP,
+        )
+
+    @property
+    def block_parameters(self) -> int:
+        """Parameters of one block: attention (q, o and the k, v of the kv heads), MLP, two norms."""
+        h = self.hidden
+        attention = 2 * h * h + 2 * h * (h * self.kv_heads // self.heads)
+        return attention + (3 if self.gated else 2) * h * self.intermediate + 2 * h
+
+    @property
+    def parameters(self) -> int:
+        """Every parameter (untied embedding and output layer)."""
+        return self.layers * self.block_parameters + 2 * self.vocab * self.hidden
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward and backward FLOPs a token costs: ``6·N`` plus attention's ``12·L·h·s`` (the
+        convention of Megatron's and torchtitan's MFU)."""
+        return 6 * self.parameters + 12 * self.layers * self.hidden * seq_len
+
+
+def transformer_profile(
+    shape: TransformerShape, cluster: Cluster, seq_len: int, microbatch_size: int, recompute: bool
+) -> ModelProfile:
+    """Per-layer costs of one microbatch (embedding, blocks, output layer) on one GPU (module docstring)."""
+    tokens, h = seq_len * microbatch_size, shape.hidden
+    rate = cluster.flops * cluster.efficiency
+
+    def state(count: int) -> dict[str, float]:
+        return {
+            "parameter_bytes": 2.0 * count,
+            "gradient_bytes": 2.0 * count,
+            "optimizer_bytes": 12.0 * count,
+        }
+
+    matmul = 2 * tokens * shape.block_parameters / rate  # one pass over the block's weights
+    attention = 4 * tokens * seq_len * h / rate  # scores and their mix with v
+    forward = matmul + attention
+    block = LayerProfile(
+        "block",
+        forward=forward,
+        backward_input=matmul + 2 * attention + (forward if recompute else 0.0),
+        backward_weight=matmul,
+        activation_bytes=(2.0 if recompute else 34.0) * tokens * h,
+        weight_input_bytes=32.0 * tokens * h,
+        output_bytes=2.0 * tokens * h,
+        **state(shape.block_parameters),
+    )
+    table = shape.vocab * h
+    head_pass = 2 * tokens * table / rate
+    embedding = LayerProfile("embedding", 0.0, 0.0, 0.0, output_bytes=2.0 * tokens * h, **state(table))
+    head = LayerProfile(
+        "head", head_pass, head_pass, head_pass, activation_bytes=6.0 * tokens * shape.vocab, **state(table)
+    )
+    layers = (embedding, *(block for _ in range(shape.layers)), head)
+    return ModelProfile(layers, comm_latency=cluster.latency, comm_bandwidth=cluster.inter)
+
+
+@dataclass(frozen=True)
+class ClusterOption:
+    """One layout of the cluster with its plan (None, and ``note``, when nothing fits)."""
+
+    pp: int
+    dp: int
+    tp: int
+    sharding: str | None
+    microbatches: int
+    plan: Plan | None
+    tokens_per_second: float = 0.0
+    mfu: float = 0.0
+    note: str = ""
+
+    def row(self) -> dict[str, Any]:
+        """JSON-ready numbers."""
+        winner = self.plan.winner if self.plan is not None else None
+        return {
+            "pp": self.pp,
+            "dp": self.dp,
+            "tp": self.tp,
+            "sharding": self.sharding or "replicate",
+            "microbatches": self.microbatches,
+            "schedule": winner.label if winner else None,
+            "step_time": winner.period if winner else None,
+            "bubble_rate": winner.bubble_rate if winner else None,
+            "memory_per_gpu": max(winner.peak_bytes) if winner else None,
+            "tokens_per_second_per_gpu": self.tokens_per_second,
+            "mfu": self.mfu,
+            "note": self.note,
+        }
+
+
+def plan_cluster(
+    shape: TransformerShape,
+    cluster: Cluster,
+    tokens_per_step: int,
+    seq_len: int,
+    *,
+    microbatch_size: int = 1,
+    recompute: bool = False,
+    schedules: Sequence[str] = DEFAULT_SCHEDULES,
+    layouts: Sequence[tuple[int, int, int]] | None = None,
+    sharding: str | None = "fsdp",
+) -> list[ClusterOption]:
+    """Every layout ``(pp, dp, tp)`` of the cluster (or those given) planned, fastest first."""
+    sequences, remainder = divmod(tokens_per_step, seq_len)
+    if remainder or sequences < 1:
+        raise ScheduleError(
+            f"tokens per step {tokens_per_step} must be a multiple of the sequence length {seq_len}"
+        )
+    profile = transformer_profile(shape, cluster, seq_len, microbatch_size, recompute)
+    options = [
+        _option(profile, shape, cluster, pp, dp, tp, sequences, seq_len, microbatch_size, schedules, sharding)
+        for pp, dp, tp in (layouts if layouts is not None else _layouts(shape, cluster))
+    ]
+    return sorted(options, key=lambda o: -o.tokens_per_second)
+
+
+def _layouts(shape: TransformerShape, cluster: Cluster) -> list[tuple[int, int, int]]:
+    """``(pp, dp, tp)`` with ``pp·dp·tp`` the cluster, tp dividing a node and the heads, pp the layers."""
+    found = []
+    for tp in _divisors(cluster.gpus):
+        if shape.heads % tp or (shape.kv_heads % tp and tp > shape.kv_heads):
+            continue
+        for pp in _divisors(cluster.size // tp):
+            if pp <= shape.layers + 2:
+                found.append((pp, cluster.size // (tp * pp), tp))
+    return found
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _option(
+    profile: ModelProfile,
+    shape: TransformerShape,
+    cluster: Cluster,
+    pp: int,
+    dp: int,
+    tp: int,
+    sequences: int,
+    seq_len: int,
+    microbatch_size: int,
+    schedules: Sequence[str],
+    sharding: str | None,
+) -> ClusterOption:
+    mode = sharding if dp > 1 else None
+    per_replica, left = divmod(sequences, dp * microbatch_size)
+    if left or per_replica < 1:
+        note = f"{sequences} sequences do not split into {dp} replicas of microbatches of {microbatch_size}"
+        return ClusterOption(pp, dp, tp, mode, 0, None, note=note)
+    # a collective's slowest hop: within a node while its ranks fit in one
+    tp_link = Link(cluster.latency, cluster.intra)
+    dp_link = Link(cluster.latency, cluster.intra if pp * tp * dp <= cluster.gpus else cluster.inter)
+    pp_bandwidth = cluster.intra if pp * tp <= cluster.gpus else cluster.inter
+    layout = MeshLayout(dp=dp, tp=tp, sharding=mode, tp_link=tp_link, dp_link=dp_link)
+    staged = ModelProfile(profile.layers, comm_latency=cluster.latency, comm_bandwidth=pp_bandwidth)
+    try:
+        chosen = plan(staged, pp, per_replica, cluster.memory, schedules=schedules, layout=layout, refine=4)
+    except ScheduleError as error:
+        return ClusterOption(pp, dp, tp, mode, per_replica, None, note=str(error))
+    step = chosen.predicted_iteration_time
+    tokens = sequences * seq_len / step / cluster.size
+    mfu = tokens * shape.flops_per_token(seq_len) / cluster.flops
+    return ClusterOption(pp, dp, tp, mode, per_replica, chosen, tokens, mfu)
+
+
+def cluster_table(options: Sequence[ClusterOption], top: int) -> str:
+    """The ``top`` fastest layouts as a text table, and how many fit nothing."""
+    header = "  pp   dp   tp  sharding   m  schedule            step s  bubble  memory/GPU  tok/s/GPU   MFU"
+    lines = [header]
+    for option in [o for o in options if o.plan is not None][:top]:
+        winner = option.plan.winner if option.plan else None
+        assert winner is not None and winner.period is not None
+        bubble = max(winner.bubble_rate or 0.0, 0.0)
+        memory = format_bytes(max(winner.peak_bytes))
+        lines.append(
+            f"{option.pp:4d} {option.dp:4d} {option.tp:4d}  {option.sharding or 'replicate':9s}"
+            f"{option.microbatches:4d}  {winner.label:16s} {winner.period:8.3f}  {bubble:6.1%}"
+            f"  {memory:>10s} {option.tokens_per_second:10.0f} {option.mfu:6.1%}"
+        )
+    failed = sum(o.plan is None for o in options)
+    if failed:
+        lines.append(f"({failed} of {len(options)} layouts fit nothing or do not split the batch)")
+    return "\n".join(lines)
+
+
+def best_layout_text(options: Sequence[ClusterOption]) -> str:
+    """One line on the winner, or why nothing runs."""
+    fitting = [o for o in options if o.plan is not None]
+    if not fitting:
+        reasons = "; ".join(f"pp {o.pp} dp {o.dp} tp {o.tp}: {o.note}" for o in options[:3])
+        raise ScheduleError(f"no layout of the cluster fits: {reasons}")
+    best = fitting[0]
+    assert best.plan is not None
+    return (
+        f"best: pp {best.pp} × dp {best.dp} ({best.sharding or 'replicate'}) × tp {best.tp}, "
+        f"{best.plan.winner.label} with {best.microbatches} microbatches: {best.tokens_per_second:.0f} "
+        f"tokens/s per GPU, MFU {best.mfu:.1%}"
+    )
+
+
+def layouts_from_mesh(sizes: Mapping[str, int], cluster: Cluster) -> list[tuple[int, int, int]]:
+    """``--mesh`` with ``--cluster``: the one layout it names (checked against the cluster's size)."""
+    dp = sizes["dp"] * sizes["dp_replicate"] * sizes["dp_shard"]
+    total = sizes["pp"] * dp * sizes["tp"]
+    if total != cluster.size:
+        raise ScheduleError(f"the mesh has {total} ranks but the cluster {cluster.size} GPUs")
+    return [(sizes["pp"], dp, sizes["tp"])]
