@@ -69,8 +69,9 @@ def test_plan_on_a_mesh_says_the_memory_per_rank(capsys, profile_file):
 
 def test_plan_of_a_cluster_on_paper(capsys, tmp_path):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096,
-                                  "num_hidden_layers": 8, "num_attention_heads": 16, "vocab_size": 32000}))  # fmt: skip
+    sizes = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8}
+    sizes["num_attention_heads"] = 16
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 32000, **sizes}))
     cluster = "nodes=2,gpus=8,intra=300GB/s,inter=25GB/s"
     argv = ["plan", "--cluster", cluster, "--model", str(config), "--tokens-per-step", str(64 * 2048)]
     code, out, _ = run(capsys, *argv, "--seq-len", "2048")
