@@ -18,6 +18,7 @@ Everything here is a model: the efficiency is an input, not a measurement.  Pure
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -199,6 +200,7 @@ class ClusterOption:
     plan: Plan | None
     tokens_per_second: float = 0.0
     mfu: float = 0.0
+    hfu: float = 0.0
     note: str = ""
 
     def row(self) -> dict[str, Any]:
@@ -216,6 +218,7 @@ class ClusterOption:
             "memory_per_gpu": max(winner.peak_bytes) if winner else None,
             "tokens_per_second_per_gpu": self.tokens_per_second,
             "mfu": self.mfu,
+            "hfu": self.hfu,
             "note": self.note,
         }
 
@@ -239,10 +242,11 @@ def plan_cluster(
             f"tokens per step {tokens_per_step} must be a multiple of the sequence length {seq_len}"
         )
     profile = transformer_profile(shape, cluster, seq_len, microbatch_size, recompute)
-    options = [
-        _option(profile, shape, cluster, pp, dp, tp, sequences, seq_len, microbatch_size, schedules, sharding)
-        for pp, dp, tp in (layouts if layouts is not None else _layouts(shape, cluster))
-    ]
+    plan_layout = functools.partial(
+        _option, profile, shape, cluster, sequences=sequences, seq_len=seq_len,
+        microbatch_size=microbatch_size, schedules=schedules, sharding=sharding, recompute=recompute,
+    )  # fmt: skip
+    options = [plan_layout(sizes) for sizes in (layouts if layouts is not None else _layouts(shape, cluster))]
     return sorted(options, key=lambda o: -o.tokens_per_second)
 
 
@@ -266,15 +270,16 @@ def _option(
     profile: ModelProfile,
     shape: TransformerShape,
     cluster: Cluster,
-    pp: int,
-    dp: int,
-    tp: int,
+    sizes: tuple[int, int, int],
+    *,
     sequences: int,
     seq_len: int,
     microbatch_size: int,
     schedules: Sequence[str],
     sharding: str | None,
+    recompute: bool,
 ) -> ClusterOption:
+    pp, dp, tp = sizes
     mode = sharding if dp > 1 else None
     per_replica, left = divmod(sequences, dp * microbatch_size)
     if left or per_replica < 1:
@@ -293,12 +298,16 @@ def _option(
     step = chosen.predicted_iteration_time
     tokens = sequences * seq_len / step / cluster.size
     mfu = tokens * shape.flops_per_token(seq_len) / cluster.flops
-    return ClusterOption(pp, dp, tp, mode, per_replica, chosen, tokens, mfu)
+    # the FLOPs the GPUs run: with recomputation the forward twice (8 passes of the weights, not 6)
+    hfu = mfu * (4 / 3 if recompute else 1.0)
+    return ClusterOption(pp, dp, tp, mode, per_replica, chosen, tokens, mfu, hfu)
 
 
 def cluster_table(options: Sequence[ClusterOption], top: int) -> str:
     """The ``top`` fastest layouts as a text table, and how many fit nothing."""
-    header = "  pp   dp   tp  sharding   m  schedule            step s  bubble  memory/GPU  tok/s/GPU   MFU"
+    header = (
+        "  pp   dp   tp  sharding   m  schedule            step s  bubble  memory/GPU  tok/s/GPU   MFU   HFU"
+    )
     lines = [header]
     for option in [o for o in options if o.plan is not None][:top]:
         winner = option.plan.winner if option.plan else None
@@ -308,7 +317,7 @@ def cluster_table(options: Sequence[ClusterOption], top: int) -> str:
         lines.append(
             f"{option.pp:4d} {option.dp:4d} {option.tp:4d}  {option.sharding or 'replicate':9s}"
             f"{option.microbatches:4d}  {winner.label:16s} {winner.period:8.3f}  {bubble:6.1%}"
-            f"  {memory:>10s} {option.tokens_per_second:10.0f} {option.mfu:6.1%}"
+            f"  {memory:>10s} {option.tokens_per_second:10.0f} {option.mfu:6.1%} {option.hfu:5.1%}"
         )
     failed = sum(o.plan is None for o in options)
     if failed:
@@ -327,7 +336,7 @@ def best_layout_text(options: Sequence[ClusterOption]) -> str:
     return (
         f"best: pp {best.pp} × dp {best.dp} ({best.sharding or 'replicate'}) × tp {best.tp}, "
         f"{best.plan.winner.label} with {best.microbatches} microbatches: {best.tokens_per_second:.0f} "
-        f"tokens/s per GPU, MFU {best.mfu:.1%}"
+        f"tokens/s per GPU, MFU {best.mfu:.1%} (HFU {best.hfu:.1%})"
     )
 
 

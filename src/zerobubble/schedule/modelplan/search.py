@@ -436,7 +436,13 @@ def _reason(winner: PlanCandidate, candidates: Sequence[PlanCandidate], budget: 
 def _nothing_fits(
     candidates: Sequence[PlanCandidate], budget: float | None, ranks: int, layout: MeshLayout
 ) -> str:
-    measured = [c for c in candidates if c.peak_bytes]
+    # a candidate that was simulated needs its peak; one that was not built, its static bytes when
+    # they alone exceed the budget (otherwise its note says why it was not built)
+    measured = [
+        c
+        for c in candidates
+        if c.peak_bytes and (c.timeline is not None or (budget is not None and max(c.peak_bytes) > budget))
+    ]
     if not measured or budget is None:
         notes = "; ".join(f"{c.schedule}: {c.note}" for c in candidates)
         return f"no schedule can run on {ranks} ranks: {notes}"
