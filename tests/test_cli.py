@@ -263,12 +263,12 @@ def test_bench_schedulers_grid_prints_one_row_per_schedule(capsys):
 
 def test_an_internal_value_error_is_not_swallowed(capsys, monkeypatch):
     """Only the project's own error types become one line; a bug elsewhere keeps its traceback."""
-    from zerobubble import cli
+    from zerobubble.cli import base
 
     def broken(*args, **kwargs):
         raise ValueError("an internal bug, not a user error")
 
-    monkeypatch.setattr(cli, "build_schedule", broken)
+    monkeypatch.setattr(base, "build_schedule", broken)
     with pytest.raises(ValueError, match="internal bug"):
         main(["simulate", "--schedule", "1f1b"])
 

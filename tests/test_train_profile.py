@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from zerobubble.cli import main
-from zerobubble_demo.train import profile_path, profile_window
+from zerobubble_demo.profiling import profile_path, profile_window
 
 
 def test_profile_window_skips_the_first_step_and_fits_short_runs():

@@ -31,6 +31,7 @@ from zerobubble.schedule.modelplan import parse_bytes
 
 from . import ConfigError
 from .models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss, tensor_parallel
+from .profiling import profile_lines, step_profiler
 
 
 @dataclass(frozen=True)
@@ -309,17 +310,13 @@ def run_training(config: TrainConfig) -> TrainSummary:
     return launch(_train_rank, config.world, (config, schedule), threads=threads)[0]
 
 
-def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
-    from zerobubble.runtime.launch import init_distributed
+def _pipeline(config: TrainConfig, schedule: Schedule | None, backend: str, example: Any) -> Any:
+    """This rank's Pipeline of the demo GPT as ``config`` says (``schedule``: the checked named
+    schedule, None for ``auto``; ``example``: the batch ``auto`` and ``partition="profile"`` profile)."""
     from zerobubble.runtime.pipeline import Pipeline
 
-    backend = init_distributed(config.backend, config.timeout)
-    torch.manual_seed(config.seed)
-    shard_size = config.batch_size // config.replicas
-    # schedule="auto" profiles on an example batch: from a corpus of its own, so training data is unchanged
-    example = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed + 7).batch(shard_size)
     profiled = schedule is not None and config.partition == "profile"
-    pipe = Pipeline(
+    return Pipeline(
         gpt_layers(config.model),
         # partition="profile" plans the cut for the schedule's name (with the profile's costs)
         schedule=config.schedule if profiled or schedule is None else schedule,
@@ -336,6 +333,17 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         example=example if schedule is None or profiled else None,
         compile={"backend": config.compile} if config.compile is not None else False,
     )
+
+
+def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
+    from zerobubble.runtime.launch import init_distributed
+
+    backend = init_distributed(config.backend, config.timeout)
+    torch.manual_seed(config.seed)
+    shard_size = config.batch_size // config.replicas
+    # schedule="auto" profiles on an example batch: from a corpus of its own, so training data is unchanged
+    example = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed + 7).batch(shard_size)
+    pipe = _pipeline(config, schedule, backend, example)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
     if config.resume is not None:
@@ -348,7 +356,7 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
     # one rank reports: the loss holder of replica 0, at tensor-parallel coordinate 0
     reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0 and _tp_index(config) == 0
     losses, times = [], []
-    profiler = _profiler(config, dist.get_rank(), backend)
+    profiler = step_profiler(config.profile, config.steps, dist.get_rank(), backend)
     with _progress(config.progress and reports_loss, config.steps) as advance, profiler:
         for _ in range(config.steps):
             inputs, targets = corpus.batch(config.batch_size)  # the same global batch on every rank
@@ -388,76 +396,9 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         trace_lines=(
             *_plan_lines(pipe),
             *(report.lines() if report is not None else ()),
-            *_profile_lines(config),
+            *profile_lines(config.profile, config.steps),
         ),
         first_step=start,
-    )
-
-
-#: Steps ``zerobubble train --profile`` records after its warm-up (fewer when the run is shorter).
-PROFILE_STEPS = 3
-
-
-def profile_window(steps: int) -> tuple[int, int, int]:
-    """``(wait, warmup, active)`` steps of the profiler schedule for a run of ``steps`` steps.
-
-    The first step is left out (it sends shape headers and builds autograd's first graphs), the next
-    warms the profiler up, then up to :data:`PROFILE_STEPS` are recorded; a shorter run records what
-    it can (a one-step run that one step).
-    """
-    wait = 1 if steps >= 3 else 0
-    warmup = 1 if steps - wait >= 2 else 0
-    return wait, warmup, max(1, min(PROFILE_STEPS, steps - wait - warmup))
-
-
-def profile_path(directory: str, rank: int) -> str:
-    """The Chrome trace ``zerobubble train --profile`` writes for global ``rank``."""
-    return os.path.join(directory, f"rank{rank}.pt.trace.json")
-
-
-class _NoProfiler:
-    def __enter__(self) -> _NoProfiler:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def step(self) -> None:
-        pass
-
-
-def _profiler(config: TrainConfig, rank: int, backend: str) -> Any:
-    """A ``torch.profiler.profile`` over :func:`profile_window`'s steps writing this rank's trace, or
-    a stand-in doing nothing without ``config.profile``."""
-    if config.profile is None:
-        return _NoProfiler()
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    wait, warmup, active = profile_window(config.steps)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend == "nccl" else [])
-    directory = config.profile
-    path = profile_path(directory, rank)
-
-    def write(prof) -> None:
-        os.makedirs(directory, exist_ok=True)
-        prof.export_chrome_trace(path)
-
-    return profile(
-        activities=activities,
-        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-        on_trace_ready=write,
-    )
-
-
-def _profile_lines(config: TrainConfig) -> tuple[str, ...]:
-    if config.profile is None:
-        return ()
-    wait, warmup, active = profile_window(config.steps)
-    first = wait + warmup + 1
-    steps = f"step {first}" if active == 1 else f"steps {first}-{first + active - 1}"
-    return (
-        f"torch profiler traces of {steps}: {os.path.join(config.profile, 'rank*.pt.trace.json')} "
-        "(zerobubble/ ranges: ops, transfers, hooks)",
     )
 
 

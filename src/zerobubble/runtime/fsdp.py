@@ -16,9 +16,8 @@ it explicitly, the way torch's pipelining runtime does (``torch/distributed/pipe
   that also reshards the chunk, whose parameters the step no longer reads;
 * whatever is still unsharded at the step's end (an evaluation) is resharded.
 
-FSDP2 averages over the group (``ReduceOp.AVG`` for float32/bfloat16; for float64/float16 a sum
-with ``D`` divided out before and after it), which is the replicated path's average: gradients of the
-mean loss over the global batch.
+FSDP2 averages over the group, which is the replicated path's average: gradients of the mean loss
+over the global batch.
 
 Why one unit per chunk rather than per layer: the parameters of every layer of a chunk are read by
 every microbatch of the step, so with the once-per-step unshard all of them are unsharded for the

@@ -439,3 +439,33 @@ __all__ = [
     "transfer_latencies",
     "write_trace",
 ]
+
+
+def recorded_timelines(
+    recorder: Any, schedule: Schedule, group: Any, device: Any
+) -> list[MeasuredTimeline] | None:
+    """The steps ``recorder`` (a :class:`~.recorder.StepRecorder`) recorded, gathered on rank 0
+    (collective; None elsewhere)."""
+    if not isinstance(recorder, StepRecorder):
+        raise PipelineError("no timeline was recorded: build the Pipeline with trace=True")
+    return gather_timelines(recorder, schedule, group, device)
+
+
+def write_recorded_trace(
+    timelines: list[MeasuredTimeline] | None,
+    recorder: Any,
+    directory: str | Path,
+    layout: Any,
+    *,
+    layer_bounds: Any,
+    profile: Any,
+) -> TraceReport | None:
+    """:func:`write_trace` of the gathered ``timelines`` (rank 0; None elsewhere), the pipeline's
+    first step left out when later ones were recorded (it also sends shape headers and allocates)."""
+    if timelines is None:
+        return None
+    if not timelines:
+        raise PipelineError("no step was recorded: run pipe.step() with trace=True before write_trace")
+    if len(timelines) > 1 and getattr(recorder, "keeps_first_step", False):
+        timelines = timelines[1:]
+    return write_trace(timelines, directory, layout, layer_bounds=layer_bounds, layer_profile=profile)

@@ -4,22 +4,15 @@ The builders place ops by rules (the authors' patterns, greedy planners, local m
 at a time cannot undo a rule's choice where several ranks must change together: at 1.5B p8 m24 the
 authors' V-Half order is 0.37 % from a better one that reorders ops on all eight ranks at once.
 :func:`polish_schedule` hands the ops that start in the last stretch of the iteration (about
-``window`` per rank) to CP-SAT and keeps everything before them as it is:
-
-* ops that start before the cut keep their order and times (their inputs all start before it too);
-* each rank runs the freed ops after its kept ones, one at a time (``NoOverlap``);
-* an op starts after its inputs plus the transfer time between ranks, as in the simulator;
-* ops of one kind and stage keep their current order (it removes symmetric orders);
-* activation memory is a ``Cumulative`` resource per rank: a forward holds each part of its
-  activations from its start until the end of the op that frees that part (B, W or BW), and no
-  rank may go above ``min(its memory limit, its peak before polishing)``;
-* the objective is the iteration time: the longest rank span (first start to last end).
-
-Times and memory are scaled to integers, exactly where a power of two allows it, else rounded
-(memory parts upwards).  The search is warm-started from the schedule itself, replayed at the
-integer durations.  The solver's order is then replayed by the simulator at the real costs and
-validated, and kept only when it is strictly faster and no rank's peak rose, so a polish never
-makes a schedule slower or hungrier, whatever the rounding admitted.
+``window`` per rank) to CP-SAT and keeps everything before them as it is.  The model
+(``docs/schedulers.md``, "Polishing"): kept ops keep their order and times, each rank runs its freed
+ops one at a time (``NoOverlap``) after its inputs plus the transfer time, ops of one kind and stage
+keep their order, activation memory is a ``Cumulative`` resource per rank capped at
+``min(memory limit, peak before polishing)``, and the objective is the longest rank span.  Times
+and memory are scaled to integers (exactly where a power of two allows it); the search is
+warm-started from the schedule itself.  The solver's order is replayed by the simulator at the
+real costs and validated, and kept only when it is strictly faster and no rank's peak rose, so a
+polish never makes a schedule slower or hungrier, whatever the rounding admitted.
 
 CP-SAT runs its portfolio of workers (one per core, up to eight) for a wall-clock limit: where it
 stops before proving the optimum, the result can differ between runs and machines (never getting

@@ -16,16 +16,13 @@ expensive nodes W starts at the *frontier* nodes instead of the outputs (:mod:`.
 The parameters are found by walking the local graph from the outputs to its leaves (every leaf
 that requires grad and is not a local input), so shared parameters, parameters used through
 custom autograd functions or owned by child modules all get their gradient; a fast-path child
-(:class:`~.fast.SplitFunction` node) defers its own parameters, so the walk does not collect them,
-and neither does it the weights of ``F.linear`` calls, products, biases and scales the forward
-routed to their closed form (:mod:`.routed`).  A module left without leaves by that (norm-only
-parameters aside) needs no local graph: its later forwards run on the stage's graph
+(:class:`~.fast.SplitFunction` node) defers its own parameters, and the weights the forward routed
+to their closed form (:mod:`.routed`) are not collected either.  A module left without leaves by
+that (norm-only parameters aside) needs no local graph: its later forwards run on the stage's graph
 (:func:`_direct_forward`).
 
-Under saved-tensor hooks (activation checkpointing, offloading) the local graph saves through the
-outer hooks (F keeps what checkpointing keeps), wrapped in :class:`SavedOnce`: the bridge unpacks
-every saved tensor of the local graph once, in the stage's backward (so checkpointing recomputes
-once per B, not once per engine run), and both engine runs read the unpacked tensors.
+Under saved-tensor hooks (checkpointing, offloading) the local graph saves through the outer hooks,
+wrapped in :class:`SavedOnce`, so checkpointing recomputes once per B, not once per engine run.
 """
 
 from __future__ import annotations

@@ -10,16 +10,12 @@ V-Min order, the equalised ZB-V plan) still idles under the real costs on the ra
 iteration time.  :func:`improve_programs` looks only at those waits.  For each idle gap on a
 critical rank (one whose span is the iteration time), largest first, it tries these moves:
 
-* **fill** — move the earliest later W of that rank whose B already ran into the gap.  Moving a W
-  earlier only frees memory earlier, so it never breaks the memory limit.
-* **pull** — on the rank that produces the op the gap waits for, move the producing op up to
-  ``_PULL_WINDOW`` places earlier, past ops it does not need.
-* **chain pull** — follow the wait up the chain of last-arriving inputs; where an op on it waited
-  for its rank rather than its input, move it one place earlier, before the op that held it.
-* **defer** — move one of the last ``_DEFER_WINDOW`` W ops before the gap into it, so the ops
-  between start earlier where the rank, not an input, held them.
-* **hoist** — move one of the next ``_HOIST_WINDOW`` F or B ops of the rank whose input was in when
-  the gap began into it.
+* **fill** — the earliest later W of that rank whose B already ran (it only frees memory earlier);
+* **pull** — the op the gap waits for, up to ``_PULL_WINDOW`` places earlier on its own rank;
+* **chain pull** — one place earlier, an op up the chain of last-arriving inputs that waited for
+  its rank rather than its input;
+* **defer** — one of the last ``_DEFER_WINDOW`` W ops before the gap moved into it;
+* **hoist** — one of the next ``_HOIST_WINDOW`` F or B ops whose input was in when the gap began.
 
 All but fill may hold memory longer.  Each move is replayed on the planning core
 (:func:`.planning.replay`: the simulator's timing, the validator's memory rule, deadlocks rejected)

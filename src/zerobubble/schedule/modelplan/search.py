@@ -95,24 +95,7 @@ def plan(
                 profile, ranks, microbatches, budget, optimizer, refine, cores, embedding=vocab_embedding
             )
         )
-    candidates: list[PlanCandidate] = []
-    by_candidate: dict[int, _Search] = {}
-    for search in searches:
-        for name in names:
-            spec = get_spec(name)
-            for chunks in [spec.chunks] if spec.chunks is not None else list(interleaved_chunks):
-                found = search.candidate(name, chunks)
-                by_candidate[id(found)] = search
-                candidates.append(found)
-    # refining costs simulations: only for candidates that may still win (within 10 % of the best)
-    periods = [c.period for c in candidates if c.fits and c.period is not None]
-    threshold = min(periods) * 1.1 if periods else math.inf
-    candidates = [
-        by_candidate[id(c)].refined(c)
-        if c.period is not None and (c.period <= threshold or not periods)
-        else c
-        for c in candidates
-    ]
+    candidates = _candidates(searches, names, interleaved_chunks)
     ordered = tuple(
         sorted(
             candidates,
@@ -129,6 +112,32 @@ def plan(
     if cores is not None and cores < ranks:
         reason += f"; {ranks} ranks predicted on {cores} shared cores"
     return Plan(winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores)
+
+
+def _candidates(
+    searches: Sequence[_Search], names: Sequence[str], interleaved_chunks: Sequence[int]
+) -> list[PlanCandidate]:
+    """Every search's candidate for every schedule (and chunk count), the promising ones refined.
+
+    Refining costs simulations: only candidates within 10 % of the best fitting period are refined.
+    """
+    candidates: list[PlanCandidate] = []
+    by_candidate: dict[int, _Search] = {}
+    for search in searches:
+        for name in names:
+            spec = get_spec(name)
+            for chunks in [spec.chunks] if spec.chunks is not None else list(interleaved_chunks):
+                found = search.candidate(name, chunks)
+                by_candidate[id(found)] = search
+                candidates.append(found)
+    periods = [c.period for c in candidates if c.fits and c.period is not None]
+    threshold = min(periods) * 1.1 if periods else math.inf
+    return [
+        by_candidate[id(c)].refined(c)
+        if c.period is not None and (c.period <= threshold or not periods)
+        else c
+        for c in candidates
+    ]
 
 
 def _choose(fitting: Sequence[PlanCandidate], tie_margin: float) -> PlanCandidate:

@@ -1,0 +1,106 @@
+"""What the ``zerobubble`` commands share: the one-line usage error, the parser, the setup options
+(ranks, microbatches, costs) and the schedule they describe."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import NoReturn
+
+from ..schedule import (
+    REGISTRY,
+    CostModel,
+    Schedule,
+    build_schedule,
+    polish_schedule,
+)
+
+
+class UsageError(Exception):
+    """A command-line mistake that argparse itself cannot see."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def number_list(text: str, name: str, low: int, high: int) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{name} must be comma-separated numbers, got {text!r}") from None
+    if not low <= len(values) <= high:
+        raise UsageError(f"{name} takes {low}..{high} comma-separated numbers, got {len(values)}")
+    return values
+
+
+def costs_from_args(args: argparse.Namespace, stages: int) -> CostModel:
+    """The CostModel described by --cost/--memory/--memory-limit/--costs-file."""
+    if getattr(args, "costs_file", None):
+        try:
+            with open(args.costs_file, encoding="utf-8") as handle:
+                costs = CostModel.from_dict(json.load(handle))
+        except (OSError, json.JSONDecodeError) as error:
+            raise UsageError(f"cannot read costs file {args.costs_file!r}: {error}") from None
+    else:
+        f, b, w, *comm = number_list(args.cost, "--cost", 3, 4)
+        mem_b, mem_w = number_list(args.memory, "--memory", 2, 2)
+        costs = CostModel(f=f, b=b, w=w, comm=comm[0] if comm else 0.0, mem_b=mem_b, mem_w=mem_w)
+    return costs.apply_memory_limit(args.memory_limit, stages)
+
+
+def add_setup_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
+    if schedule:
+        parser.add_argument("--schedule", default="zb-h1", help="schedule name (see 'zerobubble schedules')")
+        parser.add_argument(
+            "--schedule-file", help="read a schedule JSON (from 'export --format json') instead"
+        )
+        parser.add_argument("--chunks", type=int, help="virtual stages per rank, for schedules that take it")
+    parser.add_argument("--stages", "-p", type=int, default=4, help="pipeline ranks P (default 4)")
+    parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches M (default 8)")
+    parser.add_argument(
+        "--cost", default="1,1,1,0", help="T_F,T_B,T_W[,T_comm] per rank-stage (default 1,1,1,0)"
+    )
+    parser.add_argument("--memory", default="1,0", help="M_B,M_W per rank-stage (default 1,0)")
+    parser.add_argument(
+        "--memory-limit", help="per-rank limit: an amount in --memory's unit, or Np = N·p·M_B"
+    )
+    parser.add_argument(
+        "--costs-file", help="JSON CostModel (per-stage lists allowed) instead of --cost/--memory"
+    )
+    parser.add_argument(
+        "--polish",
+        type=float,
+        metavar="SECONDS",
+        help="then reorder the last ops with CP-SAT for up to SECONDS, kept when faster "
+        "(pip install 'zerobubble[solver]')",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def schedule_from_args(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
+    if args.schedule_file:
+        try:
+            with open(args.schedule_file, encoding="utf-8") as handle:
+                schedule = Schedule.from_json(handle.read())
+        except OSError as error:
+            raise UsageError(f"cannot read schedule file: {error}") from None
+        costs = costs_from_args(args, schedule.num_ranks)
+        if args.polish is not None:
+            schedule = polish_schedule(schedule, costs, seconds=args.polish)
+        return schedule, costs
+    costs = costs_from_args(args, args.stages)
+    options = {"time_limit": args.time_limit} if getattr(args, "time_limit", None) is not None else {}
+    schedule = build_schedule(
+        args.schedule,
+        args.stages,
+        args.microbatches,
+        costs,
+        chunks=args.chunks,
+        polish_seconds=args.polish,
+        **options,
+    )
+    return schedule, REGISTRY[args.schedule].resolve_costs(costs, args.stages)

@@ -1,0 +1,226 @@
+"""The planning commands: ``profile`` (the demo GPT, layer by layer) and ``plan`` (from a profile, a
+recorded trace, or a cluster on paper)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+from ..schedule.compare import OPTIMIZER_MODES
+from ..schedule.modelplan.search import HEAD_LAYOUTS
+from .base import UsageError
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ..schedule.modelplan import Link, mesh_layout, parse_mesh, plan
+
+    if args.cluster:
+        return _plan_cluster(args)
+    profile = _plan_profile(args)
+    ranks, layout = args.ranks, None
+    if args.mesh:
+        sizes = parse_mesh(args.mesh)
+        link = Link(profile.comm_latency, profile.comm_bandwidth)
+        ranks, layout = sizes["pp"], mesh_layout(sizes, args.data_parallel or "replicate", link)
+    result = plan(
+        profile,
+        ranks,
+        args.microbatches,
+        args.memory_limit,
+        schedules=args.schedules.split(",") if args.schedules else None,
+        interleaved_chunks=args.chunks,
+        optimizer=args.optimizer,
+        head=args.head,
+        layout=layout,
+    )
+    if args.output:
+        result.render(args.output)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(result.table())
+    print(f"chosen: {result.reason}")
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _plan_cluster(args: argparse.Namespace) -> int:
+    """``plan --cluster``: every layout of the cluster planned from a model config (on paper)."""
+    from pathlib import Path
+
+    from ..schedule.modelplan import parse_mesh
+    from ..schedule.modelplan.cluster import (
+        DEFAULT_SCHEDULES,
+        Cluster,
+        TransformerShape,
+        best_layout_text,
+        cluster_table,
+        layouts_from_mesh,
+        plan_cluster,
+    )
+
+    if not args.model or not args.tokens_per_step:
+        raise UsageError(
+            "--cluster needs --model CONFIG.json (a Hugging Face config) and --tokens-per-step N"
+        )
+    try:
+        shape = TransformerShape.from_config(json.loads(Path(args.model).read_text()))
+    except (OSError, json.JSONDecodeError) as error:
+        raise UsageError(f"cannot read the model config {args.model!r}: {error}") from None
+    cluster = Cluster.parse(args.cluster)
+    options = plan_cluster(
+        shape,
+        cluster,
+        args.tokens_per_step,
+        args.seq_len,
+        microbatch_size=args.microbatch_size,
+        recompute=args.recompute,
+        schedules=args.schedules.split(",") if args.schedules else DEFAULT_SCHEDULES,
+        layouts=layouts_from_mesh(parse_mesh(args.mesh), cluster) if args.mesh else None,
+        sharding=None if args.data_parallel == "replicate" else "fsdp",
+    )
+    if args.json:
+        print(json.dumps({"parameters": shape.parameters, "layouts": [o.row() for o in options]}))
+        return 0
+    size = f"{shape.parameters / 1e9:.2f}B parameters"
+    print(f"{size} on {cluster.size} GPUs ({args.tokens_per_step} tokens a step)")
+    print(cluster_table(options, args.top))
+    print(best_layout_text(options))
+    return 0
+
+
+def _plan_profile(args: argparse.Namespace) -> Any:
+    """The profile ``plan`` works from: a profile file, or a recorded run's summary."""
+    from pathlib import Path
+
+    from ..schedule.modelplan import ModelProfile, profile_from_trace
+
+    if bool(args.profile) == bool(args.trace):
+        raise UsageError("give exactly one of --profile FILE (from 'zerobubble profile') or --trace DIR")
+    if args.profile:
+        return ModelProfile.load(args.profile)
+    folder = Path(args.trace)
+    summary = next(
+        (p for p in (folder / "summary.json", folder / "replica0" / "summary.json") if p.exists()), None
+    )
+    if summary is None:
+        raise UsageError(
+            f"no summary.json in {args.trace!r}; record a run with 'zerobubble train --trace DIR'"
+        )
+    try:
+        return profile_from_trace(json.loads(summary.read_text()))
+    except (OSError, json.JSONDecodeError) as error:
+        raise UsageError(f"cannot read {summary}: {error}") from None
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", help="a layer profile JSON from 'zerobubble profile'")
+    parser.add_argument("--trace", metavar="DIR", help="re-plan from a run recorded with 'train --trace DIR'")
+    parser.add_argument("--ranks", "-p", type=int, default=2, help="pipeline ranks P (default 2)")
+    parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches M (default 8)")
+    parser.add_argument("--memory-limit", help="per-rank byte budget: 24GiB, 512MiB, 2e9 (default none)")
+    parser.add_argument("--schedules", help="comma-separated names (default: all but zb-ilp)")
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="chunk counts tried for interleaved-1f1b (default 2)",
+    )
+    parser.add_argument("--optimizer", choices=OPTIMIZER_MODES, default="post-validation")
+    parser.add_argument(
+        "--head",
+        choices=HEAD_LAYOUTS,
+        default="plain",
+        help="the profile's last layer (the output layer) on the last stage, vocabulary-parallel, or both "
+        "tried (default plain)",
+    )
+    parser.add_argument(
+        "--mesh",
+        help="each stage on dp × tp ranks: pp=2,dp=2,tp=2 (or dp_replicate=,dp_shard= for hsdp); "
+        "the collectives on the profile's measured link",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        choices=("replicate", "fsdp", "hsdp"),
+        help="with --mesh (default replicate) or --cluster (default fsdp; replicate tries that instead)",
+    )
+    cluster = parser.add_argument_group("a cluster on paper (--cluster, instead of --profile)")
+    cluster.add_argument(
+        "--cluster",
+        help="nodes=8,gpus=8,intra=300GB/s,inter=25GB/s[,flops=312e12,memory=80GiB,efficiency=0.5]",
+    )
+    cluster.add_argument("--model", help="a Hugging Face config.json (its sizes)")
+    cluster.add_argument("--tokens-per-step", type=int, help="the global batch in tokens")
+    cluster.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
+    cluster.add_argument("--microbatch-size", type=int, default=1, help="sequences a microbatch (default 1)")
+    cluster.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    cluster.add_argument("--top", type=int, default=10, help="layouts listed (default 10)")
+    parser.add_argument("--output", "-o", help="draw the chosen schedule (.svg or .png)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from zerobubble_demo.models import GPTConfig
+    from zerobubble_demo.profile import profile_gpt
+
+    from ..schedule.modelplan import format_bytes
+
+    config = GPTConfig(
+        vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, heads=args.heads, n_layers=args.layers
+    )
+    profile = profile_gpt(
+        config, args.microbatch_size, args.repeats, args.seed, not args.no_transfer, args.threads
+    )
+    if args.output:
+        profile.save(args.output)
+    if args.json:
+        print(json.dumps(profile.to_dict()))
+        return 0
+    columns = ("T_F ms", "T_B ms", "T_W ms")
+    sizes = ("F->B", "B->W", "static", "output")
+    print(f"{'layer':<8}" + "".join(f"{c:>9}" for c in columns) + "".join(f"{c:>12}" for c in sizes))
+    for layer in profile.layers:
+        print(
+            f"{layer.name:<8}{layer.forward * 1e3:>9.3f}{layer.backward_input * 1e3:>9.3f}"
+            f"{layer.backward_weight * 1e3:>9.3f}{format_bytes(layer.activation_bytes):>12}"
+            f"{format_bytes(layer.weight_input_bytes):>12}{format_bytes(layer.static_bytes):>12}"
+            f"{format_bytes(layer.output_bytes):>12}"
+        )
+    print(
+        f"T_comm = {profile.comm_latency * 1e6:.1f} us + bytes / {profile.comm_bandwidth / 1e9:.3g} GB/s; "
+        f"microbatch of {args.microbatch_size} sequences; median of {args.repeats}"
+    )
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, default, helptext in (
+        ("--vocab", 64, "vocabulary size"),
+        ("--seq-len", 32, "tokens per sequence"),
+        ("--dim", 64, "model width"),
+        ("--heads", 4, "attention heads"),
+        ("--layers", 4, "transformer blocks"),
+        ("--microbatch-size", 4, "sequences per microbatch"),
+        ("--repeats", 5, "timed runs per layer (the median is kept)"),
+        ("--threads", 1, "intra-op threads, as the training ranks will have"),
+        ("--seed", 0, "random seed"),
+    ):
+        parser.add_argument(flag, type=int, default=default, help=f"{helptext} (default {default})")
+    parser.add_argument("--no-transfer", action="store_true", help="do not start 2 ranks to time transfers")
+    parser.add_argument("--output", "-o", help="write the profile JSON here")
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON")
+
+
+COMMANDS: tuple[
+    tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]], ...
+] = (
+    ("profile", "measure the built-in GPT layer by layer for 'plan'", _add_profile_arguments, _cmd_profile),
+    ("plan", "choose schedule, chunks and partition from a profile or trace", _add_plan_arguments, _cmd_plan),
+)
+"""(name, help, add_arguments, run) of each command here, in ``zerobubble --help`` order."""

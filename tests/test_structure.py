@@ -1,0 +1,161 @@
+"""Guards on the shape of ``src/``: module, function and module-docstring sizes, and import cycles.
+
+A module over :data:`LIMITS` ``["module"]`` lines, a function over ``["function"]`` lines, a module
+docstring over ``["docstring"]`` lines or a cycle among the modules' top-level imports fails here
+(and so fails CI), unless ``tests/structure_allowlist.txt`` names it with the size it may reach and
+the reason.  An entry that is no longer needed fails too, so the list only shrinks.  Imports inside
+functions and under ``if TYPE_CHECKING:`` do not count: those are the ways to break a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ROOT / "src"
+ALLOWLIST = Path(__file__).resolve().parent / "structure_allowlist.txt"
+LIMITS = {"module": 600, "function": 80, "docstring": 25}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted name -> (file, is a package) for every module under ``src/``."""
+    found = {}
+    for path in sorted(SOURCES.rglob("*.py")):
+        parts = list(path.relative_to(SOURCES).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if package else parts)] = (path, package)
+    return found
+
+
+def _sizes() -> dict[tuple[str, str], int]:
+    """``(kind, where) -> lines`` of everything over its limit (``where``: path, or path::function)."""
+    over = {}
+    for path, _ in _modules().values():
+        text = path.read_text()
+        where = str(path.relative_to(ROOT))
+        tree = ast.parse(text)
+        sizes = {("module", where): len(text.splitlines())}
+        docstring = ast.get_docstring(tree, clean=False)
+        sizes[("docstring", where)] = len(docstring.splitlines()) if docstring else 0
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno is not None
+                name = f"{where}::{node.name}"
+                sizes[("function", name)] = max(
+                    sizes.get(("function", name), 0), node.end_lineno - node.lineno + 1
+                )
+        over.update({key: size for key, size in sizes.items() if size > LIMITS[key[0]]})
+    return over
+
+
+def _allowed() -> dict[tuple[str, str], tuple[int, str]]:
+    """The allow-list: ``kind where limit  # reason`` a line."""
+    allowed = {}
+    for number, line in enumerate(ALLOWLIST.read_text().splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        entry, _, reason = line.partition("#")
+        fields = entry.split()
+        assert len(fields) == 3 and fields[0] in LIMITS and fields[2].isdigit() and reason.strip(), (
+            f"{ALLOWLIST.name}:{number}: write 'kind where limit  # reason', kind one of {list(LIMITS)}"
+        )
+        allowed[(fields[0], fields[1])] = (int(fields[2]), reason.strip())
+    return allowed
+
+
+def test_modules_functions_and_docstrings_stay_within_their_limits():
+    allowed = _allowed()
+    problems = []
+    for (kind, where), size in sorted(_sizes().items()):
+        limit = allowed.get((kind, where), (LIMITS[kind], ""))[0]
+        if size > limit:
+            problems.append(f"{kind} {where}: {size} lines, over {limit}")
+    assert not problems, "split by responsibility (docs/architecture.md):\n" + "\n".join(problems)
+
+
+def test_every_allowance_is_still_needed():
+    sizes = _sizes()
+    stale = [f"{kind} {where}" for kind, where in _allowed() if (kind, where) not in sizes]
+    assert not stale, f"remove from {ALLOWLIST.name} (now within the limit): {stale}"
+
+
+def _imports(path: Path, name: str, package: bool, known: set[str]) -> set[str]:
+    """The project modules ``name`` imports at its top level (not in functions or TYPE_CHECKING)."""
+    base = name if package else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                test = node.test
+                if (getattr(test, "id", None) or getattr(test, "attr", None)) != "TYPE_CHECKING":
+                    visit(node.body)
+                    visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                parts = base.split(".")[: len(base.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(parts + ([node.module] if node.module else []))
+                found.add(module)
+                found.update(f"{module}.{alias.name}" for alias in node.names)
+
+    visit(ast.parse(path.read_text()).body)
+    return {module for module in found if module in known and module != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_the_modules_import_one_another_without_cycles():
+    modules = _modules()
+    graph = {name: _imports(path, name, package, set(modules)) for name, (path, package) in modules.items()}
+    assert not _cycles(graph), f"import cycles (import inside the function that needs it): {_cycles(graph)}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    """The guard can fail: a three-module ring and a self-contained pair are found, a chain is not."""
+    ring = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(ring) == [["a", "b", "c"]]
+    assert _cycles({"x": {"y"}, "y": set()}) == []
