@@ -73,9 +73,10 @@ class DistSpy:
         return wrapper
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 170.0) -> list:
-    """``fn(*args)`` on ``world_size`` spawned gloo ranks (one thread each); per-rank results."""
-    return launch(fn, world_size, args, threads=1, timeout=timeout)
+def run_ranks(fn, world_size: int, *args, timeout: float = 170.0, start_method: str | None = None) -> list:
+    """``fn(*args)`` on ``world_size`` new gloo ranks (one thread each); per-rank results.  They
+    fork from a server that imported torch once (``conftest.py``), unless ``start_method="spawn"``."""
+    return launch(fn, world_size, args, threads=1, timeout=timeout, start_method=start_method)
 
 
 # -- test models ------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Issue 29's cost grid, its recorded baseline and ``bench schedulers --grid`` (tiny problems here;
-``ZEROBUBBLE_SLOW=1`` also rebuilds every schedule of the recorded grid against its baseline)."""
+``ZEROBUBBLE_TESTS=long`` also rebuilds every schedule of the recorded grid against its baseline)."""
 
 import json
 import statistics
@@ -37,6 +37,7 @@ def test_the_grid_is_seeded_and_spans_the_issue_ranges():
         assert setting.costs_for("zb-1p").memory_limit is None and setting.costs_for("zb-v") == costs
 
 
+@pytest.mark.slow
 def test_grid_table_compares_with_the_recorded_baseline(tmp_path):
     path = tmp_path / "baseline.json"
     schedules = ("zb-1p", "v-half")
@@ -69,7 +70,7 @@ def test_the_recorded_baseline_covers_the_default_grid():
     assert all(len(times) == DEFAULT_GRID["count"] for times in recorded.values())
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_no_schedule_is_slower_than_its_baseline_on_the_grid():
     grid, recorded = load_baseline(BASELINE_PATH)
     stages, microbatches = grid["stages"], grid["microbatches"]

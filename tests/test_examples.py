@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("model", ["gpt2", "llama", "gemma2"])
 def test_transformers_pipeline_example_trains(model, tmp_path):
     pytest.importorskip("transformers")

@@ -243,6 +243,7 @@ def vocab_trained() -> list[dict]:
     return run_ranks(vocab_pipeline_cases, 2, VOCAB_TRAINED, timeout=400)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", VOCAB_TRAINED, ids=" ".join)
 def test_vocab_parallel_pipeline_step_matches_the_models_gradients(case, vocab_trained):

@@ -276,7 +276,7 @@ def test_lower_bound_never_exceeds_any_registry_schedule():
     assert checked > 100
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_paper_1_5b_setup_improves_on_zb_2p_or_proves_it_optimal():
     row = json.loads(TABLE5.read_text())["rows"][0]
     p, m = row["stages"], row["microbatches"]

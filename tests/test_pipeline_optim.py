@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _dist import DistSpy, relative_error, rich_batch, rich_layers, run_ranks, token_loss
+from _profile import TWO_AND_FOUR_RANKS
 from test_post_validation import (
     COLLECTIVES,
     MAX_NORM,
@@ -251,7 +252,7 @@ def rank_worker(world: int) -> dict:
 # -- the tests ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+@pytest.fixture(scope="module", params=TWO_AND_FOUR_RANKS, ids=["2-ranks", "4-ranks"])
 def outcomes(request) -> list[dict]:
     """Every rank's results of :func:`rank_worker` on ``request.param`` ranks."""
     return run_ranks(rank_worker, request.param, request.param)

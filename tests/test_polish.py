@@ -152,6 +152,7 @@ def test_the_cli_polishes_and_reports_it(capsys):
     assert rows["v-half"]["speedup_vs_1f1b"] == pytest.approx(234 / 211.5)  # against the plain 1F1B
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "model", "microbatches"), [("v-half", "1.5B", 24), ("v-min", "6.2B", 32)])
 def test_polished_v_schedules_beat_the_authors_orders_where_ours_tie(name, model, microbatches):
     """On these Table 5 rows our search ties the authors' published order; the polish goes below it

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _profile import TWO_AND_FOUR_RANKS
 from zerobubble.runtime.launch import init_distributed, launch
 from zerobubble.runtime.optim import PostValidator
 
@@ -224,7 +225,7 @@ def expected_counters(position: int, world: int, reversible: bool) -> dict[str, 
     return counts
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+@pytest.fixture(scope="module", params=TWO_AND_FOUR_RANKS, ids=["2-ranks", "4-ranks"])
 def outcomes(request):
     world = request.param
     chain = list(range(world)) if world == 2 else list(reversed(range(world)))  # 4 ranks: last rank first

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from _dist import run_ranks
+from _profile import TWO_AND_FOUR_RANKS
 from _safety import behaviour_cases, construction_cases, failure_cases, precision_cases, tied_cases
 from zerobubble.schedule import REGISTRY
 
@@ -84,7 +85,8 @@ CONSTRUCTION = [
 
 @pytest.fixture(scope="module")
 def construction() -> list[dict]:
-    return run_ranks(construction_cases, 2, CONSTRUCTION, timeout=180)
+    # fresh interpreters, as torchrun starts: each rank its own hash seed and RNG state
+    return run_ranks(construction_cases, 2, CONSTRUCTION, timeout=180, start_method="spawn")
 
 
 @pytest.mark.parametrize(
@@ -117,7 +119,7 @@ def test_data_parallel_replicas_start_from_the_same_weights(construction):
 # -- errors travel ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+@pytest.fixture(scope="module", params=TWO_AND_FOUR_RANKS, ids=["2-ranks", "4-ranks"])
 def failures(request) -> list[dict]:
     """Every rank's outcomes of :func:`_safety.failure_cases` on ``request.param`` ranks."""
     return run_ranks(failure_cases, request.param, request.param, timeout=120)

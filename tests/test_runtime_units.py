@@ -438,3 +438,26 @@ def test_a_completed_wait_leaves_no_reference_to_its_work():
     monitor.wait(work, "a send")
     del work
     assert alive() is None  # at once: the watchdog refers to a Work only while it looks at it
+
+
+# -- how local ranks start ---------------------------------------------------------------------------
+
+
+def test_ranks_start_spawned_unless_a_start_method_is_named(monkeypatch):
+    from zerobubble.runtime.launch import start_context
+
+    monkeypatch.delenv("ZEROBUBBLE_START_METHOD", raising=False)
+    assert start_context().get_start_method() == "spawn"
+    monkeypatch.setenv("ZEROBUBBLE_START_METHOD", "forkserver")
+    assert start_context().get_start_method() == "forkserver"
+    assert start_context("spawn").get_start_method() == "spawn"  # the argument wins over the environment
+
+
+def test_an_unknown_start_method_is_refused_naming_the_choices(monkeypatch):
+    from zerobubble.runtime.launch import start_context
+
+    with pytest.raises(PipelineError, match="'fork' is not one of spawn, forkserver"):
+        start_context("fork")
+    monkeypatch.setenv("ZEROBUBBLE_START_METHOD", "threads")
+    with pytest.raises(PipelineError, match="'threads' is not one of"):
+        start_context()

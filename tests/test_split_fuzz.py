@@ -12,12 +12,12 @@ outputs and buffers, each parameter's ``register_hook`` and post-accumulate hook
 plain autograd fires them, never in B and always with ``.grad`` set.  A second test runs two
 generated chunks on one rank through the executor's zb-v program.
 
-``ZEROBUBBLE_SLOW=1`` runs 5,000 examples instead of 300.
+The number of examples follows the test profile (``tests/conftest.py``): 100 in the quick run, 300
+in CI's profile, 5,000 in the long one.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -29,13 +29,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from _dist import LocalComm
+from _profile import fuzz_examples
 from _split_grammar import ENTRIES, OPS, SEQ, VOCAB, WIDTH, BlockChoice, OpChoice, build_stage
 from zerobubble.runtime.executor import Executor, StageState
 from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
 from zerobubble.schedule import build_schedule
 
-SLOW = os.environ.get("ZEROBUBBLE_SLOW") == "1"
-EXAMPLES = 5000 if SLOW else 300
+EXAMPLES = fuzz_examples()
+SLOW = EXAMPLES > 300
 MICROBATCHES = 3
 BATCH = 2
 SPLITS = ("fast paths", "generic only", "fast paths only")
@@ -366,6 +367,7 @@ def describe(case: Case) -> str:
     )
 
 
+@pytest.mark.fuzz
 @slow_enough
 @fuzz_settings
 @given(case=cases())
@@ -406,6 +408,7 @@ def _chunk_loss(outputs, target):
     return F.mse_loss(outputs[0].float(), target.float())
 
 
+@pytest.mark.fuzz
 @slow_enough
 @settings(fuzz_settings, max_examples=max(EXAMPLES // 10, 30))
 @given(first=cases(), second=cases())

@@ -18,6 +18,10 @@ from _tp import three_d_all
 
 pytestmark = pytest.mark.multiprocess
 
+# eight ranks in one spawn: CI's profile runs it (tests/conftest.py); the 2-D layouts it combines
+# have quick tests of their own (test_fsdp.py, test_tensor_parallel.py, test_mesh.py)
+pytestmark = pytest.mark.slow
+
 SCHEDULES = ["zb-h1", "zb-v", "1f1b"]
 
 

@@ -106,6 +106,7 @@ def test_training_on_a_mesh_with_fsdp_along_dp():
     assert summary.last_loss < summary.first_loss
 
 
+@pytest.mark.slow
 def test_training_with_tensor_parallel_blocks():
     """``--mesh pp=2,tp=2``: the blocks split Megatron-style (separate q, k, v), one rank reporting."""
     config = TrainConfig(mesh="pp=2,tp=2", steps=6, microbatches=2, batch_size=8, progress=False)
@@ -115,6 +116,7 @@ def test_training_with_tensor_parallel_blocks():
     assert summary.last_loss < summary.first_loss
 
 
+@pytest.mark.slow
 def test_training_compiled_blocks_keeps_learning():
     """``zerobubble train --compile aot_eager``: every block compiled, the linears split inside."""
     summary = run_training(
@@ -171,6 +173,7 @@ def test_print_summary_leaves_the_process_group_to_whoever_created_it(tmp_path, 
     assert "1f1b" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path):
     """``train --steps 4 --save d`` then ``--resume d --steps 2`` gives the losses of ``--steps 6``

@@ -231,7 +231,7 @@ def test_every_v_schedule_validates_and_respects_memory(request):
     assert schedule.meta["iteration_time"] == pytest.approx(timeline.iteration_time)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_zb_v_is_fast_at_scale():
     costs = CostModel(f=10402, b=10248, w=7698, comm=460, mem_b=454656, mem_w=196608)
     began = time.perf_counter()

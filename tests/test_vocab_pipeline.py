@@ -67,6 +67,7 @@ def test_two_ranks_match_the_unsharded_model(two_ranks, index):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(FOUR_RANKS)), ids=lambda i: FOUR_RANKS[i]["schedule"])
 def test_four_ranks_match_the_unsharded_model(four_ranks, index):
     for rank, results in enumerate(four_ranks):

@@ -46,19 +46,22 @@ class SplitModel:
     targets: torch.Tensor
 
 
-def split_model(name: str, width: int = 16, batch: int = 8, seq: int = 8, seed: int = 0) -> SplitModel:
+def split_model(
+    name: str, width: int = 16, batch: int = 8, seq: int = 8, seed: int = 0, blocks: int = 2
+) -> SplitModel:
     """``name`` (one of :data:`SPLIT_MODELS`) with random weights (``seed``) and a random batch.
 
-    Two blocks between an embedding and a head (4 layers, enough for 2 ranks × 2 chunks); ``width``
-    is the hidden size (channels for the conv net), ``seq`` the sequence length (image side).
+    Two blocks between an embedding and a head (4 layers, enough for 2 ranks × 2 chunks; ``blocks``
+    sets the count for ``checkpointed`` and ``blocks``); ``width`` is the hidden size (channels for
+    the conv net), ``seq`` the sequence length (image side).
     GPT-2 and Llama need ``transformers`` (random configs: nothing is downloaded).  The caller's
     global RNG state is left as it was.
     """
     with preserved_torch_state():
-        return _build_split_model(name, width, batch, seq, seed)
+        return _build_split_model(name, width, batch, seq, seed, blocks)
 
 
-def _build_split_model(name: str, width: int, batch: int, seq: int, seed: int) -> SplitModel:
+def _build_split_model(name: str, width: int, batch: int, seq: int, seed: int, blocks: int) -> SplitModel:
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed + 1)
     vocab = 32
@@ -91,11 +94,11 @@ def _build_split_model(name: str, width: int, batch: int, seq: int, seed: int) -
         layers = [_conv_bn(3, width), _conv_bn(width, width), _conv_bn(width, width), _ConvHead(width, 10)]
         return SplitModel(layers, F.cross_entropy, images, labels)
     if name in ("checkpointed", "blocks"):
-        config = GPTConfig(vocab=vocab, seq_len=seq, dim=width, heads=2, n_layers=2)
-        embedding, *blocks, head = gpt_layers(config)
+        config = GPTConfig(vocab=vocab, seq_len=seq, dim=width, heads=2, n_layers=blocks)
+        embedding, *body, head = gpt_layers(config)
         if name == "checkpointed":
-            blocks = [_Checkpointed(b) for b in blocks]
-        return SplitModel([embedding, *blocks, head], lm_loss, tokens, targets)
+            body = [_Checkpointed(b) for b in body]
+        return SplitModel([embedding, *body, head], lm_loss, tokens, targets)
     if name == "mha":
         layers = [
             nn.Embedding(vocab, width),
@@ -217,6 +220,7 @@ def w_shares(
     microbatches: int = 8,
     steps: int = 5,
     schedule: str = "zb-h1",
+    blocks: int = 2,
 ) -> Table:
     """Measured ``T_W / (T_B + T_W)`` per stage of each model on 2 ranks.
 
@@ -226,11 +230,11 @@ def w_shares(
     which load from other processes does not inflate; the CPU times of F, B and W per microbatch
     show what B holds besides the input gradient (under checkpointing: the recomputed forward).
     """
-    arguments = (list(models), width, seq, microbatches, steps, schedule)
+    arguments = (list(models), width, seq, microbatches, steps, schedule, blocks)
     results = launch(_w_share_rank, 2, arguments, threads=1)[0]
     table = Table(
         f"W share of the backward per stage: {schedule}, 2 CPU ranks, {microbatches} microbatches, "
-        f"width {width}, sequence {seq}",
+        f"width {width}, sequence {seq}, {blocks} blocks (checkpointed, blocks)",
         [
             "model",
             "stage 0 (trace=True)",
@@ -278,7 +282,7 @@ class _CpuTimeRecorder:
 
 
 def _w_share_rank(
-    models: list[str], width: int, seq: int, microbatches: int, steps: int, schedule: str
+    models: list[str], width: int, seq: int, microbatches: int, steps: int, schedule: str, blocks: int
 ) -> dict[str, Any]:
     from zerobubble.schedule.ir import Kind
 
@@ -286,7 +290,9 @@ def _w_share_rank(
     shares = {}
     for name in models:
         side = min(seq, 16)  # conv net images: 16×16 (at 64×64 a microbatch takes half a second)
-        model = split_model(name, width=width, batch=2 * microbatches, seq=side if name == "convnet" else seq)
+        model = split_model(
+            name, width=width, batch=2 * microbatches, seq=side if name == "convnet" else seq, blocks=blocks
+        )
         pipe = Pipeline(
             model.layers, schedule=schedule, microbatches=microbatches, loss_fn=model.loss_fn, trace=True
         )

@@ -299,6 +299,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--width", type=int, default=256, help="hidden size of --models")
     parser.add_argument("--seq", type=int, default=64, help="sequence length (image side) of --models")
+    parser.add_argument(
+        "--blocks", type=int, default=2, help="transformer blocks of the checkpointed and blocks models"
+    )
 
 
 def check(args: argparse.Namespace) -> None:
@@ -310,7 +313,7 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> list[Table]:
     """``zerobubble bench wgrad``: with and without accumulation, then ``--models``' W shares."""
     if args.shares_only:
-        return [w_shares(args.models or ["checkpointed", "blocks"], args.width, args.seq)]
+        return [w_shares(args.models or ["checkpointed", "blocks"], args.width, args.seq, blocks=args.blocks)]
     # this command's process runs nothing else: it may tune glibc's malloc (``keep_freed_memory``)
     results = [
         wgrad_split_cost(
@@ -326,7 +329,7 @@ def run(args: argparse.Namespace) -> list[Table]:
         for accumulate in (True, False)
     ]
     if args.models:
-        results.append(w_shares(args.models, args.width, args.seq))
+        results.append(w_shares(args.models, args.width, args.seq, blocks=args.blocks))
     return results
 
 

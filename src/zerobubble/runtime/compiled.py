@@ -17,6 +17,7 @@ compiled — the layer's own forward and hooks, nothing of the split's:
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,6 +28,10 @@ from . import PipelineError
 
 
 def _optimized_module_type() -> type | None:
+    """``OptimizedModule``, or None while dynamo is not loaded: no instance can exist before its module
+    is imported (``torch.compile`` imports it), and importing dynamo costs about 2 s of CPU."""
+    if "torch._dynamo.eval_frame" not in sys.modules:
+        return None
     try:
         from torch._dynamo.eval_frame import OptimizedModule
     except ImportError:  # pragma: no cover - a torch without dynamo

@@ -4,6 +4,13 @@ Under ``torchrun`` every process already knows its rank from the environment (``
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and :func:`init_distributed` just
 joins the process group.  Otherwise :func:`launch` spawns one process per rank on a free loopback
 port, runs a function in each and returns the per-rank results to the caller.
+
+How the ranks start: ``"spawn"`` (the default) starts a fresh interpreter per rank, as ``torchrun``
+does — each imports torch (about 2.4 s of CPU here) and gets its own hash seed.  ``"forkserver"``
+forks each rank from one server process that imported torch and the runtime once, so a group of
+ranks starts in a fraction of a second; its ranks share the server's hash seed, so it cannot show a
+bug where ranks iterate a set in different orders.  The test suite uses it
+(``ZEROBUBBLE_START_METHOD=forkserver``) and keeps its consistency tests on ``"spawn"``.
 """
 
 from __future__ import annotations
@@ -74,22 +81,49 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: What a forkserver imports once, before it forks the ranks (``symbolic_shapes``, and sympy with
+#: it, is what ``torch.autograd.grad`` imports the first time it is given output gradients).
+FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.fx.experimental.symbolic_shapes",
+    "zerobubble.runtime",
+)
+START_METHODS = ("spawn", "forkserver")
+
+
+def start_context(start_method: str | None = None) -> Any:
+    """The multiprocessing context ranks start from: ``start_method``, else the environment's
+    ``ZEROBUBBLE_START_METHOD``, else ``"spawn"`` (module docstring)."""
+    method = start_method or os.environ.get("ZEROBUBBLE_START_METHOD") or "spawn"
+    if method not in START_METHODS:
+        raise PipelineError(f"start method {method!r} is not one of {', '.join(START_METHODS)}")
+    if method == "forkserver" and method not in mp.get_all_start_methods():
+        method = "spawn"  # Windows has no forkserver
+    context = mp.get_context(method)
+    if method == "forkserver":  # takes effect when the server first starts
+        context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return context
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
     args: Sequence[Any] = (),
     threads: int | None = 1,
     timeout: float | None = None,
+    *,
+    start_method: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(*args)`` in ``nprocs`` spawned ranks and return their results in rank order.
+    """Run ``fn(*args)`` in ``nprocs`` new ranks and return their results in rank order.
 
     Each rank gets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and a free loopback ``MASTER_PORT`` in
     its environment (so :func:`init_distributed` works inside ``fn``), and ``threads`` intra-op
     threads.  ``fn`` must be importable (a module-level function).  A rank that raises or dies makes
     this raise :class:`RankFailure` with its traceback once every rank has stopped; ``timeout``
-    (seconds) bounds the whole run.
+    (seconds) bounds the whole run.  ``start_method``: :func:`start_context`.
     """
-    context = mp.get_context("spawn")
+    context = start_context(start_method)
     results = context.Queue()
     port = free_port()
     processes = [
