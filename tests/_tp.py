@@ -476,8 +476,7 @@ def three_d_checkpoint_cases(root: str, max_norm: float) -> dict:
 
 def three_d_all(schedules: list[str], steps: int, max_norm: float, root: str) -> dict:
     """:func:`three_d_cases`, :func:`hsdp_cases`, :func:`hsdp_tp_norm_case` and
-    :func:`three_d_checkpoint_cases` in one spawn
-    of 8 ranks."""
+    :func:`three_d_checkpoint_cases` in one spawn of 8 ranks."""
     return {
         "steps": three_d_cases(schedules, steps, max_norm),
         "hsdp": hsdp_cases(schedules[:2], steps, max_norm),

@@ -81,6 +81,8 @@ def test_plan_of_a_cluster_on_paper(capsys, tmp_path):
     assert code == 0 and (row["pp"], row["dp"], row["tp"], row["sharding"]) == (2, 4, 2, "fsdp")
     code, _, err = run(capsys, "plan", "--cluster", cluster)
     assert code == 2 and "--cluster needs --model" in err
+    code, _, err = run(capsys, *argv, "--data-parallel", "hsdp")  # not silently planned as fsdp
+    assert code == 2 and "--cluster plans data parallelism replicated or with FSDP2" in err
 
 
 @pytest.mark.parametrize(

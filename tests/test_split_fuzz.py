@@ -29,14 +29,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from _dist import LocalComm
-from _profile import fuzz_examples
+from _profile import fuzz_examples, profile
 from _split_grammar import ENTRIES, OPS, SEQ, VOCAB, WIDTH, BlockChoice, OpChoice, build_stage
 from zerobubble.runtime.executor import Executor, StageState
 from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
 from zerobubble.schedule import build_schedule
 
 EXAMPLES = fuzz_examples()
-SLOW = EXAMPLES > 300
+SLOW = profile() == "long"
 MICROBATCHES = 3
 BATCH = 2
 SPLITS = ("fast paths", "generic only", "fast paths only")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from zerobubble.schedule import Schedule, build_schedule, transformer_costs
 from zerobubble.schedule.modelplan import parse_bytes
+from zerobubble.schedule.modelplan.layout import DATA_PARALLEL_MODES
 
 from . import ConfigError
 from .models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss, tensor_parallel
@@ -253,23 +254,19 @@ def check_config(config: TrainConfig) -> Schedule | None:
     return schedule
 
 
-MESH_DIMENSIONS = ("pp", "dp", "dp_replicate", "dp_shard", "tp")
-"""The mesh dimensions ``train`` knows (the Pipeline's roles, :mod:`zerobubble.runtime.mesh`)."""
-
-
 def _check_mesh(config: TrainConfig) -> None:
     """With a mesh: known dimensions, a matching ``ranks``, ``data_parallel`` a mode of the ``dp`` one."""
     shape = config.mesh_shape
     if not shape:
         return
-    unknown = sorted(set(shape) - set(MESH_DIMENSIONS))
+    from zerobubble.runtime.mesh import ROLES
+
+    unknown = sorted(set(shape) - set(ROLES))  # the dimensions the Pipeline knows by role
     if unknown:
-        raise ConfigError(
-            f"mesh {config.mesh!r}: unknown dimensions {unknown}; use {', '.join(MESH_DIMENSIONS)}"
-        )
+        raise ConfigError(f"mesh {config.mesh!r}: unknown dimensions {unknown}; use {', '.join(ROLES)}")
     if config.ranks is not None and config.ranks != config.world:
         raise ConfigError(f"ranks={config.ranks} but the mesh {config.mesh!r} has {config.world} ranks")
-    if config.data_parallel not in (1, "replicate", "fsdp", "hsdp"):
+    if config.data_parallel != 1 and config.data_parallel not in DATA_PARALLEL_MODES:
         raise ConfigError(
             f"data-parallel {config.data_parallel!r} with a mesh: replicate, fsdp (along dp) or hsdp "
             "(along dp_replicate × dp_shard)"
@@ -354,7 +351,7 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         start = 0
     shard = slice(pipe.layout.dp_index * shard_size, (pipe.layout.dp_index + 1) * shard_size)
     # one rank reports: the loss holder of replica 0, at tensor-parallel coordinate 0
-    reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0 and _tp_index(config) == 0
+    reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0 and _tp_index(pipe.layout.mesh) == 0
     losses, times = [], []
     profiler = step_profiler(config.profile, config.steps, dist.get_rank(), backend)
     with _progress(config.progress and reports_loss, config.steps) as advance, profiler:
@@ -444,15 +441,11 @@ def _parallelism(config: TrainConfig, backend: str) -> dict[str, Any]:
     return {"mesh": mesh, "data_parallel": mode if data else None, "parallelize": parallelize}
 
 
-def _tp_index(config: TrainConfig) -> int:
-    """This rank's coordinate along the mesh's ``tp`` dimension (0 without one)."""
-    shape = config.mesh_shape
-    if "tp" not in shape:
+def _tp_index(mesh: Any) -> int:
+    """This rank's coordinate along the mesh's ``tp`` dimension (0 without a mesh or the dimension)."""
+    if mesh is None or "tp" not in mesh.mesh_dim_names:
         return 0
-    names = list(shape)
-    # the mesh's ranks are laid out row-major in the order of its dimensions
-    stride = math.prod(list(shape.values())[names.index("tp") + 1 :])
-    return (dist.get_rank() // stride) % shape["tp"]
+    return mesh.get_local_rank("tp")
 
 
 def _describe_mesh(config: TrainConfig) -> str | None:

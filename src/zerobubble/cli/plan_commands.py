@@ -70,6 +70,11 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         shape = TransformerShape.from_config(json.loads(Path(args.model).read_text()))
     except (OSError, json.JSONDecodeError) as error:
         raise UsageError(f"cannot read the model config {args.model!r}: {error}") from None
+    if args.data_parallel == "hsdp":
+        raise UsageError(
+            "--cluster plans data parallelism replicated or with FSDP2 (--data-parallel replicate or fsdp); "
+            "plan an HSDP layout with --profile and --mesh pp=…,dp_replicate=…,dp_shard=…"
+        )
     cluster = Cluster.parse(args.cluster)
     options = plan_cluster(
         shape,

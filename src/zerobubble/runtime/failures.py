@@ -34,6 +34,11 @@ CHECK_INTERVAL = 0.02
 """Seconds between two looks at the shared store while a wait is not complete."""
 
 
+Guarded = Callable[[str, Callable[[], Any]], Any]
+"""``guarded(call, work)``: run a Pipeline call's communicating work, telling the peers and marking
+the Pipeline unusable if it raises (``Pipeline._guarded``)."""
+
+
 class PeerFailure(PipelineError):
     """Another rank of the pipeline failed; the message carries its rank, its op and its error."""
 

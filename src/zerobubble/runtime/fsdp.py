@@ -33,14 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..schedule.modelplan.layout import SHARDINGS
 from . import PipelineError
 from .consistency import broadcast_replicas
 from .data_parallel import ParallelLayout
-
-SHARDINGS = (None, "fsdp", "hsdp")
-"""How replicas hold the parameters: None (replicated, gradients all-reduced), ``"fsdp"`` (FSDP2) or
-``"hsdp"`` (FSDP2 on a 2-D data-parallel mesh: sharded along ``dp_shard``, replicated along
-``dp_replicate``), from ``Pipeline(..., data_parallel=...)`` on a mesh (:func:`~.mesh.parallel_size`)."""
 
 
 def check_sharding(sharding: Any, data_parallel: int) -> str | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..schedule.modelplan.layout import DATA_PARALLEL_MODES, MeshLayout
 from . import PipelineError
 from .data_parallel import ParallelLayout
 from .groups import local_group
@@ -181,17 +182,22 @@ def data_mesh(mesh: Any, dims: MeshDims) -> Any:
     return mesh[dims.data[0]] if len(dims.data) == 1 else mesh[dims.data]
 
 
-def stage_layout(mesh: Any, dims: MeshDims, replicas: int, sharding: str | None, parallelized: bool) -> Any:
+def stage_layout(
+    mesh: Any, dims: MeshDims, replicas: int, sharding: str | None, parallelized: bool
+) -> MeshLayout:
     """What the planner needs of the mesh (:class:`~..schedule.modelplan.MeshLayout`): the
     replicas and how they hold the parameters, and the ranks each stage's layers are parallelised
     over (the dimensions inside a stage; 1 without ``parallelize``, each then running whole layers)."""
-    from ..schedule.modelplan import MeshLayout
-
-    names, shape = list(mesh.mesh_dim_names), mesh.mesh.shape
-    inside = [name for name in names if name != dims.pp and name not in dims.data]
-    tp = math.prod(int(shape[names.index(name)]) for name in inside) if parallelized else 1
-    shard = int(shape[names.index(dims.dp_shard)]) if sharding == "hsdp" and dims.dp_shard else None
+    sizes = _dim_sizes(mesh)
+    inside = [size for name, size in sizes.items() if name != dims.pp and name not in dims.data]
+    tp = math.prod(inside) if parallelized else 1
+    shard = sizes[dims.dp_shard] if sharding == "hsdp" and dims.dp_shard else None
     return MeshLayout(dp=replicas, tp=tp, sharding=sharding, dp_shard=shard)
+
+
+def _dim_sizes(mesh: Any) -> dict[str, int]:
+    """Each dimension's size, by name."""
+    return dict(zip(mesh.mesh_dim_names, map(int, mesh.mesh.shape)))
 
 
 def _labels(mesh: Any) -> dict[int, str]:
@@ -201,10 +207,6 @@ def _labels(mesh: Any) -> dict[int, str]:
         int(grid[index]): ", ".join(f"{name} {i}" for name, i in zip(names, index))
         for index in product(*(range(n) for n in grid.shape))
     }
-
-
-DATA_PARALLEL_MODES = ("replicate", "fsdp", "hsdp")
-"""How the replicas along a mesh's data-parallel dimensions hold the parameters."""
 
 
 def parallel_size(
@@ -225,9 +227,9 @@ def parallel_size(
                 "replica count"
             )
         return dist.get_world_size(group), 1 if data_parallel is None else data_parallel, None
-    names = list(mesh.mesh_dim_names)
-    pipeline = int(mesh.mesh.shape[names.index(dims.pp)])
-    replicas = math.prod(int(mesh.mesh.shape[names.index(name)]) for name in dims.data)
+    names, sizes = list(mesh.mesh_dim_names), _dim_sizes(mesh)
+    pipeline = sizes[dims.pp]
+    replicas = math.prod(sizes[name] for name in dims.data)
     if data_parallel is None or data_parallel in DATA_PARALLEL_MODES:
         sharding = None if data_parallel in (None, "replicate") else str(data_parallel)
         _check_data_dims(sharding, dims, names)

@@ -10,6 +10,7 @@ turns the executor's per-microbatch losses into what the call returns.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -18,10 +19,9 @@ from . import PipelineError
 from .consistency import CallCheck, CallSignature, prepare_call
 from .data_parallel import ParallelLayout, mean_loss
 from .executor import Executor
+from .failures import Guarded
 from .staging import merge_microbatches, split_call, split_keywords
 from .vocab import check_vocab_call
-
-Guarded = Callable[[str, Callable[[], Any]], Any]
 
 
 class PipelineCalls:
@@ -104,12 +104,8 @@ def call_results(
         return (None, None) if return_outputs else None
     loss = mean_loss(run, layout, wait)
     if losses is not None:
-        losses.extend(value for _, value in sorted(zip(executor.loss_microbatches, run), key=_first))
+        losses.extend(value for _, value in sorted(zip(executor.loss_microbatches, run), key=itemgetter(0)))
     if not return_outputs:
         return loss
     merged = merge_microbatches([outputs[j] for j in sorted(outputs)]) if outputs else None
     return loss, merged
-
-
-def _first(pair: tuple[int, Any]) -> int:
-    return pair[0]

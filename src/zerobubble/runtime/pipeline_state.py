@@ -9,7 +9,7 @@ vocabulary-parallel weights and their state are gathered to, and sliced from, th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from . import PipelineError
 from .checkpoint import merge_state_dicts, select_entries, strict_error
 from .consistency import STATE_DICT_TAG, CallCheck, share_objects
 from .data_parallel import ParallelLayout
-from .failures import PeerMonitor
+from .failures import Guarded, PeerMonitor
 from .vocab import (
     VOCAB_LAYER_NAMES,
     VocabRunner,
@@ -28,9 +28,6 @@ from .vocab import (
     load_vocab_state,
     sliced_optimizer_state,
 )
-
-Guarded = Callable[[str, Callable[[], Any]], Any]
-"""``guarded(call, work)``: run communicating work, marking the Pipeline failed if it raises."""
 
 
 class PipelineState:

@@ -426,21 +426,6 @@ def _span(name: str, category: str, rank: int, start: float, duration: float) ->
     }
 
 
-__all__ = [
-    "MeasuredTimeline",
-    "TraceRecorder",
-    "TraceReport",
-    "build_timeline",
-    "clock_offset",
-    "gather_timelines",
-    "measured_chrome_trace",
-    "measured_costs",
-    "median_timeline",
-    "transfer_latencies",
-    "write_trace",
-]
-
-
 def recorded_timelines(
     recorder: Any, schedule: Schedule, group: Any, device: Any
 ) -> list[MeasuredTimeline] | None:
@@ -469,3 +454,20 @@ def write_recorded_trace(
     if len(timelines) > 1 and getattr(recorder, "keeps_first_step", False):
         timelines = timelines[1:]
     return write_trace(timelines, directory, layout, layer_bounds=layer_bounds, layer_profile=profile)
+
+
+__all__ = [
+    "MeasuredTimeline",
+    "TraceRecorder",
+    "TraceReport",
+    "build_timeline",
+    "clock_offset",
+    "gather_timelines",
+    "measured_chrome_trace",
+    "measured_costs",
+    "median_timeline",
+    "recorded_timelines",
+    "transfer_latencies",
+    "write_recorded_trace",
+    "write_trace",
+]

@@ -251,10 +251,13 @@ def plan_cluster(
 
 
 def _layouts(shape: TransformerShape, cluster: Cluster) -> list[tuple[int, int, int]]:
-    """``(pp, dp, tp)`` with ``pp·dp·tp`` the cluster, tp dividing a node and the heads, pp the layers."""
+    """``(pp, dp, tp)`` with ``pp·dp·tp`` the cluster, tp dividing a node and the heads, pp the layers.
+
+    The key-value heads are split over tp when it divides them, and each replicated over the ranks
+    of its group when tp is a multiple of them (Megatron's rule for grouped-query attention)."""
     found = []
     for tp in _divisors(cluster.gpus):
-        if shape.heads % tp or (shape.kv_heads % tp and tp > shape.kv_heads):
+        if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
             continue
         for pp in _divisors(cluster.size // tp):
             if pp <= shape.layers + 2:
@@ -310,8 +313,8 @@ def cluster_table(options: Sequence[ClusterOption], top: int) -> str:
     )
     lines = [header]
     for option in [o for o in options if o.plan is not None][:top]:
-        winner = option.plan.winner if option.plan else None
-        assert winner is not None and winner.period is not None
+        assert option.plan is not None and option.plan.winner.period is not None
+        winner = option.plan.winner
         bubble = max(winner.bubble_rate or 0.0, 0.0)
         memory = format_bytes(max(winner.peak_bytes))
         lines.append(

@@ -37,6 +37,12 @@ TP_ACTIVATION_SHARE = 24 / 34
 Large Transformer Models", eq. 2) count without the attention scores."""
 
 SHARDINGS = (None, "fsdp", "hsdp")
+"""How data-parallel replicas hold the parameters: None (replicated, gradients all-reduced),
+``"fsdp"`` (FSDP2: sharded over every replica) or ``"hsdp"`` (FSDP2 on a 2-D data-parallel mesh:
+sharded along ``dp_shard``, replicated along ``dp_replicate``)."""
+
+DATA_PARALLEL_MODES = ("replicate", "fsdp", "hsdp")
+"""The same, as the Pipeline's ``data_parallel=`` on a mesh and the command line name them."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +201,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 def mesh_layout(sizes: dict[str, int], data_parallel: str = "replicate", link: Link = Link()) -> MeshLayout:
     """The :class:`MeshLayout` of :func:`parse_mesh`'s sizes with ``data_parallel`` ``"replicate"``,
     ``"fsdp"`` or ``"hsdp"`` (over ``dp_shard``), every collective on ``link``."""
-    if data_parallel not in ("replicate", "fsdp", "hsdp"):
+    if data_parallel not in DATA_PARALLEL_MODES:
         raise ScheduleError(f"data parallelism {data_parallel!r}: choose replicate, fsdp or hsdp")
     hsdp = sizes["dp_replicate"] * sizes["dp_shard"] > 1
     if (data_parallel == "hsdp") != hsdp and not (data_parallel == "replicate" and hsdp):
