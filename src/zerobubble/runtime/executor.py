@@ -2,9 +2,10 @@
 
 The program is compiled once into a list of ``(op or hook, handler, stage, microbatch)`` entries
 (the ``handlers`` dispatch table, as in DeepSpeed's pipeline engine), so an op costs one call.
-Runtime actions that are not ops of the schedule — the optimizer settle, a chunk's data-parallel
-all-reduce — are :class:`Hook` entries of the same list (:meth:`Executor.add_hook`), so they survive a
-recompile and show in traces.  Each handler is a receive, a compute and a send, exposed separately so
+Runtime actions that are not ops of the schedule — the optimizer settle, the vocabulary embedding's
+lookups, a chunk's data-parallel all-reduce — are :class:`Hook` entries of the same list
+(:meth:`Executor.add_hook`, :meth:`Executor.add_start_hook`), so they survive a recompile and show in
+traces.  Each handler is a receive, a compute and a send, exposed separately so
 an emulation (:mod:`.emulate`) can reuse the transfers.  F keeps what B needs, B keeps only what the
 deferred W needs (the stage's :class:`WeightGradStore`), W frees the rest.  Each forward draws from
 its own RNG stream (:func:`forward_seed`); a failure is reported to the peers before it propagates.
@@ -134,6 +135,7 @@ class Executor:
             self.handlers[Kind.T] = vocab.weight_grad
         self.program: list[ProgramEntry] = []
         self._profiled: tuple[list[ProgramEntry], list[ProgramEntry]] | None = None  # (program, ranged)
+        self._start: list[Hook] = []  # run before anything of a training step reads a parameter
         self._before: dict[int, list[Hook]] = {}
         self._after: dict[int, list[Hook]] = {}
         self.compile()
@@ -148,7 +150,10 @@ class Executor:
 
         Call again after changing ``handlers``; the hooks added so far are kept.
         """
-        program: list[ProgramEntry] = []
+        program: list[ProgramEntry] = [(hook, hook.run, None, 0) for hook in self._start]
+        if self.vocab is not None:  # the embedding reads its rows: after the start hooks (the settle)
+            lookups = Hook("vocabulary embedding lookups", self._begin_vocab)
+            program.append((lookups, lookups.run, None, 0))
         for position, op in enumerate(self.schedule.programs[self.rank]):
             program += [(hook, hook.run, None, 0) for hook in self._before.get(position, ())]
             state = self.vocab if op.is_vocab else self.stages[op.stage]
@@ -162,6 +167,17 @@ class Executor:
             raise PipelineError(f"no op at position {position} of rank {self.rank}'s program")
         (self._after if after else self._before).setdefault(position, []).append(hook)
         self.compile()
+
+    def add_start_hook(self, hook: Hook) -> None:
+        """Run ``hook`` at the start of every training step, before the step reads any parameter
+        (the vocabulary embedding looks its rows up before the program's first op)."""
+        self._start.append(hook)
+        self.compile()
+
+    def _begin_vocab(self) -> None:
+        vocab = self.vocab
+        assert vocab is not None  # the entry exists only with a vocabulary runner
+        vocab.begin_step(self._inputs, self._targets, self._scale, training=True)
 
     def run_step(
         self,
@@ -186,8 +202,6 @@ class Executor:
         self._reported, entry = False, None
         try:
             self.comm.start_step(first=self._steps == 0)
-            if self.vocab is not None:
-                self.vocab.begin_step(inputs, targets, self._scale, training=True)
             recorder = self.recorder
             if ranges.profiling():
                 self._run_profiled(recorder)

@@ -349,7 +349,7 @@ class Pipeline:
 
         With ``data_parallel = D`` each replica passes its own equal shard of the global batch; the
         gradients are those of the global batch's mean loss, which is returned.  A pending optimizer
-        step is settled just before this rank's first forward reads the parameters.  ``loss_scale``
+        step is settled at the start of the step, before anything reads the parameters.  ``loss_scale``
         multiplies the loss before the backward (fp16); pass it as ``unscale`` to
         :meth:`optimizer_step`.  The returned loss is unscaled.
 
@@ -518,7 +518,10 @@ class Pipeline:
         return self._state.load_optimizer_state_dict(optimizer, state_dict, strict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients of this rank's parameters."""
+        """Reset the gradients of this rank's parameters.  ``set_to_none=False`` zeroes them in place,
+        which a pending optimizer step still reads: it is settled first (call it on every rank)."""
+        if not set_to_none:
+            self.synchronize()
         self.module.zero_grad(set_to_none=set_to_none)
 
     # -- recorded timelines (trace=True) ------------------------------------------------------------

@@ -4,8 +4,8 @@
 them — averaged over the replicas (:class:`~.data_parallel.GradientAverager`) or reduce-scattered
 by FSDP2 (:class:`~.fsdp.ShardedStages`), tied parameters' summed over their holders — and the
 optimizer step that follows (:class:`~.optim.PipelineOptimizer`: clipped, post-validated), settled
-by a hook before the next step's first forward.  :meth:`Pipeline.optimizer_step`, ``synchronize``
-and ``optimizer_stats`` delegate to it.
+by a hook at the start of the next step, before anything reads a parameter.
+:meth:`Pipeline.optimizer_step`, ``synchronize`` and ``optimizer_stats`` delegate to it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from . import PipelineError
 from .build import chain_optimizer, install_averager, install_sharded_reduction
-from .data_parallel import ParallelLayout, first_forward
+from .data_parallel import ParallelLayout
 from .executor import Executor, Hook
 from .fsdp import ShardedStages
 from .optim import OptimizerStats, check_sharded_optimizer, unscale_gradients
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 class StepOptimization:
     """The reductions and the optimizer step of pipeline rank ``rank`` (see the module docstring).
 
-    Construction installs the executor's hooks: the settle before the first forward, then the
+    Construction installs the executor's hooks: the settle at the start of each step, then the
     reductions after each chunk's last gradient op.
     """
 
@@ -54,8 +54,10 @@ class StepOptimization:
             resolution, layout, rank, device, post_validation, wait, tied, sharded=chained
         )
         program = resolution.schedule.programs[rank]
-        # the parameters are first read by the first forward: the pending step must be settled then
-        executor.add_hook(first_forward(program), Hook("optimizer settle", self.settle))
+        # The pending step is settled before the next step reads any parameter: at its very start,
+        # since the vocabulary embedding's lookups precede the first forward.  (Every rank's first
+        # forward waits for its input anyway, so settling earlier costs nothing.)
+        executor.add_start_hook(Hook("optimizer settle", self.settle))
         self._averager = None
         if sharded is not None:  # then all-gathered (FSDP2), reduce-scattered chunk by chunk
             install_sharded_reduction(executor, program, sharded)

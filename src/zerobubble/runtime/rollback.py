@@ -374,7 +374,8 @@ class ReversibleStep:
         if _versions(record.grads) != record.versions:
             raise OptimizerValidationError(
                 "the gradients of the pending optimizer step were modified in place before it was "
-                "validated; call finish() before zero_grad(set_to_none=False) or the next backward"
+                "validated; settle it first (Pipeline.synchronize(), PostValidator.finish()) before "
+                "zero_grad(set_to_none=False) or the next backward, or zero them with set_to_none=True"
             )
 
     @contextmanager
