@@ -1,0 +1,272 @@
+"""Rank worker of tests/test_training_equivalence.py: a drawn Pipeline trained for several optimizer
+steps beside the unsharded model trained in one process, in float64.
+
+A :class:`Case` names everything that can change the arithmetic of a training loop: the schedule and
+microbatches, plain or vocabulary-parallel ends (tied or not), activation checkpointing inside the
+blocks, the optimizer and whether clipping triggers, post-validation, the loop's order (``zero_grad``
+before ``step``, or after ``optimizer_step``), and the layout (a pipeline alone, replicas, or a
+``DeviceMesh`` with replicated or FSDP2 data parallelism).  :func:`train_case` runs it on every rank
+of a pool and returns, per rank, the worst relative error of the losses, the gradients before each
+optimizer step and the parameters after the last one (settled), and the optimizer's counters.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+WIDTH, SEQ, VOCAB, ROWS = 6, 4, 11, 2  # ROWS: sequences per microbatch
+LAYOUTS = ("pp", "replicas", "mesh-replicate", "mesh-fsdp")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LOOPS = ("zero-first", "zero-after")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn training configuration (see the module docstring)."""
+
+    schedule: str
+    microbatches: int
+    blocks: int
+    vocab_parallel: bool
+    tied: bool
+    checkpointing: bool
+    optimizer: str
+    lr: float
+    max_norm: float | None
+    post_validation: bool
+    loop: str
+    layout: str = "pp"
+    static_shapes: bool = True
+    steps: int = 3
+    seed: int = 0
+
+
+class Block(nn.Module):
+    """Pre-norm causal mixing and an MLP; optionally under activation checkpointing."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mix = nn.Linear(WIDTH, WIDTH)
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+
+    def _body(self, hidden: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype).view(1, -1, 1)
+        hidden = hidden + self.mix(self.norm(hidden)).cumsum(1) / steps
+        return hidden + self.down(torch.tanh(self.up(hidden)))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return checkpoint(self._body, hidden, use_reentrant=False)
+        return self._body(hidden)
+
+
+class Embed(nn.Module):
+    """Plain token embedding (the first layer of a model with plain ends)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+
+class Head(nn.Module):
+    """Final norm and output projection, its weight tied to the embedding's or its own."""
+
+    def __init__(self, embed: Embed, tied: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        weight = embed.embed.weight
+        self.weight = weight if tied else nn.Parameter(weight.detach().clone() * 2.0)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(hidden), self.weight)
+
+
+def plain_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross-entropy of one microbatch (the plain head's ``loss_fn``)."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def build_model(case: Case) -> dict[str, Any]:
+    """``{"layers", "embedding", "head"}`` of the case's model in float64 (ends None when plain)."""
+    from zerobubble.runtime.vocab_layers import VocabParallelEmbedding, VocabParallelHead
+
+    torch.manual_seed(case.seed)
+    blocks = [Block(case.checkpointing).double() for _ in range(case.blocks)]
+    if not case.vocab_parallel:
+        embed = Embed().double()
+        return {"layers": [embed, *blocks, Head(embed, case.tied).double()], "embedding": None, "head": None}
+    embedding = VocabParallelEmbedding(VOCAB, WIDTH, dtype=torch.float64)
+    if case.tied:
+        head = VocabParallelHead(embedding.weight)
+    else:
+        head = VocabParallelHead(WIDTH, VOCAB, dtype=torch.float64)
+        with torch.no_grad():
+            head.weight.mul_(3.0)  # a wide spread of logits
+    return {"layers": blocks, "embedding": embedding, "head": head}
+
+
+def _optimizer(case: Case, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if case.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=case.lr, momentum=0.9, weight_decay=0.01)
+    if case.optimizer == "adam":
+        return torch.optim.Adam(params, lr=case.lr)
+    return torch.optim.AdamW(params, lr=case.lr, weight_decay=0.1)
+
+
+def _batch(case: Case, step: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * case.seed + step)
+    size = replicas * case.microbatches * ROWS
+    tokens = torch.randint(VOCAB, (size, SEQ), generator=generator)
+    labels = torch.randint(VOCAB, (size, SEQ), generator=generator)
+    labels[torch.rand(size, SEQ, generator=generator) < 0.15] = -100  # ignored positions
+    return tokens, labels
+
+
+def _unique(modules: list[nn.Module]) -> list[nn.Parameter]:
+    return list({id(p): p for m in modules for p in m.parameters()}.values())
+
+
+class Reference:
+    """The unsharded model trained in this process: ``clip_grad_norm_`` + ``step`` on the whole."""
+
+    def __init__(self, case: Case, model: dict[str, Any]):
+        self.case, self.model = case, model
+        self.modules = [m for m in (model["embedding"], *model["layers"], model["head"]) if m is not None]
+        self.params = _unique(self.modules)
+        self.optimizer = _optimizer(case, self.params)
+
+    def _loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = tokens if self.model["embedding"] is None else self.model["embedding"](tokens)
+        for layer in self.model["layers"]:
+            hidden = layer(hidden)
+        if self.model["head"] is None:
+            return plain_loss(hidden, labels)
+        return self.model["head"](hidden, labels)
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor, chunks: int) -> float:
+        """One training step on the global batch (the mean of ``chunks`` microbatch losses); the
+        gradients stay in the parameters until :meth:`update`."""
+        losses = [self._loss(t, y) for t, y in zip(tokens.chunk(chunks), labels.chunk(chunks))]
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        return loss.item()
+
+    def update(self) -> None:
+        if self.case.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.case.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _error(actual: torch.Tensor | None, expected: torch.Tensor | None) -> float:
+    if actual is None or expected is None:
+        return 0.0 if actual is None and expected is None else float("inf")
+    actual, expected = _full(actual).detach(), expected.detach()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
+
+
+def _pairs(pipe: Any, pipelined: dict[str, Any], reference: dict[str, Any]) -> list[tuple[Any, Any, slice]]:
+    """(pipeline tensor owner, reference owner, rows) of every parameter this rank holds."""
+    pairs = []
+    for stage in pipe.stages:
+        for i in range(pipe.layer_bounds[stage], pipe.layer_bounds[stage + 1]):
+            mine = dict(pipelined["layers"][i].named_parameters())
+            theirs = dict(reference["layers"][i].named_parameters())
+            pairs += [(mine[name], theirs[name], slice(None)) for name in mine]
+    for end in ("embedding", "head"):
+        layer = getattr(pipe.module, f"vocab_{end}", None)
+        if layer is not None:
+            rows = slice(layer.vocab_start, layer.vocab_stop)
+            pairs.append((layer.weight, reference[end].weight, rows))
+    return pairs
+
+
+def _worst(pairs: list[tuple[Any, Any, slice]], grads: bool) -> float:
+    worst = 0.0
+    for mine, theirs, rows in pairs:
+        if grads:
+            expected = None if theirs.grad is None else theirs.grad[rows]
+            worst = max(worst, _error(mine.grad, expected))
+        else:
+            worst = max(worst, _error(mine, theirs[rows]))
+    return worst
+
+
+def _pipeline(case: Case, model: dict[str, Any]) -> Any:
+    from zerobubble import Pipeline
+
+    options: dict[str, Any] = {}
+    if case.layout == "replicas":
+        options["data_parallel"] = 2
+    elif case.layout.startswith("mesh"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        options["data_parallel"] = case.layout.removeprefix("mesh-")
+    return Pipeline(
+        model["layers"], schedule=case.schedule, microbatches=case.microbatches,
+        loss_fn=None if case.vocab_parallel else plain_loss, head=model["head"],
+        embedding=model["embedding"], post_validation=case.post_validation,
+        static_shapes=case.static_shapes, timeout=60, seed=case.seed, **options,
+    )  # fmt: skip
+
+
+def train_case(case: Case) -> dict[str, Any]:
+    """Train ``case`` on this rank and beside it the reference; the worst errors (module docstring)."""
+    model = build_model(case)
+    reference = Reference(case, copy.deepcopy(model))
+    pipe = _pipeline(case, model)
+    pairs = _pairs(pipe, model, reference.model)
+    optimizer = _optimizer(case, list(pipe.parameters()))
+    replicas, replica = pipe.layout.data_parallel, pipe.layout.dp_index
+    worst = {"loss": 0.0, "grads": 0.0, "params": 0.0}
+    for step in range(case.steps):
+        tokens, labels = _batch(case, step, replicas)
+        expected = reference.step(tokens, labels, replicas * case.microbatches)
+        if case.loop == "zero-first":
+            optimizer.zero_grad()
+        mine = (tokens.chunk(replicas)[replica], labels.chunk(replicas)[replica])
+        loss = pipe.step(*mine)
+        if loss is not None:
+            worst["loss"] = max(worst["loss"], abs(loss.item() - expected) / abs(expected))
+        worst["grads"] = max(worst["grads"], _worst(pairs, grads=True))
+        pipe.optimizer_step(optimizer, max_norm=case.max_norm)
+        if case.loop == "zero-after":
+            optimizer.zero_grad()
+        reference.update()
+    pipe.synchronize()
+    worst["params"] = _worst(pairs, grads=False)
+    stats = pipe.optimizer_stats
+    worst.update(clipped=stats.clipped, rolled_back=stats.rolled_back, steps=stats.steps)
+    dist.barrier()  # the next case builds its groups only once every rank is done with these
+    return worst
+
+
+def refusal(case: Case) -> str:
+    """The message of the error the Pipeline raises for ``case`` on this rank ("accepted" if none)."""
+    from zerobubble.runtime import PipelineError
+
+    try:
+        _pipeline(case, build_model(case))
+    except PipelineError as error:
+        return str(error)
+    finally:
+        dist.barrier()
+    return "accepted"
