@@ -7,6 +7,7 @@ Module-level so that spawned ranks can import it.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -288,3 +289,60 @@ def vocab_pipeline_cases(cases: list[tuple[str, str, str]]) -> dict:
             "grads": grads,
         }
     return out
+
+
+def vocab_training_cases(cases: list[tuple[str, str]]) -> dict:
+    """For each ``(family, schedule)``: three AdamW steps clipped to a small norm of the model cut
+    with ``pipeline_layers(model, vocab_parallel=True)``, in float64, against the model itself trained
+    with ``clip_grad_norm_`` + ``step`` on the mean of microbatch mean losses.  Returns per case the
+    worst loss error (last rank) and the worst parameter error after the last step (settled)."""
+    from zerobubble import Pipeline
+    from zerobubble.hf import pipeline_layers
+    from zerobubble.runtime.launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=60)
+    out: dict = {}
+    for family, schedule in cases:
+        model = tiny_model(family).double().train()
+        reference = copy.deepcopy(model)
+        names = {id(p): name for name, p in model.named_parameters()}
+        parts = pipeline_layers(model, vocab_parallel=True)
+        vocab_names = {"vocab_embedding": names[id(parts.embedding.weight)]}
+        vocab_names["vocab_head"] = names[id(parts.head.weight)]
+        pipe = Pipeline(
+            parts.layers, schedule=schedule, microbatches=MICROBATCHES, embedding=parts.embedding,
+            head=parts.head, timeout=60,
+        )  # fmt: skip
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+        expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+        losses = []
+        for step in range(3):
+            tokens, targets = token_batch(8, seed=10 + step)
+            logits = reference(tokens, use_cache=False).logits
+            expected = torch.stack([lm_loss(x, y) for x, y in zip(logits.chunk(4), targets.chunk(4))]).mean()
+            expected.backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+            expected_optimizer.step()
+            expected_optimizer.zero_grad()
+            loss = pipe.step(tokens, targets)
+            pipe.optimizer_step(optimizer, max_norm=0.05)
+            optimizer.zero_grad()
+            if loss is not None:
+                losses.append(abs(loss.item() - expected.item()) / expected.item())
+        pipe.synchronize()
+        params = dict(reference.named_parameters())
+        errors = {}
+        for name, p in pipe.named_parameters():
+            layer = name.split(".")[0]
+            if layer in vocab_names:
+                shard = getattr(pipe.module, layer)
+                full = params[vocab_names[layer]]
+                errors[name] = _relative(p, full[shard.vocab_start : shard.vocab_stop])
+            else:
+                errors[name] = _relative(p, params[names[id(p)]])
+        out[f"{family} {schedule}"] = {"losses": losses, "params": errors}
+    return out
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300))
