@@ -25,7 +25,8 @@ from torch.utils.checkpoint import checkpoint
 WIDTH, SEQ, VOCAB, ROWS = 6, 4, 11, 2  # ROWS: sequences per microbatch
 LAYOUTS = ("pp", "replicas", "mesh-replicate", "mesh-fsdp")
 OPTIMIZERS = ("sgd", "adam", "adamw")
-LOOPS = ("zero-first", "zero-after")
+#: ``zero_grad`` before ``step``; after ``optimizer_step``; or ``pipe.zero_grad(set_to_none=False)`` then
+LOOPS = ("zero-first", "zero-after", "zero-in-place")
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,8 @@ def train_case(case: Case) -> dict[str, Any]:
         pipe.optimizer_step(optimizer, max_norm=case.max_norm)
         if case.loop == "zero-after":
             optimizer.zero_grad()
+        elif case.loop == "zero-in-place":  # the pending step's gradients: settled first
+            pipe.zero_grad(set_to_none=False)
         reference.update()
     pipe.synchronize()
     worst["params"] = _worst(pairs, grads=False)
@@ -270,3 +273,21 @@ def refusal(case: Case) -> str:
     finally:
         dist.barrier()
     return "accepted"
+
+
+def zeroed_in_place(case: Case) -> str:
+    """Train ``case`` zeroing the gradients in place through the optimizer while a clipped step is
+    pending: the error this rank raises (the settle cannot undo a step whose gradients changed)."""
+    model = build_model(case)
+    pipe = _pipeline(case, model)
+    optimizer = _optimizer(case, list(pipe.parameters()))
+    try:
+        for step in range(case.steps):
+            pipe.step(*_batch(case, step, 1))
+            pipe.optimizer_step(optimizer, max_norm=case.max_norm)
+            optimizer.zero_grad(set_to_none=False)
+        return "no error"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        dist.barrier()

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from _profile import profile
 from _rank_pool import RankPool
-from _training_equivalence import LAYOUTS, LOOPS, OPTIMIZERS, Case, refusal, train_case
+from _training_equivalence import LAYOUTS, LOOPS, OPTIMIZERS, Case, refusal, train_case, zeroed_in_place
 from zerobubble.schedule import REGISTRY
 
 pytestmark = pytest.mark.multiprocess
@@ -181,3 +181,13 @@ def test_fsdp_over_a_tie_is_refused(four_ranks):
     case = Case("zb-h1", 4, 4, False, True, False, "sgd", 0.3, None, True, "zero-first", "mesh-fsdp")
     for message in four_ranks.call(refusal, case):
         assert "cannot shard the parameter tied across chunks" in message, message
+
+
+def test_gradients_zeroed_in_place_under_a_pending_step_raise_on_every_rank(two_ranks):
+    """``optimizer.zero_grad(set_to_none=False)`` while a clipped step is pending: never a silent wrong
+    step — the rank whose settle needs the gradients raises, naming the cure; its peer says why it stopped."""
+    messages = two_ranks.call(zeroed_in_place, ISSUE_CASE)
+    assert any(m.startswith("OptimizerValidationError") and "set_to_none=True" in m for m in messages), (
+        messages
+    )
+    assert all("OptimizerValidationError" in m for m in messages), messages  # the peer names it too

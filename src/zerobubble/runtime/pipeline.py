@@ -249,6 +249,7 @@ class Pipeline:
             self.module,
             self.device,
             self.layout.setup_timeout,
+            self._monitor.wait,
         )
         self._model_keys = (*self._model_keys, *keys)
         return runner

@@ -19,7 +19,7 @@ and each rank accumulates its rows.  Each group sees its collectives in one orde
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -100,7 +100,9 @@ class VocabRunner:
         microbatches: int,
         groups: VocabGroups,
         device: torch.device,
+        wait: Callable[[Any, str], None] = lambda work, what: work.wait(),
     ):
+        self._wait = wait  # the peer monitor's: a dead or failed peer ends the wait with its error
         self.head, self.embedding = head, embedding
         self.rank, self.size, self.last, self.first = rank, size, last, first
         self.microbatches, self.groups, self.device = microbatches, groups, device
@@ -135,18 +137,18 @@ class VocabRunner:
     def finish_step(self) -> None:
         """Finish the embedding's gradient (a broadcast from the first stage's rank) and every
         collective still in flight."""
-        for _, work in self._hidden.values():
+        for j, (_, work) in self._hidden.items():
             if work is not None:
-                work.wait()
+                self._wait(work, f"the broadcast of microbatch {j}'s last hidden states")
         self._hidden.clear()
-        for shard in self._shards.values():  # forward-only steps leave their statistics here
-            self._wait_parts(shard)
-            shard.stats_work.wait()
+        for j, shard in self._shards.items():  # forward-only steps leave their statistics here
+            self._wait_parts(shard, j)
+            self._wait(shard.stats_work, f"the vocabulary statistics of microbatch {j}")
         self._shards.clear()
         if self.embedding is not None:
-            for _, work in self._embedded:
+            for j, (_, work) in enumerate(self._embedded):
                 if work is not None:
-                    work.wait()
+                    self._wait(work, f"the embedding's reduction of microbatch {j}")
             self._embedded = []
             if self._training:
                 self._embedding_backward()
@@ -196,7 +198,7 @@ class VocabRunner:
         self._post_hidden(j)
         hidden, work = self._hidden.pop(j)
         if work is not None and self.rank != self.last:
-            work.wait()
+            self._wait(work, f"microbatch {j}'s last hidden states")
         elif work is not None:  # the sender keeps the tensor until its broadcast is over (T waits)
             self._hidden[j] = (hidden, work)
         self._post_hidden(j + 1)  # the next microbatch's hidden states travel meanwhile
@@ -219,7 +221,7 @@ class VocabRunner:
     def _totals(self, j: int) -> HeadTotals:
         shard = self._shards[j]
         if shard.totals is None:
-            shard.stats_work.wait()
+            self._wait(shard.stats_work, f"the vocabulary statistics of microbatch {j}")
             head = self._head()
             shard.totals = head_totals(
                 torch.stack(shard.stats), self._labels[j], ignore_index=head.ignore_index
@@ -234,7 +236,7 @@ class VocabRunner:
         grad = head_weight_grad(head, shard.logits, shard.hidden, self._labels[j], totals, scale=self._scale)
         _accumulate(head.weight, grad)
         if self.rank != self.last:
-            self._wait_parts(shard)
+            self._wait_parts(shard, j)
         shard.logits = torch.empty(0)
         self._release(j)
 
@@ -242,7 +244,7 @@ class VocabRunner:
         """The last stage's B(j): the gradient of its output and the loss of microbatch ``j``."""
         shard = self._shards[j]
         totals = self._totals(j)
-        self._wait_parts(shard)
+        self._wait_parts(shard, j)
         grad = head_input_grad(torch.stack(shard.stats), torch.stack(shard.parts), totals, scale=self._scale)
         self._release(j)
         return grad.reshape(*self._shapes[j], grad.shape[-1]), totals.loss
@@ -251,9 +253,9 @@ class VocabRunner:
         """After a forward-only step, on the last stage's rank: every microbatch's loss."""
         return [(j, self._totals(j).loss) for j in sorted(self._shards)]
 
-    def _wait_parts(self, shard: _Shard) -> None:
+    def _wait_parts(self, shard: _Shard, j: int) -> None:
         if shard.parts_work is not None:
-            shard.parts_work.wait()
+            self._wait(shard.parts_work, f"the input-gradient parts of microbatch {j}")
             shard.parts_work, shard.sent = None, None
 
     def _release(self, j: int) -> None:
@@ -263,7 +265,7 @@ class VocabRunner:
             del self._shards[j]
             entry = self._hidden.pop(j, None)
             if entry is not None and entry[1] is not None:
-                entry[1].wait()
+                self._wait(entry[1], f"the broadcast of microbatch {j}'s last hidden states")
 
     def _head(self) -> VocabParallelHead:
         if self.head is None:  # pragma: no cover - the schedule has S/T ops only with a head
@@ -275,7 +277,7 @@ class VocabRunner:
     def embedded(self, j: int) -> torch.Tensor:
         """The first stage's input of microbatch ``j``: the summed embedding, a leaf needing grad."""
         part, work = self._embedded[j]
-        work.wait()
+        self._wait(work, f"the embedding's reduction of microbatch {j}")
         self._embedded[j] = (part, None)
         return part.detach().requires_grad_()
 
@@ -292,7 +294,8 @@ class VocabRunner:
             grads = torch.cat(flat).to(embedding.weight.dtype).contiguous()
         else:
             grads = torch.empty(sum(sizes), embedding.dim, dtype=embedding.weight.dtype, device=self.device)
-        dist.broadcast(grads, group_src=self.first, group=self.groups.embed)
+        work = dist.broadcast(grads, group_src=self.first, group=self.groups.embed, async_op=True)
+        self._wait(work, "the broadcast of the first stage's input gradients")
         tokens = torch.cat([t.reshape(-1) for t in self._tokens])
         _accumulate(embedding.weight, embedding_weight_grad(embedding, tokens, grads))
         self._embedding_grads = {}
@@ -335,6 +338,7 @@ def place_vocab(
     module: nn.Module,
     device: torch.device,
     timeout: timedelta,
+    wait: Callable[[Any, str], None],
 ) -> tuple[VocabRunner, list[str]]:
     """Keep this pipeline rank's vocabulary rows, register the layers in ``module`` as
     ``vocab_head`` and ``vocab_embedding``, and make their runner (collective: three local groups
@@ -356,6 +360,7 @@ def place_vocab(
         microbatches=schedule.microbatches,
         groups=groups,
         device=device,
+        wait=wait,
     )
     return runner, keys
 
