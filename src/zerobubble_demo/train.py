@@ -31,6 +31,7 @@ from zerobubble.schedule.modelplan import parse_bytes
 from zerobubble.schedule.modelplan.layout import DATA_PARALLEL_MODES
 
 from . import ConfigError
+from .checkpoint import check_checkpoint, load_checkpoint, save_checkpoint
 from .models import GPTConfig, MarkovCorpus, gpt_layers, lm_loss, tensor_parallel
 from .profiling import profile_lines, step_profiler
 
@@ -41,7 +42,8 @@ class TrainConfig:
 
     ``ranks`` counts every process: ``data_parallel`` pipelines of ``ranks / data_parallel`` ranks.
     ``mesh`` (``"pp=2,dp=2,tp=2"``, dimensions in mesh order) lays the ranks out on a ``DeviceMesh``
-    instead — ``ranks`` is then the product of its sizes (None: 2 without a mesh),
+    instead — ``ranks`` is then the product of its sizes (None: 2 without a mesh; under torchrun,
+    ``WORLD_SIZE``, which a mesh or a given ``ranks`` must match: :func:`launched_config`),
     ``data_parallel`` ``"replicate"`` (the default) or ``"fsdp"`` along its ``dp`` dimension, or
     ``"hsdp"`` along ``dp_replicate`` × ``dp_shard``; a ``tp`` dimension splits each block
     Megatron-style (:func:`~.models.tensor_parallel`, the blocks then with separate q, k, v).
@@ -231,11 +233,13 @@ def check_config(config: TrainConfig) -> Schedule | None:
             f"{config.microbatches} microbatches; use a multiple of {split}"
         )
     model = config.model  # validates the model size
-    if config.resume is not None and not os.path.isfile(os.path.join(config.resume, ".metadata")):
-        raise ConfigError(
-            f"resume {config.resume!r} is not a checkpoint directory (no .metadata in it); write one with "
-            "--save DIR"
-        )
+    if config.resume is not None:
+        if not os.path.isfile(os.path.join(config.resume, ".metadata")):
+            raise ConfigError(
+                f"resume {config.resume!r} is not a checkpoint directory (no .metadata in it); write one "
+                "with --save DIR"
+            )
+        check_checkpoint(config.resume, model)  # its files and the model's shapes, before any rank
     _check_compile_backend(config.compile)
     if config.partition not in ("even", "profile"):
         raise ConfigError(f"partition must be even or profile, got {config.partition!r}")
@@ -293,8 +297,11 @@ def run_training(config: TrainConfig) -> TrainSummary:
 
     The settings are checked first (:func:`check_config`), so a bad one is a one-line error.
     """
-    from zerobubble.runtime.launch import launch, under_launcher
+    from zerobubble.runtime import PipelineError
+    from zerobubble.runtime.launch import RankFailure, launch, under_launcher
 
+    if under_launcher():
+        config = launched_config(config)
     schedule = check_config(config)
     if under_launcher():
         joined = dist.is_initialized()
@@ -304,7 +311,35 @@ def run_training(config: TrainConfig) -> TrainSummary:
             if not joined and dist.is_initialized():  # this call created the group: it destroys it
                 dist.destroy_process_group()
     threads = max(1, (os.cpu_count() or 1) // config.world)
-    return launch(_train_rank, config.world, (config, schedule), threads=threads)[0]
+    try:
+        return launch(_train_rank, config.world, (config, schedule), threads=threads)[0]
+    except RankFailure as failure:
+        # every rank refused the same way (a plan that fits nothing, a damaged checkpoint): that
+        # one line, not each rank's traceback; anything else keeps them
+        error = failure.common_error((ConfigError, PipelineError))
+        if error is None:
+            raise
+        raise error from None
+
+
+def launched_config(config: TrainConfig) -> TrainConfig:
+    """Under torchrun, the processes it started are the run's ranks: ``ranks`` defaults to
+    ``WORLD_SIZE``, and a mesh or a ``ranks`` of another size is a :class:`ConfigError` up front."""
+    from dataclasses import replace
+
+    started = int(os.environ["WORLD_SIZE"])
+    if config.mesh is None and config.ranks is None:
+        return replace(config, ranks=started)
+    if config.world != started:
+        wants = (
+            f"the mesh {config.mesh!r} has {config.world} ranks" if config.mesh else f"ranks={config.ranks}"
+        )
+        raise ConfigError(
+            f"torchrun started {started} processes (WORLD_SIZE={started}) but {wants}; start "
+            f"{config.world} (--nproc-per-node × --nnodes)"
+            + (" or change the mesh" if config.mesh else " or leave --ranks out (it is then WORLD_SIZE)")
+        )
+    return config
 
 
 def _pipeline(config: TrainConfig, schedule: Schedule | None, backend: str, example: Any) -> Any:
@@ -344,7 +379,7 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
     if config.resume is not None:
-        start = _load_checkpoint(pipe, optimizer, config.resume)
+        start = load_checkpoint(pipe, optimizer, config.resume)
         for _ in range(start):  # the batches the saved run drew: the corpus continues where it stopped
             corpus.batch(config.batch_size)
     else:
@@ -368,7 +403,7 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
             profiler.step()
     pipe.synchronize()
     if config.save is not None:
-        _save_checkpoint(pipe, optimizer, config.save, start + config.steps)
+        save_checkpoint(pipe, optimizer, config.save, start + config.steps)
     report = pipe.write_trace(config.trace) if config.trace is not None else None
     losses = _share_losses(losses if reports_loss else None, config.steps, pipe.device)
     clipped, skipped, rolled_back = _most_over_ranks(pipe, pipe.device)
@@ -397,33 +432,6 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         ),
         first_step=start,
     )
-
-
-def _checkpoint(pipe, optimizer: torch.optim.Optimizer, steps: int) -> dict[str, Any]:
-    """What ``--save`` writes: this rank's model entries, its AdamW state by parameter name (the flat
-    form, which loads into any layout) and the steps taken."""
-    return {
-        "model": pipe.state_dict(),
-        "optim": pipe.optimizer_state_dict(optimizer, flatten=True),
-        "progress": {"steps": steps},
-    }
-
-
-def _save_checkpoint(pipe, optimizer: torch.optim.Optimizer, directory: str, steps: int) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_checkpoint(pipe, optimizer, steps), checkpoint_id=directory)  # collective: every rank
-
-
-def _load_checkpoint(pipe, optimizer: torch.optim.Optimizer, directory: str) -> int:
-    """Load ``--resume``'s checkpoint in place (collective); the number of steps it had taken."""
-    import torch.distributed.checkpoint as dcp
-
-    state = _checkpoint(pipe, optimizer, 0)
-    dcp.load(state, checkpoint_id=directory)
-    pipe.load_state_dict(state["model"])
-    pipe.load_optimizer_state_dict(optimizer, state["optim"])
-    return int(state["progress"]["steps"])
 
 
 def _parallelism(config: TrainConfig, backend: str) -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""What the ``zerobubble`` commands share: the one-line usage error, the parser, the setup options
-(ranks, microbatches, costs) and the schedule they describe."""
+"""What the ``zerobubble`` commands share: the one-line usage error, the parser, the types of its
+numeric options, the setup options (ranks, microbatches, costs) and the schedule they describe."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 from ..schedule import (
@@ -25,6 +28,57 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer ≥ 1 (a count: ranks, microbatches, sizes, steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: an integer ≥ 0 (a count that may be none: transformer blocks)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (seconds, a learning rate, a norm)."""
+    return _finite(text, "a positive number", lambda value: value > 0)
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type``: a finite number ≥ 0 (a time that may be nothing)."""
+    return _finite(text, "a non-negative number", lambda value: value >= 0)
+
+
+def _finite(text: str, what: str, accept: Callable[[float], bool]) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and accept(value)):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+    """Turn a failure to write ``path`` (no such folder, no permission) into a one-line UsageError."""
+    try:
+        yield
+    except OSError as error:
+        raise UsageError(f"cannot write {path!r}: {error.strerror or error}") from None
 
 
 def number_list(text: str, name: str, low: int, high: int) -> list[float]:
@@ -58,9 +112,13 @@ def add_setup_arguments(parser: argparse.ArgumentParser, schedule: bool = True) 
         parser.add_argument(
             "--schedule-file", help="read a schedule JSON (from 'export --format json') instead"
         )
-        parser.add_argument("--chunks", type=int, help="virtual stages per rank, for schedules that take it")
-    parser.add_argument("--stages", "-p", type=int, default=4, help="pipeline ranks P (default 4)")
-    parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches M (default 8)")
+        parser.add_argument(
+            "--chunks", type=positive_int, help="virtual stages per rank, for schedules that take it"
+        )
+    parser.add_argument("--stages", "-p", type=positive_int, default=4, help="pipeline ranks P (default 4)")
+    parser.add_argument(
+        "--microbatches", "-m", type=positive_int, default=8, help="microbatches M (default 8)"
+    )
     parser.add_argument(
         "--cost", default="1,1,1,0", help="T_F,T_B,T_W[,T_comm] per rank-stage (default 1,1,1,0)"
     )
@@ -73,7 +131,7 @@ def add_setup_arguments(parser: argparse.ArgumentParser, schedule: bool = True) 
     )
     parser.add_argument(
         "--polish",
-        type=float,
+        type=positive_float,
         metavar="SECONDS",
         help="then reorder the last ops with CP-SAT for up to SECONDS, kept when faster "
         "(pip install 'zerobubble[solver]')",

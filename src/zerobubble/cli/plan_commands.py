@@ -10,7 +10,7 @@ from typing import Any
 
 from ..schedule.compare import OPTIMIZER_MODES
 from ..schedule.modelplan.search import HEAD_LAYOUTS
-from .base import UsageError
+from .base import UsageError, non_negative_int, positive_int, writing
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -36,7 +36,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         layout=layout,
     )
     if args.output:
-        result.render(args.output)
+        with writing(args.output):
+            result.render(args.output)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0
@@ -60,9 +61,10 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         cluster_table,
         layouts_from_mesh,
         plan_cluster,
+        render_cluster_option,
     )
 
-    if not args.model or not args.tokens_per_step:
+    if not args.model or args.tokens_per_step is None:
         raise UsageError(
             "--cluster needs --model CONFIG.json (a Hugging Face config) and --tokens-per-step N"
         )
@@ -87,13 +89,19 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         layouts=layouts_from_mesh(parse_mesh(args.mesh), cluster) if args.mesh else None,
         sharding=None if args.data_parallel == "replicate" else "fsdp",
     )
+    best = best_layout_text(options)  # raises when no layout fits
+    if args.output:
+        with writing(args.output):
+            render_cluster_option(options[0], args.output)
     if args.json:
         print(json.dumps({"parameters": shape.parameters, "layouts": [o.row() for o in options]}))
         return 0
     size = f"{shape.parameters / 1e9:.2f}B parameters"
     print(f"{size} on {cluster.size} GPUs ({args.tokens_per_step} tokens a step)")
     print(cluster_table(options, args.top))
-    print(best_layout_text(options))
+    print(best)
+    if args.output:
+        print(f"wrote {args.output}")
     return 0
 
 
@@ -124,13 +132,15 @@ def _plan_profile(args: argparse.Namespace) -> Any:
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", help="a layer profile JSON from 'zerobubble profile'")
     parser.add_argument("--trace", metavar="DIR", help="re-plan from a run recorded with 'train --trace DIR'")
-    parser.add_argument("--ranks", "-p", type=int, default=2, help="pipeline ranks P (default 2)")
-    parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches M (default 8)")
+    parser.add_argument("--ranks", "-p", type=positive_int, default=2, help="pipeline ranks P (default 2)")
+    parser.add_argument(
+        "--microbatches", "-m", type=positive_int, default=8, help="microbatches M (default 8)"
+    )
     parser.add_argument("--memory-limit", help="per-rank byte budget: 24GiB, 512MiB, 2e9 (default none)")
     parser.add_argument("--schedules", help="comma-separated names (default: all but zb-ilp)")
     parser.add_argument(
         "--chunks",
-        type=int,
+        type=positive_int,
         nargs="+",
         default=[2],
         help="chunk counts tried for interleaved-1f1b (default 2)",
@@ -159,12 +169,18 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="nodes=8,gpus=8,intra=300GB/s,inter=25GB/s[,flops=312e12,memory=80GiB,efficiency=0.5]",
     )
     cluster.add_argument("--model", help="a Hugging Face config.json (its sizes)")
-    cluster.add_argument("--tokens-per-step", type=int, help="the global batch in tokens")
-    cluster.add_argument("--seq-len", type=int, default=4096, help="sequence length (default 4096)")
-    cluster.add_argument("--microbatch-size", type=int, default=1, help="sequences a microbatch (default 1)")
+    cluster.add_argument("--tokens-per-step", type=positive_int, help="the global batch in tokens")
+    cluster.add_argument("--seq-len", type=positive_int, default=4096, help="sequence length (default 4096)")
+    cluster.add_argument(
+        "--microbatch-size", type=positive_int, default=1, help="sequences a microbatch (default 1)"
+    )
     cluster.add_argument("--recompute", action="store_true", help="full activation recomputation")
-    cluster.add_argument("--top", type=int, default=10, help="layouts listed (default 10)")
-    parser.add_argument("--output", "-o", help="draw the chosen schedule (.svg or .png)")
+    cluster.add_argument("--top", type=positive_int, default=10, help="layouts listed (default 10)")
+    parser.add_argument(
+        "--output",
+        "-o",
+        help="draw the chosen schedule (.svg or .png); with --cluster, that of the best layout",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -181,7 +197,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         config, args.microbatch_size, args.repeats, args.seed, not args.no_transfer, args.threads
     )
     if args.output:
-        profile.save(args.output)
+        with writing(args.output):
+            profile.save(args.output)
     if args.json:
         print(json.dumps(profile.to_dict()))
         return 0
@@ -216,7 +233,9 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         ("--threads", 1, "intra-op threads, as the training ranks will have"),
         ("--seed", 0, "random seed"),
     ):
-        parser.add_argument(flag, type=int, default=default, help=f"{helptext} (default {default})")
+        kinds: dict[str, Callable[[str], int]] = {"--seed": int, "--layers": non_negative_int}
+        kind = kinds.get(flag, positive_int)
+        parser.add_argument(flag, type=kind, default=default, help=f"{helptext} (default {default})")
     parser.add_argument("--no-transfer", action="store_true", help="do not start 2 ranks to time transfers")
     parser.add_argument("--output", "-o", help="write the profile JSON here")
     parser.add_argument("--json", action="store_true", help="print the profile as JSON")

@@ -8,25 +8,25 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from .base import Parser
+from .base import Parser, non_negative_int, positive_float, positive_int
 
 _TRAIN_OPTIONS = (
     ("--schedule", str, "schedule name, or auto to plan from measurement (default zb-v)"),
-    ("--ranks", int, "local ranks to start when not under torchrun (default 2)"),
-    ("--steps", int, "training steps (default 50)"),
-    ("--microbatches", int, "microbatches per step (default 4)"),
-    ("--batch-size", int, "sequences per step (default 16)"),
-    ("--seq-len", int, "tokens per sequence (default 32)"),
-    ("--vocab", int, "vocabulary size (default 64)"),
-    ("--dim", int, "model width (default 64)"),
-    ("--heads", int, "attention heads (default 4)"),
-    ("--layers", int, "transformer blocks (default 4)"),
-    ("--chunks", int, "chunks per rank for interleaved-1f1b"),
+    ("--ranks", positive_int, "local ranks to start (default 2; under torchrun, WORLD_SIZE)"),
+    ("--steps", positive_int, "training steps (default 50)"),
+    ("--microbatches", positive_int, "microbatches per step (default 4)"),
+    ("--batch-size", positive_int, "sequences per step (default 16)"),
+    ("--seq-len", positive_int, "tokens per sequence (default 32)"),
+    ("--vocab", positive_int, "vocabulary size (default 64)"),
+    ("--dim", positive_int, "model width (default 64)"),
+    ("--heads", positive_int, "attention heads (default 4)"),
+    ("--layers", non_negative_int, "transformer blocks (default 4)"),
+    ("--chunks", positive_int, "chunks per rank for interleaved-1f1b"),
     ("--seed", int, "random seed (default 0)"),
-    ("--lr", float, "AdamW learning rate (default 3e-3)"),
+    ("--lr", positive_float, "AdamW learning rate (default 3e-3)"),
     ("--backend", str, "gloo or nccl (default: nccl with CUDA, else gloo)"),
-    ("--timeout", float, "seconds before a stuck rank is an error (default 120)"),
-    ("--max-norm", float, "gradient clipping norm (default 1.0)"),
+    ("--timeout", positive_float, "seconds before a stuck rank is an error (default 120)"),
+    ("--max-norm", positive_float, "gradient clipping norm (default 1.0)"),
     (
         "--data-parallel",
         "_data_parallel",
@@ -51,10 +51,10 @@ def _data_parallel(text: str) -> int | str:
     if text in ("replicate", "fsdp", "hsdp"):
         return text
     try:
-        return int(text)
-    except ValueError:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a replica count, replicate, fsdp or hsdp"
+            f"{text!r} is not a replica count (a positive integer), replicate, fsdp or hsdp"
         ) from None
 
 

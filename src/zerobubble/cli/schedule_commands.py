@@ -15,7 +15,16 @@ from ..schedule import (
 )
 from ..schedule.compare import OPTIMIZER_MODES, compare_schedules, iteration_period
 from ..schedule.paper import paper_models, paper_setup
-from .base import UsageError, add_setup_arguments, costs_from_args, schedule_from_args
+from .base import (
+    UsageError,
+    add_setup_arguments,
+    costs_from_args,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    schedule_from_args,
+    writing,
+)
 
 
 def _cmd_schedules(args: argparse.Namespace) -> int:
@@ -59,7 +68,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     _, timeline, report = _simulation_report(args)
     if args.output:
-        render_image(timeline, args.output)
+        with writing(args.output):
+            render_image(timeline, args.output)
         print(
             f"wrote {args.output}: {report['schedule']}, iteration time {report['iteration_time']:.6g}, "
             f"bubble rate {report['bubble_rate']:.4f}"
@@ -98,11 +108,8 @@ def _placement_path(output: str) -> str:
 
 
 def _write(path: str, text: str) -> None:
-    try:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text)
-    except OSError as error:
-        raise UsageError(f"cannot write {path!r}: {error}") from None
+    with writing(path), open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -194,8 +201,10 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         default="post-validation",
         help="sync: period = makespan + step; post-validation: iteration time + step",
     )
-    parser.add_argument("--step-time", type=float, default=0.0, help="optimizer step time (default 0)")
-    parser.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
+    parser.add_argument(
+        "--step-time", type=non_negative_float, default=0.0, help="optimizer step time (default 0)"
+    )
+    parser.add_argument("--time-limit", type=positive_float, help="seconds for zb-ilp (default 60)")
 
 
 def _add_show_arguments(parser: argparse.ArgumentParser) -> None:
@@ -218,13 +227,17 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add_setup_arguments(parser, schedule=False)
-    parser.add_argument("--chunks", type=int, help="chunks for interleaved-1f1b (default 2, or the paper's)")
+    parser.add_argument(
+        "--chunks", type=positive_int, help="chunks for interleaved-1f1b (default 2, or the paper's)"
+    )
     parser.add_argument("--schedules", help="comma-separated names (default: all but zb-ilp)")
     parser.add_argument("--paper-model", choices=paper_models(), help="use the paper's profiled setup")
     parser.add_argument("--optimizer", choices=OPTIMIZER_MODES, default="post-validation")
-    parser.add_argument("--step-time", type=float, default=0.0, help="optimizer step time (default 0)")
+    parser.add_argument(
+        "--step-time", type=non_negative_float, default=0.0, help="optimizer step time (default 0)"
+    )
     parser.add_argument("--ilp", action="store_true", help="also solve the integer program (zb-ilp)")
-    parser.add_argument("--time-limit", type=float, help="seconds for zb-ilp (default 60)")
+    parser.add_argument("--time-limit", type=positive_float, help="seconds for zb-ilp (default 60)")
 
 
 COMMANDS: tuple[

@@ -22,7 +22,7 @@ from ..schedule.modelplan import MeshLayout
 from . import PipelineError
 from .data_parallel import pipeline_size_of
 from .groups import equalize_group_counts, local_group
-from .launch import init_distributed, local_device
+from .launch import check_timeout, init_distributed, local_device
 from .mesh import MeshDims, mesh_groups, mesh_ranks, parallel_size, stage_layout
 from .mesh import mesh_dims as mesh_dims_of
 from .resolve import LossFn, Resolution, agree_on, resolve, wants_profile
@@ -60,7 +60,11 @@ def world_of(
     data_parallel: int | str | None,
     timeout: float,
 ) -> World:
-    """Join the group (initialised from the environment if needed) or the mesh (collective)."""
+    """Join the group (initialised from the environment if needed) or the mesh (collective).
+
+    The arguments are checked first, the same way on every rank, so a bad one raises
+    :class:`PipelineError` on each rank before any collective."""
+    check_timeout(timeout)
     if mesh is not None and group is not None:
         raise PipelineError("pass mesh= or group=, not both (the mesh's pipeline dimension is the group)")
     backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)

@@ -15,6 +15,7 @@ bug where ranks iterate a set in different orders.  The test suite uses it
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import queue as queue_module
@@ -33,11 +34,30 @@ from . import PipelineError
 
 
 class RankFailure(PipelineError):
-    """A spawned rank raised or died; ``results`` holds what the other ranks returned (rank → result)."""
+    """A spawned rank raised or died.  ``results`` holds what the other ranks returned (rank → result),
+    ``errors`` what each failed rank raised (rank → exception; None when it died or its exception
+    could not be pickled); the message holds every failed rank's traceback."""
 
-    def __init__(self, message: str, results: dict[int, Any]):
+    def __init__(
+        self,
+        message: str,
+        results: dict[int, Any] | None = None,
+        errors: dict[int, BaseException | None] | None = None,
+    ):
         super().__init__(message)
-        self.results = results
+        self.results = results or {}
+        self.errors = errors or {}
+
+    def common_error(self, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+        """The one error that stands for the whole failure when every failed rank raised one of
+        ``kinds``: the first, by rank, that is not a rank stopping because another failed (a
+        ``PeerFailure``).  None when a rank died or raised anything else: its traceback matters."""
+        from .failures import PeerFailure
+
+        errors = [self.errors[rank] for rank in sorted(self.errors)]
+        if not errors or not all(isinstance(e, kinds) and not isinstance(e, RankFailure) for e in errors):
+            return None
+        return next((e for e in errors if not isinstance(e, PeerFailure)), errors[0])
 
 
 def under_launcher() -> bool:
@@ -59,8 +79,16 @@ def local_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def check_timeout(timeout: float) -> None:
+    """Raise :class:`PipelineError` unless ``timeout`` (seconds a wait may take) is finite and > 0."""
+    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not (number and math.isfinite(timeout) and timeout > 0):
+        raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
 def init_distributed(backend: str | None = None, timeout: float = 300.0) -> str:
     """Join the default process group from the environment unless already joined; returns the backend."""
+    check_timeout(timeout)
     if dist.is_initialized():
         return dist.get_backend()
     if not under_launcher():
@@ -135,32 +163,39 @@ def launch(
     for process in processes:
         process.start()
     outcomes = _collect(processes, results, timeout)
-    failures = [f"rank {rank}:\n{text}" for rank, (ok, text) in sorted(outcomes.items()) if not ok]
-    if failures:
+    failed = {rank: payload for rank, (ok, payload) in sorted(outcomes.items()) if not ok}
+    if failed:
         succeeded = {rank: result for rank, (ok, result) in outcomes.items() if ok}
-        raise RankFailure("a spawned rank failed\n" + "\n".join(failures), succeeded)
+        tracebacks = "\n".join(f"rank {rank}:\n{text}" for rank, (text, _) in failed.items())
+        errors = {rank: error for rank, (_, error) in failed.items()}
+        raise RankFailure("a spawned rank failed\n" + tracebacks, succeeded, errors)
     return [outcomes[rank][1] for rank in range(nprocs)]
 
 
 def _collect(processes, results, timeout: float | None) -> dict[int, tuple[bool, Any]]:
+    """Each rank's ``(True, result)`` or ``(False, (traceback text, the exception or None))``."""
     deadline = None if timeout is None else time.monotonic() + timeout
     outcomes: dict[int, tuple[bool, Any]] = {}
     while len(outcomes) < len(processes):
         try:
             rank, ok, payload = results.get(timeout=0.1)
-            outcomes[rank] = (ok, pickle.loads(payload) if ok else payload)
+            outcomes[rank] = (
+                (True, pickle.loads(payload)) if ok else (False, (payload[0], _unpickled(payload[1])))
+            )
             continue
         except queue_module.Empty:
             pass
         if all(not p.is_alive() for p in processes) and results.empty():
             for rank, process in enumerate(processes):
-                outcomes.setdefault(rank, (False, f"exited with code {process.exitcode} without a result"))
+                died = f"exited with code {process.exitcode} without a result"
+                outcomes.setdefault(rank, (False, (died, None)))
         if deadline is not None and time.monotonic() > deadline:
             for process in processes:
                 if process.is_alive():
                     process.kill()
             for rank in range(len(processes)):
-                outcomes.setdefault(rank, (False, f"still running after the {timeout} s limit; killed"))
+                killed = f"still running after the {timeout} s limit; killed"
+                outcomes.setdefault(rank, (False, (killed, None)))
     for process in processes:
         process.join(timeout=5)
     return outcomes
@@ -180,8 +215,25 @@ def _rank_entry(rank: int, world: int, port: int, threads: int | None, fn, args,
     try:
         payload = pickle.dumps(fn(*args))
         results.put((rank, True, payload))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as error:
+        results.put((rank, False, (traceback.format_exc(), _pickled(error))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _pickled(error: BaseException) -> bytes | None:
+    """``error`` pickled for the launching process, or None when it does not survive the round trip."""
+    try:
+        payload = pickle.dumps(error)
+        pickle.loads(payload)
+    except Exception:
+        return None
+    return payload
+
+
+def _unpickled(payload: bytes | None) -> BaseException | None:
+    try:
+        return None if payload is None else pickle.loads(payload)
+    except Exception:
+        return None

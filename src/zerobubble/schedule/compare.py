@@ -3,11 +3,13 @@
 :func:`compare_schedules` builds, validates and simulates each schedule under the same costs and
 returns one :class:`ComparisonRow` each, best first.  A schedule that cannot be built for the setup
 (interleaving with a microbatch count it cannot take, a memory limit it cannot meet) gets a row with
-``error`` set instead of numbers, so a comparison never fails as a whole.
+``error`` set instead of numbers, so a comparison never fails as a whole; a setup no schedule can
+take (no ranks, no microbatches, a negative step time) is a :class:`ScheduleError` before any row.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 from .bounds import lower_bound
 from .builders import REGISTRY, build_schedule
 from .costs import CostModel, within_limit
-from .ir import Schedule, ScheduleError
+from .ir import Schedule, ScheduleError, check_positive
 from .polish import check_polish_request
 from .simulate import Timeline
 from .validate import validate_schedule
@@ -65,11 +67,20 @@ def iteration_period(timeline: Timeline, optimizer: str = "post-validation", ste
     the period is the makespan plus the step.  With optimizer post-validation the step needs no global
     synchronisation, so iterations overlap and the period is each rank's own span plus its step.
     """
+    check_step_time(step_time)
     if optimizer == "sync":
         return timeline.makespan + step_time
     if optimizer == "post-validation":
         return timeline.iteration_time + step_time
     raise ScheduleError(f"unknown optimizer mode {optimizer!r}; choose one of {', '.join(OPTIMIZER_MODES)}")
+
+
+def check_step_time(step_time: float) -> None:
+    """Raise :class:`ScheduleError` unless ``step_time`` (the optimizer step) is finite and ≥ 0."""
+    if isinstance(step_time, bool) or not isinstance(step_time, (int, float)):
+        raise ScheduleError(f"step time must be a number of at least 0, got {step_time!r}")
+    if not (math.isfinite(step_time) and step_time >= 0):
+        raise ScheduleError(f"step time must be finite and at least 0, got {step_time!r}")
 
 
 def compare_schedules(
@@ -95,6 +106,10 @@ def compare_schedules(
         raise ScheduleError(
             f"unknown optimizer mode {optimizer!r}; choose one of {', '.join(OPTIMIZER_MODES)}"
         )
+    check_positive(stages=stages, microbatches=microbatches)
+    if chunks is not None:
+        check_positive(chunks=chunks)
+    check_step_time(step_time)
     if polish_seconds is not None:
         check_polish_request(polish_seconds)  # once, not as the same error on every row
     selected = list(names) if names is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]

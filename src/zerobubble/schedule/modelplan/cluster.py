@@ -19,11 +19,13 @@ Everything here is a model: the efficiency is an input, not a measurement.  Pure
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from ..ir import ScheduleError
+from ..ir import ScheduleError, check_positive
 from .amounts import format_bytes, parse_bytes
 from .layout import Link, MeshLayout
 from .profile import LayerProfile, ModelProfile
@@ -81,18 +83,30 @@ def _cluster_value(name: str, value: str) -> Any:
             raise ValueError("a positive integer")
         return int(value)
     if name in ("intra", "inter"):
-        rate = parse_bytes(value.removesuffix("/s"))
-        if rate is None or rate <= 0:
-            raise ValueError("a rate such as 25GB/s")
-        return rate
+        return _rate(value)
     if name == "memory":
         return parse_bytes(value)
     if name in ("flops", "efficiency", "latency"):
         number = float(value.upper().replace("T", "e12"))
-        if number <= 0 or (name == "efficiency" and number > 1):
+        if not math.isfinite(number) or number <= 0 or (name == "efficiency" and number > 1):
             raise ValueError("a positive number (efficiency at most 1)")
         return number
     raise ValueError("unknown; the fields are nodes, gpus, intra, inter, flops, memory, efficiency, latency")
+
+
+def _rate(value: str) -> float:
+    """A link's bandwidth in bytes/s from ``"300GB/s"``: the unit must say bytes and per second."""
+    if value[-2:].lower() != "/s":
+        raise ValueError("a bandwidth needs a rate unit, bytes per second: e.g. 300GB/s or 25GB/s")
+    amount = value[:-2].strip()
+    if amount.endswith("b"):
+        raise ValueError("b is bits; give bytes per second with a capital B, e.g. 25GB/s for 200Gb/s")
+    try:
+        rate = parse_bytes(amount)
+    except ScheduleError:
+        raise ValueError("a positive rate such as 25GB/s") from None
+    assert rate is not None
+    return rate
 
 
 @dataclass(frozen=True)
@@ -236,6 +250,7 @@ def plan_cluster(
     sharding: str | None = "fsdp",
 ) -> list[ClusterOption]:
     """Every layout ``(pp, dp, tp)`` of the cluster (or those given) planned, fastest first."""
+    check_positive(tokens_per_step=tokens_per_step, seq_len=seq_len, microbatch_size=microbatch_size)
     sequences, remainder = divmod(tokens_per_step, seq_len)
     if remainder or sequences < 1:
         raise ScheduleError(
@@ -341,6 +356,21 @@ def best_layout_text(options: Sequence[ClusterOption]) -> str:
         f"{best.plan.winner.label} with {best.microbatches} microbatches: {best.tokens_per_second:.0f} "
         f"tokens/s per GPU, MFU {best.mfu:.1%} (HFU {best.hfu:.1%})"
     )
+
+
+def render_cluster_option(option: ClusterOption, path: str | Path) -> None:
+    """Draw the schedule ``option`` chose (one pipeline replica's simulated timeline; SVG or PNG by
+    the suffix of ``path``), titled with its layout."""
+    if option.plan is None:
+        raise ScheduleError(
+            f"pp {option.pp} dp {option.dp} tp {option.tp} has no plan to draw: {option.note}"
+        )
+    winner = option.plan.winner
+    title = (
+        f"pp {option.pp} × dp {option.dp} ({option.sharding or 'replicate'}) × tp {option.tp}: "
+        f"{winner.label}, {option.microbatches} microbatches, partition {list(option.plan.partition)}"
+    )
+    option.plan.render(path, title=title)
 
 
 def layouts_from_mesh(sizes: Mapping[str, int], cluster: Cluster) -> list[tuple[int, int, int]]:

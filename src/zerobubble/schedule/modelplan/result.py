@@ -165,12 +165,13 @@ class Plan:
     def _period_name(self) -> str:
         return "iteration time" if self.optimizer == "post-validation" else "makespan"
 
-    def render(self, path: str | Path) -> None:
-        """Draw the winner's simulated timeline (SVG or PNG by the suffix)."""
+    def render(self, path: str | Path, title: str | None = None) -> None:
+        """Draw the winner's simulated timeline (SVG or PNG by the suffix), under ``title`` (default:
+        the schedule and its partition)."""
         from ..render import render_image
 
         assert self.winner.timeline is not None
-        title = f"auto plan: {self.winner.schedule}, partition {list(self.partition)}"
+        title = title or f"auto plan: {self.winner.schedule}, partition {list(self.partition)}"
         render_image(self.winner.timeline, path, title=title)
 
 
