@@ -23,7 +23,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 WIDTH, SEQ, VOCAB, ROWS = 6, 4, 11, 2  # ROWS: sequences per microbatch
-LAYOUTS = ("pp", "replicas", "mesh-replicate", "mesh-fsdp")
+#: a pipeline of every rank; two replicas; a mesh with replicated or FSDP2 data parallelism; a mesh with
+#: tensor parallelism inside the stages; two pipelines of two ranks on sub-groups of the world
+LAYOUTS = ("pp", "replicas", "mesh-replicate", "mesh-fsdp", "mesh-tp", "groups")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 #: ``zero_grad`` before ``step``; after ``optimizer_step``; or ``pipe.zero_grad(set_to_none=False)`` then
 LOOPS = ("zero-first", "zero-after", "zero-in-place")
@@ -48,6 +50,17 @@ class Case:
     static_shapes: bool = True
     steps: int = 3
     seed: int = 0
+    chunks: int | None = None
+    partition: tuple[int, ...] | None = None
+    costs: tuple[float, float, float] | None = None  # a CostModel's f, b, w for the builder
+    emulate: bool = False  # each op stretched to a tiny modelled duration (milliseconds)
+    trace: bool = False
+    verify: bool | str = True
+    check_calls: bool = True
+    renamed_dims: bool = False  # the mesh's dimensions named otherwise, mapped with mesh_dims=
+    memory_limit: str | None = None  # schedule="auto" only
+    calibrate: int = 3  # schedule="auto" only
+    compile: bool = False  # every layer compiled with inductor
 
 
 class Block(nn.Module):
@@ -210,22 +223,65 @@ def _worst(pairs: list[tuple[Any, Any, slice]], grads: bool) -> float:
     return worst
 
 
+def parallelize(layer: nn.Module, mesh: Any) -> nn.Module:
+    """The ``parallelize=`` of the "mesh-tp" layout: each block's MLP Megatron-style on "tp"."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if not isinstance(layer, Block):
+        return layer
+    return parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def _layout_options(case: Case) -> dict[str, Any]:
+    """The Pipeline's layout arguments of ``case.layout`` (collective: meshes and sub-groups)."""
+    if case.layout == "replicas":
+        return {"data_parallel": 2}
+    if case.layout == "groups":
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+        return {"group": groups[dist.get_rank() // 2]}
+    if not case.layout.startswith("mesh"):
+        return {}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    second = "tp" if case.layout == "mesh-tp" else "dp"
+    names = {"pp": "pipe", second: "inner"} if case.renamed_dims else {"pp": "pp", second: second}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=(names[second], names["pp"]))
+    options: dict[str, Any] = {"mesh": mesh}
+    if case.renamed_dims:
+        options["mesh_dims"] = names
+    if case.layout == "mesh-tp":
+        options["parallelize"] = parallelize
+    else:
+        options["data_parallel"] = case.layout.removeprefix("mesh-")
+    return options
+
+
+def _schedule_options(case: Case, model: dict[str, Any]) -> dict[str, Any]:
+    """The arguments that choose and build the schedule."""
+    from zerobubble import CostModel
+
+    options: dict[str, Any] = {"schedule": case.schedule, "microbatches": case.microbatches}
+    if case.schedule == "auto":
+        tokens, labels = _batch(case, 0, 1)
+        options.update(example=(tokens, labels), memory_limit=case.memory_limit, calibrate=case.calibrate)
+    options.update(chunks=case.chunks, partition=list(case.partition) if case.partition else None)
+    if case.costs is not None:
+        f, b, w = case.costs
+        options["costs"] = CostModel(f=f, b=b, w=w)
+    if case.emulate:
+        options["emulate"] = CostModel(f=0.2, b=0.2, w=0.1, vocab_s=0.1, vocab_t=0.1)
+    return options
+
+
 def _pipeline(case: Case, model: dict[str, Any]) -> Any:
     from zerobubble import Pipeline
 
-    options: dict[str, Any] = {}
-    if case.layout == "replicas":
-        options["data_parallel"] = 2
-    elif case.layout.startswith("mesh"):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        options["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-        options["data_parallel"] = case.layout.removeprefix("mesh-")
     return Pipeline(
-        model["layers"], schedule=case.schedule, microbatches=case.microbatches,
-        loss_fn=None if case.vocab_parallel else plain_loss, head=model["head"],
+        model["layers"], loss_fn=None if case.vocab_parallel else plain_loss, head=model["head"],
         embedding=model["embedding"], post_validation=case.post_validation,
-        static_shapes=case.static_shapes, timeout=60, seed=case.seed, **options,
+        static_shapes=case.static_shapes, timeout=60, seed=case.seed, trace=case.trace,
+        verify=case.verify, check_calls=case.check_calls, compile=case.compile,
+        **_schedule_options(case, model), **_layout_options(case),
     )  # fmt: skip
 
 

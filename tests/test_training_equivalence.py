@@ -40,28 +40,40 @@ EXAMPLES = {"quick": {2: 12, 4: 3}, "ci": {2: 150, 4: 40}, "long": {2: 1000, 4: 
 #: The Pipeline's arguments that the draw covers (``layers`` is the drawn model itself).
 DRAWN = frozenset(
     {
-        "layers", "schedule", "microbatches", "loss_fn", "head", "embedding", "post_validation",
-        "data_parallel", "mesh", "static_shapes", "seed", "timeout",
+        "layers", "schedule", "microbatches", "chunks", "partition", "costs", "loss_fn", "head",
+        "embedding", "post_validation", "data_parallel", "mesh", "mesh_dims", "group", "parallelize",
+        "static_shapes", "seed", "timeout", "trace", "emulate", "verify", "check_calls",
+        "memory_limit", "example", "calibrate", "compile",
     }
 )  # fmt: skip
 #: The arguments the draw leaves out, each with the reason and where it is checked instead.
 OUTSIDE_THE_DRAW = {
-    "chunks": "the registry's default per schedule; other chunk counts: test_runtime_pipeline",
-    "partition": "even cuts; profiled and explicit partitions: test_dcp, test_auto_pipeline",
-    "group": "the world; sub-groups: test_dcp, test_mesh",
-    "costs": "changes the built schedule only, which the draw covers by drawing schedules",
-    "trace": "records timings, not values: test_trace_emulate",
-    "emulate": "sleeps to modelled durations, not values: test_trace_emulate",
-    "mesh_dims": "torchtitan's names are drawn; renamed dimensions: test_mesh",
-    "fast_paths": "user split rules: test_split_guard, the split fuzzer",
-    "memory_limit": 'with schedule="auto" only: test_auto_pipeline',
-    "example": 'with schedule="auto" or partition="profile" only: test_auto_pipeline',
-    "calibrate": 'with schedule="auto" only: test_auto_pipeline',
-    "verify": "the split guard on (the default) in every example; its modes: test_split_guard",
-    "check_calls": "on (the default); off changes no value: test_step_inputs",
-    "parallelize": "tensor parallelism needs more ranks: test_tensor_parallel, test_three_d",
-    "compile": "inductor per example is too slow here: test_compile trains compiled layers",
+    "fast_paths": "a user's own split rules: the split guard checks them (test_split_guard, the fuzzer)",
 }
+COMPILING = profile() == "long"  # inductor costs seconds a layer: drawn in the long profile only
+
+
+def _stage_count(schedule: str, ranks: int, chunks: int | None) -> int:
+    if schedule in V_SHAPED:
+        return 2 * ranks
+    return ranks * (chunks or 2) if schedule == "interleaved-1f1b" else ranks
+
+
+@st.composite
+def _schedule_choice(data: st.DrawFn, stages: int) -> dict:
+    """Schedule, microbatches, chunks, blocks, partition and builder costs for ``stages`` ranks."""
+    schedule = data(st.sampled_from([*SCHEDULES, "auto"] if stages == 2 else SCHEDULES))
+    chunks = data(st.sampled_from((None, 3))) if schedule == "interleaved-1f1b" else None
+    step = stages if schedule == "interleaved-1f1b" else 1
+    microbatches = data(st.integers(1, 3).map(lambda k: k * step if step > 1 else k + 1))
+    blocks = 3 * stages + data(st.integers(0, 1))  # room for two or three chunks a rank
+    choice = {"schedule": schedule, "chunks": chunks, "microbatches": microbatches, "blocks": blocks}
+    if schedule == "auto":  # it picks the schedule, chunks and cuts itself
+        choice.update(memory_limit=data(st.sampled_from((None, "1GiB"))), calibrate=data(st.integers(0, 2)))
+        return choice
+    choice["costs"] = data(st.none() | st.tuples(*[st.sampled_from((0.5, 1.0, 2.0))] * 3))
+    choice["cuts"] = _stage_count(schedule, stages, chunks) - 1
+    return choice
 
 
 def cases(world_size: int) -> st.SearchStrategy[Case]:
@@ -71,19 +83,24 @@ def cases(world_size: int) -> st.SearchStrategy[Case]:
     def draw(data: st.DrawFn) -> Case:
         layout = data(st.sampled_from(LAYOUTS)) if world_size == 4 else "pp"
         stages = world_size if layout == "pp" else 2
-        vocab_parallel = data(st.booleans()) if layout == "pp" else False  # refused with replicas
-        schedule = data(st.sampled_from(SCHEDULES))
-        step = stages if schedule == "interleaved-1f1b" else 1
-        microbatches = data(st.integers(1, 3).map(lambda k: k * step if step > 1 else k + 1))
-        blocks = 2 * stages + data(st.integers(0, 1))  # V-shaped and interleaved: two chunks a rank
+        vocab_parallel = data(st.booleans()) if layout in ("pp", "groups") else False  # else refused
+        choice = data(_schedule_choice(stages))
+        cuts = choice.pop("cuts", None)
+        layers = choice["blocks"] + (0 if vocab_parallel else 2)
+        if cuts is not None and data(st.booleans()):  # explicit cuts, else even ones
+            picked = data(st.lists(st.integers(1, layers - 1), min_size=cuts, max_size=cuts, unique=True))
+            choice["partition"] = tuple(sorted(picked))
         return Case(
-            schedule=schedule, microbatches=microbatches, blocks=blocks, vocab_parallel=vocab_parallel,
+            **choice, vocab_parallel=vocab_parallel,
             tied=data(st.booleans()) if layout != "mesh-fsdp" else False,  # FSDP2 refuses a tie
             checkpointing=data(st.booleans()),
             optimizer=data(st.sampled_from(OPTIMIZERS)), lr=data(st.sampled_from((0.05, 0.3))),
             max_norm=data(st.sampled_from((None, 0.05, 0.5, 1e3))), post_validation=data(st.booleans()),
             loop=data(st.sampled_from(LOOPS)), layout=layout, static_shapes=data(st.booleans()),
-            seed=data(st.integers(0, 2**16)),
+            seed=data(st.integers(0, 2**16)), emulate=data(st.booleans()), trace=data(st.booleans()),
+            verify=data(st.sampled_from((True, "strict", False))), check_calls=data(st.booleans()),
+            renamed_dims=data(st.booleans()) if layout.startswith("mesh") else False,
+            compile=data(st.booleans()) if COMPILING else False,
         )  # fmt: skip
 
     return draw()

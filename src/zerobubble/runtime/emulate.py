@@ -11,7 +11,9 @@ with 2 cores, since waiting ranks do not compute.
 The wait sleeps until ``spin`` seconds before the deadline and busy-waits the rest (``time.sleep``
 alone wakes 50–100 µs late, more on a loaded machine).  With many more ranks than cores keep
 ``spin`` small (the default 0.2 ms) or 0: a spinning rank takes a core from the others.  Costs should
-be milliseconds, not microseconds, for the same reason.  Transfers are not delayed: predict with
+be milliseconds, not microseconds, for the same reason.  The vocabulary-parallel S and T ops last
+``vocab_s`` / ``vocab_t`` of this rank's shard, counted from the op's start (their collectives' waits
+are inside them).  Transfers are not delayed: predict with
 ``comm = 0`` and the real (small) transfer cost shows up as overhead.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ..schedule import CostModel, Kind, ScheduleError
 from .executor import Executor, StageState
@@ -50,12 +53,17 @@ def install_emulation(
         for kind, values in ((Kind.F, stage_costs.f), (Kind.B, stage_costs.b), (Kind.W, stage_costs.w))
     }
     seconds[Kind.BW] = [b + w for b, w in zip(seconds[Kind.B], seconds[Kind.W])]
-    executor.handlers = {
+    handlers = {
         Kind.F: _forward(executor, seconds[Kind.F], spin),
         Kind.B: _backward(executor, seconds[Kind.B], spin, defer=True),
         Kind.BW: _backward(executor, seconds[Kind.BW], spin, defer=False),
         Kind.W: _weight(executor, seconds[Kind.W], spin),
     }
+    for kind, shards in ((Kind.S, stage_costs.vocab_s), (Kind.T, stage_costs.vocab_t)):
+        if kind in executor.handlers:  # the vocabulary-parallel ops: per shard (this rank's)
+            duration = shards[executor.rank] * unit if shards else 0.0
+            handlers[kind] = _vocab_op(executor.handlers[kind], duration, spin)
+    executor.handlers = handlers
     executor.compile()
 
 
@@ -86,6 +94,19 @@ def _backward(executor: Executor, durations: list[float], spin: float, defer: bo
         executor.send_backward(state, j, input_grads)
 
     return backward
+
+
+def _vocab_op(handler: Handler, duration: float, spin: float) -> Handler:
+    """An S or T op lasting at least ``duration`` from its start: its waits for the vocabulary
+    collectives sit inside the real handler, so the duration counts from the op's start."""
+    clock = time.perf_counter
+
+    def vocab_op(runner: Any, j: int) -> None:
+        started = clock()
+        handler(runner, j)
+        wait_until(started + duration, spin)
+
+    return vocab_op
 
 
 def _weight(executor: Executor, durations: list[float], spin: float) -> Handler:
