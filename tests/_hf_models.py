@@ -287,6 +287,7 @@ def vocab_pipeline_cases(cases: list[tuple[str, str, str]]) -> dict:
         out[" ".join((family, schedule, layout))] = {
             "loss": None if loss is None else abs(loss.item() - value) / value,
             "grads": grads,
+            "tied": parts.head.weight is parts.embedding.weight,
         }
     return out
 

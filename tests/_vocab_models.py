@@ -209,8 +209,9 @@ __all__ = ["F", "batch", "model", "reference", "shard_bounds", "vocab_cases"]
 
 
 def checkpoint_cases(cases: list[dict]) -> list[dict]:
-    """Each case ``{schedule, tied}``: full_state_dict equals the unsharded weights (every row, on
-    the owners' ranks), and a pipeline of another schedule loaded from it computes the same loss."""
+    """Each case ``{schedule, tied}``: full_state_dict equals the unsharded weights (every row), a
+    pipeline of another schedule loaded from it computes the same loss, and each rank's state_dict
+    holds both vocabulary weights as shards of the full shape whose data are its own rows."""
     init_distributed(backend="gloo", timeout=60)
     from zerobubble import Pipeline
 
@@ -236,39 +237,54 @@ def checkpoint_cases(cases: list[dict]) -> list[dict]:
         if loss is not None and again is not None:
             errors.append(abs(loss.item() - again.item()))
         own = pipe.state_dict()
-        errors += _optimizer_state_errors(pipe, unsharded, fresh, other, tokens, labels, m)
-        results.append({"errors": errors, "keys": sorted(k for k in own if k.startswith("vocab"))})
+        shards = {k: v for k, v in own.items() if k.startswith("vocab")}
+        errors += _optimizer_state_errors(pipe, unsharded, other, tokens, labels, m)
+        results.append(
+            {
+                "errors": errors,
+                "keys": sorted(shards),
+                "shapes": sorted({tuple(v.shape) for v in shards.values()}),
+                "own rows": all(
+                    v._local_tensor.local_shards()[0].data_ptr()
+                    == getattr(pipe.module, k.split(".")[0]).weight.data_ptr()
+                    for k, v in shards.items()
+                ),
+            }
+        )
     return results
 
 
-def _optimizer_state_errors(pipe, unsharded, fresh, other, tokens, labels, m) -> list[float]:
-    """AdamW state of a vocabulary-parallel pipeline, saved (flat) and loaded into another layout:
-    the owner's full rows equal the unsharded model's, every rank's loaded rows too."""
-    import torch.distributed as dist
+def _optimizer_state_errors(pipe, unsharded, other, tokens, labels, m) -> list[float]:
+    """AdamW state of a vocabulary-parallel pipeline: each rank's shard of the head's rows equals the
+    unsharded model's; the unsharded optimizer's state by name (full tensors) loaded into another
+    layout keeps each rank's rows."""
+    from zerobubble.runtime.checkpoint import optimizer_state_by_name
 
+    embedding, layers, head = unsharded
+    tied = head.weight is embedding.weight
     reference(unsharded, tokens, labels, m)  # the gradients the pipeline's step computes too
+    names = {id(p): f"{i}.{n}" for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
+    names[id(head.weight)] = "vocab_head.weight"
+    names[id(embedding.weight)] = "vocab_embedding.weight"  # a tied weight's first name
     reference_optimizer = torch.optim.AdamW(
-        {
-            id(p): p for part in (unsharded[0], *unsharded[1], unsharded[2]) for p in part.parameters()
-        }.values(),
-        lr=0.1,
+        {id(p): p for part in (embedding, *layers, head) for p in part.parameters()}.values(), lr=0.1
     )
     reference_optimizer.step()
-    full_rows = reference_optimizer.state[unsharded[2].weight]["exp_avg"]
+    full_rows = reference_optimizer.state[head.weight]["exp_avg"]
     pipe.step(tokens, labels)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.1)
     pipe.optimizer_step(optimizer)
     saved = pipe.optimizer_state_dict(optimizer, flatten=True)
-    merged: list = [None] * dist.get_world_size()
-    dist.all_gather_object(merged, saved)
-    whole = {key: value for part in merged for key, value in part.items()}
-    key = "state.vocab_head.weight.exp_avg"
-    errors = [(whole[key] - full_rows).abs().max().item()]
+    mine = pipe.module.vocab_head
+    key = f"state.{'vocab_embedding' if tied else 'vocab_head'}.weight.exp_avg"
+    rows = saved[key]._local_tensor.local_shards()[0]
+    errors = [(rows - full_rows[mine.vocab_start : mine.vocab_stop]).abs().max().item()]
+    whole = optimizer_state_by_name(reference_optimizer, names, flatten=True)
     loaded = torch.optim.AdamW(other.parameters(), lr=0.1)
     other.load_optimizer_state_dict(loaded, whole)
-    head = other.module.vocab_head
-    rows = loaded.state[head.weight]["exp_avg"]
-    errors.append((rows - full_rows[head.vocab_start : head.vocab_stop]).abs().max().item())
+    theirs = other.module.vocab_head
+    rows = loaded.state[theirs.weight]["exp_avg"]
+    errors.append((rows - full_rows[theirs.vocab_start : theirs.vocab_stop]).abs().max().item())
     return errors
 
 

@@ -98,13 +98,14 @@ def test_a_vocabulary_smaller_than_the_ranks_is_refused_naming_the_sizes(two_ran
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_checkpoints_hold_the_full_vocabulary_weights(tied):
+def test_checkpoints_hold_each_ranks_rows_of_the_vocabulary_weights(tied):
     per_rank = run_ranks(_checkpoint_cases, 2, [{"schedule": "zb-h1", "tied": tied}])
     for rank, results in enumerate(per_rank):
         assert max(results[0]["errors"]) <= TOLERANCE, (rank, results)
-    # the embedding on the first stage's rank (0), the head on the last stage's (1)
-    assert per_rank[0][0]["keys"] == ["vocab_embedding.weight"]
-    assert per_rank[1][0]["keys"] == ["vocab_head.weight"]
+    # every rank holds both weights as (11, 6) DTensor shards whose data are its own rows
+    for results in per_rank:
+        assert results[0]["keys"] == ["vocab_embedding.weight", "vocab_head.weight"], results
+        assert results[0]["shapes"] == [(11, 6)] and results[0]["own rows"], results
 
 
 AUTO = [{"vocab": 4000, "blocks": 4}, {"vocab": 4000, "blocks": 4, "budget": "vocab only"}]

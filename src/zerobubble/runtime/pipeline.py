@@ -483,14 +483,15 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's entries of the unpipelined model's ``state_dict()``, under the same names
-        (:meth:`.pipeline_state.PipelineState.state_dict`).  The ranks' dicts are disjoint and their
-        union is the unpipelined model's.  Settles a pending optimizer step first (collective)."""
+        (:meth:`.pipeline_state.PipelineState.state_dict`): disjoint dicts whose union is the unpipelined
+        model's, but for the vocabulary-parallel weights, on every rank as DTensor shards of its rows
+        (:mod:`.vocab_state`, for DCP).  Settles a pending optimizer step first (collective)."""
         self.synchronize()
         return self._state.state_dict()
 
     def full_state_dict(self) -> dict[str, Any]:
-        """The whole model's state dict on every rank (collective): equal, key for key, to the
-        unpipelined model's ``state_dict()``, as CPU copies of full tensors (FSDP2 shards gathered)."""
+        """The whole model's state dict on every rank (collective), equal key for key to the unpipelined
+        model's ``state_dict()``: CPU copies of full tensors (FSDP2 shards, vocabulary rows gathered)."""
         self.synchronize()
         return self._state.full_state_dict()
 
@@ -504,8 +505,8 @@ class Pipeline:
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer | None, flatten: bool = False) -> dict:
         """``optimizer``'s state keyed by this rank's parameter names, as torch's
         ``get_optimizer_state_dict`` keys the unpipelined model's; ``flatten=True`` gives torch's flat
-        form, the one to save with DCP when the layout may change (``docs/guide.md``, Checkpoints).
-        Settles a pending optimizer step first (collective)."""
+        form, the one to save with DCP when the layout may change (``docs/guide.md``, Checkpoints);
+        vocabulary rows' state as DTensor shards.  Settles a pending optimizer step first (collective)."""
         self.synchronize()
         return self._state.optimizer_state_dict(optimizer, flatten)
 

@@ -3,8 +3,9 @@
 :class:`PipelineState` is what :meth:`Pipeline.state_dict`, ``full_state_dict``, ``load_state_dict``,
 ``optimizer_state_dict`` and ``load_optimizer_state_dict`` delegate to, once the Pipeline has settled
 a pending optimizer step: the names are those of the unpipelined model (:mod:`.checkpoint`), the
-vocabulary-parallel weights and their state are gathered to, and sliced from, their full tensors
-(:mod:`.vocab`), and FSDP2 shards load from full tensors without communication.
+vocabulary-parallel weights and their per-row state are each rank's rows as DTensor shards of the
+full tensors, for DCP (:mod:`.vocab_state`), and FSDP2 shards load from full tensors without
+communication.
 """
 
 from __future__ import annotations
@@ -20,14 +21,8 @@ from .checkpoint import merge_state_dicts, select_entries, strict_error
 from .consistency import STATE_DICT_TAG, CallCheck, share_objects
 from .data_parallel import ParallelLayout
 from .failures import Guarded, PeerMonitor
-from .vocab import (
-    VOCAB_LAYER_NAMES,
-    VocabRunner,
-    gathered_optimizer_state,
-    gathered_state,
-    load_vocab_state,
-    sliced_optimizer_state,
-)
+from .vocab import VocabRunner
+from .vocab_state import VOCAB_LAYER_NAMES, VocabCheckpoint, join_rows
 
 
 class PipelineState:
@@ -50,7 +45,8 @@ class PipelineState:
         rank: int,
         guarded: Guarded,
     ):
-        self.module, self.vocab, self.layout = module, vocab, layout
+        self.module, self.layout = module, layout
+        self.vocab = VocabCheckpoint(vocab) if vocab is not None else None
         self._calls, self._monitor, self._guarded = calls, monitor, guarded
         self.model_keys, self._known_keys = tuple(model_keys), frozenset(model_keys)
         self.ties, self.rank = list(ties), rank
@@ -60,27 +56,31 @@ class PipelineState:
 
         Every parameter, persistent buffer and extra state of the layers this rank holds, in the
         model's order; a tied parameter appears under each of its names whose layer this rank holds.
-        The ranks of a pipeline hold disjoint keys whose union is the unpipelined model's state dict.
+        The ranks of a pipeline hold disjoint keys whose union is the unpipelined model's state dict,
+        but for the vocabulary-parallel weights: every rank holds them, as DTensors of the full shape
+        whose local data are its own rows (:mod:`.vocab_state`; ``dcp.save`` writes each row once).
         The tensors share storage with the parameters, as ``nn.Module.state_dict``'s.
         """
-        runner = self.vocab
-        if runner is not None:  # the full vocabulary weights, on the first / last stage's rank
-            return self._guarded("state_dict", lambda: gathered_state(runner, self.module.state_dict()))
+        if self.vocab is not None:
+            return self.vocab.sharded_state(self.module.state_dict())
         return self.module.state_dict()
 
     def full_state_dict(self) -> dict[str, Any]:
         """Every rank's :meth:`state_dict` of this replica gathered (collective), as CPU copies of the
-        full tensors (a DTensor shard all-gathered first): the unpipelined model's state dict."""
+        full tensors (a DTensor shard all-gathered first, the vocabulary rows of every rank joined):
+        the unpipelined model's state dict."""
         local = {
             k: _full(v).detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-            for k, v in self.state_dict().items()
+            for k, v in self.module.state_dict().items()
         }
+        if self.vocab is not None:
+            local = self.vocab.rows_state(local)
         ranks = self.layout.replica_ranks(self.layout.dp_index)
         parts = self._guarded(
             "full_state_dict",
             lambda: share_objects(local, self._calls.group, ranks, self._monitor, tag=STATE_DICT_TAG),
         )
-        return merge_state_dicts(parts, self.model_keys)
+        return merge_state_dicts(join_rows(parts), self.model_keys)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
         """Load this rank's entries of a whole-model state dict, or of this rank's own.
@@ -93,19 +93,22 @@ class PipelineState:
         """
         local = self.module.state_dict()
         vocab_missing: list[str] = []
-        if self.vocab is not None:  # each rank loads its rows of the full weights
-            state_dict, vocab_missing = load_vocab_state(self.vocab, state_dict, strict=strict)
+        rows: list[Any] = []
+        if self.vocab is not None:  # each rank loads its rows (of full weights, or its own shards)
+            state_dict, vocab_missing, rows = self.vocab.select_rows(state_dict, strict=strict)
             local = {k: v for k, v in local.items() if k.split(".")[0] not in VOCAB_LAYER_NAMES}
         entries, missing, unexpected = select_entries(state_dict, local, self._known_keys, self.ties)
         missing = [*missing, *vocab_missing]
         if strict and (missing or unexpected):
             raise strict_error(missing, unexpected, self.rank)
         self.module.load_state_dict(_sharded_like(entries, local), strict=False)
+        VocabCheckpoint.write_rows(rows)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer | None, flatten: bool = False) -> dict:
         """``optimizer``'s state keyed by this rank's parameter names (nested, or torch's flat form
-        with ``flatten``); parameters without state get the state their first step starts from."""
+        with ``flatten``); parameters without state get the state their first step starts from.  The
+        vocabulary-parallel weights' per-row state is this rank's rows as DTensor shards."""
         from .checkpoint import create_optimizer_state, optimizer_state_by_name
 
         optimizer = self._named_optimizer(optimizer, "optimizer_state_dict")
@@ -114,12 +117,8 @@ class PipelineState:
         create_optimizer_state(optimizer)
         names = self.parameter_names()
         state = optimizer_state_by_name(optimizer, names, flatten)
-        runner = self.vocab
-        if runner is not None:  # the vocabulary rows' state, gathered to the weights' owners
-            return self._guarded(
-                "optimizer_state_dict",
-                lambda: gathered_optimizer_state(runner, state, names, flatten=flatten),
-            )
+        if self.vocab is not None:  # the vocabulary rows' state: this rank's shards of the full tensors
+            return self.vocab.sharded_optimizer_state(state, names, flatten=flatten)
         return state
 
     def load_optimizer_state_dict(
@@ -132,9 +131,11 @@ class PipelineState:
         optimizer = self._named_optimizer(optimizer, "load_optimizer_state_dict")
         if optimizer is None:
             return []
-        if self.vocab is not None:  # this rank's rows of the full vocabulary state
-            state_dict = sliced_optimizer_state(self.vocab, state_dict, self.parameter_names())
         aliases = {tie[0]: tie[1:] for tie in self.ties}
+        if self.vocab is not None:  # this rank's rows of the vocabulary state (full, or its own shards)
+            state_dict = self.vocab.sliced_optimizer_state(state_dict, self.parameter_names())
+            tie = self.vocab.tie()
+            aliases.update({tie[0]: tie[1:]} if tie else {})
         return load_optimizer_state_by_name(optimizer, state_dict, self.parameter_names(), aliases, strict)
 
     def parameter_names(self) -> dict[int, str]:

@@ -19,7 +19,7 @@ and each rank accumulates its rows.  Each group sees its collectives in one orde
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -44,7 +44,6 @@ from .vocab_layers import (
     head_partials,
     head_totals,
     head_weight_grad,
-    shard_bounds,
 )
 
 
@@ -345,7 +344,7 @@ def place_vocab(
     over the pipeline's global ``ranks``).  Returns the runner and the layers' state-dict keys."""
     shard_vocab_layers(head, embedding, rank, len(ranks), device)
     keys = []
-    for name, layer in (("vocab_head", head), ("vocab_embedding", embedding)):
+    for name, layer in (("vocab_embedding", embedding), ("vocab_head", head)):  # the embedding's name first
         if layer is not None:
             module.add_module(name, layer)
             keys.append(f"{name}.weight")
@@ -402,68 +401,6 @@ def shard_vocab_layers(
         head.to(device)
 
 
-#: The state-dict keys of the vocabulary-parallel layers (the names they have in ``Pipeline.module``).
-VOCAB_LAYER_NAMES = ("vocab_embedding", "vocab_head")
-
-
-def _owner(runner: VocabRunner, name: str) -> int:
-    """The rank whose state dict holds the full weight: the first stage's for the embedding (where
-    a plain model keeps it), the last stage's for the head."""
-    return runner.first if name == "vocab_embedding" else runner.last
-
-
-def gathered_state(runner: VocabRunner, local: dict[str, Any]) -> dict[str, Any]:
-    """``local`` with the vocabulary shards replaced by the full weights, each on its owner's rank
-    only (collective over the pipeline): the ranks' dicts stay disjoint and their union holds every
-    row.  A tied weight appears under both names, on both owners."""
-    entries = {key: value for key, value in local.items() if key.split(".")[0] not in VOCAB_LAYER_NAMES}
-    for name, layer in (("vocab_embedding", runner.embedding), ("vocab_head", runner.head)):
-        if layer is None:
-            continue
-        full = _gather_rows(runner, layer, _owner(runner, name))
-        if full is not None:
-            entries[f"{name}.weight"] = full
-    return entries
-
-
-def _gather_rows(runner: VocabRunner, layer: VocabParallelHead | VocabParallelEmbedding, dst: int) -> Any:
-    """Every shard's rows of ``layer.weight`` concatenated on rank ``dst`` (None elsewhere)."""
-    return _gather_rows_of(runner, layer, layer.weight, dst)
-
-
-def load_vocab_state(
-    runner: VocabRunner, state_dict: Any, *, strict: bool
-) -> tuple[dict[str, Any], list[str]]:
-    """Load this rank's rows of the full vocabulary weights in ``state_dict`` (a whole-model dict:
-    every rank needs the full tensors); the rest of the dict, and the vocabulary keys it lacked."""
-    rest = {key: value for key, value in state_dict.items() if key.split(".")[0] not in VOCAB_LAYER_NAMES}
-    missing: list[str] = []
-    loads = []
-    for name, layer in (("vocab_embedding", runner.embedding), ("vocab_head", runner.head)):
-        if layer is None:
-            continue
-        key = f"{name}.weight"
-        value = state_dict.get(key)
-        if value is None:
-            missing.append(key)
-            continue
-        if tuple(value.shape) != (layer.vocab_size, layer.dim):
-            raise PipelineError(
-                f"{key} has shape {list(value.shape)} in the state dict; the vocabulary-parallel layer "
-                f"loads the full weight [{layer.vocab_size}, {layer.dim}] and keeps its own rows"
-            )
-        loads.append((layer, value))
-    if strict and missing:
-        raise PipelineError(
-            f"the state dict lacks {missing}: the vocabulary-parallel layers load their rows from the full "
-            "weights of a whole-model dict (full_state_dict(), or every rank's state_dict() merged)"
-        )
-    with torch.no_grad():
-        for layer, value in loads:
-            layer.weight.copy_(value[layer.vocab_start : layer.vocab_stop])
-    return rest, missing
-
-
 class _EmbeddingLayer(nn.Module):
     """A vocabulary-parallel embedding (unsharded) as the first layer of the plain model: it embeds
     the first input and passes the others on, as the Pipeline does before its first stage."""
@@ -502,93 +439,3 @@ def plain_model(
 
     first = [_EmbeddingLayer(embedding)] if embedding is not None else []
     return [*first, *list(layers), _HeadLayer(head)], loss
-
-
-def _vocab_params(runner: VocabRunner, names: Mapping[int, str]) -> list[tuple[str, Any, int]]:
-    """``(name, layer, owner rank)`` of each vocabulary weight this rank's optimizer names (a tied
-    weight once, under the name the Pipeline gives it)."""
-    found: dict[str, tuple[str, Any, int]] = {}
-    for layer in (runner.head, runner.embedding):
-        if layer is not None and id(layer.weight) in names:
-            key = names[id(layer.weight)]
-            found.setdefault(key, (key, layer, _owner(runner, key.split(".")[0])))
-    return list(found.values())
-
-
-def gathered_optimizer_state(
-    runner: VocabRunner, state: dict[str, Any], names: Mapping[int, str], *, flatten: bool
-) -> dict[str, Any]:
-    """An :func:`~.checkpoint.optimizer_state_by_name` dict with each vocabulary weight's per-row
-    state (``exp_avg``, momentum: tensors of the shard's rows) gathered to its owner's rank, as
-    :func:`gathered_state` gathers the weights; the other ranks leave those names out (collective)."""
-    for name, layer, owner in _vocab_params(runner, names):
-        values = _state_of(state, name, flatten)
-        for key in sorted(values):  # the same keys, in the same order, on every rank
-            value = values[key]
-            if (
-                isinstance(value, torch.Tensor)
-                and value.dim() > 0
-                and value.shape[0] == layer.weight.shape[0]
-            ):
-                values[key] = _gather_rows_of(runner, layer, value, owner)
-        if runner.rank == owner:
-            _put_state(state, name, values, flatten)
-        else:
-            _drop_state(state, name, flatten)
-    return state
-
-
-def sliced_optimizer_state(
-    runner: VocabRunner, state_dict: Mapping[str, Any], names: Mapping[int, str]
-) -> Any:
-    """A whole-model optimizer state dict with each vocabulary weight's full per-row state cut to
-    this rank's rows (a copy; the rest shared)."""
-    flatten = "state" not in state_dict
-    state = dict(state_dict) if flatten else {**state_dict, "state": dict(state_dict["state"])}
-    for name, layer, _ in _vocab_params(runner, names):
-        values = _state_of(state, name, flatten)
-        for key, value in list(values.items()):
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == layer.vocab_size:
-                values[key] = value[layer.vocab_start : layer.vocab_stop]
-        if values:
-            _put_state(state, name, values, flatten)
-    return state
-
-
-def _state_of(state: Mapping[str, Any], name: str, flatten: bool) -> dict[str, Any]:
-    if not flatten:
-        return dict(state["state"].get(name, {}))
-    prefix = f"state.{name}."
-    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
-
-
-def _put_state(state: dict[str, Any], name: str, values: Mapping[str, Any], flatten: bool) -> None:
-    if not flatten:
-        state["state"][name] = dict(values)
-    else:
-        state.update({f"state.{name}.{key}": value for key, value in values.items()})
-
-
-def _drop_state(state: dict[str, Any], name: str, flatten: bool) -> None:
-    if not flatten:
-        state["state"].pop(name, None)
-        state["param_groups"] = [
-            {**group, "params": [n for n in group["params"] if n != name]} for group in state["param_groups"]
-        ]
-        return
-    for key in [k for k in state if k.startswith((f"state.{name}.", f"param_groups.{name}."))]:
-        del state[key]
-
-
-def _gather_rows_of(runner: VocabRunner, layer: Any, value: torch.Tensor, dst: int) -> Any:
-    """``value`` (this shard's rows of a per-row tensor) gathered into the full rows on ``dst`` (None
-    elsewhere); the shards are padded to the largest for the gather, which takes equal sizes."""
-    rows = -(-layer.vocab_size // runner.size)
-    padded = torch.zeros(rows, *value.shape[1:], dtype=value.dtype, device=value.device)
-    padded[: value.shape[0]] = value.detach()
-    parts = [torch.empty_like(padded) for _ in range(runner.size)] if runner.rank == dst else None
-    dist.gather(padded, parts, group_dst=dst, group=runner.groups.embed)
-    if parts is None:
-        return None
-    bounds = shard_bounds(layer.vocab_size, runner.size)
-    return torch.cat([part[: stop - start] for part, (start, stop) in zip(parts, bounds)])
