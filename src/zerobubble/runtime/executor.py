@@ -5,9 +5,9 @@ The program is compiled once into a list of ``(op or hook, handler, stage, micro
 Runtime actions that are not ops of the schedule — the optimizer settle, the vocabulary embedding's
 lookups, a chunk's data-parallel all-reduce — are :class:`Hook` entries of the same list
 (:meth:`Executor.add_hook`, :meth:`Executor.add_start_hook`), so they survive a recompile and show in
-traces.  Each handler is a receive, a compute and a send, exposed separately so
-an emulation (:mod:`.emulate`) can reuse the transfers.  F keeps what B needs, B keeps only what the
-deferred W needs (the stage's :class:`WeightGradStore`), W frees the rest.  Each forward draws from
+traces.  Each handler is a receive, a compute and a send, exposed separately so an emulation
+(:mod:`.emulate`) can reuse the transfers.  F keeps what B needs, B keeps only what the deferred W
+needs (the stage's :class:`WeightGradStore`), W frees the rest.  Each forward draws from
 its own RNG stream (:func:`forward_seed`); a failure is reported to the peers before it propagates.
 While a torch profiler records, each entry runs in a ``record_function`` range (:mod:`.ranges`);
 otherwise the plain loop runs, with one check of the profiler per step.
@@ -151,8 +151,12 @@ class Executor:
         Call again after changing ``handlers``; the hooks added so far are kept.
         """
         program: list[ProgramEntry] = [(hook, hook.run, None, 0) for hook in self._start]
-        if self.vocab is not None:  # the embedding reads its rows: after the start hooks (the settle)
-            lookups = Hook("vocabulary embedding lookups", self._begin_vocab)
+        vocab = self.vocab
+        if vocab is not None:  # the embedding reads its rows: after the start hooks (the settle)
+            lookups = Hook(
+                "vocabulary embedding lookups",
+                lambda: vocab.begin_step(self._inputs, self._targets, self._scale, training=True),
+            )
             program.append((lookups, lookups.run, None, 0))
         for position, op in enumerate(self.schedule.programs[self.rank]):
             program += [(hook, hook.run, None, 0) for hook in self._before.get(position, ())]
@@ -173,11 +177,6 @@ class Executor:
         (the vocabulary embedding looks its rows up before the program's first op)."""
         self._start.append(hook)
         self.compile()
-
-    def _begin_vocab(self) -> None:
-        vocab = self.vocab
-        assert vocab is not None  # the entry exists only with a vocabulary runner
-        vocab.begin_step(self._inputs, self._targets, self._scale, training=True)
 
     def run_step(
         self,
@@ -255,12 +254,8 @@ class Executor:
                         handler(state, microbatch)
             op = None
             if vocab is not None:
-                if (
-                    vocab.head is not None
-                    and self._placement.rank_of(self.schedule.num_stages - 1) == self.rank
-                ):
-                    for j, loss in vocab.forward_losses():
-                        self._record_loss(loss, j)
+                for j, loss in vocab.forward_losses():  # on the last stage's rank only
+                    self._record_loss(loss, j)
                 vocab.finish_step()
             self.comm.finish_step()
         except BaseException as error:

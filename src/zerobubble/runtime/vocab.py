@@ -249,7 +249,9 @@ class VocabRunner:
         return grad.reshape(*self._shapes[j], grad.shape[-1]), totals.loss
 
     def forward_losses(self) -> list[tuple[int, torch.Tensor]]:
-        """After a forward-only step, on the last stage's rank: every microbatch's loss."""
+        """After a forward-only step: every microbatch's loss on the last stage's rank, else none."""
+        if self.head is None or self.rank != self.last:
+            return []
         return [(j, self._totals(j).loss) for j in sorted(self._shards)]
 
     def _wait_parts(self, shard: _Shard, j: int) -> None:
