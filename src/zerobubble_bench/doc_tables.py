@@ -18,8 +18,9 @@ differs from its command's output now.  Options follow the command, each after a
   tables of a ``zerobubble bench`` command time things and are left out), inserted as Markdown;
 * ``rows: COLUMN=VALUE; ...``: of that table, only the rows with those values.
 
-Only ``zerobubble`` commands, each run once as ``python -m zerobubble`` in an empty temporary folder
-(so files it writes land there), and only deterministic output (schedules, simulations, plans): a
+Only ``zerobubble`` commands, each run once as ``python -m zerobubble`` in a temporary folder (so
+files it writes land there; ``benchmarks/`` links to the repository's, for the model configs in
+``benchmarks/data``), and only deterministic output (schedules, simulations, plans): a
 timing differs at every run, so a measured table says which command produced it instead.
 """
 
@@ -128,13 +129,15 @@ def _parsed_options(options: Sequence[str], where: str) -> tuple[tuple[str, str]
 
 
 def run_command(command: str) -> tuple[str, str]:
-    """``command`` (a ``zerobubble`` command line) run in an empty temporary folder: stdout, stderr."""
+    """``command`` (a ``zerobubble`` command line) run in a temporary folder that holds only a link to
+    the repository's ``benchmarks/`` (for ``benchmarks/data``): its stdout and stderr."""
     argv = shlex.split(command)
     if not argv or argv[0] != "zerobubble":
         raise ValueError(f"only zerobubble commands generate blocks, not {command!r}")
     source = str(ROOT / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "benchmarks").symlink_to(ROOT / "benchmarks")  # its data: model configs
         done = subprocess.run(
             [sys.executable, "-m", "zerobubble", *argv[1:]],
             check=False,
