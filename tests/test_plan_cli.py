@@ -286,6 +286,30 @@ def test_trace_without_a_profile_plans_per_stage(capsys, tmp_path):
     assert data["partition"] == [1] and data["chunks"] == 1  # two recorded stages: one per rank
     stages = profile_from_trace(_summary(with_profile=False)).layers
     assert [layer.forward for layer in stages] == [0.02, 0.03]
+    # times only: no bytes are reported (not "0 B"), and no alternative claims any
+    assert data["bytes_known"] is False and data["peak_bytes"] is None
+    assert all(row["peak_bytes"] is None for row in data["alternatives"])
+
+
+def test_a_trace_of_times_reports_no_memory_and_refuses_a_budget(capsys, tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps(_summary(with_profile=False)))
+    code, out, _ = run(capsys, "plan", "--trace", str(tmp_path), "--ranks", "2")
+    assert code == 0 and " 0 B" not in out
+    assert "peak memory not recorded (the profile holds times only)" in out  # the reason
+    rows = [line for line in out.splitlines() if line[2:].startswith(("zb-", "1f1b", "gpipe"))]
+    # two recorded stages: the V schedules need four; every other one is built, the memory-planned
+    # ones on the run's own memory model (one unit a stage), and none claims a peak in bytes
+    planned = [row for row in rows if "n/a: needs at least 4 layers" not in row]
+    assert len(planned) == 7 and all("not recorded" in row for row in planned)
+    code, _, err = run(capsys, "plan", "--trace", str(tmp_path), "--ranks", "2", "--memory-limit", "1GiB")
+    assert code == 2 and "holds times but no bytes" in err and "memory budget cannot be checked" in err
+
+
+def test_a_trace_with_its_layer_profile_reports_the_predicted_peak(capsys, tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps(_summary(with_profile=True)))
+    code, out, _ = run(capsys, "plan", "--trace", str(tmp_path), "--ranks", "2", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["bytes_known"] is True and min(data["peak_bytes"]) > 8 * MiB
 
 
 def test_trace_that_is_not_a_summary_is_refused(tmp_path):
