@@ -8,11 +8,14 @@ build every Table 5 schedule (about 20 s) and run in CI's profile; the others in
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from zerobubble_bench import doc_tables
 
-BLOCKS = [block for path in doc_tables.documents() for block in doc_tables.find_blocks(path)]
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKS = [block for path in doc_tables.documents(ROOT) for block in doc_tables.find_blocks(path)]
 COMMANDS = list(dict.fromkeys(block.command for block in BLOCKS))
 
 

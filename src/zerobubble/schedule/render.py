@@ -18,7 +18,7 @@ and figures are drawn on a private Agg canvas without touching pyplot's global s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -72,7 +72,7 @@ _GAP_IN = 0.75
 _LEFT_IN = 0.85
 _RIGHT_IN = 0.25
 _LEGEND_COLUMNS = 6
-_LEGEND_STYLE = MappingProxyType(
+_LEGEND_STYLE: Mapping[str, Any] = MappingProxyType(
     {"fontsize": 7.5, "frameon": False, "handlelength": 1.2, "columnspacing": 1.2, "borderaxespad": 0.0}
 )
 
