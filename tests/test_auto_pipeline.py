@@ -106,6 +106,7 @@ def test_train_auto_then_replan_from_its_trace(tmp_path, capsys):
     assert main(["plan", "--trace", str(tmp_path), "--ranks", "2", "-m", "4", "--json"]) == 0
     replanned = json.loads(capsys.readouterr().out)
     assert replanned["predicted_iteration_time"] > 0 and len(replanned["peak_bytes"]) == 2
+    assert min(replanned["peak_bytes"]) > 0 and replanned["bytes_known"]  # the recorded profile's bytes
 
 
 def test_train_cuts_a_named_schedule_where_the_profile_says():

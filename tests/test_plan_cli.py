@@ -79,10 +79,31 @@ def test_plan_of_a_cluster_on_paper(capsys, tmp_path):
     code, out, _ = run(capsys, *argv, "--seq-len", "2048", "--mesh", "pp=2,dp=4,tp=2", "--json")
     (row,) = json.loads(out)["layouts"]
     assert code == 0 and (row["pp"], row["dp"], row["tp"], row["sharding"]) == (2, 4, 2, "fsdp")
+    assert json.loads(out)["cluster"]["efficiency"] == 0.5  # the assumptions are in the JSON too
     code, _, err = run(capsys, "plan", "--cluster", cluster)
     assert code == 2 and "--cluster needs --model" in err
     code, _, err = run(capsys, *argv, "--data-parallel", "hsdp")  # not silently planned as fsdp
     assert code == 2 and "--cluster plans data parallelism replicated or with FSDP2" in err
+
+
+def test_plan_of_a_cluster_prints_what_it_assumed(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    sizes = {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "vocab_size": 1000}
+    config.write_text(json.dumps(sizes))
+    argv = ["plan", "--model", str(config), "--tokens-per-step", str(16 * 1024), "--seq-len", "1024"]
+    code, out, _ = run(capsys, *argv, "--cluster", "nodes=2,gpus=4,intra=300GB/s,inter=25GB/s")
+    assert code == 0
+    assert (
+        "assumed per GPU: 312 TFLOP/s peak (default) × matmul efficiency 0.5 (default) = 156 TFLOP/s; "
+        "80.00 GiB of memory (default)\n"
+        "assumed links: 300 GB/s a GPU within a node of 4, 25 GB/s a GPU between the 2 nodes; "
+        "10 µs a message (default)\n"
+    ) in out
+    given = "nodes=2,gpus=4,intra=100GB/s,inter=10GB/s,flops=989e12,memory=94GiB,efficiency=0.4,latency=2e-5"
+    code, out, _ = run(capsys, *argv, "--cluster", given)
+    assert code == 0 and "(default)" not in out
+    assert "989 TFLOP/s peak × matmul efficiency 0.4 = 395.6 TFLOP/s; 94.00 GiB of memory" in out
+    assert "100 GB/s a GPU within a node of 4, 10 GB/s a GPU between the 2 nodes; 20 µs a message" in out
 
 
 @pytest.mark.parametrize(
@@ -265,6 +286,30 @@ def test_trace_without_a_profile_plans_per_stage(capsys, tmp_path):
     assert data["partition"] == [1] and data["chunks"] == 1  # two recorded stages: one per rank
     stages = profile_from_trace(_summary(with_profile=False)).layers
     assert [layer.forward for layer in stages] == [0.02, 0.03]
+    # times only: no bytes are reported (not "0 B"), and no alternative claims any
+    assert data["bytes_known"] is False and data["peak_bytes"] is None
+    assert all(row["peak_bytes"] is None for row in data["alternatives"])
+
+
+def test_a_trace_of_times_reports_no_memory_and_refuses_a_budget(capsys, tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps(_summary(with_profile=False)))
+    code, out, _ = run(capsys, "plan", "--trace", str(tmp_path), "--ranks", "2")
+    assert code == 0 and " 0 B" not in out
+    assert "peak memory not recorded (the profile holds times only)" in out  # the reason
+    rows = [line for line in out.splitlines() if line[2:].startswith(("zb-", "1f1b", "gpipe"))]
+    # two recorded stages: the V schedules need four; every other one is built, the memory-planned
+    # ones on the run's own memory model (one unit a stage), and none claims a peak in bytes
+    planned = [row for row in rows if "n/a: needs at least 4 layers" not in row]
+    assert len(planned) == 7 and all("not recorded" in row for row in planned)
+    code, _, err = run(capsys, "plan", "--trace", str(tmp_path), "--ranks", "2", "--memory-limit", "1GiB")
+    assert code == 2 and "holds times but no bytes" in err and "memory budget cannot be checked" in err
+
+
+def test_a_trace_with_its_layer_profile_reports_the_predicted_peak(capsys, tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps(_summary(with_profile=True)))
+    code, out, _ = run(capsys, "plan", "--trace", str(tmp_path), "--ranks", "2", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["bytes_known"] is True and min(data["peak_bytes"]) > 8 * MiB
 
 
 def test_trace_that_is_not_a_summary_is_refused(tmp_path):

@@ -203,6 +203,53 @@ def test_comparison_draws_both_panels(tmp_path):
         render_comparison(simulate(build_schedule("1f1b", 2, 8)), predicted, tmp_path / "d.png")
 
 
+def _layout_boxes(figure) -> dict:
+    """Pixel boxes of what a picture shows: the title, the legend, each panel with its title, ticks and
+    labels, each caption."""
+    renderer = figure.canvas.get_renderer()
+    boxes = {"title": figure._suptitle.get_window_extent(renderer)}
+    boxes |= {f"legend {i}": legend.get_window_extent(renderer) for i, legend in enumerate(figure.legends)}
+    boxes |= {f"panel {i}": axes.get_tightbbox(renderer) for i, axes in enumerate(figure.axes)}
+    captions = [text for text in figure.texts if text is not figure._suptitle]
+    boxes |= {f"caption {i}": text.get_window_extent(renderer) for i, text in enumerate(captions)}
+    return boxes
+
+
+def _overlaps(boxes: dict) -> list[str]:
+    names = sorted(boxes)
+    found = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            common = boxes[a].intersection(boxes[a], boxes[b])
+            if common is not None and common.width > 0.5 and common.height > 0.5:
+                found.append(f"{a} and {b}")
+    return found
+
+
+@pytest.mark.parametrize(
+    ("name", "costs", "title"),
+    [
+        ("1f1b", CostModel(), None),
+        ("zb-v", CostModel(), None),  # two chunks: a legend of two rows
+        ("zb-v", CostModel(vocab_s=0.5, vocab_t=0.25, vocab_comm=0.05, vocab_mem=0.2), None),  # 11 entries
+        ("interleaved-1f1b", CostModel(), "a title as long as a user may give one: " + "long " * 14),
+    ],
+)
+def test_title_legend_panels_and_captions_never_overlap(name, costs, title):
+    from zerobubble.schedule.render import _comparison_figure, _image_figure
+
+    schedule = build_schedule(name, 4, 8, costs, chunks=4 if name == "interleaved-1f1b" else None,
+                              vocab_parallel=costs.vocab_s > 0)  # fmt: skip
+    timeline = simulate(schedule, costs)
+    measured = SimpleNamespace(schedule=schedule, start=timeline.start, end=timeline.end)
+    for figure in (_image_figure(timeline, title), _comparison_figure(measured, timeline, title)):
+        boxes = _layout_boxes(figure)
+        assert not _overlaps(boxes), f"{name}: {_overlaps(boxes)} overlap"
+        width, height = figure.get_size_inches() * figure.dpi
+        for what, box in boxes.items():  # nothing is cut off at the figure's edges
+            assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height, what
+
+
 # ------------------------------------------------------------------------------------------- exports
 
 

@@ -135,6 +135,18 @@ def test_write_trace_files_and_chrome_events(recorded, trace_dir):
 
 
 @pytest.mark.multiprocess
+def test_replanning_from_a_trace_of_times_says_memory_was_not_recorded(recorded, trace_dir, capsys):
+    # a named schedule records no layer profile: the re-plan has times and no bytes, and says so
+    from zerobubble.cli import main
+
+    assert main(["plan", "--trace", os.path.join(trace_dir, "zb-v"), "--ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "peak memory not recorded" in out and " 0 B" not in out and "n/a" not in out
+    for name in ("zb-1p", "zb-2p", "zb-v"):  # relative memory limits still build
+        assert f"  {name} " in out or f"* {name} " in out
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["zb-h1", "1f1b"])
 def test_emulated_run_follows_schedule_and_prediction(name, emulated):
     schedule = build_schedule(name, 4, EMULATED_M)

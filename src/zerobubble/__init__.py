@@ -22,6 +22,11 @@ __all__ = [
 ]
 
 
+def __dir__() -> list[str]:
+    """The module's names, the lazily imported ones included (``dir(zerobubble)`` loads no torch)."""
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name: str):
     if name == "Pipeline":
         from .runtime.pipeline import Pipeline

@@ -4,7 +4,8 @@ Not part of the library (``zerobubble``).  One module per benchmark — :mod:`.p
 :mod:`.wgrad`, :mod:`.split_models`, :mod:`.emulate`, :mod:`.schedulers`, :mod:`.plan`,
 :mod:`.memory`, :mod:`.vocab` — over the shared models and runners of :mod:`.workloads` and the result
 :class:`~.tables.Table` of :mod:`.tables`.  Every benchmark measures its configurations side by
-side in one run and reports medians and ratios.
+side in one run and reports medians and ratios.  :mod:`.doc_tables` (not a benchmark) regenerates and
+checks the README's and the docs' blocks that are a deterministic command's output.
 
 Each module behind a ``zerobubble bench NAME`` command declares it as ``BENCHMARK``, a
 :class:`Benchmark` (its arguments and its run); :data:`COMMANDS` lists those modules and

@@ -94,10 +94,12 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         with writing(args.output):
             render_cluster_option(options[0], args.output)
     if args.json:
-        print(json.dumps({"parameters": shape.parameters, "layouts": [o.row() for o in options]}))
+        rows = [o.row() for o in options]
+        print(json.dumps({"parameters": shape.parameters, "cluster": cluster.assumptions(), "layouts": rows}))
         return 0
     size = f"{shape.parameters / 1e9:.2f}B parameters"
     print(f"{size} on {cluster.size} GPUs ({args.tokens_per_step} tokens a step)")
+    print(cluster.describe())
     print(cluster_table(options, args.top))
     print(best)
     if args.output:

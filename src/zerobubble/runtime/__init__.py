@@ -16,6 +16,11 @@ class PipelineError(RuntimeError):
     """The pipeline cannot run as asked, or a step failed; the message says where and what to do."""
 
 
+def __dir__() -> list[str]:
+    """The module's names, the lazily imported :class:`Pipeline` included."""
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name: str):
     if name == "Pipeline":
         from .pipeline import Pipeline

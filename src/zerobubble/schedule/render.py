@@ -18,7 +18,7 @@ and figures are drawn on a private Agg canvas without touching pyplot's global s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -61,12 +61,20 @@ _FIGURE_WIDTH_IN = 13.0
 _DPI = 150
 _ROW_FILL = 0.8  # fraction of a row's pitch that its cells cover
 # Layout, in inches: fixed margins around one or two panels whose height grows with the rank count.
+# From the top: the title's band, the legend (as many rows as it needs, measured), a gap or the
+# first panel's own title line, the panels; nothing is placed beside anything else.
 _ROW_IN = 0.26
-_TOP_IN = 0.6
+_TITLE_IN = 0.42
+_LEGEND_GAP_IN = 0.12
+_PANEL_TITLE_IN = 0.34
 _BOTTOM_IN = 0.75
 _GAP_IN = 0.75
 _LEFT_IN = 0.85
 _RIGHT_IN = 0.25
+_LEGEND_COLUMNS = 6
+_LEGEND_STYLE: Mapping[str, Any] = MappingProxyType(
+    {"fontsize": 7.5, "frameon": False, "handlelength": 1.2, "columnspacing": 1.2, "borderaxespad": 0.0}
+)
 
 
 class Figures(NamedTuple):
@@ -213,17 +221,21 @@ def render_image(timeline: Any, path: str | Path, title: str | None = None) -> N
     polygon collection, so p = 32, m = 256 (about 25k ops) takes a few seconds.
     """
     fmt = _image_format(path)
+    _save(_image_figure(timeline, title), path, fmt)
+
+
+def _image_figure(timeline: Any, title: str | None = None) -> Figure:
+    """The figure :func:`render_image` saves: title, legend below it, the timeline, the caption."""
     ranks = timeline.schedule.num_ranks
-    figure = _new_figure(ranks, panels=1)
-    axes = figure.add_axes(_axes_box(figure, ranks, 0))
+    figure, top_in = _new_figure(timeline.schedule, ranks, panels=1, panel_titles=False)
+    axes = figure.add_axes(_axes_box(figure, ranks, 0, top_in))
     t0, t1 = time_bounds(timeline)
     _draw_timeline(axes, timeline, t0, t1 - t0)
     axes.set_xlabel("time")
-    _add_legend(figure, timeline.schedule)
     name = title or _default_title(timeline.schedule)
     figure.suptitle(name, x=0.02, ha="left", fontsize=11, y=_title_y(figure))
     figure.text(0.02, _caption_y(figure), caption(timeline), fontsize=8.5, ha="left", va="bottom")
-    _save(figure, path, fmt)
+    return figure
 
 
 def render_comparison(measured: Any, predicted: Any, path: str | Path, title: str | None = None) -> None:
@@ -233,26 +245,30 @@ def render_comparison(measured: Any, predicted: Any, path: str | Path, title: st
     (e.g. seconds, with the simulator fed profiled costs).  Each panel gets its own caption.
     """
     fmt = _image_format(path)
+    _save(_comparison_figure(measured, predicted, title), path, fmt)
+
+
+def _comparison_figure(measured: Any, predicted: Any, title: str | None = None) -> Figure:
+    """The figure :func:`render_comparison` saves: title, legend, then each panel under its caption."""
     ranks = measured.schedule.num_ranks
     if predicted.schedule.num_ranks != ranks:
         raise ScheduleError(
             f"cannot compare a {ranks}-rank timeline with a {predicted.schedule.num_ranks}-rank one; "
             "pass two timelines of the same schedule"
         )
-    figure = _new_figure(ranks, panels=2)
+    figure, top_in = _new_figure(measured.schedule, ranks, panels=2, panel_titles=True)
     panels = (("measured", measured), ("predicted (simulator)", predicted))
     extent = max(time_bounds(t)[1] - time_bounds(t)[0] for _, t in panels)
     top = None
     for index, (label, timeline) in enumerate(panels):
-        axes = figure.add_axes(_axes_box(figure, ranks, index), sharex=top)
+        axes = figure.add_axes(_axes_box(figure, ranks, index, top_in), sharex=top)
         top = top or axes
         _draw_timeline(axes, timeline, time_bounds(timeline)[0], extent)
         axes.set_title(f"{label}: {caption(timeline)}", fontsize=8.5, loc="left")
     axes.set_xlabel("time")
-    _add_legend(figure, measured.schedule)
     name = title or f"{_default_title(measured.schedule)}: measured vs predicted"
     figure.suptitle(name, x=0.02, ha="left", fontsize=11, y=_title_y(figure))
-    _save(figure, path, fmt)
+    return figure
 
 
 def _image_format(path: str | Path) -> str:
@@ -276,25 +292,32 @@ def _panel_height(ranks: int) -> float:
     return max(1.2, _ROW_IN * ranks + 0.2)
 
 
-def _new_figure(ranks: int, panels: int) -> Figure:
-    """A figure on its own Agg canvas (no pyplot, no global figure registry)."""
+def _new_figure(schedule: Schedule, ranks: int, panels: int, panel_titles: bool) -> tuple[Figure, float]:
+    """A figure on its own Agg canvas (no pyplot, no global figure registry) with the legend placed
+    below the title's band, and the top margin in inches that leaves the panels below both."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    height = _TOP_IN + _BOTTOM_IN + panels * _panel_height(ranks) + (panels - 1) * _GAP_IN
-    figure = Figure(figsize=(_FIGURE_WIDTH_IN, height), dpi=_DPI)
+    figure = Figure(figsize=(_FIGURE_WIDTH_IN, 4.0), dpi=_DPI)
     FigureCanvasAgg(figure)
-    return figure
+    handles = _legend_handles(schedule)
+    columns, legend_in = _legend_fit(figure, handles)
+    top_in = _TITLE_IN + legend_in + (_PANEL_TITLE_IN if panel_titles else _LEGEND_GAP_IN)
+    height = top_in + _BOTTOM_IN + panels * _panel_height(ranks) + (panels - 1) * _GAP_IN
+    figure.set_size_inches(_FIGURE_WIDTH_IN, height)
+    _place_legend(figure, handles, columns)
+    return figure, top_in
 
 
-def _axes_box(figure: Figure, ranks: int, index: int) -> tuple[float, float, float, float]:
-    """[left, bottom, width, height] in figure fractions of panel ``index`` (0 = top)."""
+def _axes_box(figure: Figure, ranks: int, index: int, top_in: float) -> tuple[float, float, float, float]:
+    """[left, bottom, width, height] in figure fractions of panel ``index`` (0 = top), the first
+    panel's top ``top_in`` inches below the figure's."""
     width_in, height_in = figure.get_size_inches()
     panel = _panel_height(ranks)
-    top_in = height_in - _TOP_IN - index * (panel + _GAP_IN)
+    panel_top_in = height_in - top_in - index * (panel + _GAP_IN)
     return (
         _LEFT_IN / width_in,
-        (top_in - panel) / height_in,
+        (panel_top_in - panel) / height_in,
         1 - (_LEFT_IN + _RIGHT_IN) / width_in,
         panel / height_in,
     )
@@ -455,7 +478,8 @@ def _style_axes(axes: Axes, ranks: int) -> None:
     axes.set_facecolor("white")
 
 
-def _add_legend(figure: Figure, schedule: Schedule) -> None:
+def _legend_handles(schedule: Schedule) -> list[Any]:
+    """One patch per kind present (per chunk for up to 4 chunks), then idle."""
     from matplotlib.patches import Patch
 
     chunks = schedule.chunks
@@ -468,14 +492,30 @@ def _add_legend(figure: Figure, schedule: Schedule) -> None:
                 Patch(facecolor=_shade(_COLOURS[kind], chunk, chunks), edgecolor="none", label=label)
             )
     handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="none", label="idle"))
-    height = figure.get_size_inches()[1]
+    return handles
+
+
+def _legend_fit(figure: Figure, handles: Sequence[Any]) -> tuple[int, float]:
+    """The most columns (up to :data:`_LEGEND_COLUMNS`) whose legend fits between the side margins,
+    and that legend's height in inches (measured: it is drawn, then removed)."""
+    available = (_FIGURE_WIDTH_IN - _LEFT_IN - _RIGHT_IN) * _DPI
+    renderer = cast(Any, figure.canvas).get_renderer()
+    for columns in range(min(_LEGEND_COLUMNS, len(handles)), 0, -1):
+        legend = figure.legend(handles=handles, ncol=columns, **_LEGEND_STYLE)
+        box = legend.get_window_extent(renderer)
+        legend.remove()
+        if box.width <= available or columns == 1:
+            return columns, box.height / _DPI
+    raise AssertionError("unreachable: one column always returns")
+
+
+def _place_legend(figure: Figure, handles: Sequence[Any], columns: int) -> None:
+    """The legend in ``columns`` columns, its top-left corner at the panels' left edge under the title."""
+    width_in, height_in = figure.get_size_inches()
     figure.legend(
         handles=handles,
-        loc="upper right",
-        bbox_to_anchor=(1 - 0.1 / figure.get_size_inches()[0], 1 - 0.08 / height),
-        ncol=min(len(handles), 5),
-        fontsize=7.5,
-        frameon=False,
-        handlelength=1.2,
-        columnspacing=1.2,
+        loc="upper left",
+        bbox_to_anchor=(_LEFT_IN / width_in, 1 - _TITLE_IN / height_in),
+        ncol=columns,
+        **_LEGEND_STYLE,
     )

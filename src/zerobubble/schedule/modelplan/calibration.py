@@ -88,8 +88,9 @@ def profile_from_trace(summary: Mapping[str, Any]) -> ModelProfile:
     (``schedule="auto"``) and layer bounds, each layer keeps its profiled share of its stage and is
     scaled so that the stage's sums equal the measured ones (a fused BW is split in the profile's
     B : W ratio); memory comes from the profile.  Otherwise every recorded stage becomes one layer
-    with the measured times and no memory figures (a budget then bounds static bytes only, which are
-    unknown: 0).  ``T_comm`` is the run's median measured transfer latency.
+    with the measured times and no byte counts (``bytes_known=False``: one placeholder unit of
+    activations a stage, as the run planned without ``costs``; the plan reports no bytes and refuses
+    a byte budget).  ``T_comm`` is the run's median measured transfer latency.
     """
     try:
         measured = summary["costs_seconds"]
@@ -103,8 +104,13 @@ def profile_from_trace(summary: Mapping[str, Any]) -> ModelProfile:
     bounds = list(summary.get("layer_bounds") or ())
     recorded = summary.get("layer_profile")
     if not recorded or len(bounds) != len(f) + 1:
-        layers = tuple(LayerProfile(f"stage {s}", f[s], b[s], w[s]) for s in range(len(f)))
-        return ModelProfile(layers, comm_latency=latency, source="trace (per stage)")
+        layers = tuple(
+            LayerProfile(f"stage {s}", f[s], b[s], w[s], activation_bytes=1.0, weight_input_bytes=1.0)
+            for s in range(len(f))
+        )
+        return ModelProfile(
+            layers, comm_latency=latency, source="trace (per stage, times only)", bytes_known=False
+        )
     calibrated = calibrated_profile(ModelProfile.from_dict(recorded), bounds, f, b, w, latency)
     return replace(calibrated, source="trace (per layer)")
 

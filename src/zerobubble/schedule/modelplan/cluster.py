@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,10 @@ DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 @dataclass(frozen=True)
 class Cluster:
     """``nodes`` × ``gpus`` GPUs: links within a node (``intra``) and between nodes (``inter``) in
-    bytes/s, each GPU's peak ``flops``, the fraction of it a transformer's matmuls reach
-    (``efficiency``) and its ``memory`` in bytes."""
+    bytes/s a GPU, each GPU's peak ``flops``, the fraction of it a transformer's matmuls reach
+    (``efficiency``), its ``memory`` in bytes and the ``latency`` of a message in seconds.  Unless
+    told: an A100's bf16 peak of 312 TFLOP/s, 80 GiB, efficiency 0.5 (an assumption, not a
+    measurement: every predicted time scales with it) and 10 µs."""
 
     nodes: int
     gpus: int
@@ -58,6 +60,39 @@ class Cluster:
     def size(self) -> int:
         """Every GPU."""
         return self.nodes * self.gpus
+
+    def assumptions(self) -> dict[str, float]:
+        """What the plan assumes of each GPU and link, JSON-ready (FLOP/s, bytes, bytes/s, seconds)."""
+        return {
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus,
+            "peak_flops": self.flops,
+            "efficiency": self.efficiency,
+            "memory_bytes": self.memory,
+            "intra_node_bytes_per_second": self.intra,
+            "inter_node_bytes_per_second": self.inter,
+            "latency_seconds": self.latency,
+        }
+
+    def describe(self) -> str:
+        """Two lines: each GPU's assumed peak FLOP/s, matmul efficiency and memory; the links'
+        bandwidths and latency.  A value is marked ``(default)`` where it is what :meth:`parse`
+        assumes when the cluster text leaves it out."""
+
+        def mark(name: str) -> str:
+            return " (default)" if getattr(self, name) == _CLUSTER_DEFAULTS[name] else ""
+
+        gpu = (
+            f"assumed per GPU: {self.flops / 1e12:g} TFLOP/s peak{mark('flops')} × matmul efficiency "
+            f"{self.efficiency:g}{mark('efficiency')} = {self.flops * self.efficiency / 1e12:g} TFLOP/s; "
+            f"{format_bytes(self.memory)} of memory{mark('memory')}"
+        )
+        links = (
+            f"assumed links: {self.intra / 1e9:g} GB/s a GPU within a node of {self.gpus}, "
+            f"{self.inter / 1e9:g} GB/s a GPU between the {self.nodes} nodes; "
+            f"{self.latency * 1e6:g} µs a message{mark('latency')}"
+        )
+        return f"{gpu}\n{links}"
 
     @classmethod
     def parse(cls, text: str) -> Cluster:
@@ -75,6 +110,12 @@ class Cluster:
                 f"cluster {text!r} lacks {', '.join(missing)}: e.g. nodes=8,gpus=8,intra=300GB/s,inter=25GB/s"
             )
         return cls(**fields)
+
+
+_CLUSTER_DEFAULTS = {
+    f.name: f.default for f in fields(Cluster) if f.name in ("flops", "memory", "efficiency", "latency")
+}
+"""What :meth:`Cluster.parse` assumes for the fields a cluster text leaves out."""
 
 
 def _cluster_value(name: str, value: str) -> Any:

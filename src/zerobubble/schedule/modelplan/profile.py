@@ -66,7 +66,11 @@ class ModelProfile:
     """Per-layer costs of a model at one microbatch size, and the measured transfer model.
 
     A message of ``x`` bytes between ranks takes ``comm_latency + x / comm_bandwidth`` seconds
-    (``comm_bandwidth = 0``: no size term).
+    (``comm_bandwidth = 0``: no size term).  ``bytes_known`` is False for a profile of times only (a
+    trace recorded without a layer profile): its layers' byte fields are then placeholders, one unit
+    of activations a layer kept until its W (the memory model a Pipeline without ``costs`` plans
+    with), so that schedules whose memory limit is relative (zb-1p's ``p·M_B``) can still be
+    built; the planner reports no bytes for it and refuses a byte budget.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -75,6 +79,7 @@ class ModelProfile:
     microbatch_size: int | None = None
     source: str = ""
     meta: Mapping[str, Any] = field(default_factory=dict)
+    bytes_known: bool = True
 
     def __post_init__(self) -> None:
         if not self.layers:

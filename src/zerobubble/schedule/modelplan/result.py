@@ -76,7 +76,9 @@ class Plan:
     and bytes, ``reason`` one sentence saying why it won.  ``cores`` is the number of processors
     the ranks were predicted to share (None: one each).  ``calibration`` is set once a run has
     measured its own first steps (:func:`.calibration.calibrate`): the prediction from those
-    measurements and the plan they would choose.
+    measurements and the plan they would choose.  ``bytes_known`` is False when the profile held
+    times only (:attr:`.profile.ModelProfile.bytes_known`): the candidates' ``peak_bytes`` are then
+    placeholder units, and neither :meth:`table` nor :meth:`to_dict` reports them as bytes.
     """
 
     winner: PlanCandidate
@@ -88,6 +90,7 @@ class Plan:
     reason: str
     calibration: Calibration | None = None
     cores: int | None = None
+    bytes_known: bool = True
 
     @property
     def schedule(self) -> Schedule:
@@ -115,6 +118,9 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary: the winner's fields at the top, every alternative under ``alternatives``."""
         winner = self.winner
+        alternatives = [candidate.row() for candidate in self.candidates]
+        if not self.bytes_known:  # placeholder units, not bytes
+            alternatives = [{**row, "peak_bytes": None} for row in alternatives]
         return {
             "schedule": winner.schedule,
             "vocab_parallel": winner.vocab_parallel,
@@ -123,7 +129,8 @@ class Plan:
             "predicted_iteration_time": winner.period,
             "predicted_makespan": winner.makespan,
             "bubble_rate": winner.bubble_rate,
-            "peak_bytes": list(winner.peak_bytes),
+            "peak_bytes": list(winner.peak_bytes) if self.bytes_known else None,
+            "bytes_known": self.bytes_known,
             "memory_budget": self.memory_budget,
             "ranks": self.ranks,
             "microbatches": self.microbatches,
@@ -131,7 +138,7 @@ class Plan:
             "cores": self.cores,
             "reason": self.reason,
             "calibration": self.calibration.to_dict() if self.calibration is not None else None,
-            "alternatives": [candidate.row() for candidate in self.candidates],
+            "alternatives": alternatives,
         }
 
     def table(self) -> str:
@@ -148,7 +155,8 @@ class Plan:
             if candidate.period is None:
                 lines.append(f"{mark}{name:<18}{candidate.chunks:>2}  n/a: {candidate.note}")
                 continue
-            peak = format_bytes(max(candidate.peak_bytes)) + ("" if candidate.fits else " !")
+            peak = format_bytes(max(candidate.peak_bytes)) if self.bytes_known else "not recorded"
+            peak += "" if candidate.fits else " !"
             speedup = f"{reference / candidate.period:.3f}x" if reference else "-"
             bubble = candidate.bubble_rate or 0.0
             lines.append(
@@ -156,9 +164,14 @@ class Plan:
                 f"{bubble:>8.1%}{peak:>17}{speedup:>9}  {list(candidate.partition)}"
             )
         budget = format_bytes(self.memory_budget) if self.memory_budget else "none"
+        peak_note = (
+            "peak = static + activation bytes"
+            if self.bytes_known
+            else "peak: not recorded (the profile holds times only)"
+        )
         lines.append(
             f"p={self.ranks} m={self.microbatches}; predicted = simulated {self._period_name()} from the "
-            f"profile; peak = static + activation bytes; budget {budget} (! = above it)"
+            f"profile; {peak_note}; budget {budget} (! = above it)"
         )
         return "\n".join(lines)
 

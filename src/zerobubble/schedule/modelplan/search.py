@@ -71,20 +71,9 @@ def plan(
     Raises :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it
     needs and the budget.
     """
-    if optimizer not in OPTIMIZER_MODES:
-        raise ScheduleError(
-            f"unknown optimizer mode {optimizer!r}; choose one of {', '.join(OPTIMIZER_MODES)}"
-        )
-    if ranks < 1 or microbatches < 1:
-        raise ScheduleError(f"ranks and microbatches must be at least 1, got {ranks} and {microbatches}")
-    if head not in HEAD_LAYOUTS:
-        raise ScheduleError(f"unknown head layout {head!r}; choose one of {', '.join(HEAD_LAYOUTS)}")
     layout = layout or MeshLayout()
-    if head != "plain" and not layout.trivial:
-        raise ScheduleError(
-            f"a vocabulary-parallel head is planned on pipeline ranks alone, not on {layout.describe()}"
-        )
     budget = parse_bytes(memory_limit, device_memory)
+    _check_request(profile, ranks, microbatches, optimizer, head, layout, budget)
     names = list(schedules) if schedules is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
     searches: list[_Search] = []
     if head != "vocab-parallel":
@@ -105,13 +94,45 @@ def plan(
     fitting = [c for c in ordered if c.fits]
     if not fitting:
         raise ScheduleError(_nothing_fits(ordered, budget, ranks, layout))
-    winner = _choose(fitting, tie_margin)
-    reason = _reason(winner, ordered, budget)
-    if not layout.trivial:
+    winner, known = _choose(fitting, tie_margin), profile.bytes_known
+    reason = _reason(winner, ordered, budget, known)
+    if not layout.trivial and known:
         reason += "; " + searches[0].memory_text(winner)
     if cores is not None and cores < ranks:
         reason += f"; {ranks} ranks predicted on {cores} shared cores"
-    return Plan(winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores)
+    return Plan(
+        winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known
+    )
+
+
+def _check_request(
+    profile: ModelProfile,
+    ranks: int,
+    microbatches: int,
+    optimizer: str,
+    head: str,
+    layout: MeshLayout,
+    budget: float | None,
+) -> None:
+    """Refuse what :func:`plan` cannot plan, before any candidate is built."""
+    if optimizer not in OPTIMIZER_MODES:
+        raise ScheduleError(
+            f"unknown optimizer mode {optimizer!r}; choose one of {', '.join(OPTIMIZER_MODES)}"
+        )
+    if ranks < 1 or microbatches < 1:
+        raise ScheduleError(f"ranks and microbatches must be at least 1, got {ranks} and {microbatches}")
+    if head not in HEAD_LAYOUTS:
+        raise ScheduleError(f"unknown head layout {head!r}; choose one of {', '.join(HEAD_LAYOUTS)}")
+    if head != "plain" and not layout.trivial:
+        raise ScheduleError(
+            f"a vocabulary-parallel head is planned on pipeline ranks alone, not on {layout.describe()}"
+        )
+    if budget is not None and not profile.bytes_known:
+        raise ScheduleError(
+            f"the profile holds times but no bytes ({profile.source}), so a memory budget cannot be "
+            "checked: plan without one, or from a profile with bytes ('zerobubble profile', or the trace of "
+            "a run with --schedule auto or --partition profile)"
+        )
 
 
 def _candidates(
@@ -407,7 +428,9 @@ def _peak_inflight(timeline: Timeline) -> list[float]:
     return peaks
 
 
-def _reason(winner: PlanCandidate, candidates: Sequence[PlanCandidate], budget: float | None) -> str:
+def _reason(
+    winner: PlanCandidate, candidates: Sequence[PlanCandidate], budget: float | None, bytes_known: bool
+) -> str:
     reference = one_f_one_b_period(candidates)
     fastest = next(c for c in candidates if c.fits)
     runner_up = next((c for c in candidates if c.fits and c is not winner), None)
@@ -434,6 +457,9 @@ def _reason(winner: PlanCandidate, candidates: Sequence[PlanCandidate], budget: 
         ]
     if reference:
         parts.append(f"{reference / winner.period:.3f}x 1f1b")
+    if not bytes_known:
+        parts.append("peak memory not recorded (the profile holds times only)")
+        return "; ".join(parts)
     peak = max(winner.peak_bytes)
     parts.append(
         f"peak {format_bytes(peak)} per rank"
