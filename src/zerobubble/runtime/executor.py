@@ -50,12 +50,8 @@ class StageState:
     def __init__(
         self, index: int, module: nn.Module, store: WeightGradStore, first: bool, last: bool, name: str
     ):
-        self.index = index
-        self.module = module
-        self.store = store
-        self.first = first
-        self.last = last
-        self.name = name
+        self.index, self.module, self.store, self.name = index, module, store, name
+        self.first, self.last = first, last
         self.saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self.next_local = False
         self.prev_local = False
