@@ -196,13 +196,19 @@ def _error(actual: torch.Tensor | None, expected: torch.Tensor | None) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-300)).item()
 
 
-def _pairs(pipe: Any, pipelined: dict[str, Any], reference: dict[str, Any]) -> list[tuple[Any, Any, slice]]:
-    """(pipeline tensor owner, reference owner, rows) of every parameter this rank holds."""
+def _pairs(pipe: Any, reference: dict[str, Any]) -> list[tuple[Any, Any, slice]]:
+    """(pipeline parameter, reference parameter, rows) of every parameter this rank holds."""
+    from zerobubble.runtime.vocab import plain_model
+
+    layers = [layer for _, layer in pipe.resolution.layers]  # the layers as the Pipeline cut them
+    expected = reference["layers"]
+    if len(layers) != len(expected):  # schedule="auto" chose the plain ends: the same model as this
+        expected = plain_model(reference["head"], reference["embedding"], expected)[0]
     pairs = []
     for stage in pipe.stages:
         for i in range(pipe.layer_bounds[stage], pipe.layer_bounds[stage + 1]):
-            mine = dict(pipelined["layers"][i].named_parameters())
-            theirs = dict(reference["layers"][i].named_parameters())
+            mine = dict(layers[i].named_parameters())
+            theirs = dict(expected[i].named_parameters())
             pairs += [(mine[name], theirs[name], slice(None)) for name in mine]
     for end in ("embedding", "head"):
         layer = getattr(pipe.module, f"vocab_{end}", None)
@@ -290,7 +296,7 @@ def train_case(case: Case) -> dict[str, Any]:
     model = build_model(case)
     reference = Reference(case, copy.deepcopy(model))
     pipe = _pipeline(case, model)
-    pairs = _pairs(pipe, model, reference.model)
+    pairs = _pairs(pipe, reference.model)
     optimizer = _optimizer(case, list(pipe.parameters()))
     replicas, replica = pipe.layout.data_parallel, pipe.layout.dp_index
     worst = {"loss": 0.0, "grads": 0.0, "params": 0.0}
@@ -333,7 +339,11 @@ def refusal(case: Case) -> str:
 
 def zeroed_in_place(case: Case) -> str:
     """Train ``case`` zeroing the gradients in place through the optimizer while a clipped step is
-    pending: the error this rank raises (the settle cannot undo a step whose gradients changed)."""
+    pending: the error this rank raises (the settle cannot undo a step whose gradients changed).
+    Run it on ranks of its own: after a failed step the process groups are not reused."""
+    from zerobubble.runtime.launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=60)
     model = build_model(case)
     pipe = _pipeline(case, model)
     optimizer = _optimizer(case, list(pipe.parameters()))
@@ -345,5 +355,3 @@ def zeroed_in_place(case: Case) -> str:
         return "no error"
     except Exception as error:
         return f"{type(error).__name__}: {error}"
-    finally:
-        dist.barrier()

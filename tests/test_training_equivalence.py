@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
+from _dist import run_ranks
 from _profile import profile
 from _rank_pool import RankPool
 from _training_equivalence import LAYOUTS, LOOPS, OPTIMIZERS, Case, refusal, train_case, zeroed_in_place
@@ -200,10 +201,10 @@ def test_fsdp_over_a_tie_is_refused(four_ranks):
         assert "cannot shard the parameter tied across chunks" in message, message
 
 
-def test_gradients_zeroed_in_place_under_a_pending_step_raise_on_every_rank(two_ranks):
+def test_gradients_zeroed_in_place_under_a_pending_step_raise_on_every_rank():
     """``optimizer.zero_grad(set_to_none=False)`` while a clipped step is pending: never a silent wrong
     step — the rank whose settle needs the gradients raises, naming the cure; its peer says why it stopped."""
-    messages = two_ranks.call(zeroed_in_place, ISSUE_CASE)
+    messages = run_ranks(zeroed_in_place, 2, ISSUE_CASE)
     assert any(m.startswith("OptimizerValidationError") and "set_to_none=True" in m for m in messages), (
         messages
     )
