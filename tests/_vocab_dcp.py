@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from _dcp import distance
 from _vocab_models import batch, model
 from zerobubble.runtime.launch import init_distributed
 
@@ -103,13 +104,6 @@ def pipeline_step(pipe, optimizer, step: int, tied: bool) -> float | None:
     pipe.optimizer_step(optimizer, MAX_NORM)
     optimizer.zero_grad(set_to_none=True)
     return None if loss is None else float(loss)
-
-
-def distance(state: dict, expected: dict) -> float:
-    """Largest absolute difference over the entries of ``expected`` (inf when the keys differ)."""
-    if set(state) != set(expected):
-        return float("inf")
-    return max(float((state[k].double() - expected[k].double()).abs().max()) for k in expected)
 
 
 def resumed(pipe, directory: str, tied: bool, expected: dict, group=None) -> dict:
