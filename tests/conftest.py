@@ -3,9 +3,11 @@
 Three profiles, chosen by the environment variable ``ZEROBUBBLE_TESTS`` (``tests/_profile.py``):
 
 * ``quick`` (the default: the README's ``python -m pytest -q``) runs every test but those marked
-  ``slow`` or ``long``; the split fuzzer draws 100 stages.
+  ``slow`` or ``long``; the split fuzzer draws 100 stages, the training-equivalence property 12 and 3
+  configurations (two and four ranks).
 * ``ci`` also runs the ``slow`` tests — the larger spawned groups and sweeps that repeat what a quick
-  test already covers at a smaller size — and the fuzzer at 300 stages.  ``.ci/run`` runs
+  test already covers at a smaller size — and the ``fuzz`` tests with more examples: the split fuzzer
+  at 300 stages, the training-equivalence property at 150 and 40.  ``.ci/run`` runs
   ``ZEROBUBBLE_TESTS=ci python -m pytest -q -m "slow or fuzz"`` after the README's command.
 * ``long`` (``ZEROBUBBLE_TESTS=long``, or ``ZEROBUBBLE_SLOW=1``) runs everything, ``long`` sweeps
   included, and the fuzzer at 5,000 stages.

@@ -150,6 +150,7 @@ def _settings(count: int) -> settings:
 ISSUE_CASE = Case("zb-h1", 4, 4, True, True, False, "sgd", 0.3, 0.5, True, "zero-after")
 
 
+@pytest.mark.fuzz
 @given(case=cases(2))
 @example(case=ISSUE_CASE)
 @example(case=Case("zb-h1", 4, 4, True, True, False, "adamw", 0.05, 0.05, True, "zero-first"))
@@ -160,6 +161,7 @@ def test_two_ranks_train_like_one_process(two_ranks, case):
     _check(two_ranks, case)
 
 
+@pytest.mark.fuzz
 @given(case=cases(4))
 @example(case=Case("zb-v", 4, 8, True, True, False, "adamw", 0.05, 0.05, True, "zero-after"))
 @example(case=Case("zb-h1", 4, 4, False, False, False, "sgd", 0.3, 0.05, True, "zero-first", "mesh-fsdp"))
