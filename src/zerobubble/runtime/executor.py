@@ -30,10 +30,10 @@ from ..schedule.channels import ACTIVATIONS, GRADIENTS, MessageKey
 from ..schedule.ir import Kind, Op, Schedule
 from . import PipelineError, ranges
 from .comm import Comm
+from .ends import ModelEnds
 from .failures import PeerFailure
 from .recorder import Recorder
 from .tensors import is_dtensor
-from .vocab import VocabRunner
 from .wgrad import WeightGradStore
 from .wgrad.verify import SplitGuard
 
@@ -99,10 +99,10 @@ class Executor:
         comm: Comm,
         loss_fn: Callable,
         seed: int = 0,
-        vocab: VocabRunner | None = None,
+        ends: ModelEnds | None = None,
     ):
         self.schedule = schedule
-        self.vocab = vocab  # the vocabulary-parallel head and embedding (.vocab), or None
+        self.ends = ends or ModelEnds()  # the work at the model's ends (.ends): the embedding, the head
         self.rank = rank
         self.stages = stages
         self.comm = comm
@@ -126,9 +126,7 @@ class Executor:
             Kind.BW: self._backward_fused,
             Kind.W: self.compute_weight,
         }
-        if vocab is not None:
-            self.handlers[Kind.S] = vocab.forward_shard
-            self.handlers[Kind.T] = vocab.weight_grad
+        self.handlers.update(self.ends.op_handlers())
         self.program: list[ProgramEntry] = []
         self._profiled: tuple[list[ProgramEntry], list[ProgramEntry]] | None = None  # (program, ranged)
         self._start: list[Hook] = []  # run before anything of a training step reads a parameter
@@ -147,16 +145,17 @@ class Executor:
         Call again after changing ``handlers``; the hooks added so far are kept.
         """
         program: list[ProgramEntry] = [(hook, hook.run, None, 0) for hook in self._start]
-        vocab = self.vocab
-        if vocab is not None:  # the embedding reads its rows: after the start hooks (the settle)
-            lookups = Hook(
-                "vocabulary embedding lookups",
-                lambda: vocab.begin_step(self._inputs, self._targets, self._scale, training=True),
+        ends = self.ends
+        if ends.works_each_step:  # it may read parameters (the embedding's rows): after the settle
+            start = Hook(
+                "model ends: step start",
+                lambda: ends.begin_step(self._inputs, self._targets, self._scale, training=True),
             )
-            program.append((lookups, lookups.run, None, 0))
+            program.append((start, start.run, None, 0))
+        own_kinds = ends.op_handlers()
         for position, op in enumerate(self.schedule.programs[self.rank]):
             program += [(hook, hook.run, None, 0) for hook in self._before.get(position, ())]
-            state = self.vocab if op.is_vocab else self.stages[op.stage]
+            state = ends if op.kind in own_kinds else self.stages[op.stage]
             program.append((op, self.handlers[op.kind], state, op.microbatch))
             program += [(hook, hook.run, None, 0) for hook in self._after.get(position, ())]
         self.program = program
@@ -170,7 +169,7 @@ class Executor:
 
     def add_start_hook(self, hook: Hook) -> None:
         """Run ``hook`` at the start of every training step, before the step reads any parameter
-        (the vocabulary embedding looks its rows up before the program's first op)."""
+        (the model's ends start the step after these hooks: the vocabulary embedding's lookups)."""
         self._start.append(hook)
         self.compile()
 
@@ -206,8 +205,7 @@ class Executor:
             else:
                 self._run_recorded(recorder, self.program)
             entry = None
-            if self.vocab is not None:
-                self.vocab.finish_step()
+            self.ends.finish_step()
             self.comm.finish_step()
         except BaseException as error:
             self._report(error, entry[0] if entry is not None else None)
@@ -235,24 +233,22 @@ class Executor:
         self._inputs, self._targets, self._losses, self._keep = inputs, targets, [], False
         self._begin_call(kwargs, keep_outputs)
         self._reported, op = False, None
-        vocab = self.vocab
+        ends = self.ends
         try:
             self.comm.start_step(first=True, forward_only=True)
-            if vocab is not None:
-                vocab.begin_step(inputs, targets, 1.0 / self.schedule.microbatches, training=False)
-            profiling = ranges.profiling()
+            ends.begin_step(inputs, targets, 1.0 / self.schedule.microbatches, training=False)
+            profiling, kinds = ranges.profiling(), {Kind.F, *ends.forward_kinds}
             for op, handler, state, microbatch in self.program:
-                if isinstance(op, Op) and (op.kind is Kind.F or op.kind is Kind.S):  # hooks: training-only
+                if isinstance(op, Op) and op.kind in kinds:  # hooks: training-only
                     if profiling:
                         with record_function(ranges.op_range(op)):
                             handler(state, microbatch)
                     else:
                         handler(state, microbatch)
             op = None
-            if vocab is not None:
-                for j, loss in vocab.forward_losses():  # on the last stage's rank only
-                    self._record_loss(loss, j)
-                vocab.finish_step()
+            for j, loss in ends.forward_losses():  # the losses the ends computed on this rank
+                self._record_loss(loss, j)
+            ends.finish_step()
             self.comm.finish_step()
         except BaseException as error:
             self._report(error, op)
@@ -321,8 +317,7 @@ class Executor:
 
     def _abort(self) -> None:
         self.comm.abort_step()
-        if self.vocab is not None:
-            self.vocab.abort()
+        self.ends.abort()
         self._handoff.clear()
         for state in self.stages.values():
             state.saved.clear()
@@ -375,8 +370,10 @@ class Executor:
             state.store.end_forward()
             self._leave_stream(saved_rng)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        if state.last and self.vocab is not None and self.vocab.head is not None:
-            self._hand_to_head(state, outputs, j)
+        if state.last and self.ends.takes_outputs:
+            self.ends.take_outputs(j, outputs, state.index)
+            if self.outputs is not None:
+                self.outputs[j] = outputs[0].detach()
         elif state.last:
             outputs = (self._loss(state, outputs, j),)
         if self._keep:
@@ -407,9 +404,9 @@ class Executor:
     def receive_backward(self, state: StageState, j: int) -> tuple[torch.Tensor, ...] | None:
         """The gradient of the stage's outputs for microbatch ``j`` (None on the last stage: the loss)."""
         if state.last:
-            if self.vocab is None or self.vocab.head is None:
+            if not self.ends.takes_outputs:
                 return None
-            grad, loss = self.vocab.input_grad(j)
+            grad, loss = self.ends.output_grads(j)
             self._record_loss(loss, j)
             return (grad.to(state.saved[j][1][0].dtype),)
         key = MessageKey(GRADIENTS, state.index, j)
@@ -433,8 +430,7 @@ class Executor:
         finally:
             state.store.end()
         if state.first:
-            if self.vocab is not None and self.vocab.embedding is not None:
-                self.vocab.embedding_grad(j, inputs[0].grad)
+            self.ends.first_input_grads(j, inputs)
             return ()
         return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in _floating(inputs))
 
@@ -447,9 +443,7 @@ class Executor:
 
     def _stage_inputs(self, state: StageState, j: int) -> tuple[torch.Tensor, ...]:
         if state.first:
-            if self.vocab is not None and self.vocab.embedding is not None:
-                return (self.vocab.embedded(j), *self._inputs[j][1:])
-            return self._inputs[j]
+            return self.ends.first_inputs(j, self._inputs[j])
         key = MessageKey(ACTIVATIONS, state.index - 1, j)
         received = self._handoff.pop(key) if state.prev_local else self.comm.recv(key)
         return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in received)
@@ -471,18 +465,6 @@ class Executor:
     def _record_loss(self, loss: torch.Tensor, j: int) -> None:
         self._losses.append(_own_storage(loss.detach()))
         self.loss_microbatches.append(j)
-
-    def _hand_to_head(self, state: StageState, outputs: tuple[torch.Tensor, ...], j: int) -> None:
-        """The last stage's output goes to the vocabulary-parallel head (its S ops on every rank)."""
-        if len(outputs) != 1:
-            raise PipelineError(
-                f"with a vocabulary-parallel head the last stage must return one tensor (the hidden "
-                f"states); stage {state.index} returned {len(outputs)} values"
-            )
-        assert self.vocab is not None
-        self.vocab.hidden_ready(j, outputs[0])
-        if self.outputs is not None:
-            self.outputs[j] = outputs[0].detach()
 
     def _pass_on(
         self, state: StageState, key: MessageKey, tensors: tuple[torch.Tensor, ...], forward: bool

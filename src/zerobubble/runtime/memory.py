@@ -65,8 +65,7 @@ class ActivationMeter:
             tensors += tensors_in(state.saved)
             tensors += state.store.held_tensors()  # whatever the W store keeps for W
         tensors += tensors_in(executor._handoff)
-        if executor.vocab is not None:  # the vocabulary-parallel shard's logits, hidden states, partials
-            tensors += executor.vocab.held_tensors()
+        tensors += executor.ends.held_tensors()  # e.g. the vocabulary shard's logits and partials
         return storage_bytes(tensors, self.excluded)
 
     def op(self, op, start, end) -> None:

@@ -149,7 +149,7 @@ class Pipeline:
             sharded=self._sharded, executor=self._executor,
         )  # fmt: skip
         self._state = PipelineState(
-            module=self.module, vocab=self._executor.vocab, layout=self.layout, calls=self._calls,
+            module=self.module, ends=self._executor.ends, layout=self.layout, calls=self._calls,
             monitor=self._monitor, model_keys=self._model_keys, ties=self._ties, rank=self.rank,
             guarded=self._guarded,
         )  # fmt: skip
@@ -222,7 +222,7 @@ class Pipeline:
             comm,
             resolution.loss_fn,
             self._agreement.seed,
-            vocab=self._vocab_runner(),
+            ends=self._vocab_runner(),
         )
         self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
         head, embedding = self._vocab_layers

@@ -20,6 +20,7 @@ from . import PipelineError
 from .checkpoint import merge_state_dicts, select_entries, strict_error
 from .consistency import STATE_DICT_TAG, CallCheck, share_objects
 from .data_parallel import ParallelLayout
+from .ends import ModelEnds
 from .failures import Guarded, PeerMonitor
 from .vocab import VocabRunner
 from .vocab_state import VOCAB_LAYER_NAMES, VocabCheckpoint, join_rows
@@ -36,7 +37,7 @@ class PipelineState:
         self,
         *,
         module: nn.Module,
-        vocab: VocabRunner | None,
+        ends: ModelEnds,
         layout: ParallelLayout,
         calls: CallCheck,
         monitor: PeerMonitor,
@@ -46,7 +47,8 @@ class PipelineState:
         guarded: Guarded,
     ):
         self.module, self.layout = module, layout
-        self.vocab = VocabCheckpoint(vocab) if vocab is not None else None
+        # the vocabulary-parallel rows are checkpointed as every rank's own shards (.vocab_state)
+        self.vocab = VocabCheckpoint(ends) if isinstance(ends, VocabRunner) else None
         self._calls, self._monitor, self._guarded = calls, monitor, guarded
         self.model_keys, self._known_keys = tuple(model_keys), frozenset(model_keys)
         self.ties, self.rank = list(ties), rank

@@ -29,8 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..schedule import Schedule
+from ..schedule import Kind, Schedule
 from . import PipelineError
+from .ends import ModelEnds
 from .groups import local_group
 from .vocab_layers import (
     HeadTotals,
@@ -78,14 +79,19 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-class VocabRunner:
-    """The vocabulary-parallel head and embedding of one pipeline rank during a step.
+class VocabRunner(ModelEnds):
+    """The vocabulary-parallel head and embedding of one pipeline rank during a step: the model's
+    ends (:class:`~.ends.ModelEnds`) of a Pipeline with ``head=`` or ``embedding=``.
 
     ``rank``/``size`` are this rank's pipeline position and the pipeline size; ``last``/``first``
-    the ranks of the last and the first stage.  The Executor calls :meth:`begin_step`, the S and T
-    handlers, :meth:`hidden_ready` and :meth:`input_grad` (last stage), :meth:`embedded` and
-    :meth:`embedding_grad` (first stage) and :meth:`finish_step`.
+    the ranks of the last and the first stage.  The executor drives it through the protocol: the
+    S and T handlers, the step's start (the embedding's lookups) and end, the first stage's inputs
+    (:meth:`embedded`) and their gradients (:meth:`embedding_grad`), the last stage's outputs
+    (:meth:`hidden_ready`) and their gradient (:meth:`input_grad`).
     """
+
+    works_each_step = True
+    forward_kinds = frozenset({Kind.S})
 
     def __init__(
         self,
@@ -113,6 +119,35 @@ class VocabRunner:
         self._embedded: list[tuple[torch.Tensor, Any]] = []
         self._embedding_grads: dict[int, torch.Tensor] = {}
         self._scale, self._training = 1.0, True
+        self.takes_outputs = head is not None
+
+    # -- the protocol (.ends) ------------------------------------------------------------------------
+
+    def op_handlers(self) -> dict[Kind, Callable[[Any, int], None]]:
+        """S and T, with a head."""
+        return {Kind.S: self.forward_shard, Kind.T: self.weight_grad} if self.head is not None else {}
+
+    def first_inputs(self, j: int, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """With an embedding, the summed embedding of the tokens (the batch's first input) and the rest."""
+        return (self.embedded(j), *batch[1:]) if self.embedding is not None else batch
+
+    def first_input_grads(self, j: int, inputs: tuple[torch.Tensor, ...]) -> None:
+        """With an embedding, keep the gradient of its output for the step's end."""
+        if self.embedding is not None:
+            self.embedding_grad(j, inputs[0].grad)
+
+    def take_outputs(self, j: int, outputs: tuple[torch.Tensor, ...], stage: int) -> None:
+        """The last stage's hidden states go to the head's shards (their S ops, on every rank)."""
+        if len(outputs) != 1:
+            raise PipelineError(
+                f"with a vocabulary-parallel head the last stage must return one tensor (the hidden "
+                f"states); stage {stage} returned {len(outputs)} values"
+            )
+        self.hidden_ready(j, outputs[0])
+
+    def output_grads(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's B(j): :meth:`input_grad`."""
+        return self.input_grad(j)
 
     # -- the step ------------------------------------------------------------------------------------
 
