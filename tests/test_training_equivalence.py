@@ -34,6 +34,9 @@ from zerobubble.schedule import REGISTRY
 pytestmark = pytest.mark.multiprocess
 
 TOLERANCE = 1e-10
+#: inductor's own float64 kernels round their reductions differently from eager ATen's (the reference
+#: runs eager): measured up to 4e-10 relative on a gradient after three Adam steps
+COMPILED_TOLERANCE = 1e-8
 SCHEDULES = sorted(name for name in REGISTRY if name != "zb-ilp")  # zb-ilp: a solver per example
 V_SHAPED = ("zb-v", "v-half", "v-min")
 EXAMPLES = {"quick": {2: 12, 4: 3}, "ci": {2: 150, 4: 40}, "long": {2: 1000, 4: 300}}[profile()]
@@ -123,9 +126,10 @@ def four_ranks():
 
 def _check(pool: RankPool, case: Case) -> None:
     results = pool.call(train_case, case)
+    tolerance = COMPILED_TOLERANCE if case.compile else TOLERANCE
     for rank, result in enumerate(results):
         for what in ("loss", "grads", "params"):
-            assert result[what] <= TOLERANCE, (
+            assert result[what] <= tolerance, (
                 f"rank {rank}: the {what} differ from the unsharded model's by {result[what]:.3g} "
                 f"(relative) in {case}"
             )
