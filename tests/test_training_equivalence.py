@@ -8,7 +8,8 @@ parallelism).  Each example trains for three optimizer steps on a long-lived poo
 beside the unsharded model trained in one process with ``clip_grad_norm_`` + ``step``, in float64:
 every loss, every gradient before each step and every parameter after the last (settled) must agree
 to 1e-10 relative (a tensor whose norm has vanished below 1e-6, a saturated block's gradient, in
-absolute terms), 1e-8 with compiled layers (inductor's kernels round differently).  Autocast stays off (float64 is the point).
+absolute terms), 1e-8 with compiled layers (inductor's kernels round differently).  Autocast stays
+off (float64 is the point).
 
 The quick profile draws 12 examples on two ranks and 3 on four (after the explicit ones: the issue's
 report and its variants); CI's profile 150 and 40; the long one 1,000 and 300.
