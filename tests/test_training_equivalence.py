@@ -42,6 +42,8 @@ COMPILED_TOLERANCE = 1e-8
 SCHEDULES = sorted(name for name in REGISTRY if name != "zb-ilp")  # zb-ilp: a solver per example
 V_SHAPED = ("zb-v", "v-half", "v-min")
 EXAMPLES = {"quick": {2: 12, 4: 3}, "ci": {2: 150, 4: 40}, "long": {2: 1000, 4: 300}}[profile()]
+#: pytest-timeout's bound for one property test (all its examples): CI's profile takes about 50 s each
+LIMIT = pytest.mark.timeout({"quick": 300, "ci": 900, "long": 7200}[profile()])
 
 #: The Pipeline's arguments that the draw covers (``layers`` is the drawn model itself).
 DRAWN = frozenset(
@@ -157,6 +159,7 @@ ISSUE_CASE = Case("zb-h1", 4, 4, True, True, False, "sgd", 0.3, 0.5, True, "zero
 
 
 @pytest.mark.fuzz
+@LIMIT
 @given(case=cases(2))
 @example(case=ISSUE_CASE)
 @example(case=Case("zb-h1", 4, 4, True, True, False, "adamw", 0.05, 0.05, True, "zero-first"))
@@ -168,6 +171,7 @@ def test_two_ranks_train_like_one_process(two_ranks, case):
 
 
 @pytest.mark.fuzz
+@LIMIT
 @given(case=cases(4))
 @example(case=Case("zb-v", 4, 8, True, True, False, "adamw", 0.05, 0.05, True, "zero-after"))
 @example(case=Case("zb-h1", 4, 4, False, False, False, "sgd", 0.3, 0.05, True, "zero-first", "mesh-fsdp"))
