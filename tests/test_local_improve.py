@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerobubble.schedule.builders import build_schedule, zb_v
-from zerobubble.schedule.builders.local_improve import improve_programs, improve_schedule, retimed
 from zerobubble.schedule.builders.planning import WEIGHT, as_plan_ops, replay
+from zerobubble.schedule.builders.planning.local_improve import improve_programs, improve_schedule, retimed
+from zerobubble.schedule.builders.planning.v_pattern import squeezed_programs
 from zerobubble.schedule.builders.v_memory import MEMORY_POLICIES, min_memory_microbatches
-from zerobubble.schedule.builders.v_pattern import squeezed_programs
 from zerobubble.schedule.costs import CostModel, within_limit
 from zerobubble.schedule.ir import Placement, Schedule
 from zerobubble.schedule.simulate import simulate

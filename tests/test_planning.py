@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerobubble.schedule.builders import planning, v_equalised, v_rounds, zb_auto, zb_v
-from zerobubble.schedule.builders.v_equalised import EQUALISED_VARIANTS, equalised_plan
+from zerobubble.schedule.builders import planning, zb_auto, zb_v
+from zerobubble.schedule.builders.planning import v_equalised, v_rounds
+from zerobubble.schedule.builders.planning.v_equalised import EQUALISED_VARIANTS, equalised_plan
 from zerobubble.schedule.costs import MEMORY_TOLERANCE, CostModel, within_limit
 from zerobubble.schedule.ir import Placement, Schedule, ScheduleError
 from zerobubble.schedule.simulate import simulate

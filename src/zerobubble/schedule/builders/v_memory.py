@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from ..bounds import lower_bound
 from ..costs import CostModel, StageCosts
 from ..ir import Placement, Schedule, ScheduleError
-from .local_improve import improve_schedule, retimed
 from .planning import BuilderCandidate, check_one_microbatch_fits, search
-from .v_blocks import BLOCK_VARIANTS, block_candidate
-from .v_pattern import pattern_candidates
+from .planning.local_improve import improve_schedule, retimed
+from .planning.v_blocks import BLOCK_VARIANTS, block_candidate
+from .planning.v_pattern import pattern_candidates
 from .zb_v import VPolicy, v_candidates
 
 _ORDERS = (("B1", "B0", "F1", "F0"), ("B1", "F1", "B0", "F0"), ("F1", "B1", "B0", "F0"))

@@ -21,8 +21,8 @@ from ..bounds import lower_bound
 from ..costs import CostModel, StageCosts
 from ..ir import Placement, Schedule, ScheduleError
 from .planning import BuilderCandidate, Planned, PlanState, check_one_microbatch_fits, search
-from .v_equalised import EqualisedVariant, equalised_plan
-from .v_rounds import (
+from .planning.v_equalised import EqualisedVariant, equalised_plan
+from .planning.v_rounds import (
     _B0,
     _B1,
     _CHUNK,
