@@ -2,7 +2,7 @@
 
 :class:`RoundPlanner` runs one :class:`RoundVariant` on the shared planning core (:mod:`.core`);
 :mod:`..zb_v` tries :data:`ZB_V_ROUND_VARIANTS` among its candidates.  The op-class table below is
-shared with zb-v's greedy.
+shared with the V greedy (:mod:`.v_greedy`).
 """
 
 from __future__ import annotations
