@@ -3,7 +3,7 @@
     python benchmarks/zb_v_random_settings.py [--settings 40] [--seed 12]
 
 The authors' heuristic (fill to the limit, equalise, F-B-W steady state; best of its four fill
-variants, each with its bubble-approval passes) is :mod:`zerobubble.schedule.builders.v_equalised`,
+variants, each with its bubble-approval passes) is :mod:`zerobubble.schedule.builders.planning.v_equalised`,
 which reproduces the authors' published ZB-V iteration times exactly on all 12 Table 5 setups
 (``tests/test_v_reference.py``).  Settings: p in 4..32, m in 2p..8p, per-stage F/B/W times,
 T_comm up to 10 % of T_F, M_W/M_B in 0..0.6, memory limit p·M_B.  Prints one line per setting and
@@ -18,7 +18,7 @@ import random
 import time
 
 from zerobubble.schedule import CostModel, build_schedule, simulate
-from zerobubble.schedule.builders.v_equalised import EQUALISED_VARIANTS, equalised_plan
+from zerobubble.schedule.builders.planning.v_equalised import EQUALISED_VARIANTS, equalised_plan
 from zerobubble.schedule.ir import Placement
 
 

@@ -7,7 +7,10 @@ from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[1] / "src" / "zerobubble"
 SCHEDULE = LIBRARY / "schedule"
+BUILDERS = SCHEDULE / "builders"
 OUTSIDE = ("zerobubble_bench", "zerobubble_demo")
+FAMILIES_PACKAGE = "zerobubble.schedule.builders"
+HELPERS_PACKAGE = "zerobubble.schedule.builders.planning"
 
 
 def test_schedule_layer_never_imports_torch():
@@ -91,6 +94,95 @@ def test_schedule_commands_load_neither_torch_nor_the_benchmarks():
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    assert main(['schedules']) == 0 and main(['simulate', '-p', '2', '-m', '4']) == 0\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'zerobubble_bench')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def _dotted(path: Path) -> str:
+    """The dotted module name of a file under ``src/``."""
+    parts = list(path.relative_to(LIBRARY.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _family_imports(source: str, module: str, package: bool) -> list[str]:
+    """Modules of the builders package outside its ``planning`` helpers that ``source`` imports.
+
+    Every import counts, inside functions too (a helper must not reach a family even lazily);
+    ``module`` is the dotted name of ``source``, ``package`` whether it is an ``__init__``.
+    """
+    base = module.split(".") if package else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            prefix = base[: len(base) - node.level + 1] if node.level else []
+            names = [".".join(prefix + ([node.module] if node.module else []))]
+        else:
+            continue
+        found += [
+            name
+            for name in names
+            if (name == FAMILIES_PACKAGE or name.startswith(FAMILIES_PACKAGE + "."))
+            and not (name == HELPERS_PACKAGE or name.startswith(HELPERS_PACKAGE + "."))
+        ]
+    return found
+
+
+def test_planning_helpers_never_import_a_family_or_the_registry():
+    """Families depend on the shared helpers (``builders/planning/``), never the reverse."""
+    helpers = sorted((BUILDERS / "planning").rglob("*.py"))
+    assert len(helpers) > 5
+    offenders = [
+        f"{path.relative_to(LIBRARY)} imports {name}"
+        for path in helpers
+        for name in _family_imports(path.read_text(), _dotted(path), path.name == "__init__.py")
+    ]
+    assert offenders == []
+
+
+def test_the_family_import_finder_finds_one():
+    """The guard can fail: relative, absolute and lazy imports of a family or the registry are found."""
+    helper = f"{HELPERS_PACKAGE}.example"
+    source = (
+        "from .core import PlanState\n"
+        "from . import v_rounds\n"
+        "from ..zb_v import ZB_V_POLICIES\n"
+        "import zerobubble.schedule.costs\n"
+        "def f():\n"
+        "    from .. import build_schedule\n"
+        "    import zerobubble.schedule.builders.zb_auto\n"
+    )
+    assert _family_imports(source, helper, package=False) == [
+        f"{FAMILIES_PACKAGE}.zb_v",
+        FAMILIES_PACKAGE,
+        f"{FAMILIES_PACKAGE}.zb_auto",
+    ]
+    package_source = "from .core import PlanState\nfrom .. import zb_v\n"  # in planning/__init__.py
+    assert _family_imports(package_source, HELPERS_PACKAGE, package=True) == [FAMILIES_PACKAGE]
+
+
+def test_builders_holds_the_registry_and_one_module_per_built_in_family():
+    """A module directly in ``builders/`` is a family the registry names; helpers go in ``planning/``."""
+    from zerobubble.schedule.builders import REGISTRY
+
+    modules = {path.stem for path in BUILDERS.glob("*.py")} - {"__init__"}
+    built_in = {spec.module for spec in REGISTRY.values() if spec.builder is None}
+    assert modules == built_in
+    assert sorted(
+        path.name for path in BUILDERS.iterdir() if path.is_dir() and path.name != "__pycache__"
+    ) == ["planning"]
+
+
+def test_importing_the_planning_helpers_loads_no_family():
+    code = (
+        "import importlib, pkgutil, sys\n"
+        f"import {HELPERS_PACKAGE} as helpers\n"
+        "for info in pkgutil.iter_modules(helpers.__path__, helpers.__name__ + '.'):\n"
+        "    importlib.import_module(info.name)\n"
+        f"outside = [m for m in sys.modules if m.startswith('{FAMILIES_PACKAGE}.')]\n"
+        f"print(sorted(m for m in outside if m.split('.')[3] != 'planning'))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

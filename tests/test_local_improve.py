@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerobubble.schedule.builders import build_schedule, zb_v
-from zerobubble.schedule.builders.local_improve import improve_programs, improve_schedule, retimed
+from zerobubble.schedule.builders import build_schedule
 from zerobubble.schedule.builders.planning import WEIGHT, as_plan_ops, replay
+from zerobubble.schedule.builders.planning.local_improve import improve_programs, improve_schedule, retimed
+from zerobubble.schedule.builders.planning.v_greedy import v_candidates
+from zerobubble.schedule.builders.planning.v_pattern import squeezed_programs
 from zerobubble.schedule.builders.v_memory import MEMORY_POLICIES, min_memory_microbatches
-from zerobubble.schedule.builders.v_pattern import squeezed_programs
 from zerobubble.schedule.costs import CostModel, within_limit
 from zerobubble.schedule.ir import Placement, Schedule
 from zerobubble.schedule.simulate import simulate
@@ -95,7 +96,7 @@ def test_a_paced_plan_is_ranked_by_its_replayed_time():
     costs = CostModel(f=1.0, b=1.0, w=0.5, comm=0.03).with_memory_limit(float(min_memory_microbatches(p)))
     resolved = costs.resolve(Placement.vshape(p))
     paced = next(policy for policy in MEMORY_POLICIES if policy.pace)
-    (candidate,) = zb_v.v_candidates(resolved, m, (paced,))
+    (candidate,) = v_candidates(resolved, m, (paced,))
     raw = candidate.run(math.inf)
     exact = retimed(candidate, resolved, m).run(math.inf)
     assert raw is not None and exact is not None and exact.exact

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerobubble.schedule.builders import planning, v_equalised, v_rounds, zb_auto, zb_v
-from zerobubble.schedule.builders.v_equalised import EQUALISED_VARIANTS, equalised_plan
+from zerobubble.schedule.builders import planning, zb_auto, zb_v
+from zerobubble.schedule.builders.planning import v_equalised, v_greedy, v_rounds
+from zerobubble.schedule.builders.planning.v_equalised import EQUALISED_VARIANTS, equalised_plan
 from zerobubble.schedule.costs import MEMORY_TOLERANCE, CostModel, within_limit
 from zerobubble.schedule.ir import Placement, Schedule, ScheduleError
 from zerobubble.schedule.simulate import simulate
@@ -54,7 +55,7 @@ def test_zb_auto_planners_are_timed_exactly(problem):
 def test_v_planners_are_timed_exactly(problem):
     _, m, costs = problem
     for policy in zb_v.ZB_V_POLICIES:
-        plan = zb_v._VGreedy(costs, m, policy).run()
+        plan = v_greedy._VGreedy(costs, m, policy).run()
         if plan is not None:
             _check_exact(plan, costs, m)
     for variant in zb_v.ZB_V_ROUND_VARIANTS:

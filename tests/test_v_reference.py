@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from _cost_strategies import per_stage_costs
 from zerobubble.schedule.builders import build_schedule
-from zerobubble.schedule.builders.v_equalised import EQUALISED_VARIANTS, equalised_plan
+from zerobubble.schedule.builders.planning.v_equalised import EQUALISED_VARIANTS, equalised_plan
 from zerobubble.schedule.ir import Placement
 from zerobubble.schedule.paper import authors_reference, authors_reference_source, paper_rows
 from zerobubble.schedule.simulate import simulate

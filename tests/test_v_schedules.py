@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import zerobubble
 from zerobubble.schedule.builders import build_schedule
-from zerobubble.schedule.builders.v_blocks import BLOCK_VARIANTS, block_programs
+from zerobubble.schedule.builders.planning.v_blocks import BLOCK_VARIANTS, block_programs
 from zerobubble.schedule.costs import CostModel
 from zerobubble.schedule.ir import Kind, Placement, Schedule, ScheduleError
 from zerobubble.schedule.paper import row_costs

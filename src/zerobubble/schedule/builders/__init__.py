@@ -3,7 +3,9 @@
 Every builder is a function ``build(stages, microbatches, costs, chunks, **options) -> Schedule``
 where ``costs`` is a :class:`~zerobubble.schedule.costs.CostModel` whose ``memory_limit`` is already
 final.  :func:`build_schedule` is the one entry point: it checks the request, applies the schedule's
-memory-limit rule, imports the family's module on first use and validates the result.
+memory-limit rule, imports the family's module on first use and validates the result.  The helpers
+the families share (the planning core, local improvement, the ILP program, the V planners and
+building blocks) are the subpackage :mod:`.planning`, which imports no family.
 
 A schedule defined outside the package joins the registry with :func:`register_schedule` (no edit
 of the package): from then on :func:`build_schedule`, the CLI, :func:`~..compare.compare_schedules` and the

@@ -1,11 +1,12 @@
 """V-Half and V-Min: V-shape schedules with controllable activation memory (arXiv 2405.15362).
 
 Each rank is limited to ⌊(p+2)/2⌋ (V-Half) or ⌊(p+4)/3⌋ (V-Min) microbatches of M_B.  One search
-(:func:`.planning.search`) compares the authors' squeezed pattern (:mod:`.v_pattern`, so the result
-is never slower than their order), our building blocks modulo-scheduled at the real costs
-(:mod:`.v_blocks`) and the V greedy of :mod:`.zb_v` with lifespan-capped and paced policies; the
-shortest iteration time wins.  A smaller ``costs.memory_limit`` still applies.  ``Schedule.meta``
-records the limit, ``memory_microbatches`` and the winner (``meta["planner"]``).
+(:func:`.planning.search`) compares the authors' squeezed pattern (:mod:`.planning.v_pattern`, so
+the result is never slower than their order), our building blocks modulo-scheduled at the real
+costs (:mod:`.planning.v_blocks`) and the V greedy zb-v also runs (:mod:`.planning.v_greedy`) with
+lifespan-capped and paced policies; the shortest iteration time wins.  A smaller
+``costs.memory_limit`` still applies.  ``Schedule.meta`` records the limit, ``memory_microbatches``
+and the winner (``meta["planner"]``).
 
 The paper's memory and bubble figures: ``docs/schedulers.md``.
 """
@@ -17,11 +18,11 @@ from collections.abc import Iterator
 from ..bounds import lower_bound
 from ..costs import CostModel, StageCosts
 from ..ir import Placement, Schedule, ScheduleError
-from .local_improve import improve_schedule, retimed
 from .planning import BuilderCandidate, check_one_microbatch_fits, search
-from .v_blocks import BLOCK_VARIANTS, block_candidate
-from .v_pattern import pattern_candidates
-from .zb_v import VPolicy, v_candidates
+from .planning.local_improve import improve_schedule, retimed
+from .planning.v_blocks import BLOCK_VARIANTS, block_candidate
+from .planning.v_greedy import VPolicy, v_candidates
+from .planning.v_pattern import pattern_candidates
 
 _ORDERS = (("B1", "B0", "F1", "F0"), ("B1", "F1", "B0", "F0"), ("F1", "B1", "B0", "F0"))
 

@@ -27,7 +27,8 @@ from ..ir import B, F, Kind, Op, Placement, Schedule, ScheduleError, W, check_po
 from ..simulate import Timeline
 from ..validate import validate_schedule
 from . import build_schedule
-from .ilp_program import (
+from .planning import check_one_microbatch_fits
+from .planning.ilp_program import (
     RELATIVE_GAP,
     PairIndex,
     Program,
@@ -37,7 +38,6 @@ from .ilp_program import (
     local_index,
     structural_successors,
 )
-from .planning import check_one_microbatch_fits
 
 _INCUMBENT_BUILDERS = ("zb-auto", "zb-h1", "zb-h2", "1f1b")
 _WINDOW_ROUNDS = 20

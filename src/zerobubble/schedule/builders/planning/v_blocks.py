@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..costs import StageCosts
-from ..ir import B, F, Op, W
-from .planning import BuilderCandidate, as_plan_ops, fixed_candidate
+from ...costs import StageCosts
+from ...ir import B, F, Op, W
+from .core import BuilderCandidate, as_plan_ops, fixed_candidate
 
 _TOLERANCE = 1e-9
 

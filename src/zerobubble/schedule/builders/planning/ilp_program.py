@@ -2,7 +2,7 @@
 
 :class:`Rows` collects constraint rows, :class:`Program` is one formulated program solved by HiGHS
 (``scipy.optimize.milp``); the helpers work on a rank's precedence matrix in the local numbering
-``F_j = j, B_j = m + j, W_j = 2m + j``.  Used by :mod:`.zb_ilp` (the model and the build).
+``F_j = j, B_j = m + j, W_j = 2m + j``.  Used by :mod:`..zb_ilp` (the model and the build).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from ..ir import Kind, Op
+from ...ir import Kind, Op
 
 #: The 0/1 variable of "op u before op v" on a rank, keyed by ``(rank, u, v)``.
 PairIndex = dict[tuple[int, int, int], int]

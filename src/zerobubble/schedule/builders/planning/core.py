@@ -7,7 +7,7 @@ is free and its input has arrived, transfer time included), keeps each rank's ac
 peak, its pending W ops (oldest first) and its idle time, and answers the questions every planner
 asks: when does an op's input arrive, does an op fit the memory limit, which W ops fill a gap.
 
-Ops are recorded as ``(kind, stage, microbatch)`` tuples and turned into :class:`~..ir.Op` objects
+Ops are recorded as ``(kind, stage, microbatch)`` tuples and turned into :class:`~...ir.Op` objects
 only for the candidate that wins (:meth:`PlanState.programs_as_ops`), because a search builds many
 plans and keeps one.  The iteration time of a finished plan equals the simulator's to the last bit.
 
@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..costs import StageCosts, memory_cap, within_limit
-from ..ir import Kind, Op, Schedule, ScheduleError, coded_ops
-from ..simulate import KIND_OF_CODE, simulate
+from ...costs import StageCosts, memory_cap, within_limit
+from ...ir import Kind, Op, Schedule, ScheduleError, coded_ops
+from ...simulate import KIND_OF_CODE, simulate
 
 #: Op kinds in plans (plain ints: a plan records hundreds of thousands of them), the simulator's
-#: codes (:data:`~..simulate.KIND_OF_CODE`).
+#: codes (:data:`~...simulate.KIND_OF_CODE`).
 FORWARD, BACKWARD, WEIGHT = 0, 1, 2
 
 #: An op in a plan: ``(kind, stage, microbatch)``.
@@ -282,7 +282,7 @@ class PlanState:
         return max(self.span(rank) for rank in range(self.p))
 
     def programs_as_ops(self) -> list[list[Op]]:
-        """The programs as :class:`~..ir.Op` lists (built once, for the winning candidate)."""
+        """The programs as :class:`~...ir.Op` lists (built once, for the winning candidate)."""
         return [coded_ops(program, KIND_OF_CODE) for program in self.programs]
 
 
@@ -417,7 +417,7 @@ def replay(costs: StageCosts, microbatches: int, programs: Sequence[Sequence[Pla
 
 
 def as_plan_ops(programs: Sequence[Sequence[Op]]) -> list[list[PlanOp]]:
-    """Programs of :class:`~..ir.Op` (split backward only) as the core's ``(kind, stage, mb)``."""
+    """Programs of :class:`~...ir.Op` (split backward only) as the core's ``(kind, stage, mb)``."""
     kinds = {Kind.F: FORWARD, Kind.B: BACKWARD, Kind.W: WEIGHT}
     return [[(kinds[op.kind], op.stage, op.microbatch) for op in program] for program in programs]
 

@@ -1,6 +1,6 @@
 """The equalised V planner: fill every rank to the memory limit, equalise, then F, B, W.
 
-Our implementation, on :mod:`.planning`, of the strategy of the ZB-V authors' public heuristic:
+Our implementation, on :mod:`.core`, of the strategy of the ZB-V authors' public heuristic:
 ranks add down forwards while they would otherwise idle for their first up input (fill), the deeper
 ranks get extra forwards until all hold the same number of activations (equalise), then rounds of
 one backward and one forward per rank with W ops in the gaps and whenever memory blocks the next op
@@ -17,8 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..costs import StageCosts, within_limit
-from .planning import PlanState, Stuck
+from ...costs import StageCosts, within_limit
+from .core import PlanState, Stuck
 
 
 @dataclass(frozen=True)

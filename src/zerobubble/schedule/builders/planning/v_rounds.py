@@ -1,8 +1,8 @@
 """ZB-V's round planner: every round each rank takes one backward, then one forward.
 
-:class:`RoundPlanner` runs one :class:`RoundVariant` on the shared planning core (:mod:`.planning`);
-:mod:`.zb_v` tries :data:`ZB_V_ROUND_VARIANTS` among its candidates.  The op-class table below is
-shared with zb-v's greedy.
+:class:`RoundPlanner` runs one :class:`RoundVariant` on the shared planning core (:mod:`.core`);
+:mod:`..zb_v` tries :data:`ZB_V_ROUND_VARIANTS` among its candidates.  The op-class table below is
+shared with the V greedy (:mod:`.v_greedy`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..costs import StageCosts, within_limit
-from .planning import PlanState, Stuck
+from ...costs import StageCosts, within_limit
+from .core import PlanState, Stuck
 
 _TOLERANCE = 1e-9
 

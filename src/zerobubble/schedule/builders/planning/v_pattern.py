@@ -19,8 +19,8 @@ import itertools
 import math
 import operator
 
-from ..costs import StageCosts
-from .planning import BACKWARD, FORWARD, WEIGHT, BuilderCandidate, PlanOp, fixed_candidate
+from ...costs import StageCosts
+from .core import BACKWARD, FORWARD, WEIGHT, BuilderCandidate, PlanOp, fixed_candidate
 
 _PERIOD = 6
 Slots = list[list[list[int]]]  # [rank][kind][microbatch] -> unit time slot

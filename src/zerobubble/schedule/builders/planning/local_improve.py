@@ -18,7 +18,7 @@ critical rank (one whose span is the iteration time), largest first, it tries th
 * **hoist** — one of the next ``_HOIST_WINDOW`` F or B ops whose input was in when the gap began.
 
 All but fill may hold memory longer.  Each move is replayed on the planning core
-(:func:`.planning.replay`: the simulator's timing, the validator's memory rule, deadlocks rejected)
+(:func:`.core.replay`: the simulator's timing, the validator's memory rule, deadlocks rejected)
 and kept only when it lowers the iteration time, or keeps it and lowers the sum of all ranks' spans
 (so that a tie between critical ranks can be broken one rank at a time).  The pass stops at the
 lower bound, when no move helps, or when its budget of replayed ops is spent, so its cost is
@@ -31,9 +31,9 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from ..costs import StageCosts
-from ..ir import Op, Schedule
-from .planning import (
+from ...costs import StageCosts
+from ...ir import Op, Schedule
+from .core import (
     BACKWARD,
     FORWARD,
     WEIGHT,
@@ -171,7 +171,7 @@ def _better(new: tuple[float, float], old: tuple[float, float]) -> bool:
 
 def _op_times(state: PlanState) -> list[list[tuple[float, float]]]:
     """(start, end) of every op of a replayed plan, rank by rank (an op starts when its rank is
-    free and its input is in, as in :func:`.planning.replay`)."""
+    free and its input is in, as in :func:`.core.replay`)."""
     times = []
     durations = (state.f, state.b, state.w)
     for rank, program in enumerate(state.programs):
