@@ -28,6 +28,9 @@ class PoolCallFailed(RuntimeError):
 def _serve(inboxes: list[Any], outbox: Any) -> None:
     """A rank's loop: run each ``(fn, argument)`` from its inbox until it receives None."""
     rank = int(os.environ["RANK"])
+    # inductor compiles in worker processes of its own unless told not to: with every rank of a
+    # pool compiling at once, they swamp a 2-core machine
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     init_distributed(backend="gloo", timeout=120)
     while True:
         item = inboxes[rank].get()

@@ -129,7 +129,7 @@ def four_ranks():
 
 
 def _check(pool: RankPool, case: Case) -> None:
-    results = pool.call(train_case, case)
+    results = pool.call(train_case, case, timeout=600 if case.compile else 120)
     tolerance = COMPILED_TOLERANCE if case.compile else TOLERANCE
     for rank, result in enumerate(results):
         for what in ("loss", "grads", "params"):
