@@ -17,19 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from _graphs import node_names
+from _split_checks import WIDTH, Gate, GateRule, assert_grads_equal, split_backward, w_after_b
 from zerobubble.runtime.wgrad import (
     FastPaths,
-    SplitRule,
     WeightGradStore,
     default_fast_paths,
-    fast,
     install_deferral,
     remove_deferral,
 )
 from zerobubble_bench.split_models import SPLIT_MODELS, split_model
-
-WIDTH = 8
 
 
 class ScaleFunction(torch.autograd.Function):
@@ -92,31 +88,6 @@ def _batches(count: int) -> list[torch.Tensor]:
     return [torch.randint(11, (3, 6), generator=generator) for _ in range(count)]
 
 
-def _assert_grads_equal(model: nn.Module, reference: nn.Module) -> None:
-    expected = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        assert param.grad is not None, f"{name} got no gradient"
-        assert param.grad.dtype == param.dtype
-        assert not param.grad.requires_grad, f"W built an autograd graph into {name}.grad"
-        torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-5, atol=1e-7, msg=name)
-
-
-def _w_after_b(model: nn.Module, store: WeightGradStore, reference: nn.Module) -> None:
-    """Checks that B wrote no ``.grad``, runs W of every pending key (last first), compares."""
-    assert all(p.grad is None for p in model.parameters()), "no .grad may be written in B"
-    for key in reversed(store.pending_keys()):
-        store.flush(key)
-    assert store.pending_keys() == []
-    _assert_grads_equal(model, reference)
-
-
-def _split_backward(model, store, losses, stage=0):
-    for j, loss in enumerate(losses):
-        store.begin((stage, j), defer=True)
-        loss.backward()
-        store.end()
-
-
 def test_every_parameter_waits_for_w_and_w_matches_autograd():
     torch.manual_seed(0)
     model = Mixed()
@@ -130,14 +101,14 @@ def test_every_parameter_waits_for_w_and_w_matches_autograd():
         "fast Embedding": 1, "fast Linear": 3, "fast LayerNorm": 1, "fast Conv1d": 1, "fast GroupNorm": 1,
         "fast BatchNorm1d": 2, "fast Conv2d": 1, "fast RMSNorm": 1, "generic Custom": 1,
     }  # fmt: skip
-    _split_backward(model, store, [model(tokens).square().mean() for tokens in batches])
+    split_backward(model, store, [model(tokens).square().mean() for tokens in batches])
     early = [name for name, p in model.named_parameters() if p.grad is not None]
     assert early == [], f"gradients computed in B: {early}"
     assert sorted(store.pending_keys()) == [(0, 0), (0, 1), (0, 2)]
     for key in [(0, 2), (0, 0), (0, 1)]:  # any order the schedule says
         store.flush(key)
     assert store.pending_keys() == []
-    _assert_grads_equal(model, reference)
+    assert_grads_equal(model, reference)
     for (name, buffer), (_, expected) in zip(model.named_buffers(), reference.named_buffers()):
         torch.testing.assert_close(buffer, expected, rtol=1e-6, atol=0, msg=name)
 
@@ -154,7 +125,7 @@ def test_fused_mode_computes_every_gradient_in_the_backward():
         model(tokens).square().mean().backward()
         store.end()
     assert store.pending_keys() == []
-    _assert_grads_equal(model, reference)
+    assert_grads_equal(model, reference)
 
 
 def test_input_gradient_of_a_middle_stage_is_exact_and_eval_batch_norm_splits():
@@ -168,11 +139,11 @@ def test_input_gradient_of_a_middle_stage_is_exact_and_eval_batch_norm_splits():
     reference(x_ref).square().sum().backward()
     store = WeightGradStore()
     install_deferral([stage], store)
-    _split_backward(stage, store, [stage(x).square().sum()], stage=1)
+    split_backward(stage, store, [stage(x).square().sum()], stage=1)
     torch.testing.assert_close(x.grad, x_ref.grad)
     assert all(p.grad is None for p in stage.parameters())
     store.flush((1, 0))
-    _assert_grads_equal(stage, reference)
+    assert_grads_equal(stage, reference)
 
 
 @pytest.mark.parametrize("name", SPLIT_MODELS)
@@ -186,12 +157,12 @@ def test_real_models_defer_every_parameter(name):
     chunks = list(zip(model.inputs.chunk(2), model.targets.chunk(2)))
     for inputs, targets in chunks:
         reference.loss_fn(_run(reference.layers, inputs), targets).backward()
-    _split_backward(layers, store, [model.loss_fn(_run(model.layers, i), t) for i, t in chunks])
+    split_backward(layers, store, [model.loss_fn(_run(model.layers, i), t) for i, t in chunks])
     early = [n for n, p in layers.named_parameters() if p.grad is not None]
     assert early == [], f"gradients computed in B: {early}"
     store.flush((0, 1))
     store.flush((0, 0))
-    _assert_grads_equal(layers, nn.Sequential(*reference.layers))
+    assert_grads_equal(layers, nn.Sequential(*reference.layers))
     for (buffer_name, buffer), (_, expected) in zip(
         layers.named_buffers(), nn.Sequential(*reference.layers).named_buffers()
     ):
@@ -228,12 +199,12 @@ def test_checkpointing_recomputes_in_b_and_keeps_w_deferred():
     install_deferral([block], store)
     loss = checkpoint(block, x, use_reentrant=False).square().sum()
     assert block.calls == 1
-    _split_backward(block, store, [loss])
+    split_backward(block, store, [loss])
     assert block.calls == 2, "B recomputed the checkpointed forward (activations were not kept)"
     assert all(p.grad is None for p in block.parameters()), "recomputation must not compute W in B"
     torch.testing.assert_close(x.grad, x_ref.grad)
     store.flush((0, 0))
-    _assert_grads_equal(block, reference)
+    assert_grads_equal(block, reference)
 
 
 class _ScaledCountingBlock(_CountingBlock):
@@ -265,7 +236,7 @@ def test_checkpointing_keeps_w_of_generically_split_modules_deferred(block_type,
     assert deferral.generic, "the test needs generically split modules"
     losses = [checkpoint(block, x, use_reentrant=False).square().sum() for _ in range(2)]
     assert block.calls == 2
-    _split_backward(block, store, losses)
+    split_backward(block, store, losses)
     assert block.calls == 4, "B recomputes each checkpointed forward once (not once per engine run)"
     early = [name for name, p in block.named_parameters() if p.grad is not None]
     assert early == [], f"gradients computed in B under checkpointing: {early}"
@@ -273,7 +244,7 @@ def test_checkpointing_keeps_w_of_generically_split_modules_deferred(block_type,
     store.flush((0, 1))
     store.flush((0, 0))
     assert block.calls == 4, "W must not recompute the checkpointed forward"
-    _assert_grads_equal(block, reference)
+    assert_grads_equal(block, reference)
     assert store.pending_keys() == []
 
 
@@ -295,37 +266,8 @@ def test_autocast_bf16_computes_w_in_saved_dtype_and_accumulates_in_parameter_dt
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(t)
         losses.append(out.float().square().mean())
-    _split_backward(model, store, losses)
-    _w_after_b(model, store, reference)
-
-
-class Gate(nn.Module):
-    """A user layer: ``x * sigmoid(gate)`` with a vector parameter."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = nn.Parameter(torch.randn(WIDTH))
-
-    def forward(self, x):
-        return x * torch.sigmoid(self.gate)
-
-
-class GateRule(SplitRule):
-    """The user's closed form for Gate."""
-
-    def param_names(self, module):
-        return ("gate",)
-
-    def forward(self, module, x, params):
-        return x * torch.sigmoid(params[0]), (x, params[0])
-
-    def input_grad(self, module, saved, grad_output):
-        return grad_output * torch.sigmoid(saved[1])
-
-    def weight_grads(self, module, saved, grad_output, needed):
-        x, gate = saved
-        s = torch.sigmoid(gate)
-        return [(grad_output * x).reshape(-1, WIDTH).sum(0) * s * (1 - s)]
+    split_backward(model, store, losses)
+    w_after_b(model, store, reference)
 
 
 class GateOverridden(Gate):
@@ -345,10 +287,10 @@ def test_a_registered_rule_is_used_and_subclasses_that_override_forward_are_not(
     deferral = install_deferral([model], store, paths)
     assert deferral.summary() == {"fast Gate": 1, "fast Linear": 1, "generic GateOverridden": 1}
     assert FastPaths().rule_for(Gate()) is None and default_fast_paths().rule_for(Gate()) is None
-    _split_backward(model, store, [model(x).square().sum()])
+    split_backward(model, store, [model(x).square().sum()])
     assert all(p.grad is None for p in model.parameters())
     store.flush((0, 0))
-    _assert_grads_equal(model, reference)
+    assert_grads_equal(model, reference)
     remove_deferral(deferral)
     assert all("forward" not in m.__dict__ for m in model.modules())
 
@@ -365,7 +307,7 @@ def test_w_frees_what_b_kept():
     install_deferral([model], store)
     x = torch.randn(3, WIDTH, requires_grad=True)
     loss = model(x * 2).square().sum()
-    _split_backward(model, store, [loss])
+    split_backward(model, store, [loss])
     del loss
     gc.collect()
     assert all(ref() is not None for ref in kept), "W needs the layers' inputs"
@@ -382,10 +324,10 @@ def test_a_fast_path_layer_called_with_keywords_takes_the_generic_split():
     reference(input=x).sum().backward()
     store = WeightGradStore()
     install_deferral([layer], store)
-    _split_backward(layer, store, [layer(input=x).sum()])
+    split_backward(layer, store, [layer(input=x).sum()])
     assert layer.weight.grad is None
     store.flush((0, 0))
-    _assert_grads_equal(layer, reference)
+    assert_grads_equal(layer, reference)
 
 
 def test_no_grad_forward_and_frozen_parameters_bypass_the_store():
@@ -459,7 +401,7 @@ def test_an_unbatched_convolution_on_a_first_stage_splits_exactly():
     reference(x).sin().sum().backward()
     store = WeightGradStore()
     install_deferral([layer], store)
-    _split_backward(layer, store, [layer(x).sin().sum()])
+    split_backward(layer, store, [layer(x).sin().sum()])
     assert all(p.grad is None for p in layer.parameters())
     store.flush((0, 0))
     for param, expected in zip(layer.parameters(), reference.parameters()):
@@ -482,14 +424,14 @@ def test_each_layer_configuration_splits_exactly(name):
     store = WeightGradStore()
     deferral = install_deferral([layer], store)
     assert deferral.summary() == {f"{split} {type(layer).__name__}": 1}
-    _split_backward(layer, store, [layer(x).sin().sum() for x in inputs])
+    split_backward(layer, store, [layer(x).sin().sum() for x in inputs])
     assert all(p.grad is None for p in layer.parameters())
     for x, expected in zip(inputs, references):
         if x.requires_grad:
             torch.testing.assert_close(x.grad, expected.grad, rtol=1e-5, atol=1e-6)
     store.flush((0, 1))
     store.flush((0, 0))
-    _assert_grads_equal(layer, reference)
+    assert_grads_equal(layer, reference)
     for (buffer_name, buffer), (_, expected) in zip(layer.named_buffers(), reference.named_buffers()):
         torch.testing.assert_close(buffer, expected, rtol=1e-6, atol=0, msg=buffer_name)
 
@@ -512,8 +454,8 @@ def test_parametrized_weight_takes_the_generic_split_and_reaches_the_real_parame
     store = WeightGradStore()
     deferral = install_deferral([model], store)
     assert deferral.summary() == {"fast Linear": 1, "generic ParametrizedLinear": 1}
-    _split_backward(model, store, [model(x).square().sum() for x in batches])
-    _w_after_b(model, store, reference)
+    split_backward(model, store, [model(x).square().sum() for x in batches])
+    w_after_b(model, store, reference)
 
 
 def test_offloading_hooks_keep_w_of_generically_split_modules_deferred():
@@ -527,129 +469,11 @@ def test_offloading_hooks_keep_w_of_generically_split_modules_deferred():
     install_deferral([block], store, FastPaths())
     with torch.autograd.graph.save_on_cpu():
         loss = block(x).square().sum()
-    _split_backward(block, store, [loss])
+    split_backward(block, store, [loss])
     assert all(p.grad is None for p in block.parameters()), "offloading must not move W into B"
     torch.testing.assert_close(x.grad, x_ref.grad)
     store.flush((0, 0))
-    _assert_grads_equal(block, reference)
-
-
-def _stage_with_shared_and_in_place_layers() -> tuple[nn.Sequential, nn.Sequential]:
-    """A first stage (input without gradient) whose first Linear is used again later."""
-    shared = nn.Linear(WIDTH, WIDTH)
-    first = nn.Sequential(
-        shared,
-        nn.ReLU(inplace=True),
-        nn.LayerNorm(WIDTH),
-        nn.Linear(WIDTH, WIDTH),
-        nn.BatchNorm1d(WIDTH),
-        shared,
-    )
-    norm_first = nn.Sequential(
-        nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.GroupNorm(2, WIDTH)
-    )
-    return first, norm_first
-
-
-@pytest.mark.parametrize("defer", [True, False], ids=["deferred W", "fused BW"])
-def test_autograd_native_nodes_split_exactly_and_the_function_covers_an_input_without_gradient(defer):
-    torch.manual_seed(9)
-    for model in _stage_with_shared_and_in_place_layers():
-        reference = copy.deepcopy(model)
-        batches = [torch.randn(5, WIDTH) for _ in range(2)]  # a first stage: no input gradient
-        for x in batches:
-            reference(x).square().sum().backward()
-        store = WeightGradStore()
-        install_deferral([model], store)
-        losses = [model(x).square().sum() for x in batches]
-        names = node_names(losses[0])
-        split_nodes = names.count("SplitFunctionBackward")
-        # the first layer's input has no gradient: only a first Linear needs the autograd function;
-        # every other layer is autograd's own node (LayerNorm on aliases even as the first layer)
-        assert split_nodes == (1 if isinstance(model[0], nn.Linear) else 0), names
-        assert "NativeLayerNormBackward0" in names
-        for j, loss in enumerate(losses):
-            store.begin((0, j), defer=defer)
-            loss.backward()
-            store.end()
-        if defer:
-            assert all(p.grad is None for p in model.parameters()), "no .grad may be written in B"
-            assert sorted(store.pending_keys()) == [(0, 0), (0, 1)]
-            store.flush((0, 1))
-            store.flush((0, 0))
-        assert store.pending_keys() == []
-        _assert_grads_equal(model, reference)
-        for (name, buffer), (_, expected) in zip(model.named_buffers(), reference.named_buffers()):
-            torch.testing.assert_close(buffer, expected, rtol=1e-6, atol=0, msg=name)
-
-
-def test_a_fused_backward_through_native_nodes_twice_with_a_retained_graph_adds_twice():
-    torch.manual_seed(10)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH))
-    reference = copy.deepcopy(model)
-    x = torch.randn(3, WIDTH, requires_grad=True)
-    loss = reference(x).square().sum()
-    loss.backward(retain_graph=True)
-    loss.backward()
-    store = WeightGradStore()
-    install_deferral([model], store)
-    loss = model(x).square().sum()
-    store.begin((0, 0), defer=False)
-    loss.backward(retain_graph=True)
-    loss.backward()
-    store.end()
-    _assert_grads_equal(model, reference)
-
-
-class _GenericAroundNative(nn.Module):
-    """A generic module whose own parameter feeds its fast-path children: its W walks their nodes."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
-        self.norm = nn.LayerNorm(WIDTH)
-        self.fc = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        return self.fc(self.norm(x * self.scale)) * self.scale
-
-
-def test_generic_w_passing_through_native_nodes_adds_their_gradients_once():
-    torch.manual_seed(11)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), _GenericAroundNative())
-    reference = copy.deepcopy(model)
-    batches = [torch.randn(4, WIDTH) for _ in range(2)]
-    for x in batches:
-        reference(x).square().sum().backward()
-    store = WeightGradStore()
-    deferral = install_deferral([model], store)
-    assert deferral.summary() == {"fast Linear": 2, "fast LayerNorm": 1, "generic _GenericAroundNative": 1}
-    _split_backward(model, store, [model(x).square().sum() for x in batches])
-    _w_after_b(model, store, reference)
-
-
-class NativeGateRule(GateRule):
-    """The same closed form; its forward on a detached gate is autograd's own ``x * sigmoid(gate)``."""
-
-    native_backward = True
-
-
-def test_a_registered_rule_with_native_backward_runs_b_in_autograd_nodes():
-    torch.manual_seed(12)
-    paths = default_fast_paths()
-    paths.register(Gate, NativeGateRule())
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Gate())
-    reference = copy.deepcopy(model)
-    batches = [torch.randn(3, WIDTH) for _ in range(2)]
-    for x in batches:
-        reference(x).square().sum().backward()
-    store = WeightGradStore()
-    install_deferral([model], store, paths)
-    losses = [model(x).square().sum() for x in batches]
-    names = node_names(losses[0])
-    assert "MulBackward0" in names and names.count("SplitFunctionBackward") == 1, names  # the Linear's
-    _split_backward(model, store, losses)
-    _w_after_b(model, store, reference)
+    assert_grads_equal(block, reference)
 
 
 class _Scaled(nn.Module):
@@ -679,58 +503,4 @@ def test_fast_paths_alone_leave_other_modules_to_plain_autograd():
         model(x).square().sum().backward()
         store.end()
     assert store.pending_keys() == []
-    _assert_grads_equal(model, reference)
-
-
-def _norms() -> nn.Module:
-    return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.BatchNorm1d(6), nn.GroupNorm(2, 6))
-
-
-@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
-def test_norms_in_a_keyed_forward_need_no_hook_and_end_as_plain_autograd(defer, monkeypatch):
-    """In a forward between ``begin_forward`` and ``end_forward`` (the executor's) the norms' alias
-    parameters get their gradients from autograd's own accumulation and the store hands them to W
-    (or adds them at a fused backward's end): no hook on their nodes, the same ``.grad`` and
-    parameter hooks, once per microbatch, as plain autograd."""
-    torch.manual_seed(9)
-    model = _norms()
-    reference = copy.deepcopy(model)
-    store = WeightGradStore()
-    install_deferral([model], store)
-
-    def no_hook(*args):
-        raise AssertionError("a norm's node was hooked in a keyed forward")
-
-    monkeypatch.setattr(fast._GradsOfAliases, "__call__", no_hook)
-    calls: list[str] = []
-    model[1].weight.register_hook(lambda grad: calls.append("hook"))
-    model[1].weight.register_post_accumulate_grad_hook(lambda param: calls.append("post"))
-    for j in range(2):
-        x = torch.randn(5, 4, requires_grad=True)
-        reference(x).sin().sum().backward()
-        store.begin_forward((0, j))
-        out = model(x)
-        store.end_forward()
-        assert store.pending_keys() == [(0, j)], "the norms left no work for the backward"
-        store.begin((0, j), defer=defer)
-        out.sin().sum().backward()
-        store.end()
-        if defer:
-            assert model[1].weight.grad is None or j > 0, "B added into .grad"
-            store.flush((0, j))
-        assert store.pending_keys() == []
-    assert calls == ["hook", "post"] * 2
-    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_a_keyed_forward_without_its_backward_is_pending_until_cleared():
-    model = _norms()
-    store = WeightGradStore()
-    install_deferral([model], store)
-    store.begin_forward((0, 0))
-    model(torch.randn(5, 4, requires_grad=True))
-    store.end_forward()
-    assert store.pending_keys() == [(0, 0)]
-    store.clear()  # a failed step
-    assert store.pending_keys() == []
+    assert_grads_equal(model, reference)

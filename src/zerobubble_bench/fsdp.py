@@ -14,6 +14,7 @@ import argparse
 import copy
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -78,9 +79,6 @@ def data_parallel_table(
 
 def _measure_rank(steps: int, width: int, blocks: int, schedule: str, post_validation: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    from zerobubble import Pipeline
 
     init_distributed(backend="gloo", timeout=300)
     torch.manual_seed(0)
@@ -89,27 +87,7 @@ def _measure_rank(steps: int, width: int, blocks: int, schedule: str, post_valid
         for _ in range(blocks)
     ]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    pipes: dict[str, Any] = {}
-    optimizers: dict[str, Any] = {}
-    for name in CONFIGURATIONS:
-        pipe = pipes[name] = Pipeline(
-            copy.deepcopy(layers),
-            mesh=mesh,
-            data_parallel="fsdp" if name == "fsdp" else "replicate",
-            schedule=schedule,
-            microbatches=4,
-            loss_fn=F.mse_loss,
-            timeout=300,
-            post_validation=post_validation,
-        )
-        params = list(pipe.parameters())
-        optimizers[name] = (
-            ZeroRedundancyOptimizer(
-                params, optimizer_class=torch.optim.AdamW, process_group=pipe.layout.dp_group, lr=1e-3
-            )
-            if "ZeRO" in name
-            else torch.optim.AdamW(params, lr=1e-3)
-        )
+    pipes, optimizers = _configurations(layers, mesh, schedule, post_validation)
     generator = torch.Generator().manual_seed(1 + mesh.get_local_rank("dp"))
     inputs, targets = torch.randn(16, width, generator=generator), torch.randn(16, width, generator=generator)
 
@@ -138,6 +116,38 @@ def _measure_rank(steps: int, width: int, blocks: int, schedule: str, post_valid
     dist.barrier()
     result["times"] = times
     return result
+
+
+def _configurations(
+    layers: Sequence[nn.Module], mesh: Any, schedule: str, post_validation: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One Pipeline (on a copy of ``layers``) and its optimizer per entry of :data:`CONFIGURATIONS`."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from zerobubble import Pipeline
+
+    pipes: dict[str, Any] = {}
+    optimizers: dict[str, Any] = {}
+    for name in CONFIGURATIONS:
+        pipe = pipes[name] = Pipeline(
+            copy.deepcopy(layers),
+            mesh=mesh,
+            data_parallel="fsdp" if name == "fsdp" else "replicate",
+            schedule=schedule,
+            microbatches=4,
+            loss_fn=F.mse_loss,
+            timeout=300,
+            post_validation=post_validation,
+        )
+        params = list(pipe.parameters())
+        optimizers[name] = (
+            ZeroRedundancyOptimizer(
+                params, optimizer_class=torch.optim.AdamW, process_group=pipe.layout.dp_group, lr=1e-3
+            )
+            if "ZeRO" in name
+            else torch.optim.AdamW(params, lr=1e-3)
+        )
+    return pipes, optimizers
 
 
 def _held(params: list[torch.Tensor], optimizer: Any) -> dict[str, int]:

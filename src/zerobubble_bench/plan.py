@@ -75,8 +75,6 @@ def plan_benchmark(
 def _plan_rank(
     model: str, m: int, rows: int, rounds: int, steps: int, warmup: int, calibrate: int, settle: int
 ) -> dict[str, Any]:
-    from zerobubble.schedule.modelplan import stage_costs
-
     init_distributed(backend="gloo", timeout=300)
     world = dist.get_world_size()
     load = uneven_lm_workload(m, rows) if model == "lm" else workload("mlp", m, rows)
@@ -98,6 +96,26 @@ def _plan_rank(
     calibration = plan.calibration
     assert calibration is not None
     pipes = {f"auto ({auto.schedule.name}, cuts {list(plan.partition)})": auto}
+    pipes.update(_fixed_pipelines(model, load, m, world))
+    runners = {label: our_step(pipe, load.batch) for label, pipe in pipes.items()}
+    if model == "lm":
+        runners["torch ScheduleZBVZeroBubble, even split"] = torch_runner(
+            "ScheduleZBVZeroBubble", model, load, m
+        )
+    times = interleaved(runners, rounds, steps, warmup, settle)
+    return {
+        "times": times,
+        "steps_per_round": steps,
+        "predicted": _predictions(pipes, layer_profile, plan.cores, calibration.profile),
+        "reason": plan.reason,
+        "calibration": calibration.describe(),
+    }
+
+
+def _fixed_pipelines(model: str, load: Any, m: int, world: int) -> dict[str, Pipeline]:
+    """The pipelines auto is measured against, by label: zb-v cut evenly for the language model, every
+    schedule of ours with the benchmark's partition for the others."""
+    pipes = {}
     count = len(load.make_layers())
     names = ("zb-v",) if model == "lm" else OUR_SCHEDULES
     for name in names:
@@ -112,30 +130,27 @@ def _plan_rank(
             partition=partition,
             timeout=300,
         )
-    runners = {label: our_step(pipe, load.batch) for label, pipe in pipes.items()}
-    if model == "lm":
-        runners["torch ScheduleZBVZeroBubble, even split"] = torch_runner(
-            "ScheduleZBVZeroBubble", model, load, m
-        )
-    times = interleaved(runners, rounds, steps, warmup, settle)
+    return pipes
+
+
+def _predictions(
+    pipes: dict[str, Pipeline], layer_profile: Any, cores: int | None, calibrated: Any
+) -> dict[str, dict[str, float]]:
+    """Each pipeline's simulated makespan from the plan's layer profile and from the calibrated one."""
+    from zerobubble.schedule.modelplan import stage_costs
+
     predicted: dict[str, dict[str, float]] = {"profile": {}, "calibrated": {}}
     for label, pipe in pipes.items():
         bounds, fused = pipe.layer_bounds, not pipe.schedule.splits_backward
         # the profile holds times on a core of its own, the plan's cores model the ranks sharing them;
         # the calibrated times were measured while sharing them: simulated as they are
-        for kind, profile, cores in (
-            ("profile", layer_profile, plan.cores),
-            ("calibrated", calibration.profile, None),
+        for kind, profile, kind_cores in (
+            ("profile", layer_profile, cores),
+            ("calibrated", calibrated, None),
         ):
             costs = stage_costs(profile, bounds[1:-1], len(bounds) - 1, fused=fused)
-            predicted[kind][label] = simulate(pipe.schedule, costs, cores=cores).makespan
-    return {
-        "times": times,
-        "steps_per_round": steps,
-        "predicted": predicted,
-        "reason": plan.reason,
-        "calibration": calibration.describe(),
-    }
+            predicted[kind][label] = simulate(pipe.schedule, costs, cores=kind_cores).makespan
+    return predicted
 
 
 def _plan_table(label: str, ranks: int, m: int, rows: int, result: dict[str, Any]) -> Table:

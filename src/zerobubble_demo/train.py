@@ -204,23 +204,9 @@ def check_config(config: TrainConfig) -> Schedule | None:
     schedule (the spawned ranks run it rather than building it again), or None for ``auto``, which
     the Pipeline plans from a profile on the ranks.
     """
-    for name in ("ranks", "steps", "microbatches", "batch_size", "data_parallel"):
-        value = getattr(config, name)
-        if (name == "ranks" and value is None) or (name == "data_parallel" and config.mesh is not None):
-            continue
-        if name == "data_parallel" and value in ("replicate", "fsdp"):
-            raise ConfigError(
-                f"data-parallel {value} is a mode of a mesh's dp dimension: add --mesh pp=P,dp=D"
-            )
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    _check_counts(config)
     _check_mesh(config)
-    if not config.timeout > 0:
-        raise ConfigError(f"timeout must be positive (seconds), got {config.timeout!r}")
-    if not config.lr > 0:
-        raise ConfigError(f"lr must be positive, got {config.lr!r}")
-    if config.max_norm is not None and not config.max_norm > 0:
-        raise ConfigError(f"max-norm must be positive, got {config.max_norm!r}")
+    _check_positive(config)
     if config.world % config.replicas:
         raise ConfigError(
             f"data-parallel {config.data_parallel} does not divide ranks={config.world}; ranks counts every "
@@ -234,12 +220,7 @@ def check_config(config: TrainConfig) -> Schedule | None:
         )
     model = config.model  # validates the model size
     if config.resume is not None:
-        if not os.path.isfile(os.path.join(config.resume, ".metadata")):
-            raise ConfigError(
-                f"resume {config.resume!r} is not a checkpoint directory (no .metadata in it); write one "
-                "with --save DIR"
-            )
-        check_checkpoint(config.resume, model)  # its files and the model's shapes, before any rank
+        _check_resume(config.resume, model)
     _check_compile_backend(config.compile)
     if config.partition not in ("even", "profile"):
         raise ConfigError(f"partition must be even or profile, got {config.partition!r}")
@@ -256,6 +237,41 @@ def check_config(config: TrainConfig) -> Schedule | None:
             f"{schedule.num_stages - 2} or more"
         )
     return schedule
+
+
+def _check_counts(config: TrainConfig) -> None:
+    """Every count a positive integer (``ranks`` may be unset; on a mesh its dp dimension counts the
+    replicas, and a data-parallel mode without a mesh is refused)."""
+    for name in ("ranks", "steps", "microbatches", "batch_size", "data_parallel"):
+        value = getattr(config, name)
+        if (name == "ranks" and value is None) or (name == "data_parallel" and config.mesh is not None):
+            continue
+        if name == "data_parallel" and value in ("replicate", "fsdp"):
+            raise ConfigError(
+                f"data-parallel {value} is a mode of a mesh's dp dimension: add --mesh pp=P,dp=D"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def _check_positive(config: TrainConfig) -> None:
+    """The timeout, the learning rate and the clipping norm (when set) positive."""
+    if not config.timeout > 0:
+        raise ConfigError(f"timeout must be positive (seconds), got {config.timeout!r}")
+    if not config.lr > 0:
+        raise ConfigError(f"lr must be positive, got {config.lr!r}")
+    if config.max_norm is not None and not config.max_norm > 0:
+        raise ConfigError(f"max-norm must be positive, got {config.max_norm!r}")
+
+
+def _check_resume(directory: str, model: GPTConfig) -> None:
+    """``directory`` a checkpoint whose files and shapes fit ``model``, checked before any rank starts."""
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise ConfigError(
+            f"resume {directory!r} is not a checkpoint directory (no .metadata in it); write one "
+            "with --save DIR"
+        )
+    check_checkpoint(directory, model)  # its files and the model's shapes
 
 
 def _check_mesh(config: TrainConfig) -> None:
@@ -378,29 +394,11 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
     pipe = _pipeline(config, schedule, backend, example)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
-    if config.resume is not None:
-        start = load_checkpoint(pipe, optimizer, config.resume)
-        for _ in range(start):  # the batches the saved run drew: the corpus continues where it stopped
-            corpus.batch(config.batch_size)
-    else:
-        start = 0
+    start = _resume(config, pipe, optimizer, corpus)
     shard = slice(pipe.layout.dp_index * shard_size, (pipe.layout.dp_index + 1) * shard_size)
     # one rank reports: the loss holder of replica 0, at tensor-parallel coordinate 0
     reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0 and _tp_index(pipe.layout.mesh) == 0
-    losses, times = [], []
-    profiler = step_profiler(config.profile, config.steps, dist.get_rank(), backend)
-    with _progress(config.progress and reports_loss, config.steps) as advance, profiler:
-        for _ in range(config.steps):
-            inputs, targets = corpus.batch(config.batch_size)  # the same global batch on every rank
-            started = time.perf_counter()
-            loss = pipe.step(inputs[shard], targets[shard])
-            pipe.optimizer_step(optimizer, config.max_norm)
-            optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - started)
-            if reports_loss and loss is not None:  # the last stage's rank reports
-                losses.append(float(loss))
-                advance(losses[-1], config.batch_size * config.seq_len / times[-1])
-            profiler.step()
+    losses, times = _train_steps(config, pipe, optimizer, corpus, shard, reports_loss, backend)
     pipe.synchronize()
     if config.save is not None:
         save_checkpoint(pipe, optimizer, config.save, start + config.steps)
@@ -432,6 +430,46 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
         ),
         first_step=start,
     )
+
+
+def _resume(config: TrainConfig, pipe: Any, optimizer: torch.optim.Optimizer, corpus: MarkovCorpus) -> int:
+    """Load ``config.resume`` (if set) into ``pipe`` and ``optimizer``, and draw the batches the saved
+    run drew, so that the corpus continues where it stopped; the step to start from."""
+    if config.resume is None:
+        return 0
+    start = load_checkpoint(pipe, optimizer, config.resume)
+    for _ in range(start):
+        corpus.batch(config.batch_size)
+    return start
+
+
+def _train_steps(
+    config: TrainConfig,
+    pipe: Any,
+    optimizer: torch.optim.Optimizer,
+    corpus: MarkovCorpus,
+    shard: slice,
+    reports_loss: bool,
+    backend: str,
+) -> tuple[list[float], list[float]]:
+    """Train ``config.steps`` steps on this replica's ``shard`` of each global batch: the reported
+    losses (on the reporting rank, else none) and every step's seconds."""
+    losses: list[float] = []
+    times: list[float] = []
+    profiler = step_profiler(config.profile, config.steps, dist.get_rank(), backend)
+    with _progress(config.progress and reports_loss, config.steps) as advance, profiler:
+        for _ in range(config.steps):
+            inputs, targets = corpus.batch(config.batch_size)  # the same global batch on every rank
+            started = time.perf_counter()
+            loss = pipe.step(inputs[shard], targets[shard])
+            pipe.optimizer_step(optimizer, config.max_norm)
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - started)
+            if reports_loss and loss is not None:  # the last stage's rank reports
+                losses.append(float(loss))
+                advance(losses[-1], config.batch_size * config.seq_len / times[-1])
+            profiler.step()
+    return losses, times
 
 
 def _parallelism(config: TrainConfig, backend: str) -> dict[str, Any]:

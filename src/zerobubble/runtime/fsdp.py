@@ -19,10 +19,8 @@ it explicitly, the way torch's pipelining runtime does (``torch/distributed/pipe
 FSDP2 averages over the group, which is the replicated path's average: gradients of the mean loss
 over the global batch.
 
-Why one unit per chunk rather than per layer: the parameters of every layer of a chunk are read by
-every microbatch of the step, so with the once-per-step unshard all of them are unsharded for the
-whole step anyway; per-layer units would only multiply the collectives (one all-gather and one
-reduce-scatter per layer instead of per chunk) without lowering the step's peak.
+One unit per chunk, not per layer: every layer of a chunk stays unsharded for the whole step anyway,
+so per-layer units would only multiply the collectives (why: ``docs/guide.md``, "FSDP2").
 """
 
 from __future__ import annotations

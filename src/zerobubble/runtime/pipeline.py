@@ -34,7 +34,7 @@ from .compiled import prepare_layers
 from .consistency import CallCheck, broadcast_replicas
 from .construction import World, agreed_resolution, planned_resolution, world_of
 from .data_parallel import create_layout
-from .executor import Executor
+from .executor import Executor, StageState
 from .failures import PeerFailure, PeerMonitor
 from .fsdp import ShardedStages
 from .groups import local_group
@@ -143,6 +143,88 @@ class Pipeline:
         )  # fmt: skip
         self._build(resolution, world, static_shapes, fast_paths, verify, check_calls)
         self._build_recording(trace, emulate)
+        self._build_facets(resolution, post_validation)
+
+    def _build(
+        self, resolution: Resolution, world: World, static_shapes: bool, fast_paths: FastPaths | None,
+        verify: bool | str, check_calls: bool,
+    ) -> None:  # fmt: skip
+        """Build this rank's part of the agreed ``resolution`` (collective: the layout's, the call
+        check's, the ties' and the channels' groups); nothing is resolved or validated here."""
+        self.resolution = resolution
+        self.schedule: Schedule = resolution.schedule
+        self.timeline: Timeline = resolution.timeline
+        self.layer_bounds = resolution.bounds  # chunk s holds layers [bounds[s], bounds[s + 1])
+        self.plan: Plan | None = resolution.plan  # schedule="auto": what was chosen and why
+        self.profile: ModelProfile | None = resolution.profile  # and the layer profile it came from
+        logger.info("%s", resolution.describe())
+        self._build_groups(world, check_calls)
+        self._model_keys = model_keys(resolution.layers)  # the unpipelined state dict's keys
+        self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
+        # the keywords every layer of the model takes (step(**kwargs)): read before any is placed
+        self._keywords = [(name, layer_keywords(layer)) for name, layer in resolution.layers]
+        stages = self._place(resolution, fast_paths, verify)
+        self._build_executor(resolution, stages, static_shapes)
+
+    def _build_groups(self, world: World, check_calls: bool) -> None:
+        """The layout's process groups, the peer monitor and the per-call check's group (collective)."""
+        if self._mesh is not None and self._dims is not None:
+            self.layout = layout_of_mesh(self._mesh, self._dims, self.timeout)  # collective: local groups
+        else:
+            self.layout = create_layout(world.group, world.data_parallel, self.timeout)  # collective, too
+        self.group: dist.ProcessGroup | None = self.layout.pipeline_group
+        self.rank = self.layout.pipeline_rank
+        self.world_size = self.layout.pipeline_size
+        self._monitor = PeerMonitor(self._agreement.key, self.rank, self.timeout)
+        # the per-call argument check: a gloo group of its own over every rank (collective: local group)
+        calls = local_group(self.layout.everyone, backend="gloo", timeout=self.layout.setup_timeout)
+        self._calls = CallCheck(calls, self._monitor, self.layout.rank_name)
+        self._check_calls = bool(check_calls)
+
+    def _place(
+        self, resolution: Resolution, fast_paths: FastPaths | None, verify: bool | str
+    ) -> dict[int, StageState]:
+        """Place this rank's chunks into :attr:`module`, sharded or tied, every replica starting from
+        replica 0's values (collective); returns the chunks by stage index."""
+        self.module = nn.Module()
+        # data_parallel="fsdp"/"hsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
+        dp_mesh = data_mesh(self._mesh, self._dims) if self._mesh is not None and self._dims else None
+        self._sharded = ShardedStages(self.layout, self.device, dp_mesh) if self.sharding else None
+        shard = self._sharded.shard if self._sharded is not None else None
+        stages, self._guards = place_stages(
+            resolution, self.rank, self.device, self.module, fast_paths, verify, shard=shard,
+            parallelize=self._parallelize, mesh=self._mesh,
+        )  # fmt: skip
+        if self._sharded is not None:
+            self._sharded.placed()
+        self.stages = tuple(sorted(stages))
+        self._tied = tie_parameters(resolution, self.rank, self.layout, self.module, self._monitor.wait)
+        if self.layout.data_parallel > 1 and self._sharded is None:  # replicas start from replica 0's
+            broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
+        return stages
+
+    def _build_executor(
+        self, resolution: Resolution, stages: dict[int, StageState], static_shapes: bool
+    ) -> None:
+        """The channels, the executor of this rank's program and the per-call argument preparation."""
+        comm = Comm(
+            self.schedule, self.group, self.device, self.timeout, static_shapes, monitor=self._monitor
+        )
+        self._executor = Executor(
+            self.schedule, self.rank, stages, comm, resolution.loss_fn, self._agreement.seed,
+            ends=self._vocab_runner(),
+        )  # fmt: skip
+        self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
+        head, embedding = self._vocab_layers
+        self._call_args = PipelineCalls(
+            microbatches=self.schedule.microbatches, device=self.device, rank=self.rank,
+            ends=(self._first or embedding is not None, self._last or head is not None),
+            vocab_layers=self._vocab_layers, keywords=self._keywords,
+            calls=self._calls if self._check_calls else None, guarded=self._guarded,
+        )  # fmt: skip
+
+    def _build_facets(self, resolution: Resolution, post_validation: bool) -> None:
+        """The objects the facade forwards to: the optimizer step's and the state dicts'."""
         self._optimization = StepOptimization(
             resolution=resolution, layout=self.layout, rank=self.rank, device=self.device,
             post_validation=post_validation, wait=self._monitor.wait, tied=self._tied,
@@ -154,85 +236,6 @@ class Pipeline:
             guarded=self._guarded,
         )  # fmt: skip
 
-    def _build(
-        self,
-        resolution: Resolution,
-        world: World,
-        static_shapes: bool,
-        fast_paths: FastPaths | None,
-        verify: bool | str,
-        check_calls: bool,
-    ) -> None:
-        """Build this rank's part of the agreed ``resolution`` (collective: the layout's, the call
-        check's, the ties' and the channels' groups); nothing is resolved or validated here."""
-        self.resolution = resolution
-        self.schedule: Schedule = resolution.schedule
-        self.timeline: Timeline = resolution.timeline
-        self.layer_bounds = resolution.bounds  # chunk s holds layers [bounds[s], bounds[s + 1])
-        self.plan: Plan | None = resolution.plan  # schedule="auto": what was chosen and why
-        self.profile: ModelProfile | None = resolution.profile  # and the layer profile it came from
-        logger.info("%s", resolution.describe())
-        if self._mesh is not None and self._dims is not None:
-            self.layout = layout_of_mesh(self._mesh, self._dims, self.timeout)  # collective: local groups
-        else:
-            self.layout = create_layout(
-                world.group, world.data_parallel, self.timeout
-            )  # collective: local groups
-        self.group: dist.ProcessGroup | None = self.layout.pipeline_group
-        self.rank = self.layout.pipeline_rank
-        self.world_size = self.layout.pipeline_size
-        self._monitor = PeerMonitor(self._agreement.key, self.rank, self.timeout)
-        # the per-call argument check: a gloo group of its own over every rank (collective: local group)
-        calls = local_group(self.layout.everyone, backend="gloo", timeout=self.layout.setup_timeout)
-        self._calls = CallCheck(calls, self._monitor, self.layout.rank_name)
-        self._check_calls = bool(check_calls)
-        self._model_keys = model_keys(resolution.layers)  # the unpipelined state dict's keys
-        self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
-        self.module = nn.Module()
-        # data_parallel="fsdp"/"hsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
-        dp_mesh = data_mesh(self._mesh, self._dims) if self._mesh is not None and self._dims else None
-        self._sharded = ShardedStages(self.layout, self.device, dp_mesh) if self.sharding else None
-        shard = self._sharded.shard if self._sharded is not None else None
-        # the keywords every layer of the model takes (step(**kwargs)): read before any is placed
-        self._keywords = [(name, layer_keywords(layer)) for name, layer in resolution.layers]
-        stages, self._guards = place_stages(
-            resolution,
-            self.rank,
-            self.device,
-            self.module,
-            fast_paths,
-            verify,
-            shard=shard,
-            parallelize=self._parallelize,
-            mesh=self._mesh,
-        )
-        if self._sharded is not None:
-            self._sharded.placed()
-        self.stages = tuple(sorted(stages))
-        self._tied = tie_parameters(resolution, self.rank, self.layout, self.module, self._monitor.wait)
-        if self.layout.data_parallel > 1 and self._sharded is None:  # replicas start from replica 0's
-            broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
-        comm = Comm(
-            self.schedule, self.group, self.device, self.timeout, static_shapes, monitor=self._monitor
-        )
-        self._executor = Executor(
-            self.schedule,
-            self.rank,
-            stages,
-            comm,
-            resolution.loss_fn,
-            self._agreement.seed,
-            ends=self._vocab_runner(),
-        )
-        self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
-        head, embedding = self._vocab_layers
-        self._call_args = PipelineCalls(
-            microbatches=self.schedule.microbatches, device=self.device, rank=self.rank,
-            ends=(self._first or embedding is not None, self._last or head is not None),
-            vocab_layers=self._vocab_layers, keywords=self._keywords,
-            calls=self._calls if self._check_calls else None, guarded=self._guarded,
-        )  # fmt: skip
-
     def _vocab_runner(self) -> VocabRunner | None:
         """This rank's shard of the vocabulary-parallel head and embedding (:func:`~.vocab.place_vocab`);
         their weights join the model's state-dict keys."""
@@ -241,16 +244,9 @@ class Pipeline:
             return None
         ranks = [self.layout.global_rank(r) for r in range(self.world_size)]
         runner, keys = place_vocab(
-            head,
-            embedding,
-            self.schedule,
-            self.rank,
-            ranks,
-            self.module,
-            self.device,
-            self.layout.setup_timeout,
-            self._monitor.wait,
-        )
+            head, embedding, self.schedule, self.rank, ranks, self.module, self.device,
+            self.layout.setup_timeout, self._monitor.wait,
+        )  # fmt: skip
         self._model_keys = (*self._model_keys, *keys)
         return runner
 

@@ -83,17 +83,8 @@ def profile_layers(
         # every sweep times each layer once (after a warm-up): a burst of load from elsewhere then
         # hits one sample of many layers instead of every sample of one layer
         for _ in range(repeats):
-            values = first
-            sweep = []
-            for index, (name, layer) in enumerate(named):
-                last = index == len(named) - 1
-                loss = (loss_fn, _to_device(targets, target_device)) if last and loss_fn is not None else None
-                keywords = layer_keywords(layer).select(kwargs, len(values)) if kwargs else {}
-                profile, values = _profile_layer(
-                    name, layer, values, loss, target_device, optimizer_factor, index == 0, evict, keywords
-                )
-                sweep.append(profile)
-            sweeps.append(sweep)
+            loss = (loss_fn, _to_device(targets, target_device)) if loss_fn is not None else None
+            sweeps.append(_sweep(named, first, loss, target_device, optimizer_factor, evict, kwargs))
     finally:
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
@@ -172,6 +163,28 @@ def fused_backward(
     return _now(tensors[0].device) - started
 
 
+def _sweep(
+    named: list[tuple[str, nn.Module]],
+    values: tuple[torch.Tensor, ...],
+    loss: tuple[Loss, Any] | None,
+    device: torch.device,
+    optimizer_factor: float,
+    evict: Callable[[], None],
+    kwargs: Mapping[str, Any] | None,
+) -> list[LayerProfile]:
+    """Profile every layer once, in order, each on the previous one's outputs; ``loss`` goes with the
+    last layer, and each layer gets those of ``kwargs`` its ``forward`` takes."""
+    sweep = []
+    for index, (name, layer) in enumerate(named):
+        last_loss = loss if index == len(named) - 1 else None
+        keywords = layer_keywords(layer).select(kwargs, len(values)) if kwargs else {}
+        profile, values = _profile_layer(
+            name, layer, values, last_loss, device, optimizer_factor, index == 0, evict, keywords
+        )
+        sweep.append(profile)
+    return sweep
+
+
 def _profile_layer(
     name: str,
     layer: nn.Module,
@@ -196,27 +209,9 @@ def _profile_layer(
     for timed in (False, True):  # the first run warms up and creates the .grad tensors the second adds into
         before = evict if timed else _nothing
         inputs = _layer_inputs(values, first)
-        saved: list[torch.Tensor] = []
-
-        def pack(tensor: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
-            saved.append(tensor)
-            return tensor
-
-        before()
-        started = _now(device)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            result = module(*inputs, **keywords)
-            outputs = result if isinstance(result, tuple) else (result,)
-            head = loss[0](result, loss[1]) if loss is not None else None
-        forward = _now(device) - started
+        forward, outputs, head, saved = _timed_forward(module, inputs, keywords, loss, device, before)
         tensors, grads = _backward_roots(outputs, head)
-        activations = [t for t in (*saved, *outputs) if t.untyped_storage().data_ptr() not in parameters]
-        saved_bytes = float(storage_bytes(activations))
-        # after B, the saved tensors still alive are the ones W keeps (the generic split's graph)
-        # the layer's own inputs and outputs stay referenced here, so they are no evidence of W keeping them
-        ours = {t.untyped_storage().data_ptr() for t in (*inputs, *outputs) if isinstance(t, torch.Tensor)}
-        watched = [weakref.ref(t) for t in saved if t.untyped_storage().data_ptr() not in parameters]
-        del saved[:], activations
+        saved_bytes, watched, ours = _saved_for_backward(saved, inputs, outputs, parameters)
         b, w, kept_bytes = (
             split_backward(module, tensors, grads, store, watched, ours, before, parameters)
             if tensors
@@ -245,6 +240,50 @@ def _profile_layer(
         backward_fused=fused,
     )
     return profile, tuple(t.detach() for t in outputs)
+
+
+def _timed_forward(
+    module: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    keywords: Mapping[str, Any],
+    loss: tuple[Loss, Any] | None,
+    device: torch.device,
+    before: Callable[[], None],
+) -> tuple[float, tuple[torch.Tensor, ...], torch.Tensor | None, list[torch.Tensor]]:
+    """One forward of ``module`` (the loss too, when given), timed after ``before``: its time, its
+    outputs, the loss (or None) and every tensor autograd saved for the backward."""
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor, saved: list[torch.Tensor] = saved) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    before()
+    started = _now(device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = module(*inputs, **keywords)
+        outputs = result if isinstance(result, tuple) else (result,)
+        head = loss[0](result, loss[1]) if loss is not None else None
+    return _now(device) - started, outputs, head, saved
+
+
+def _saved_for_backward(
+    saved: list[torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
+    outputs: tuple[torch.Tensor, ...],
+    parameters: set[int],
+) -> tuple[float, list[weakref.ref[torch.Tensor]], set[int]]:
+    """The bytes a forward keeps for its B (the saved tensors and the outputs, parameters excluded),
+    then what tells W's bytes apart after B: weak references to the saved tensors, and the storages
+    of the layer's own inputs and outputs.  Empties ``saved``, so that only the graph keeps them."""
+    activations = [t for t in (*saved, *outputs) if t.untyped_storage().data_ptr() not in parameters]
+    saved_bytes = float(storage_bytes(activations))
+    # after B, the saved tensors still alive are the ones W keeps (the generic split's graph)
+    # the layer's own inputs and outputs stay referenced here, so they are no evidence of W keeping them
+    ours = {t.untyped_storage().data_ptr() for t in (*inputs, *outputs) if isinstance(t, torch.Tensor)}
+    watched = [weakref.ref(t) for t in saved if t.untyped_storage().data_ptr() not in parameters]
+    del saved[:], activations
+    return saved_bytes, watched, ours
 
 
 def _layer_inputs(values: tuple[torch.Tensor, ...], first: bool) -> tuple[torch.Tensor, ...]:

@@ -181,66 +181,90 @@ def _branch_and_bound(
     no longer fits below the incumbent on the ranks that still get a stage.  After ``node_budget``
     visited nodes the best partition found so far is returned with ``proven=False``.
     """
-    n, stages = len(prefix) - 1, len(stage_ranks)
-    mem = _Memory(memory) if memory is not None else None
-    total = prefix[n]
-    floor = total / ranks  # no partition's bottleneck is below the mean load
-    # ranks that still get a stage after stage s: they alone can take the work behind stage s
-    later = [sorted(set(stage_ranks[s + 1 :])) for s in range(stages)]
-    loads = [0.0] * ranks
-    needs = [0.0] * ranks
-    cuts: list[int] = []
-    best_value = math.inf
-    best_cuts: tuple[int, ...] | None = None
-    visited = 0
+    search = _BranchAndBound(prefix, stage_ranks, ranks, memory, node_budget)
+    proven = search.explore(0, 0, 0.0)
+    if search.best_cuts is None:
+        return None
+    return Partition(search.best_cuts, search.best_value, proven)
 
-    def search(stage: int, start: int, worst: float) -> bool:
+
+class _BranchAndBound:
+    """:func:`_branch_and_bound`'s search: the partial assignment being extended and the incumbent."""
+
+    def __init__(
+        self,
+        prefix: list[float],
+        stage_ranks: Sequence[int],
+        ranks: int,
+        memory: MemoryCap | None,
+        node_budget: int,
+    ):
+        self.prefix, self.stage_ranks, self.node_budget = prefix, stage_ranks, node_budget
+        self.n, self.stages = len(prefix) - 1, len(stage_ranks)
+        self.mem = _Memory(memory) if memory is not None else None
+        self.total = prefix[self.n]
+        self.floor = self.total / ranks  # no partition's bottleneck is below the mean load
+        # ranks that still get a stage after stage s: they alone can take the work behind stage s
+        self.later = [sorted(set(stage_ranks[s + 1 :])) for s in range(self.stages)]
+        self.loads = [0.0] * ranks
+        self.needs = [0.0] * ranks
+        self.cuts: list[int] = []
+        self.best_value = math.inf
+        self.best_cuts: tuple[int, ...] | None = None
+        self.visited = 0
+
+    def explore(self, stage: int, start: int, worst: float) -> bool:
         """Explore every completion of stages ``stage..``; False once the node budget is spent."""
-        nonlocal best_value, best_cuts, visited
-        rank = stage_ranks[stage]
-        if stage == stages - 1:
-            ends: Sequence[int] = (n,)
-        else:
-            # the end closest to an even share of the remaining work first: good incumbents early
-            share = (total - prefix[start]) / (stages - stage)
-            ends = sorted(
-                range(start + 1, n - (stages - stage - 1) + 1),
-                key=lambda end: abs(prefix[end] - prefix[start] - share),
-            )
-        for end in ends:
-            visited += 1
-            if visited > node_budget:
+        prefix, loads, mem = self.prefix, self.loads, self.mem
+        rank = self.stage_ranks[stage]
+        for end in self._ends(stage, start):
+            self.visited += 1
+            if self.visited > self.node_budget:
                 return False
             added = prefix[end] - prefix[start]
             load = loads[rank] + added
-            if max(worst, load) >= best_value:
+            if max(worst, load) >= self.best_value:
                 continue
             need = mem.need(stage, start, end) if mem is not None else 0.0
-            if mem is not None and needs[rank] + need > mem.capacity[rank]:
+            if mem is not None and self.needs[rank] + need > mem.capacity[rank]:
                 continue
-            if stage == stages - 1:
-                best_value, best_cuts = max(worst, load), tuple(cuts)
+            if stage == self.stages - 1:
+                self.best_value, self.best_cuts = max(worst, load), tuple(self.cuts)
                 continue
             loads[rank] = load
-            room = sum(best_value - loads[r] for r in later[stage])
-            if total - prefix[end] < room or best_value == math.inf:
-                needs[rank] += need
-                cuts.append(end)
-                finished = search(stage + 1, end, max(worst, load))
-                cuts.pop()
-                needs[rank] -= need
-                if not finished:
-                    loads[rank] -= added
-                    return False
+            finished = self._descend(stage, end, need, max(worst, load))
             loads[rank] -= added
-            if best_value <= floor:
+            if not finished:
+                return False
+            if self.best_value <= self.floor:
                 return True
         return True
 
-    proven = search(0, 0, 0.0)
-    if best_cuts is None:
-        return None
-    return Partition(best_cuts, best_value, proven)
+    def _ends(self, stage: int, start: int) -> Sequence[int]:
+        """Where stage ``stage``, starting at layer ``start``, may end, in the order to try them."""
+        if stage == self.stages - 1:
+            return (self.n,)
+        # the end closest to an even share of the remaining work first: good incumbents early
+        prefix = self.prefix
+        share = (self.total - prefix[start]) / (self.stages - stage)
+        return sorted(
+            range(start + 1, self.n - (self.stages - stage - 1) + 1),
+            key=lambda end: abs(prefix[end] - prefix[start] - share),
+        )
+
+    def _descend(self, stage: int, end: int, need: float, worst: float) -> bool:
+        """Extend the assignment by stage ``stage`` ending at ``end`` and explore the next stage, unless
+        the work left cannot fit below the incumbent on the ranks left; False once the budget is spent."""
+        room = sum(self.best_value - self.loads[r] for r in self.later[stage])
+        if not (self.total - self.prefix[end] < room or self.best_value == math.inf):
+            return True  # pruned: nothing below this end can beat the incumbent
+        rank = self.stage_ranks[stage]
+        self.needs[rank] += need
+        self.cuts.append(end)
+        finished = self.explore(stage + 1, end, worst)
+        self.cuts.pop()
+        self.needs[rank] -= need
+        return finished
 
 
 def _is_vshape(stage_ranks: Sequence[int]) -> bool:

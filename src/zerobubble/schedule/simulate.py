@@ -412,67 +412,100 @@ def _run_shared(
     own speed.  Dependencies and transfer delays are those of :func:`_run`; with ``cores`` at least
     the number of ranks the two agree.  One event per op start or end, each costing ``O(p)``.
     """
-    compiled = _compile(schedule, costs, encoded)
-    microbatch_of = encoded.microbatches
-    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
-    done = [-1.0] * (_ROLES * S * m)
-    position = [0] * p
-    computing = [False] * p
-    left = [0.0] * p  # work left of the op a rank computes
-    ready = [math.inf] * p  # when a rank's next op may start (inf: an input is missing, or no op left)
-    starts: list[list[float]] = [[] for _ in range(p)]
-    ends: list[list[float]] = [[] for _ in range(p)]
-    scale = max((op[0] for program in compiled for op in program), default=0.0)
-    tolerance = 1e-12 * scale
-    now = 0.0
+    run = _SharedRun(schedule, _compile(schedule, costs, encoded), encoded.microbatches, cores)
+    run.run()
+    if any(run.position[r] < len(run.compiled[r]) for r in range(run.p)):
+        raise _deadlock(schedule, run.position)
+    return tuple(map(tuple, run.starts)), tuple(map(tuple, run.ends))
 
-    def arm(rank: int) -> None:
-        """When the rank's next op may start (its previous op ended at ``now`` or earlier)."""
-        ready[rank] = math.inf
-        if position[rank] >= len(compiled[rank]):
-            return
-        at = ends[rank][-1] if ends[rank] else 0.0
-        _, deps, _ = compiled[rank][position[rank]]
-        j = microbatch_of[rank][position[rank]]
-        for base, delay in deps:
-            if done[base + j] < 0:
+
+class _SharedRun:
+    """:func:`_run_shared`'s event loop: per rank its place in its program, whether it computes, the
+    work left of its op and when its next op may start."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        compiled: list[list[tuple[float, tuple, tuple]]],
+        microbatch_of: tuple[list[int], ...],
+        cores: int,
+    ):
+        p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
+        self.compiled, self.microbatch_of, self.cores, self.p = compiled, microbatch_of, cores, p
+        self.done = [-1.0] * (_ROLES * S * m)
+        self.position = [0] * p
+        self.computing = [False] * p
+        self.left = [0.0] * p  # work left of the op a rank computes
+        self.ready = [
+            math.inf
+        ] * p  # when a rank's next op may start (inf: an input is missing, or no op left)
+        self.starts: list[list[float]] = [[] for _ in range(p)]
+        self.ends: list[list[float]] = [[] for _ in range(p)]
+        scale = max((op[0] for program in compiled for op in program), default=0.0)
+        self.tolerance = 1e-12 * scale
+        self.now = 0.0
+
+    def run(self) -> None:
+        """Start and end ops, one event at a time, until no rank computes or can start an op."""
+        for rank in range(self.p):
+            self._arm(rank)
+        while True:
+            self._start_ready()
+            running = [rank for rank in range(self.p) if self.computing[rank]]
+            if not running and min(self.ready) == math.inf:
                 return
-            at = max(at, done[base + j] + delay)
-        ready[rank] = at
+            self._end(self._advance(running))
 
-    for rank in range(p):
-        arm(rank)
-    while True:
-        for rank in range(p):  # start every op whose inputs are there
-            if not computing[rank] and ready[rank] <= now:
-                starts[rank].append(now)
-                computing[rank], left[rank] = True, compiled[rank][position[rank]][0]
+    def _arm(self, rank: int) -> None:
+        """When the rank's next op may start (its previous op ended at ``now`` or earlier)."""
+        self.ready[rank] = math.inf
+        position = self.position[rank]
+        if position >= len(self.compiled[rank]):
+            return
+        at = self.ends[rank][-1] if self.ends[rank] else 0.0
+        _, deps, _ = self.compiled[rank][position]
+        j = self.microbatch_of[rank][position]
+        for base, delay in deps:
+            if self.done[base + j] < 0:
+                return
+            at = max(at, self.done[base + j] + delay)
+        self.ready[rank] = at
+
+    def _start_ready(self) -> None:
+        """Start every op whose inputs are there, on a rank that computes nothing."""
+        now, ready = self.now, self.ready
+        for rank in range(self.p):
+            if not self.computing[rank] and ready[rank] <= now:
+                self.starts[rank].append(now)
+                self.computing[rank], self.left[rank] = True, self.compiled[rank][self.position[rank]][0]
                 ready[rank] = math.inf
-        running = [rank for rank in range(p) if computing[rank]]
-        if not running and min(ready) == math.inf:
-            break
-        rate = min(1.0, cores / len(running)) if running else 0.0
+
+    def _advance(self, running: list[int]) -> list[int]:
+        """Move the clock to the next event (an op ends, or one may start), every running rank advancing
+        at its share of the cores; the ranks whose op has ended."""
+        left, now = self.left, self.now
+        rate = min(1.0, self.cores / len(running)) if running else 0.0
         finish = now + min(left[rank] for rank in running) / rate if running else math.inf
-        step = min(finish, *ready)
+        step = min(finish, *self.ready)
         for rank in running:
             left[rank] -= (step - now) * rate
-        now = step
-        finished = [rank for rank in running if left[rank] <= tolerance]
+        self.now = step
+        return [rank for rank in running if left[rank] <= self.tolerance]
+
+    def _end(self, finished: list[int]) -> None:
+        """End the ops of the ``finished`` ranks now; their outputs may be what another rank waits for."""
         for rank in finished:
-            computing[rank] = False
-            ends[rank].append(now)
-            _, _, produced = compiled[rank][position[rank]]
-            j = microbatch_of[rank][position[rank]]
+            self.computing[rank] = False
+            self.ends[rank].append(self.now)
+            _, _, produced = self.compiled[rank][self.position[rank]]
+            j = self.microbatch_of[rank][self.position[rank]]
             for base in produced:
-                done[base + j] = now
-            position[rank] += 1
-        if finished:  # an op that ended may be the input another rank waits for
-            for rank in range(p):
-                if not computing[rank]:
-                    arm(rank)
-    if any(position[r] < len(compiled[r]) for r in range(p)):
-        raise _deadlock(schedule, position)
-    return tuple(map(tuple, starts)), tuple(map(tuple, ends))
+                self.done[base + j] = self.now
+            self.position[rank] += 1
+        if finished:
+            for rank in range(self.p):
+                if not self.computing[rank]:
+                    self._arm(rank)
 
 
 def _deadlock(schedule: Schedule, position: list[int]) -> DeadlockError:

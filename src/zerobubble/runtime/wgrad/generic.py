@@ -17,12 +17,9 @@ The parameters are found by walking the local graph from the outputs to its leav
 that requires grad and is not a local input), so shared parameters, parameters used through
 custom autograd functions or owned by child modules all get their gradient; a fast-path child
 (:class:`~.fast.SplitFunction` node) defers its own parameters, and the weights the forward routed
-to their closed form (:mod:`.routed`) are not collected either.  A module left without leaves by
-that (norm-only parameters aside) needs no local graph: its later forwards run on the stage's graph
-(:func:`_direct_forward`).
-
-Under saved-tensor hooks (checkpointing, offloading) the local graph saves through the outer hooks,
-wrapped in :class:`SavedOnce`, so checkpointing recomputes once per B, not once per engine run.
+to their closed form (:mod:`.routed`) are not collected either.  A module left without such leaves
+(norm-only parameters aside) runs its later forwards on the stage's graph (:func:`_direct_forward`).
+Under saved-tensor hooks the local graph saves through the outer hooks, once per B (:class:`SavedOnce`).
 """
 
 from __future__ import annotations

@@ -181,47 +181,74 @@ def install_deferral(
     accumulation (one ``addmm_`` into ``.grad``), and no module pays for a local graph it would
     never defer.
     """
-    paths = default_fast_paths() if fast_paths is None else fast_paths
-    deferral = Deferral()
-    # one router per installation: it holds the copies of torch.nn.functional's functions
-    router = LinearRouter(store) if generic and paths.route_linear else None
-    seen: set[int] = set()
-
-    def split_of(module: nn.Module) -> ModuleSplit | None:
-        return ModuleSplit(module, store, router, deferral.path_changes) if generic else None
-
-    def visit(module: nn.Module, covered: bool) -> None:
-        if id(module) in seen:
-            return
-        seen.add(id(module))
-        if is_compiled(module):
-            deferral.compiled.append(module)
-            if generic and not covered:  # else an outer module's local graph holds its parameters
-                for linear in split_linears(module, store, paths):
-                    deferral.add(linear, COMPILED_LINEAR, None)
-            return
-        if "forward" not in module.__dict__:
-            rule = paths.rule_for(module)
-            if rule is not None and FastPlan.covers(rule, module):
-                split = split_of(module)  # its fallback (keyword calls, autocast for some rules)
-                fallback = _plain if split is None else split.forward
-                _set_forward(module, fast_forward(FastPlan(rule, module, store), fallback))
-                deferral.add(module, type(rule).__name__, split)
-                return
-            if generic and not covered and any(p is not None for p in module._parameters.values()):
-                split = split_of(module)
-                assert split is not None
-                _set_forward(module, split.forward)
-                deferral.add(module, None, split)
-                covered = True  # its local graph holds the parameters of its plain descendants
-        for child in module.children():
-            visit(child, covered)
-
+    installation = _Installation(store, default_fast_paths() if fast_paths is None else fast_paths, generic)
     modules = list(modules)
     for module in modules:
-        visit(module, covered=False)
+        installation.visit(module, covered=False)
     store.track(p for module in modules for p in module.parameters())
-    return deferral
+    return installation.deferral
+
+
+class _Installation:
+    """One walk of :func:`install_deferral` over a stage's modules, each module visited once."""
+
+    def __init__(self, store: WeightGradStore, paths: FastPaths, generic: bool):
+        self.store, self.paths, self.generic = store, paths, generic
+        self.deferral = Deferral()
+        # one router per installation: it holds the copies of torch.nn.functional's functions
+        self.router = LinearRouter(store) if generic and paths.route_linear else None
+        self.seen: set[int] = set()
+
+    def visit(self, module: nn.Module, covered: bool) -> None:
+        """Split ``module`` and its descendants; ``covered``: an ancestor's local graph already holds
+        the parameters of its plain descendants."""
+        if id(module) in self.seen:
+            return
+        self.seen.add(id(module))
+        if is_compiled(module):
+            self._split_compiled(module, covered)
+            return
+        if "forward" not in module.__dict__:
+            if self._split_fast(module):
+                return
+            if self._split_generic(module, covered):
+                covered = True  # its local graph holds the parameters of its plain descendants
+        for child in module.children():
+            self.visit(child, covered)
+
+    def _split_of(self, module: nn.Module) -> ModuleSplit | None:
+        """A generic split of ``module`` (None under ``generic=False``)."""
+        if not self.generic:
+            return None
+        return ModuleSplit(module, self.store, self.router, self.deferral.path_changes)
+
+    def _split_compiled(self, module: nn.Module, covered: bool) -> None:
+        """A compiled module runs as compiled; with W ops its linear layers defer their weights."""
+        self.deferral.compiled.append(module)
+        if self.generic and not covered:  # else an outer module's local graph holds its parameters
+            for linear in split_linears(module, self.store, self.paths):
+                self.deferral.add(linear, COMPILED_LINEAR, None)
+
+    def _split_fast(self, module: nn.Module) -> bool:
+        """Give ``module`` its fast path, if a rule covers it; whether one did."""
+        rule = self.paths.rule_for(module)
+        if rule is None or not FastPlan.covers(rule, module):
+            return False
+        split = self._split_of(module)  # its fallback (keyword calls, autocast for some rules)
+        fallback = _plain if split is None else split.forward
+        _set_forward(module, fast_forward(FastPlan(rule, module, self.store), fallback))
+        self.deferral.add(module, type(rule).__name__, split)
+        return True
+
+    def _split_generic(self, module: nn.Module, covered: bool) -> bool:
+        """Give ``module`` the generic split if it owns parameters no ancestor covers; whether it did."""
+        if not self.generic or covered or not any(p is not None for p in module._parameters.values()):
+            return False
+        split = self._split_of(module)
+        assert split is not None
+        _set_forward(module, split.forward)
+        self.deferral.add(module, None, split)
+        return True
 
 
 COMPILED_PATH = "compiled: fused backward in B"

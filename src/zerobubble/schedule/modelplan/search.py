@@ -75,22 +75,10 @@ def plan(
     budget = parse_bytes(memory_limit, device_memory)
     _check_request(profile, ranks, microbatches, optimizer, head, layout, budget)
     names = list(schedules) if schedules is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
-    searches: list[_Search] = []
-    if head != "vocab-parallel":
-        searches.append(_Search(profile, ranks, microbatches, budget, optimizer, refine, cores, layout))
-    if head != "plain":
-        searches.append(
-            _VocabSearch(
-                profile, ranks, microbatches, budget, optimizer, refine, cores, embedding=vocab_embedding
-            )
-        )
-    candidates = _candidates(searches, names, interleaved_chunks)
-    ordered = tuple(
-        sorted(
-            candidates,
-            key=lambda c: (not c.fits, c.period is None, c.period or 0.0, max(c.peak_bytes or (0,))),
-        )
+    searches = _searches(
+        profile, ranks, microbatches, budget, optimizer, refine, cores, layout, head, vocab_embedding
     )
+    ordered = _ordered(_candidates(searches, names, interleaved_chunks))
     fitting = [c for c in ordered if c.fits]
     if not fitting:
         raise ScheduleError(_nothing_fits(ordered, budget, ranks, layout))
@@ -133,6 +121,41 @@ def _check_request(
             "checked: plan without one, or from a profile with bytes ('zerobubble profile', or the trace of "
             "a run with --schedule auto or --partition profile)"
         )
+
+
+def _searches(
+    profile: ModelProfile,
+    ranks: int,
+    microbatches: int,
+    budget: float | None,
+    optimizer: str,
+    refine: int,
+    cores: int | None,
+    layout: MeshLayout,
+    head: str,
+    vocab_embedding: bool,
+) -> list[_Search]:
+    """The searches ``head`` asks for: the output layer on the last stage, vocabulary-parallel, or both."""
+    searches: list[_Search] = []
+    if head != "vocab-parallel":
+        searches.append(_Search(profile, ranks, microbatches, budget, optimizer, refine, cores, layout))
+    if head != "plain":
+        searches.append(
+            _VocabSearch(
+                profile, ranks, microbatches, budget, optimizer, refine, cores, embedding=vocab_embedding
+            )
+        )
+    return searches
+
+
+def _ordered(candidates: Iterable[PlanCandidate]) -> tuple[PlanCandidate, ...]:
+    """The candidates, those that fit first, then by predicted period (unknown last) and peak bytes."""
+    return tuple(
+        sorted(
+            candidates,
+            key=lambda c: (not c.fits, c.period is None, c.period or 0.0, max(c.peak_bytes or (0,))),
+        )
+    )
 
 
 def _candidates(

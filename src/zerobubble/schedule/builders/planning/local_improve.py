@@ -6,9 +6,8 @@ simulator runs it (every op as soon as its rank and input allow) and ranks it by
 which is often shorter; the replayed order is the schedule.
 
 **Local improvement.**  A winner built for unit or equalised costs (the authors' squeezed V-Half /
-V-Min order, the equalised ZB-V plan) still idles under the real costs on the rank whose span is the
-iteration time.  :func:`improve_programs` looks only at those waits.  For each idle gap on a
-critical rank (one whose span is the iteration time), largest first, it tries these moves:
+V-Min order, the equalised ZB-V plan) still idles under the real costs on a *critical* rank (one whose
+span is the iteration time).  For each such idle gap, largest first, :func:`improve_programs` tries:
 
 * **fill** — the earliest later W of that rank whose B already ran (it only frees memory earlier);
 * **pull** — the op the gap waits for, up to ``_PULL_WINDOW`` places earlier on its own rank;
