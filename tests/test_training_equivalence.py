@@ -181,6 +181,20 @@ def test_four_ranks_train_like_one_process(four_ranks, case):
     _check(four_ranks, case)
 
 
+COMPILED = [
+    Case("zb-v", 4, 4, True, True, True, "adamw", 0.05, 0.05, True, "zero-after", compile=True),
+    Case("zb-h1", 3, 5, False, True, False, "sgd", 0.3, 0.5, False, "zero-first", compile=True),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", COMPILED, ids=["vocab tied zb-v", "plain tied zb-h1"])
+def test_compiled_layers_train_like_one_process(two_ranks, case):
+    """``compile=True`` with the vocabulary-parallel ends and with plain ones (the draw takes compile in
+    the long profile only: inductor costs seconds a layer)."""
+    _check(two_ranks, case)
+
+
 def test_every_pipeline_argument_is_drawn_or_named():
     """A new Pipeline argument must join the draw, or :data:`OUTSIDE_THE_DRAW` with its reason."""
     from zerobubble import Pipeline
