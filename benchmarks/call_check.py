@@ -2,7 +2,7 @@
 
     python benchmarks/call_check.py [--calls 600] [--steps 300] [--width 64]
 
-Before every ``step``/``evaluate`` the ranks compare their calls (``runtime/consistency.py``,
+Before every ``step``/``evaluate`` the ranks compare their calls (``runtime/parallel/consistency.py``,
 :class:`CallCheck`: a max-reduce of ten int64 by point-to-point transfers on a gloo group of its
 own).  Printed: the median µs of one exchange next to one bare gloo ``all_reduce`` of the same ten
 int64 (``--calls`` of each, alternating call by call, every call timed on its own), and the median ms
@@ -28,8 +28,8 @@ def measure(calls: int, steps: int, width: int) -> dict[str, list[float]] | None
     from torch import nn
 
     from zerobubble import Pipeline
-    from zerobubble.runtime.consistency import CallSignature, batch_signature
     from zerobubble.runtime.launch import init_distributed
+    from zerobubble.runtime.parallel.consistency import CallSignature, batch_signature
 
     init_distributed()
     torch.set_num_threads(1)

@@ -34,7 +34,7 @@ def measure(repeats: int) -> dict[str, float]:
     import torch
     from torch import nn
 
-    from zerobubble.runtime.executor import Executor, StageState
+    from zerobubble.runtime.execute.executor import Executor, StageState
     from zerobubble.runtime.failures import PeerMonitor
     from zerobubble.runtime.wgrad import WeightGradStore
     from zerobubble.schedule import Kind, build_schedule
@@ -77,11 +77,11 @@ def measure(repeats: int) -> dict[str, float]:
     program = schedule.programs[0]
     settle_at = next(i for i, op in enumerate(program) if op.kind is Kind.F)
     if hasattr(executor, "add_hook"):  # the executor owns its hooks
-        from zerobubble.runtime.executor import Hook
+        from zerobubble.runtime.execute.executor import Hook
 
         executor.add_hook(settle_at, Hook("optimizer settle", lambda: None))
     else:  # the Pipeline wrapped a handler (the tree before the hooks moved into the executor)
-        from zerobubble.runtime.data_parallel import hook_program
+        from zerobubble.runtime.parallel.data_parallel import hook_program
 
         executor.program = hook_program(executor.program, {settle_at: lambda: None}, {})
     inputs = [(torch.ones(1, 4),)] * MICROBATCHES

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from zerobubble.runtime.staging import StageModule
+from zerobubble.runtime.construct.staging import StageModule
 from zerobubble.runtime.wgrad import SplitGuard, WeightGradStore, install_deferral
 from zerobubble_bench.split_models import SPLIT_MODELS, split_model
 

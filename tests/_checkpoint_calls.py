@@ -329,8 +329,8 @@ def _call_cases() -> dict:
 def three_rank_exchange() -> dict:
     """The call check on 3 ranks (not a power of two: rank 2 folds into rank 0), without a Pipeline."""
     init_distributed(backend="gloo", timeout=60)
-    from zerobubble.runtime.consistency import CallCheck, CallSignature
     from zerobubble.runtime.failures import PeerMonitor
+    from zerobubble.runtime.parallel.consistency import CallCheck, CallSignature
 
     rank = _rank()
     group = dist.new_group([0, 1, 2], backend="gloo")

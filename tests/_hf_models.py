@@ -82,7 +82,7 @@ def tiny_model(family: str, attn: str = "eager", seed: int = 0) -> nn.Module:
 def run_layers(layers: list[nn.Module], tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """The layers in sequence in this process, as a Pipeline stage chains them (tuples unpacked,
     each layer given the keyword arguments its ``forward`` takes)."""
-    from zerobubble.runtime.staging import StageModule
+    from zerobubble.runtime.construct.staging import StageModule
 
     return StageModule(layers)(tokens, **kwargs)
 

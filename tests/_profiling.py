@@ -35,7 +35,7 @@ def profiled_steps(cases: list[tuple[str, int]]) -> dict[int, dict]:
     the profiled step against the unprofiled one (largest difference)."""
     init_distributed(backend="gloo", timeout=60)
     from zerobubble import Pipeline
-    from zerobubble.runtime.executor import Hook
+    from zerobubble.runtime.execute.executor import Hook
 
     results = {}
     for index, (name, microbatches) in enumerate(cases):

@@ -193,9 +193,9 @@ def split_cases() -> dict:
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from zerobubble.runtime.construct.staging import StageModule
     from zerobubble.runtime.launch import init_distributed
-    from zerobubble.runtime.optim import local_state
-    from zerobubble.runtime.staging import StageModule
+    from zerobubble.runtime.optim.post_validation import local_state
     from zerobubble.runtime.wgrad import (
         FastPaths,
         SplitGuard,
@@ -312,7 +312,7 @@ def hsdp_tp_norm_case() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from zerobubble.runtime.optim import local_state, reduce_op
+    from zerobubble.runtime.optim.post_validation import local_state, reduce_op
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     torch.manual_seed(0)

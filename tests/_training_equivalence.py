@@ -115,7 +115,7 @@ def plain_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def build_model(case: Case) -> dict[str, Any]:
     """``{"layers", "embedding", "head"}`` of the case's model in float64 (ends None when plain)."""
-    from zerobubble.runtime.vocab_layers import VocabParallelEmbedding, VocabParallelHead
+    from zerobubble.runtime.vocab.layers import VocabParallelEmbedding, VocabParallelHead
 
     torch.manual_seed(case.seed)
     blocks = [Block(case.checkpointing).double() for _ in range(case.blocks)]
@@ -203,7 +203,7 @@ def _error(actual: torch.Tensor | None, expected: torch.Tensor | None) -> float:
 
 def _pairs(pipe: Any, reference: dict[str, Any]) -> list[tuple[Any, Any, slice]]:
     """(pipeline parameter, reference parameter, rows) of every parameter this rank holds."""
-    from zerobubble.runtime.vocab import plain_model
+    from zerobubble.runtime.vocab.runner import plain_model
 
     layers = [layer for _, layer in pipe.resolution.layers]  # the layers as the Pipeline cut them
     expected = reference["layers"]

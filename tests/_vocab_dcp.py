@@ -191,7 +191,7 @@ def _refusals(pipe) -> list[str]:
     """The messages of loads refused: a shard of other rows, a tensor that is neither the full weight
     nor a shard, full weights beside a key of no layer (strict); whether the state is unchanged."""
     from zerobubble.runtime import PipelineError
-    from zerobubble.runtime.vocab_state import row_shard
+    from zerobubble.runtime.vocab.state import row_shard
 
     state = pipe.state_dict()
     before = pipe.full_state_dict()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerobubble.runtime.launch import init_distributed
-from zerobubble.runtime.vocab_layers import VocabParallelEmbedding, VocabParallelHead, shard_bounds
+from zerobubble.runtime.vocab.layers import VocabParallelEmbedding, VocabParallelHead, shard_bounds
 
 WIDTH, SEQ = 6, 5
 
@@ -258,7 +258,7 @@ def _optimizer_state_errors(pipe, unsharded, other, tokens, labels, m) -> list[f
     """AdamW state of a vocabulary-parallel pipeline: each rank's shard of the head's rows equals the
     unsharded model's; the unsharded optimizer's state by name (full tensors) loaded into another
     layout keeps each rank's rows."""
-    from zerobubble.runtime.checkpoint import optimizer_state_by_name
+    from zerobubble.runtime.state.checkpoint import optimizer_state_by_name
 
     embedding, layers, head = unsharded
     tied = head.weight is embedding.weight

@@ -122,7 +122,7 @@ def test_ranks_profile_in_turns_when_they_outnumber_the_cores(monkeypatch):
 
     import torch
 
-    from zerobubble.runtime.auto import profiling_turns
+    from zerobubble.runtime.construct.auto import profiling_turns
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
@@ -151,7 +151,7 @@ def test_the_profile_evicts_the_caches_only_when_ranks_take_turns_on_a_core(
     import torch.distributed as dist
     from torch import nn
 
-    from zerobubble.runtime import auto
+    from zerobubble.runtime.construct import auto
 
     asked: list[int] = []
     real_profile = auto.profile_layers

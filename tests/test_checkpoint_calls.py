@@ -10,7 +10,7 @@ import pytest
 
 from _checkpoint_calls import TIED, cases
 from _dist import run_ranks
-from zerobubble.runtime.consistency import CallSignature, explain_calls
+from zerobubble.runtime.parallel.consistency import CallSignature, explain_calls
 
 SCHEDULES = ["1f1b", "interleaved-1f1b", "zb-v"]
 SECONDS = 3.0  # a refused call is refused at once; the bound leaves room for the loaded 2-core machine
@@ -210,7 +210,7 @@ def test_recursive_doubling_reaches_every_rank(size):
 
     import torch
 
-    from zerobubble.runtime.consistency import CallCheck
+    from zerobubble.runtime.parallel.consistency import CallCheck
 
     channels = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
     results: dict[int, list[int]] = {}

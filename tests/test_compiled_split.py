@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from zerobubble.runtime.staging import StageModule
+from zerobubble.runtime.construct.staging import StageModule
 from zerobubble.runtime.wgrad import SplitGuard, SplitMismatchWarning, WeightGradStore, install_deferral
 from zerobubble.runtime.wgrad import compiled as compiled_split
 from zerobubble.runtime.wgrad.install import COMPILED_LINEAR_PATH, COMPILED_PATH, COMPILED_SPLIT_PATH

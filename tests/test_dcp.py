@@ -15,7 +15,7 @@ from torch import nn
 
 from _dcp import TIED, cases, layers
 from _dist import run_ranks
-from zerobubble.runtime.checkpoint import (
+from zerobubble.runtime.state.checkpoint import (
     create_optimizer_state,
     load_optimizer_state_by_name,
     optimizer_state_by_name,

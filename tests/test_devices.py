@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from _dist import LocalComm
-from zerobubble.runtime.executor import Executor, StageState
-from zerobubble.runtime.trace import TraceRecorder
+from zerobubble.runtime.execute.executor import Executor, StageState
+from zerobubble.runtime.observe.trace import TraceRecorder
 from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
 from zerobubble.schedule import build_schedule
 from zerobubble_bench.split_models import SPLIT_MODELS, split_model

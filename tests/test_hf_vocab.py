@@ -26,7 +26,7 @@ from _hf_models import (
     vocab_training_cases,
 )
 from zerobubble.hf import FinalNorm, VocabParallelParts, pipeline_layers
-from zerobubble.runtime.vocab_layers import (
+from zerobubble.runtime.vocab.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
     embedding_partial,

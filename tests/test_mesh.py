@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from _dist import reference, relative_error, rich_batch, rich_layers, run_ranks, token_loss
 from _safety import TIED_NAMES, tied_layers
 from zerobubble.runtime import PipelineError
-from zerobubble.runtime.groups import equalize_group_counts, group_count
 from zerobubble.runtime.launch import init_distributed
-from zerobubble.runtime.mesh import mesh_dims, mesh_groups, parallel_size
+from zerobubble.runtime.parallel.groups import equalize_group_counts, group_count
+from zerobubble.runtime.parallel.mesh import mesh_dims, mesh_groups, parallel_size
 
 
 def _worst_error(pipe, expected: dict[str, torch.Tensor]) -> float:

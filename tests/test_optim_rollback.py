@@ -1,4 +1,4 @@
-"""In-place rollback of one optimizer step (zerobubble.runtime.rollback.ReversibleStep), one process.
+"""In-place rollback of one optimizer step (zerobubble.runtime.optim.rollback.ReversibleStep), one process.
 
 The expectation is always an independent twin optimizer that never rolls back: it takes the
 clipped step directly with torch's own ``optimizer.step()``.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerobubble.runtime.optim import clip_coefficient
-from zerobubble.runtime.rollback import OptimizerValidationError, ReversibleStep, rollback_support
+from zerobubble.runtime.optim.post_validation import clip_coefficient
+from zerobubble.runtime.optim.rollback import OptimizerValidationError, ReversibleStep, rollback_support
 
 TOLERANCE = 1e-6
 SHAPES = [(48, 32), (32,), (7, 48), (7,)]

@@ -37,10 +37,10 @@ from test_post_validation import (
     worst_error,
 )
 from zerobubble.runtime import PipelineError
-from zerobubble.runtime.data_parallel import last_gradient_ops
 from zerobubble.runtime.launch import init_distributed
-from zerobubble.runtime.optim import check_max_norm, validation_chain
-from zerobubble.runtime.rollback import OptimizerValidationError
+from zerobubble.runtime.optim.post_validation import check_max_norm, validation_chain
+from zerobubble.runtime.optim.rollback import OptimizerValidationError
+from zerobubble.runtime.parallel.data_parallel import last_gradient_ops
 from zerobubble.schedule import build_schedule
 
 MICROBATCHES = 4

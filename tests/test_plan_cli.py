@@ -10,7 +10,7 @@ from torch import nn
 
 from test_plan import MiB, lm_profile
 from zerobubble.cli import main
-from zerobubble.runtime.profile import profile_layers
+from zerobubble.runtime.construct.profile import profile_layers
 from zerobubble.schedule import ScheduleError
 from zerobubble.schedule.modelplan import LayerProfile, ModelProfile, plan, profile_from_trace
 
@@ -196,7 +196,7 @@ class _TakesAll(nn.Module):
 def test_layers_are_profiled_with_the_keywords_a_stage_gives_them():
     """profile_layers(kwargs=) hands every forward (timed, warm-up, fused) of each layer the keywords
     its forward takes, as a stage does; a layer that needs one fails without."""
-    from zerobubble.runtime.staging import StageModule
+    from zerobubble.runtime.construct.staging import StageModule
 
     def layers(report):
         torch.manual_seed(0)
@@ -216,7 +216,7 @@ def test_layers_are_profiled_with_the_keywords_a_stage_gives_them():
 
 def test_the_example_may_carry_the_steps_keyword_arguments():
     from zerobubble.runtime import PipelineError
-    from zerobubble.runtime.auto import example_parts
+    from zerobubble.runtime.construct.auto import example_parts
 
     mask = torch.ones(4, 3)
     assert example_parts((1, 2)) == (1, 2, {})
@@ -233,7 +233,7 @@ def test_the_example_may_carry_the_steps_keyword_arguments():
 
 
 def test_caches_are_evicted_before_each_timed_piece_only():
-    from zerobubble.runtime.profile import CacheEvictor, split_backward
+    from zerobubble.runtime.construct.profile import CacheEvictor, split_backward
     from zerobubble.runtime.wgrad import WeightGradStore, install_deferral
 
     layer, store, calls = nn.Linear(4, 4), WeightGradStore(), []

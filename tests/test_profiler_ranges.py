@@ -15,9 +15,9 @@ from torch import nn
 
 from _dist import LocalComm, run_ranks
 from _profiling import profiled_steps, range_names
-from zerobubble.runtime import ranges
-from zerobubble.runtime.executor import Executor, Hook, StageState
-from zerobubble.runtime.recorder import RecorderDefaults
+from zerobubble.runtime.execute.executor import Executor, Hook, StageState
+from zerobubble.runtime.observe import ranges
+from zerobubble.runtime.observe.recorder import RecorderDefaults
 from zerobubble.runtime.wgrad import WeightGradStore
 from zerobubble.schedule import Kind, Op, build_schedule
 from zerobubble.schedule.channels import ACTIVATIONS, GRADIENTS, MessageKey, channel_messages

@@ -21,14 +21,19 @@ from torch import nn
 from _dist import LocalComm
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime import executor as executor_module
-from zerobubble.runtime.comm import HEADER_LENGTH, decode_header, encode_header
-from zerobubble.runtime.data_parallel import chunk_parameters, first_forward, last_gradient_ops
-from zerobubble.runtime.executor import Executor, Hook, StageState
+from zerobubble.runtime.construct.staging import partition_bounds as _partition_bounds
+from zerobubble.runtime.construct.staging import split_batch as _split
+from zerobubble.runtime.execute.comm import HEADER_LENGTH, decode_header, encode_header
+from zerobubble.runtime.execute.executor import Executor, Hook, StageState
 from zerobubble.runtime.failures import PeerFailure, PeerMonitor
-from zerobubble.runtime.recorder import Recorder, RecorderDefaults, as_recorder
-from zerobubble.runtime.staging import partition_bounds as _partition_bounds
-from zerobubble.runtime.staging import split_batch as _split
-from zerobubble.runtime.trace import build_timeline, measured_chrome_trace, transfer_latencies, write_trace
+from zerobubble.runtime.observe.recorder import Recorder, RecorderDefaults, as_recorder
+from zerobubble.runtime.observe.trace import (
+    build_timeline,
+    measured_chrome_trace,
+    transfer_latencies,
+    write_trace,
+)
+from zerobubble.runtime.parallel.data_parallel import chunk_parameters, first_forward, last_gradient_ops
 from zerobubble.runtime.wgrad import WeightGradStore
 from zerobubble.schedule import CostModel, Kind, ScheduleError, build_schedule, parse_memory_limit, simulate
 from zerobubble.schedule.channels import MessageKey

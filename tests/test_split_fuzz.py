@@ -31,7 +31,7 @@ from torch import nn
 from _dist import LocalComm
 from _profile import fuzz_examples, profile
 from _split_grammar import ENTRIES, OPS, SEQ, VOCAB, WIDTH, BlockChoice, OpChoice, build_stage
-from zerobubble.runtime.executor import Executor, StageState
+from zerobubble.runtime.execute.executor import Executor, StageState
 from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
 from zerobubble.schedule import build_schedule
 

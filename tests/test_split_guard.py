@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from _dist import LocalComm
-from zerobubble.runtime.executor import Executor, StageState
-from zerobubble.runtime.staging import StageModule
+from zerobubble.runtime.construct.staging import StageModule
+from zerobubble.runtime.execute.executor import Executor, StageState
 from zerobubble.runtime.wgrad import (
     FastPaths,
     SplitGuard,

@@ -15,8 +15,13 @@ from torch import nn
 from _dist import run_ranks
 from _step_inputs import step_cases
 from zerobubble.runtime import PipelineError
-from zerobubble.runtime.consistency import CallSignature, explain_calls, keyword_signature
-from zerobubble.runtime.staging import StageModule, layer_keywords, merge_microbatches, split_keywords
+from zerobubble.runtime.construct.staging import (
+    StageModule,
+    layer_keywords,
+    merge_microbatches,
+    split_keywords,
+)
+from zerobubble.runtime.parallel.consistency import CallSignature, explain_calls, keyword_signature
 
 SCHEDULES = ("zb-h1", "zb-v", "1f1b")
 

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from _dist import rich_batch, rich_layers, run_ranks, token_loss
-from zerobubble.runtime.emulate import wait_until
-from zerobubble.runtime.staging import default_costs
-from zerobubble.runtime.trace import build_timeline, measured_costs
+from zerobubble.runtime.construct.staging import default_costs
+from zerobubble.runtime.execute.emulate import wait_until
+from zerobubble.runtime.observe.trace import build_timeline, measured_costs
 from zerobubble.schedule import CostModel, Kind, build_schedule, dependencies, simulate
 from zerobubble_bench.workloads import tiny_layers
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from zerobubble.runtime import PipelineError
-from zerobubble.runtime.vocab_layers import (
+from zerobubble.runtime.vocab.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
     check_labels,

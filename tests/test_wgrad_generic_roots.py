@@ -315,7 +315,7 @@ def test_the_store_reports_what_frontier_work_holds_and_no_parameter_as_held_by_
 
 
 def test_the_profile_counts_no_parameter_as_kept_for_w():
-    from zerobubble.runtime.profile import profile_layers
+    from zerobubble.runtime.construct.profile import profile_layers
 
     torch.manual_seed(0)
     layers = [MatmulBlock(), nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH))]

@@ -32,8 +32,8 @@ from torch import nn
 
 from _dist import relative_error, run_ranks
 from zerobubble.runtime.launch import init_distributed
-from zerobubble.runtime.optim import validation_chain
-from zerobubble.runtime.rollback import OptimizerValidationError
+from zerobubble.runtime.optim.post_validation import validation_chain
+from zerobubble.runtime.optim.rollback import OptimizerValidationError
 
 WIDTH, LINEARS, MICROBATCHES, ROWS = 64, 8, 4, 16  # ROWS: the global batch
 SCHEDULES = ["zb-h1", "zb-v"]

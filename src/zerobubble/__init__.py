@@ -33,7 +33,7 @@ def __getattr__(name: str):
 
         return Pipeline
     if name in ("VocabParallelHead", "VocabParallelEmbedding"):
-        from .runtime import vocab_layers
+        from .runtime.vocab import layers as vocab_layers
 
         return getattr(vocab_layers, name)
     raise AttributeError(f"module 'zerobubble' has no attribute {name!r}")

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .runtime import PipelineError
-from .runtime.vocab_layers import VocabParallelEmbedding, VocabParallelHead
+from .runtime.vocab.layers import VocabParallelEmbedding, VocabParallelHead
 
 #: The section of the docs on writing an adapter for another architecture.
 ADAPTER_DOCS = "docs/transformers.md, section 'Writing an adapter for another architecture'"

@@ -1,7 +1,7 @@
 """``bench emulate``: the real runtime with emulated compute, measured against the simulator.
 
 Every registry schedule runs on ``ranks`` real ranks with each op stretched to its modelled
-duration (:mod:`zerobubble.runtime.emulate`); the table compares the measured iteration time with
+duration (:mod:`zerobubble.runtime.execute.emulate`); the table compares the measured iteration time with
 ``simulate(schedule, costs)``, with and without the measured transfer latency.
 """
 
@@ -89,7 +89,7 @@ def emulated_pipelines(
 
 
 def _emulate_rank(names: list[str], m: int, costs: CostModel, steps: int) -> dict[str, Any]:
-    from zerobubble.runtime.trace import median_timeline, transfer_latencies
+    from zerobubble.runtime.observe.trace import median_timeline, transfer_latencies
 
     init_distributed(backend="gloo", timeout=300)
     ranks = dist.get_world_size()

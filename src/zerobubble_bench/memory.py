@@ -1,7 +1,7 @@
 """``benchmarks/memory.py``: each schedule's measured activation peak against the simulator's bound.
 
 :func:`peak_memory` (a rank worker) measures the live activation bytes of every
-``(schedule, microbatches)`` with :class:`zerobubble.runtime.memory.ActivationMeter` on
+``(schedule, microbatches)`` with :class:`zerobubble.runtime.observe.memory.ActivationMeter` on
 Linear–GELU–Linear blocks; :func:`memory_table` runs it on local ranks and renders the ratios
 (``tests/test_runtime_memory.py`` checks them against the bound).
 """
@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from zerobubble.runtime.launch import init_distributed, launch
-from zerobubble.runtime.memory import ActivationMeter
+from zerobubble.runtime.observe.memory import ActivationMeter
 from zerobubble.runtime.pipeline import Pipeline
 from zerobubble.runtime.tensors import tensors_in
 

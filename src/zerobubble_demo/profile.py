@@ -1,7 +1,7 @@
 """``zerobubble profile``: the per-layer profile of the demo's GPT, for ``zerobubble plan``.
 
 :func:`profile_gpt` builds the built-in GPT (:mod:`.models`) and measures it with the runtime's
-profiler (:func:`zerobubble.runtime.profile.profile_layers`), with the transfer cost timed
+profiler (:func:`zerobubble.runtime.construct.profile.profile_layers`), with the transfer cost timed
 between two local ranks when asked.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerobubble.runtime.construct.profile import ModelProfile, measure_transfer, profile_layers
 from zerobubble.runtime.launch import init_distributed, launch
-from zerobubble.runtime.profile import ModelProfile, measure_transfer, profile_layers
 
 from . import ConfigError
 from .models import MarkovCorpus, gpt_layers, lm_loss

@@ -279,7 +279,7 @@ def _check_mesh(config: TrainConfig) -> None:
     shape = config.mesh_shape
     if not shape:
         return
-    from zerobubble.runtime.mesh import ROLES
+    from zerobubble.runtime.parallel.mesh import ROLES
 
     unknown = sorted(set(shape) - set(ROLES))  # the dimensions the Pipeline knows by role
     if unknown:

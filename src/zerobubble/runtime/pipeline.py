@@ -27,27 +27,27 @@ from torch import nn
 
 from ..schedule import CostModel, Schedule, Timeline
 from . import PipelineError
-from .build import place_stages, tie_parameters
-from .checkpoint import model_keys
-from .comm import Comm
-from .compiled import prepare_layers
-from .consistency import CallCheck, broadcast_replicas
-from .construction import World, agreed_resolution, planned_resolution, world_of
-from .data_parallel import create_layout
-from .executor import Executor, StageState
+from .construct.build import place_stages, tie_parameters
+from .construct.compiled import prepare_layers
+from .construct.construction import World, agreed_resolution, planned_resolution, world_of
+from .construct.pipeline_calls import PipelineCalls, call_results
+from .construct.resolve import LossFn, Resolution
+from .construct.staging import layer_keywords
+from .execute.comm import Comm
+from .execute.executor import Executor, StageState
 from .failures import PeerFailure, PeerMonitor
-from .fsdp import ShardedStages
-from .groups import local_group
-from .mesh import data_mesh, layout_of_mesh
-from .optim import OptimizerStats
-from .pipeline_calls import PipelineCalls, call_results
-from .pipeline_optimization import StepOptimization
-from .pipeline_state import PipelineState
-from .recorder import OpRecorder, as_recorder
-from .resolve import LossFn, Resolution
-from .staging import layer_keywords
-from .vocab import VocabRunner, check_vocab_request, place_vocab
-from .vocab_layers import VocabParallelEmbedding, VocabParallelHead
+from .observe.recorder import OpRecorder, as_recorder
+from .optim.post_validation import OptimizerStats
+from .optim.step import StepOptimization
+from .parallel.consistency import CallCheck, broadcast_replicas
+from .parallel.data_parallel import create_layout
+from .parallel.fsdp import ShardedStages
+from .parallel.groups import local_group
+from .parallel.mesh import data_mesh, layout_of_mesh
+from .state.checkpoint import model_keys
+from .state.pipeline_state import PipelineState
+from .vocab.layers import VocabParallelEmbedding, VocabParallelHead
+from .vocab.runner import VocabRunner, check_vocab_request, place_vocab
 from .wgrad import FastPaths
 from .wgrad.verify import SplitRecord
 
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..schedule.modelplan import ModelProfile, Plan
-    from .trace import MeasuredTimeline, TraceReport
+    from .observe.trace import MeasuredTimeline, TraceReport
 
 logger = logging.getLogger(__name__)
 
@@ -252,11 +252,11 @@ class Pipeline:
 
     def _build_recording(self, trace: bool, emulate: CostModel | None) -> None:
         if emulate is not None:  # each op lasts its modelled duration (ms), see .emulate
-            from .emulate import install_emulation
+            from .execute.emulate import install_emulation
 
             install_emulation(self._executor, emulate)
         if trace:  # record every op and wait of the last steps, see .trace
-            from .trace import TraceRecorder
+            from .observe.trace import TraceRecorder
 
             self.recorder = TraceRecorder(self.device)
 
@@ -527,14 +527,14 @@ class Pipeline:
     def measured_timelines(self) -> list[MeasuredTimeline] | None:
         """The recorded steps as :class:`~.trace.MeasuredTimeline` objects on rank 0, None elsewhere
         (collective; needs ``trace=True`` or another :class:`~.recorder.StepRecorder`)."""
-        from .trace import recorded_timelines
+        from .observe.trace import recorded_timelines
 
         return recorded_timelines(self.recorder, self.schedule, self.group, self.device)
 
     def write_trace(self, directory: str | Path) -> TraceReport | None:
         """Write the recorded timeline, the prediction and a picture to ``directory`` (collective;
         :func:`~.trace.write_recorded_trace`).  Returns the report on rank 0, None elsewhere."""
-        from .trace import recorded_timelines, write_recorded_trace
+        from .observe.trace import recorded_timelines, write_recorded_trace
 
         timelines = recorded_timelines(self.recorder, self.schedule, self.group, self.device)
         profile = self.profile.to_dict() if self.profile is not None else None

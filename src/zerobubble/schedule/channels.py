@@ -1,7 +1,7 @@
 """Which messages cross which rank-to-rank channel, in which order: a pure function of the schedule.
 
 The runtime gives every ordered pair of ranks that exchange tensors its own FIFO channel
-(:mod:`zerobubble.runtime.comm`).  A receiver posts its receives in the order the sender sends,
+(:mod:`zerobubble.runtime.execute.comm`).  A receiver posts its receives in the order the sender sends,
 so both sides must derive that order from the schedule alone; this module is that derivation,
 testable without spawning ranks.
 """

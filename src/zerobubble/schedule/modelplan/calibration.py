@@ -82,7 +82,7 @@ def calibrate(
 
 
 def profile_from_trace(summary: Mapping[str, Any]) -> ModelProfile:
-    """A profile from a recorded run's ``summary.json`` (:func:`zerobubble.runtime.trace.write_trace`).
+    """A profile from a run's ``summary.json`` (:func:`~zerobubble.runtime.observe.trace.write_trace`).
 
     The trace measured F, B and W per virtual stage.  When the run recorded its layer profile
     (``schedule="auto"``) and layer bounds, each layer keeps its profiled share of its stage and is

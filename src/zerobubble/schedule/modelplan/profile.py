@@ -1,6 +1,6 @@
 """What the model-level planner plans from: per-layer costs of a model and its transfer model.
 
-A :class:`ModelProfile` holds what :mod:`zerobubble.runtime.profile` measures per layer at the
+A :class:`ModelProfile` holds what :mod:`zerobubble.runtime.construct.profile` measures per layer at the
 microbatch size — ``T_F``, ``T_B``, ``T_W`` (seconds), the activation bytes a forward keeps for its
 B and a B keeps for its W, parameter + gradient + optimizer-state bytes and the bytes of the output
 that crosses a cut after the layer — plus the transfer model ``T_comm = latency + bytes/bandwidth``.
