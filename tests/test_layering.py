@@ -186,3 +186,109 @@ def test_importing_the_planning_helpers_loads_no_family():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# -- the runtime's rooms (docs/architecture.md, "Rooms of the runtime") ------------------------------
+
+RUNTIME = LIBRARY / "runtime"
+RUNTIME_PACKAGE = "zerobubble.runtime"
+MAX_DIRECT_MODULES = 6  # modules directly in runtime/, __init__ included
+MAX_ROOM_MODULES = 12  # modules in one room, its __init__ included
+BASE = "base"  # runtime/__init__ (PipelineError), tensors, failures, launch: import no room
+FACADE = "pipeline"  # runtime/pipeline.py, the Pipeline: may import every room
+#: room -> the rooms its modules may import at their top level; mirrors docs/architecture.md.
+ROOMS_MAY_IMPORT = {
+    BASE: set(),
+    "wgrad": {BASE},
+    "parallel": {BASE},
+    "observe": {BASE, "parallel"},
+    "execute": {BASE, "wgrad", "parallel", "observe"},
+    "vocab": {BASE, "parallel", "execute"},
+    "construct": {BASE, "wgrad", "parallel", "observe", "execute", "vocab"},
+    "optim": {BASE, "parallel", "execute", "construct"},
+    "state": {BASE, "parallel", "execute", "vocab"},
+}
+
+
+def _rooms() -> list[str]:
+    return sorted(path.name for path in RUNTIME.iterdir() if (path / "__init__.py").is_file())
+
+
+def _room_of(module: str) -> str | None:
+    """The room of a runtime module (``zerobubble.runtime.<room>...``), or None outside the runtime."""
+    if module != RUNTIME_PACKAGE and not module.startswith(RUNTIME_PACKAGE + "."):
+        return None
+    head = module.removeprefix(RUNTIME_PACKAGE).lstrip(".").split(".")[0]
+    if head == FACADE:
+        return FACADE
+    return head if head and (RUNTIME / head / "__init__.py").is_file() else BASE
+
+
+def _room_offences(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of ``graph`` (module -> modules it imports) against :data:`ROOMS_MAY_IMPORT`."""
+    offences = []
+    for module, imported in sorted(graph.items()):
+        room = _room_of(module)
+        if room is None or room == FACADE:
+            continue
+        for target in sorted(imported):
+            other = _room_of(target)
+            if other is not None and other != room and other not in ROOMS_MAY_IMPORT.get(room, set()):
+                offences.append(f"{module} ({room}) imports {target} ({other})")
+    return offences
+
+
+def test_the_runtime_is_a_few_modules_and_rooms_of_a_dozen_at_most():
+    direct = sorted(path.name for path in RUNTIME.glob("*.py"))
+    assert len(direct) <= MAX_DIRECT_MODULES, f"runtime/ holds {direct}: move one into its room"
+    for room in _rooms():
+        modules = sorted(path.name for path in (RUNTIME / room).glob("*.py"))
+        assert len(modules) <= MAX_ROOM_MODULES, f"runtime/{room}/ holds {len(modules)} modules: split it"
+        assert not [p for p in (RUNTIME / room).iterdir() if (p / "__init__.py").is_file()], room
+    assert set(_rooms()) == set(ROOMS_MAY_IMPORT) - {BASE}, "a room is missing from the direction table"
+
+
+def test_runtime_rooms_import_one_way():
+    """A room imports only the rooms below it (top-level imports, as the cycle check reads them)."""
+    from test_structure import _imports, _modules
+
+    modules = _modules()
+    graph = {name: _imports(path, name, package, set(modules)) for name, (path, package) in modules.items()}
+    assert sum(1 for name in graph if _room_of(name) == "construct") > 5  # the scan sees the rooms
+    assert _room_offences(graph) == []
+
+
+def test_the_room_direction_check_finds_an_offence():
+    """The guard can fail: a room reaching up (parallel -> construct) or the base reaching a room."""
+    r = RUNTIME_PACKAGE
+    graph = {
+        "zerobubble.runtime.parallel.fsdp": {"zerobubble.runtime.construct.staging", "zerobubble.runtime"},
+        "zerobubble.runtime.tensors": {"zerobubble.runtime.observe.memory"},
+        "zerobubble.runtime.pipeline": {"zerobubble.runtime.state.checkpoint"},
+        "zerobubble.runtime.construct.build": {"zerobubble.runtime.execute.executor"},
+    }
+    assert _room_offences(graph) == [
+        f"{r}.parallel.fsdp (parallel) imports {r}.construct.staging (construct)",
+        f"{r}.tensors (base) imports {r}.observe.memory (observe)",
+    ]
+
+
+def test_the_flat_runtime_paths_still_import_as_their_rooms_modules():
+    """``zerobubble.runtime.<old>`` (before the rooms) is the same module object as its room's."""
+    code = (
+        "import importlib, sys\n"
+        "from zerobubble.runtime import MOVED\n"
+        "for old, new in MOVED.items():\n"
+        "    module = importlib.import_module('zerobubble.runtime.' + old)\n"
+        "    assert module is importlib.import_module('zerobubble.runtime.' + new), old\n"
+        "    assert module.__spec__.name == 'zerobubble.runtime.' + new, old\n"
+        "from zerobubble.runtime.trace import write_trace\n"
+        "from zerobubble.runtime.vocab_layers import VocabParallelHead\n"
+        "from zerobubble.runtime.optim import PostValidator\n"
+        "print(len(MOVED))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(result.stdout) > 20
+    from zerobubble.runtime import MOVED
+
+    assert not [old for old in MOVED if (RUNTIME / f"{old}.py").exists() or (RUNTIME / old).is_dir()]
