@@ -180,9 +180,9 @@ def conv_stage_without_kernel_split(rows: int, repeats: int = 41) -> dict[str, f
     convolution kernel not split (its weight gradients computed in B, as the fused backward does);
     and split with the same kernels but nothing deferred (each layer's weight gradients computed
     right after its input gradient, ``store.begin(key, defer=False)``): what deferring W itself costs."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
-    _, make, shape = next(stage for stage in _split_stages() if stage[0].startswith("2×(Conv2d"))
+    _, make, shape = next(stage for stage in split_stages() if stage[0].startswith("2×(Conv2d"))
     unsplit_conv = default_fast_paths()
     unsplit_conv.register(nn.Conv2d, _ConvWeightsInB(2))
     fused = make()
@@ -283,10 +283,10 @@ def stages_side_by_side(
 ) -> dict[str, dict[str, float]]:
     """(T_B + T_W) / fused backward of every bench stage for each of ``splits``, side by side in one
     process (:func:`_split_ratios`)."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
     results = {}
-    for label, make, shape in _split_stages():
+    for label, make, shape in split_stages():
         fused = make()
         variants = {name: (*split(make(), fused), True) for name, split in splits.items()}
         x = torch.randn(*shape(rows), requires_grad=True)
@@ -317,9 +317,9 @@ def w_order(rows: int, repeats: int = 61) -> dict[str, dict[str, float]]:
 
 def _attention_variants() -> tuple[nn.Module, dict[str, tuple[nn.Module, WeightGradStore, bool]]]:
     """The bench's MultiheadAttention block: a plain copy, and copies split with routing on and off."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
-    _, make, _ = _split_stages(["mha"])[0]
+    _, make, _ = split_stages(["mha"])[0]
     variants = {}
     for name, route in (("routed", True), ("not routed", False)):
         module, store, paths = make(), WeightGradStore(), default_fast_paths()
@@ -471,10 +471,10 @@ def stage_frontier_floor(rows: int, fresh: bool, repeats: int = 41) -> dict[str,
     norm kernels use asked for too), W from the frontier of the whole stage, found by the same walk
     (:func:`.frontier.find_frontier`, not timed: the installed split walks at forward time too).
     What the per-module machinery costs; side by side, alternating, in one process."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
     results = {}
-    for label, make, shape in _split_stages():
+    for label, make, shape in split_stages():
         fused, plain = make(), make()
         installed, store = _installed(make(), WeightGradStore(), FastPaths())
         steps: dict[str, tuple[nn.Module, Step]] = {
@@ -523,10 +523,10 @@ def direct_against_local(rows: int, fresh: bool, repeats: int = 41) -> dict[str,
     """(T_B + T_W) / fused backward of the bench's attention and raw-parameter blocks (default
     split): their routed modules on the stage's graph (the default after the first forward) against
     a local graph at every forward, side by side."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
     results = {}
-    for label, make, shape in _split_stages(["mha", "raw"]):
+    for label, make, shape in split_stages(["mha", "raw"]):
         variants: dict[str, tuple[nn.Module, WeightGradStore, bool]] = {}
         for name in ("stage's graph", "local graph"):
             module, store = make(), WeightGradStore()
@@ -637,12 +637,12 @@ def b_above_frozen(rows: int, repeats: int = 101) -> dict[str, dict[str, float]]
     the same input-gradient kernels), for B as installed, with no-op capture hooks, with none, and
     with the captures made inside the engine (GPT block and conv stage, whose hooks are all fast
     paths')."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
     variants = {"installed": contextlib.ExitStack, "no-op hooks": _no_op_hooks, "no hooks": _no_hooks}
     results = {}
     # not the raw-parameter block: its routed biases and norms register hooks of their own
-    for stage, (label, make, shape) in zip(["gpt", "conv", "mha"], _split_stages(["gpt", "conv", "mha"])):
+    for stage, (label, make, shape) in zip(["gpt", "conv", "mha"], split_stages(["gpt", "conv", "mha"])):
         captures = _EngineCaptures() if stage != "mha" else None
         names = [*variants, *(["engine capture"] if captures else [])]
         frozen = make().requires_grad_(False)
@@ -712,10 +712,10 @@ def _keyed_store_step(module: nn.Module, store: WeightGradStore) -> Step:
 def alias_accumulation(rows: int, fresh: bool, repeats: int = 81) -> dict[str, dict[str, float]]:
     """(T_B + T_W) / fused backward of the bench stages with norms: the forward keyed, as the
     executor runs it (no hook on the norms' nodes), against a direct call (a post-hook per norm)."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
     results = {}
-    for label, make, shape in _split_stages(["gpt", "mha", "conv"]):
+    for label, make, shape in split_stages(["gpt", "mha", "conv"]):
         fused = make()
         keyed, keyed_store = _installed(make(), WeightGradStore())
         hooked, hooked_store = _installed(make(), WeightGradStore())
@@ -828,13 +828,13 @@ SECTIONS = {
 
 
 def main(sections: list[str]) -> None:
-    from zerobubble_bench.wgrad import _keep_freed_memory
+    from zerobubble_bench.wgrad import retain_freed_memory
 
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise SystemExit(f"unknown sections {unknown}; choose from {sorted(SECTIONS)}")
     torch.set_num_threads(1)
-    _keep_freed_memory()  # as the bench command does: this process runs nothing else
+    retain_freed_memory()  # as the bench command does: this process runs nothing else
     for name, print_section in SECTIONS.items():
         if not sections or name in sections:
             print_section()

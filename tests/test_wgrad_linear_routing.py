@@ -784,7 +784,7 @@ def test_routed_norms_under_autocast_stay_within_bf16_tolerance():
 
 
 def test_the_raw_block_of_the_bench_runs_on_the_stage_graph_after_its_first_forward():
-    from zerobubble_bench.split_models import RawBlock
+    from zerobubble_demo.split_models import RawBlock
 
     torch.manual_seed(17)
     model = RawBlock(WIDTH, heads=2)
@@ -844,7 +844,7 @@ def test_a_transposed_input_takes_one_gemm_not_a_batched_product(layer):
 def test_reentrant_checkpointing_of_a_module_on_the_stage_graph_stays_exact_and_deferred(block):
     """``checkpoint(use_reentrant=True)`` runs the forward without grad, then again inside B: the
     routed calls of that recomputation queue their W work in B, as any other B does."""
-    from zerobubble_bench.split_models import AttentionBlock, RawBlock
+    from zerobubble_demo.split_models import AttentionBlock, RawBlock
 
     torch.manual_seed(21)
     inner = AttentionBlock(WIDTH, heads=2) if block == "attention" else RawBlock(WIDTH, heads=2)
