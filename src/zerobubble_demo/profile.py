@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from zerobubble.runtime.launch import init_distributed, launch
-from zerobubble.runtime.profile import ModelProfile, measure_transfer, profile_layers
+from zerobubble.runtime.profile import measure_transfer, profile_layers
+from zerobubble.schedule.modelplan import ModelProfile
 
 from . import ConfigError
 from .models import MarkovCorpus, gpt_layers, lm_loss

@@ -11,9 +11,7 @@
 * :mod:`.launch` — starts local ranks when the script was not run under ``torchrun``.
 """
 
-
-class PipelineError(RuntimeError):
-    """The pipeline cannot run as asked, or a step failed; the message says where and what to do."""
+from ..errors import PipelineError
 
 
 def __dir__() -> list[str]:

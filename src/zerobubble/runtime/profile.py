@@ -39,6 +39,11 @@ from .staging import layer_keywords
 from .tensors import storage_bytes
 from .wgrad import WeightGradStore, install_deferral
 
+__all__ = [
+    "measure_transfer",
+    "profile_layers",
+]
+
 Loss = Callable[[Any, Any], torch.Tensor]
 
 
