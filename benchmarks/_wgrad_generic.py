@@ -50,9 +50,9 @@ from zerobubble.runtime.wgrad.store import accumulate_each
 
 def _attention_variants() -> tuple[nn.Module, dict[str, tuple[nn.Module, WeightGradStore, bool]]]:
     """The bench's MultiheadAttention block: a plain copy, and copies split with routing on and off."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
-    _, make, _ = _split_stages(["mha"])[0]
+    _, make, _ = split_stages(["mha"])[0]
     variants = {}
     for name, route in (("routed", True), ("not routed", False)):
         module, store, paths = make(), WeightGradStore(), default_fast_paths()
@@ -179,10 +179,10 @@ def stage_frontier_floor(rows: int, fresh: bool, repeats: int = 41) -> dict[str,
     norm kernels use asked for too), W from the frontier of the whole stage, found by the same walk
     (:func:`.frontier.find_frontier`, not timed: the installed split walks at forward time too).
     What the per-module machinery costs; side by side, alternating, in one process."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
     results = {}
-    for label, make, shape in _split_stages():
+    for label, make, shape in split_stages():
         fused, plain = make(), make()
         installed, store = install_split(make(), WeightGradStore(), FastPaths())
         steps: dict[str, tuple[nn.Module, Step]] = {
@@ -240,10 +240,10 @@ def direct_against_local(rows: int, fresh: bool, repeats: int = 41) -> dict[str,
     """(T_B + T_W) / fused backward of the bench's attention and raw-parameter blocks (default
     split): their routed modules on the stage's graph (the default after the first forward) against
     a local graph at every forward, side by side."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
     results = {}
-    for label, make, shape in _split_stages(["mha", "raw"]):
+    for label, make, shape in split_stages(["mha", "raw"]):
         variants: dict[str, tuple[nn.Module, WeightGradStore, bool]] = {}
         for name in ("stage's graph", "local graph"):
             module, store = make(), WeightGradStore()

@@ -120,12 +120,12 @@ def b_above_frozen(rows: int, repeats: int = 101) -> dict[str, dict[str, float]]
     the same input-gradient kernels), for B as installed, with no-op capture hooks, with none, and
     with the captures made inside the engine (GPT block and conv stage, whose hooks are all fast
     paths')."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
     variants = {"installed": contextlib.ExitStack, "no-op hooks": _no_op_hooks, "no hooks": _no_hooks}
     results = {}
     # not the raw-parameter block: its routed biases and norms register hooks of their own
-    for stage, (label, make, shape) in zip(["gpt", "conv", "mha"], _split_stages(["gpt", "conv", "mha"])):
+    for stage, (label, make, shape) in zip(["gpt", "conv", "mha"], split_stages(["gpt", "conv", "mha"])):
         captures = _EngineCaptures() if stage != "mha" else None
         names = [*variants, *(["engine capture"] if captures else [])]
         frozen = make().requires_grad_(False)
@@ -196,10 +196,10 @@ def _keyed_store_step(module: nn.Module, store: WeightGradStore) -> Step:
 def alias_accumulation(rows: int, fresh: bool, repeats: int = 81) -> dict[str, dict[str, float]]:
     """(T_B + T_W) / fused backward of the bench stages with norms: the forward keyed, as the
     executor runs it (no hook on the norms' nodes), against a direct call (a post-hook per norm)."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
     results = {}
-    for label, make, shape in _split_stages(["gpt", "mha", "conv"]):
+    for label, make, shape in split_stages(["gpt", "mha", "conv"]):
         fused = make()
         keyed, keyed_store = install_split(make(), WeightGradStore())
         hooked, hooked_store = install_split(make(), WeightGradStore())

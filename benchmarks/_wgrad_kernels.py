@@ -138,9 +138,9 @@ def conv_stage_without_kernel_split(rows: int, repeats: int = 41) -> dict[str, f
     convolution kernel not split (its weight gradients computed in B, as the fused backward does);
     and split with the same kernels but nothing deferred (each layer's weight gradients computed
     right after its input gradient, ``store.begin(key, defer=False)``): what deferring W itself costs."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
-    _, make, shape = next(stage for stage in _split_stages() if stage[0].startswith("2×(Conv2d"))
+    _, make, shape = next(stage for stage in split_stages() if stage[0].startswith("2×(Conv2d"))
     unsplit_conv = default_fast_paths()
     unsplit_conv.register(nn.Conv2d, _ConvWeightsInB(2))
     fused = make()

@@ -106,10 +106,10 @@ def stages_side_by_side(
 ) -> dict[str, dict[str, float]]:
     """(T_B + T_W) / fused backward of every bench stage for each of ``splits``, side by side in one
     process (:func:`split_ratios`)."""
-    from zerobubble_bench.wgrad import _split_stages
+    from zerobubble_bench.wgrad import split_stages
 
     results = {}
-    for label, make, shape in _split_stages():
+    for label, make, shape in split_stages():
         fused = make()
         variants = {name: (*split(make(), fused), True) for name, split in splits.items()}
         x = torch.randn(*shape(rows), requires_grad=True)

@@ -1,6 +1,6 @@
 """What the split guard costs: its one-time check against one microbatch's split forward, B and W.
 
-For each model of ``zerobubble_bench.split_models`` (the first stage holds every layer), a fresh
+For each model of ``zerobubble_demo.split_models`` (the first stage holds every layer), a fresh
 split and guard are built ``--repeats`` times; each repeat times the guard's first
 ``before_forward`` (the plain forward and backward, the split's forward, B and W, and a second
 round where a module changed path) and then one ordinary microbatch's forward, B and W through the
@@ -19,7 +19,7 @@ import torch
 
 from zerobubble.runtime.construct.staging import StageModule
 from zerobubble.runtime.wgrad import SplitGuard, WeightGradStore, install_deferral
-from zerobubble_bench.split_models import SPLIT_MODELS, split_model
+from zerobubble_demo.split_models import SPLIT_MODELS, split_model
 
 
 def _through(layers, inputs):

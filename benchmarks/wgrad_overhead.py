@@ -46,13 +46,13 @@ SECTIONS = {
 
 def main(sections: list[str]) -> None:
     """Print the tables of ``sections`` (every one when empty), in the order of :data:`SECTIONS`."""
-    from zerobubble_bench.wgrad import _keep_freed_memory
+    from zerobubble_bench.wgrad import retain_freed_memory
 
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise SystemExit(f"unknown sections {unknown}; choose from {sorted(SECTIONS)}")
     torch.set_num_threads(1)
-    _keep_freed_memory()  # as the bench command does: this process runs nothing else
+    retain_freed_memory()  # as the bench command does: this process runs nothing else
     for name, print_section in SECTIONS.items():
         if not sections or name in sections:
             print_section()

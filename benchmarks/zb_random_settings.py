@@ -20,11 +20,9 @@ import random
 import time
 
 from zb_v_random_settings import random_setting
-from zerobubble.schedule import CostModel, build_schedule, simulate
-from zerobubble.schedule.builders import REGISTRY
+from zerobubble.schedule import REGISTRY, CostModel, Placement, build_schedule, simulate
 from zerobubble.schedule.builders.planning import Stuck
 from zerobubble.schedule.builders.zb_auto import GREEDY_VARIANTS
-from zerobubble.schedule.ir import Placement
 
 SCHEDULES = ("zb-1p", "zb-2p")
 

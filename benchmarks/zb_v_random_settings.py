@@ -17,9 +17,8 @@ import math
 import random
 import time
 
-from zerobubble.schedule import CostModel, build_schedule, simulate
+from zerobubble.schedule import CostModel, Placement, build_schedule, simulate
 from zerobubble.schedule.builders.planning.v_equalised import EQUALISED_VARIANTS, equalised_plan
-from zerobubble.schedule.ir import Placement
 
 
 def random_setting(rng: random.Random) -> tuple[int, int, CostModel]:

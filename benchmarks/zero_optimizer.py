@@ -37,7 +37,7 @@ def midway(pipe) -> float:
     import torch
     import torch.distributed as dist
 
-    from zerobubble.runtime.optim.post_validation import validation_chain
+    from zerobubble.runtime.optim import validation_chain
 
     local = torch.stack([p.grad.double().norm() ** 2 for p in pipe.parameters()]).sum().reshape(1)
     gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]

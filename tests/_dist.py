@@ -334,8 +334,8 @@ def held_sends(cases: list[tuple[str, int]]) -> dict:
     (the second: no headers), and the storage bytes behind each loss the step returns."""
     import torch.nn.functional as F
 
+    from _memory import mlp_blocks
     from zerobubble.runtime.pipeline import Pipeline
-    from zerobubble_bench.memory import mlp_blocks
 
     init_distributed(backend="gloo", timeout=60)
     results = {}

@@ -7,7 +7,7 @@ import torch
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.launch import init_distributed
 from zerobubble.schedule import ScheduleError
-from zerobubble_bench.split_models import split_model
+from zerobubble_demo.split_models import split_model
 
 
 def reference(name: str, microbatches: int) -> dict:

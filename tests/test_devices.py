@@ -1,8 +1,8 @@
-"""The B/W split, the executor and ``bench wgrad`` on each device: the CPU always, a CUDA GPU where
-one is present.
+"""The B/W split and the executor on each device: the CPU always, a CUDA GPU where one is present.
 
 The CUDA cases are skipped without a GPU; ``benchmarks/device_check.sh`` runs them on a lent one,
-with ``bench wgrad --device cuda`` and a traced training run.  The CPU cases run the same code, so
+with ``tests/bench/test_bench_wgrad.py`` (``bench wgrad`` on each device), ``bench wgrad --device
+cuda`` and a traced training run.  The CPU cases run the same code, so
 the checks themselves are exercised on every machine, CI included.
 """
 
@@ -20,8 +20,7 @@ from zerobubble.runtime.execute.executor import Executor, StageState
 from zerobubble.runtime.observe.trace import TraceRecorder
 from zerobubble.runtime.wgrad import FastPaths, WeightGradStore, install_deferral
 from zerobubble.schedule import build_schedule
-from zerobubble_bench.split_models import SPLIT_MODELS, split_model
-from zerobubble_bench.wgrad import wgrad_split_cost
+from zerobubble_demo.split_models import SPLIT_MODELS, split_model
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -132,13 +131,3 @@ def test_two_chunks_on_one_rank_on_the_device_equal_one_process_and_are_traced(d
     assert all(end >= start for start, end in ops)
     starts = [start for start, _ in ops]
     assert starts == sorted(starts), "ops recorded out of program order"
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_bench_wgrad_measures_on_the_device(device):
-    table = wgrad_split_cost(
-        (8,), repeats=1, device=device, modes=("fast paths", "generic only"), stages=("gpt", "conv")
-    )
-    ratios = [float(row[-1]) for row in table.rows]
-    assert len(ratios) == 4
-    assert all(0 < ratio < 100 for ratio in ratios)

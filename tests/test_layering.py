@@ -292,3 +292,92 @@ def test_the_flat_runtime_paths_still_import_as_their_rooms_modules():
     from zerobubble.runtime import MOVED
 
     assert not [old for old in MOVED if (RUNTIME / f"{old}.py").exists() or (RUNTIME / old).is_dir()]
+
+
+def _imported_modules(path: Path, package: str | None = None) -> list[tuple[int, str, list[str]]]:
+    """``(line, module, names)`` of every import in ``path``; relative ones resolved against ``package``
+    (the dotted package the file is in), when given."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level and package is not None:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, module] if module else base)
+            elif node.level:
+                continue
+            found.append((node.lineno, module, [alias.name for alias in node.names]))
+    return found
+
+
+def _package_of(path: Path) -> str | None:
+    """The dotted package of a file under ``src/`` (None elsewhere)."""
+    sources = LIBRARY.parent
+    return ".".join(path.parent.relative_to(sources).parts) if path.is_relative_to(sources) else None
+
+
+def test_nothing_outside_cli_imports_the_cli_but_its_entry_point():
+    """The errors the CLI, the demo and the benchmarks share live in ``zerobubble.errors``; from the CLI
+    only its entry point ``main`` is imported: by ``python -m zerobubble`` and by the benchmark scripts
+    that stand for a ``zerobubble bench`` command."""
+    root = LIBRARY.parents[1]
+    files = [
+        path
+        for folder in ("src", "benchmarks", "examples")
+        for path in sorted((root / folder).rglob("*.py"))
+        if not path.is_relative_to(LIBRARY / "cli")
+    ]
+    entry_points = {LIBRARY / "__main__.py", *(root / "benchmarks").glob("*.py")}
+    offenders = [
+        f"{path.relative_to(root)}:{line} imports {names or module}"
+        for path in files
+        for line, module, names in _imported_modules(path, _package_of(path))
+        if (
+            (module == "zerobubble.cli" or module.startswith("zerobubble.cli."))
+            and not (path in entry_points and module == "zerobubble.cli" and names == ["main"])
+        )
+        or (module == "zerobubble" and "cli" in names)
+    ]
+    assert offenders == []
+    assert any(names == ["main"] for _, _, names in _imported_modules(LIBRARY / "__main__.py", "zerobubble"))
+
+
+def test_the_errors_module_imports_nothing_and_holds_every_error_type():
+    """One neutral errors module: torch-free, importing no other layer, every error class defined in it."""
+    errors = LIBRARY / "errors.py"
+    tree = ast.parse(errors.read_text())
+    top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert all(isinstance(n, ast.ImportFrom) and n.module in ("__future__", "typing") for n in top_level)
+    defined = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    exceptions = {"Exception", "ValueError", "RuntimeError", "UserWarning", *defined}
+    elsewhere = [
+        f"{path.relative_to(LIBRARY.parent)}: {node.name}"
+        for path in sorted(LIBRARY.parent.rglob("*.py"))
+        if path != errors
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(b, ast.Name) and b.id in exceptions for b in node.bases)
+        and node.name != "Stuck"  # the builders' search control flow: never leaves a builder
+    ]
+    assert elsewhere == []
+
+
+def test_library_tests_import_neither_the_benchmarks_nor_their_scripts():
+    """The tests of ``zerobubble_bench`` and ``benchmarks/`` live in ``tests/bench/``; the library's tests
+    take what they share with the benchmarks from the demo or a helper of their own."""
+    tests = Path(__file__).resolve().parent
+    offenders = [
+        f"{path.relative_to(tests)}:{line} imports {module}"
+        for path in sorted(tests.rglob("*.py"))
+        if not path.is_relative_to(tests / "bench")
+        for line, module, _ in _imported_modules(path)
+        if module.split(".")[0] in ("zerobubble_bench", "benchmarks")
+    ]
+    assert offenders == []
+    assert any(  # the scan sees the benchmarks' own tests
+        module.startswith("zerobubble_bench")
+        for path in (tests / "bench").glob("*.py")
+        for _, module, _ in _imported_modules(path)
+    )

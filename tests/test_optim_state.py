@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerobubble.runtime.optim.post_validation import (
+from zerobubble.runtime.optim import (
     OptimizerStats,
     PostValidator,
     StepOutcome,

@@ -18,7 +18,7 @@ from torch import nn
 
 from _profile import TWO_AND_FOUR_RANKS
 from zerobubble.runtime.launch import init_distributed, launch
-from zerobubble.runtime.optim.post_validation import PostValidator
+from zerobubble.runtime.optim import PostValidator
 
 pytestmark = pytest.mark.multiprocess
 

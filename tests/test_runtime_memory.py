@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from _dist import held_sends, run_ranks
-from zerobubble_bench.memory import peak_memory
+from _memory import peak_memory
 
 pytestmark = pytest.mark.multiprocess
 

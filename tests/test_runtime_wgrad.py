@@ -25,7 +25,7 @@ from zerobubble.runtime.wgrad import (
     install_deferral,
     remove_deferral,
 )
-from zerobubble_bench.split_models import SPLIT_MODELS, split_model
+from zerobubble_demo.split_models import SPLIT_MODELS, split_model
 
 
 class ScaleFunction(torch.autograd.Function):
@@ -342,30 +342,6 @@ def test_no_grad_forward_and_frozen_parameters_bypass_the_store():
     frozen(x).sum().backward()
     store.end()
     assert store.pending_keys() == [] and x.grad is not None
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no GPU")
-def test_bench_wgrad_on_cuda_without_a_gpu_is_a_clear_error(capsys):
-    from zerobubble.cli import main
-
-    assert main(["bench", "wgrad", "--device", "cuda", "--rows", "8", "--repeats", "1"]) == 2
-    assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_bench_wgrad_measures_every_split():
-    from zerobubble_bench.wgrad import wgrad_split_cost
-
-    threads = torch.get_num_threads()
-    try:
-        table = wgrad_split_cost([4], repeats=1)
-    finally:
-        torch.set_num_threads(threads)
-    assert [(row[0][:3], row[1]) for row in table.rows] == [
-        (stage, split)
-        for stage in ("MLP", "GPT", "2×(", "Mul", "raw")
-        for split in ("fast paths", "generic only", "torch pipelining")
-    ]
-    assert all(float(row[-1]) > 0 for row in table.rows)
 
 
 LAYERS = {  # layer, input shape, the split it takes

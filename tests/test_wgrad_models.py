@@ -1,7 +1,7 @@
 """Real models through the B/W split on 2 gloo ranks, every registry schedule: loss, every gradient and
 every buffer equal one process over the same microbatches.
 
-Models (:func:`zerobubble_bench.split_models.split_model`): transformers GPT-2 (``Conv1D``
+Models (:func:`zerobubble_demo.split_models.split_model`): transformers GPT-2 (``Conv1D``
 projections) and Llama
 (RMSNorm through the generic split; rotary tables cross stage boundaries as a tuple), a conv net with
 BatchNorm (running statistics compared too), transformer blocks under activation checkpointing,
@@ -17,7 +17,7 @@ import pytest
 
 from _dist import RUNTIME_SCHEDULES, run_ranks
 from _wgrad_models import model_cases
-from zerobubble_bench.split_models import SPLIT_MODELS
+from zerobubble_demo.split_models import SPLIT_MODELS
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.multiprocess

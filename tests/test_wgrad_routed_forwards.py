@@ -147,7 +147,7 @@ def test_a_module_that_routed_a_call_stays_routed():
 def test_reentrant_checkpointing_of_a_module_on_the_stage_graph_stays_exact_and_deferred(block):
     """``checkpoint(use_reentrant=True)`` runs the forward without grad, then again inside B: the
     routed calls of that recomputation queue their W work in B, as any other B does."""
-    from zerobubble_bench.split_models import AttentionBlock, RawBlock
+    from zerobubble_demo.split_models import AttentionBlock, RawBlock
 
     torch.manual_seed(21)
     inner = AttentionBlock(WIDTH, heads=2) if block == "attention" else RawBlock(WIDTH, heads=2)

@@ -243,7 +243,7 @@ def test_routed_norms_under_autocast_stay_within_bf16_tolerance():
 
 
 def test_the_raw_block_of_the_bench_runs_on_the_stage_graph_after_its_first_forward():
-    from zerobubble_bench.split_models import RawBlock
+    from zerobubble_demo.split_models import RawBlock
 
     torch.manual_seed(17)
     model = RawBlock(WIDTH, heads=2)

@@ -1,8 +1,10 @@
 """zerobubble: pipeline-parallel training of PyTorch models with zero-bubble schedules.
 
 ``zerobubble.schedule`` (pure Python) builds, simulates, validates and draws schedules;
-``zerobubble.runtime`` (torch) runs them.  ``Pipeline``, ``VocabParallelHead`` and
-``VocabParallelEmbedding`` are imported lazily so that using only the schedule layer never imports torch.
+``zerobubble.runtime`` (torch) runs them; ``zerobubble.errors`` holds every error type.  ``Pipeline``,
+``VocabParallelHead`` and ``VocabParallelEmbedding`` are imported lazily so that using only the schedule
+layer never imports torch.  The public modules: ``docs/architecture.md``, "The errors, and the public
+surface".
 """
 
 from .schedule import CostModel, Schedule, ScheduleError, build_schedule, simulate, validate_schedule

@@ -35,6 +35,30 @@ from torch import nn
 from .runtime import PipelineError
 from .runtime.vocab.layers import VocabParallelEmbedding, VocabParallelHead
 
+__all__ = [
+    "ADAPTERS",
+    "ADAPTER_DOCS",
+    "DecoderLayer",
+    "FalconDecoderLayer",
+    "FinalNorm",
+    "GPT2Embedding",
+    "LMHead",
+    "OPTDecoderLayer",
+    "OPTEmbedding",
+    "RotaryDecoderLayer",
+    "RotaryEmbedding",
+    "VocabParallelParts",
+    "causal_mask",
+    "falcon_layers",
+    "falcon_mask",
+    "gpt2_layers",
+    "gpt_neox_layers",
+    "llama_layers",
+    "opt_layers",
+    "pipeline_layers",
+    "vocab_parallel_parts",
+]
+
 #: The section of the docs on writing an adapter for another architecture.
 ADAPTER_DOCS = "docs/transformers.md, section 'Writing an adapter for another architecture'"
 

@@ -1,6 +1,7 @@
 """Benchmarks of zerobubble: the code behind ``zerobubble bench`` and ``benchmarks/*.py``.
 
-Not part of the library (``zerobubble``).  One module per benchmark — :mod:`.pipelines`,
+Not part of the library (``zerobubble``), and a user of its public modules only (``docs/architecture.md``,
+"The public surface"); its tests live in ``tests/bench/``.  One module per benchmark — :mod:`.pipelines`,
 :mod:`.wgrad`, :mod:`.split_models`, :mod:`.emulate`, :mod:`.schedulers`, :mod:`.plan`,
 :mod:`.memory`, :mod:`.vocab` — over the shared models and runners of :mod:`.workloads` and the result
 :class:`~.tables.Table` of :mod:`.tables`.  Every benchmark measures its configurations side by
@@ -30,7 +31,7 @@ class Benchmark:
     """One ``zerobubble bench NAME`` command.
 
     ``add_arguments`` declares its options on its subparser; ``check`` (optional) raises the user
-    errors argparse cannot see (as ``zerobubble.cli.UsageError``) before anything is printed or run;
+    errors argparse cannot see (as ``zerobubble.errors.UsageError``) before anything is printed or run;
     ``run`` measures and returns the tables, which the CLI prints under the machine line.
     """
 

@@ -10,7 +10,7 @@ command's output::
     <!-- end generated -->
 
 ``python benchmarks/doc_tables.py --write`` runs each command and rewrites its block in place;
-``--check`` (what ``tests/test_doc_tables.py`` runs) rewrites nothing and names every block whose text
+``--check`` (what ``tests/bench/test_doc_tables.py`` runs) rewrites nothing and names every block whose text
 differs from its command's output now.  Options follow the command, each after a ``|``:
 
 * ``console``: the block is a console session, ``$ command`` and what it printed (stdout, then stderr);

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from zerobubble import Pipeline
 from zerobubble.runtime.launch import init_distributed, launch
-from zerobubble.runtime.pipeline import Pipeline
 from zerobubble.schedule import REGISTRY, CostModel, build_schedule, simulate
 
 from . import Benchmark

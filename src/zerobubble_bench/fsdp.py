@@ -185,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     """Positive sizes and enough blocks for the schedule's chunks."""
-    from zerobubble.cli import UsageError
+    from zerobubble.errors import UsageError
 
     for name, least in (("steps", 4), ("width", 1), ("blocks", 4)):
         if getattr(args, name) < least:

@@ -3,7 +3,7 @@
 :func:`peak_memory` (a rank worker) measures the live activation bytes of every
 ``(schedule, microbatches)`` with :class:`zerobubble.runtime.observe.memory.ActivationMeter` on
 Linear–GELU–Linear blocks; :func:`memory_table` runs it on local ranks and renders the ratios
-(``tests/test_runtime_memory.py`` checks them against the bound).
+(``tests/test_runtime_memory.py`` checks the runtime against the bound the same way).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from zerobubble import Pipeline
 from zerobubble.runtime.launch import init_distributed, launch
-from zerobubble.runtime.observe.memory import ActivationMeter
-from zerobubble.runtime.pipeline import Pipeline
-from zerobubble.runtime.tensors import tensors_in
+from zerobubble.runtime.observe.memory import ActivationMeter, tensors_in
 
 from .tables import Table, median, preserved_torch_state
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
+from zerobubble import Pipeline
 from zerobubble.runtime.launch import init_distributed, launch
-from zerobubble.runtime.pipeline import Pipeline
 
 from . import Benchmark, add_round_arguments
 from .tables import Table, median

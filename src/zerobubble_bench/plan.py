@@ -15,8 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from zerobubble import Pipeline
 from zerobubble.runtime.launch import init_distributed, launch
-from zerobubble.runtime.pipeline import Pipeline
 from zerobubble.schedule import simulate
 from zerobubble.schedule.partition import even_partition
 

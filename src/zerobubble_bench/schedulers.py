@@ -137,7 +137,7 @@ def schedulers_against_authors(*, polish_seconds: float | None = None) -> Table:
 
 
 def _polished_cell(schedule: Schedule, costs: CostModel, seconds: float, theirs: float) -> str:
-    from zerobubble.schedule.polish import polish_schedule
+    from zerobubble.schedule import polish_schedule
 
     report = polish_schedule(schedule, costs, seconds=seconds).meta["polish"]
     return f"{report['after'] / theirs:.5f}" + ("*" if report["status"] == "OPTIMAL" else "")

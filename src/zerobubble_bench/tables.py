@@ -3,8 +3,8 @@
 Every benchmark measures its configurations side by side in one run, round by round in rotating
 order (so machine drift and other load hit all of them alike), and reports medians and ratios in a
 :class:`Table`; :meth:`Table.markdown` renders it for the README beside :func:`machine_description`.
-:func:`preserved_torch_state` lets a benchmark seed its models and set its thread count without
-changing the caller's global RNG or thread count.
+:func:`preserved_torch_state` (the demo's, :mod:`zerobubble_demo.split_models`) lets a benchmark seed
+its models and set its thread count without changing the caller's global RNG or thread count.
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from zerobubble_demo.split_models import preserved_torch_state
+
+__all__ = ["Table", "machine_description", "median", "preserved_torch_state"]
 
 
 @dataclass
@@ -60,15 +63,3 @@ def machine_description() -> str:
 def median(values: Sequence[float]) -> float:
     """The median, or NaN for no values (a configuration that never ran)."""
     return statistics.median(values) if values else float("nan")
-
-
-@contextmanager
-def preserved_torch_state() -> Iterator[None]:
-    """Run the block with its own seeds and thread count: torch's global CPU RNG state and its
-    intra-op thread count are restored afterwards, however the block ends."""
-    threads = torch.get_num_threads()
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerobubble import Pipeline, VocabParallelEmbedding, VocabParallelHead
 from zerobubble.runtime.launch import init_distributed, launch
 from zerobubble.runtime.observe.memory import ActivationMeter
-from zerobubble.runtime.pipeline import Pipeline
-from zerobubble.runtime.vocab.layers import VocabParallelEmbedding, VocabParallelHead
 from zerobubble.schedule import CostModel, build_schedule, simulate, transformer_costs
 from zerobubble.schedule.partition import optimal_partition
 from zerobubble.schedule.vocab import head_costs

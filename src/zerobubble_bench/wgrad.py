@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerobubble.cli import UsageError
+from zerobubble.errors import UsageError
 from zerobubble_demo.models import Block, GPTConfig
+from zerobubble_demo.split_models import REFERENCE_MODELS, SPLIT_MODELS, AttentionBlock, RawBlock
 
 from . import Benchmark
-from .split_models import REFERENCE_MODELS, SPLIT_MODELS, AttentionBlock, RawBlock, w_shares
+from .split_models import w_shares
 from .tables import Table, median, preserved_torch_state
 from .workloads import mlp_layers
 
@@ -43,8 +44,8 @@ def wgrad_split_cost(
     the MLP, one GPT block (width 256, ``rows`` tokens), two Conv2d(32, 3×3) + BatchNorm2d + ReLU
     blocks (``rows`` images of 8×8), one ``nn.MultiheadAttention`` block (width 256, 4 heads,
     ``rows`` tokens; its projections are ``F.linear`` calls on parameters) and one transformer block
-    on raw parameters (:class:`~.split_models.RawBlock`: no fast path; its products, bias and norms
-    are routed).  Splits:
+    on raw parameters (:class:`~zerobubble_demo.split_models.RawBlock`: no fast path; its products,
+    bias and norms are routed).  Splits:
     ``fast paths`` (the default registry), ``generic only`` (an empty registry: every module through
     the generic split) and ``torch pipelining`` (``stage_backward_input``/``stage_backward_weight`` of
     ``torch.distributed.pipelining``, for reference).  Fused and split backwards alternate within
@@ -52,13 +53,13 @@ def wgrad_split_cost(
     tensors (every microbatch of a step but the first); without, ``.grad`` is reset before each
     repeat (a step's first microbatch).  ``threads`` holds during the run only.
     ``keep_freed_memory`` (CPU) tunes glibc's malloc for the rest of the process
-    (``_keep_freed_memory``): only for a process that runs nothing else, like the bench command.
+    (:func:`retain_freed_memory`): only for a process that runs nothing else, like the bench command.
     """
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
     tuned = keep_freed_memory and device == "cpu"
     if tuned:
-        _keep_freed_memory()
+        retain_freed_memory()
     with preserved_torch_state():
         torch.set_num_threads(threads)
         return _wgrad_table(rows_list, repeats, threads, accumulate, device, modes, tuned, stages)
@@ -80,7 +81,7 @@ def _wgrad_table(
         f"B/W split cost (single process, {where}, {regime})",
         ["stage", "split", "rows", "fused backward (ms)", "T_B (ms)", "T_W (ms)", "(T_B+T_W)/fused"],
     )
-    for label, make, shape in _split_stages(stages):
+    for label, make, shape in split_stages(stages):
         for mode in modes:
             for rows in rows_list:
                 fused, split_b, split_w, ratio = _split_times(
@@ -109,7 +110,7 @@ def _wgrad_table(
     return table
 
 
-def _keep_freed_memory() -> None:
+def retain_freed_memory() -> None:
     """Tell glibc's malloc to keep freed memory for reuse, as a caching allocator (CUDA's) does.
 
     Process-wide and not undone (glibc cannot report the settings it replaces), hence opt-in.
@@ -128,7 +129,7 @@ SPLIT_STAGES = ("mlp", "gpt", "conv", "mha", "raw")
 """Names of the stages ``bench wgrad`` measures (``--stages``)."""
 
 
-def _split_stages(names: Sequence[str] | None = None):
+def split_stages(names: Sequence[str] | None = None):
     """``(label, make, shape of rows)`` of the stages ``names`` (default: all), in table order."""
 
     def seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerobubble.runtime.construct.profile import ModelProfile, measure_transfer, profile_layers
+from zerobubble.runtime.construct.profile import measure_transfer, profile_layers
 from zerobubble.runtime.launch import init_distributed, launch
+from zerobubble.schedule.modelplan import ModelProfile
 
 from . import ConfigError
 from .models import MarkovCorpus, gpt_layers, lm_loss

@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 
 from zerobubble.schedule import Schedule, build_schedule, transformer_costs
-from zerobubble.schedule.modelplan import parse_bytes
-from zerobubble.schedule.modelplan.layout import DATA_PARALLEL_MODES
+from zerobubble.schedule.modelplan import DATA_PARALLEL_MODES, parse_bytes
 
 from . import ConfigError
 from .checkpoint import check_checkpoint, load_checkpoint, save_checkpoint
@@ -361,7 +360,7 @@ def launched_config(config: TrainConfig) -> TrainConfig:
 def _pipeline(config: TrainConfig, schedule: Schedule | None, backend: str, example: Any) -> Any:
     """This rank's Pipeline of the demo GPT as ``config`` says (``schedule``: the checked named
     schedule, None for ``auto``; ``example``: the batch ``auto`` and ``partition="profile"`` profile)."""
-    from zerobubble.runtime.pipeline import Pipeline
+    from zerobubble import Pipeline
 
     profiled = schedule is not None and config.partition == "profile"
     return Pipeline(

@@ -1,7 +1,7 @@
 """The ``zerobubble`` command line: parses arguments, calls the library, prints the answer.
 
-Every user error — the project's own error types: ``UsageError``, ``ScheduleError``,
-``PipelineError`` and the demo's ``ConfigError`` — ends in one line on stderr
+Every user error — the project's own error types (:mod:`zerobubble.errors`): ``UsageError``,
+``ScheduleError``, ``PipelineError`` and the demo's ``ConfigError`` — ends in one line on stderr
 (``zerobubble: error: …``) and exit status 2; any other exception is a bug and keeps its traceback.
 The demo (``train``, ``profile``) is imported inside its commands; the benchmarks (``bench``), and
 torch with them, only for a command line naming ``bench``: each benchmark module declares its own
@@ -15,27 +15,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..schedule import ScheduleError
+from ..errors import ConfigError, PipelineError, ScheduleError, UsageError
 from . import plan_commands, run_commands, schedule_commands
-from .base import Parser, UsageError
+from .base import Parser
 from .run_commands import add_bench_commands
 
 __all__ = ["UsageError", "build_parser", "main"]
 
-
-def _is_user_error(error: Exception) -> bool:
-    """The project's own error types: a user's mistake or a failed run, reported in one line.
-
-    The runtime's ``PipelineError`` and the demo's ``ConfigError`` are looked up only if their
-    module is loaded (importing them would load torch); any other exception is a bug: traceback.
-    """
-    if isinstance(error, (UsageError, ScheduleError)):
-        return True
-    kinds = [
-        getattr(sys.modules.get(module), name, None)
-        for module, name in (("zerobubble.runtime", "PipelineError"), ("zerobubble_demo", "ConfigError"))
-    ]
-    return any(isinstance(error, kind) for kind in kinds if isinstance(kind, type))
+# The project's own error types: a user's mistake or a failed run, reported in one line; any other
+# exception is a bug and keeps its traceback.
+_USER_ERRORS = (UsageError, ScheduleError, PipelineError, ConfigError)
 
 
 # every command but ``bench``, in ``zerobubble --help`` order
@@ -67,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser(benchmarks="bench" in argv).parse_args(argv)
         return args.run(args)
     except Exception as error:
-        if not _is_user_error(error):
+        if not isinstance(error, _USER_ERRORS):
             raise
         print(f"zerobubble: error: {error}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
+from ..errors import UsageError
 from ..schedule import (
     REGISTRY,
     CostModel,
@@ -17,10 +18,6 @@ from ..schedule import (
     build_schedule,
     polish_schedule,
 )
-
-
-class UsageError(Exception):
-    """A command-line mistake that argparse itself cannot see."""
 
 
 class Parser(argparse.ArgumentParser):

@@ -22,10 +22,7 @@ import sys
 from types import ModuleType
 from typing import ClassVar
 
-
-class PipelineError(RuntimeError):
-    """The pipeline cannot run as asked, or a step failed; the message says where and what to do."""
-
+from ..errors import PipelineError
 
 #: A module's flat path before the rooms (``zerobubble.runtime.<old>``) -> its module now.
 MOVED = {

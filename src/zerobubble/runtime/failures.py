@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import PipelineError
+from ..errors import PeerFailure, PipelineError
 
 CHECK_INTERVAL = 0.02
 """Seconds between two looks at the shared store while a wait is not complete."""
@@ -37,10 +37,6 @@ CHECK_INTERVAL = 0.02
 Guarded = Callable[[str, Callable[[], Any]], Any]
 """``guarded(call, work)``: run a Pipeline call's communicating work, telling the peers and marking
 the Pipeline unusable if it raises (``Pipeline._guarded``)."""
-
-
-class PeerFailure(PipelineError):
-    """Another rank of the pipeline failed; the message carries its rank, its op and its error."""
 
 
 class PeerMonitor:

@@ -30,34 +30,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import PipelineError
+from ..errors import PipelineError, RankFailure
 
-
-class RankFailure(PipelineError):
-    """A spawned rank raised or died.  ``results`` holds what the other ranks returned (rank → result),
-    ``errors`` what each failed rank raised (rank → exception; None when it died or its exception
-    could not be pickled); the message holds every failed rank's traceback."""
-
-    def __init__(
-        self,
-        message: str,
-        results: dict[int, Any] | None = None,
-        errors: dict[int, BaseException | None] | None = None,
-    ):
-        super().__init__(message)
-        self.results = results or {}
-        self.errors = errors or {}
-
-    def common_error(self, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
-        """The one error that stands for the whole failure when every failed rank raised one of
-        ``kinds``: the first, by rank, that is not a rank stopping because another failed (a
-        ``PeerFailure``).  None when a rank died or raised anything else: its traceback matters."""
-        from .failures import PeerFailure
-
-        errors = [self.errors[rank] for rank in sorted(self.errors)]
-        if not errors or not all(isinstance(e, kinds) and not isinstance(e, RankFailure) for e in errors):
-            return None
-        return next((e for e in errors if not isinstance(e, PeerFailure)), errors[0])
+__all__ = [
+    "START_METHODS",
+    "RankFailure",
+    "init_distributed",
+    "launch",
+    "start_context",
+    "under_launcher",
+]
 
 
 def under_launcher() -> bool:

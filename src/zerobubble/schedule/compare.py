@@ -22,6 +22,13 @@ from .polish import check_polish_request
 from .simulate import Timeline
 from .validate import validate_schedule
 
+__all__ = [
+    "OPTIMIZER_MODES",
+    "ComparisonRow",
+    "compare_schedules",
+    "iteration_period",
+]
+
 OPTIMIZER_MODES = ("sync", "post-validation")
 
 #: Schedules left out of a comparison unless asked for by name (they take seconds to minutes).

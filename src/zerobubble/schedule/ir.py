@@ -17,9 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-
-class ScheduleError(ValueError):
-    """A schedule, or a request to build one, is invalid; the message says what and where."""
+from ..errors import ScheduleError
 
 
 class Kind(str, enum.Enum):

@@ -16,6 +16,15 @@ from typing import Any
 from .costs import CostModel
 from .ir import ScheduleError
 
+__all__ = [
+    "PaperSetup",
+    "authors_reference",
+    "authors_reference_source",
+    "paper_models",
+    "paper_rows",
+    "paper_setup",
+]
+
 
 @dataclass(frozen=True)
 class PaperSetup:

@@ -28,6 +28,14 @@ from dataclasses import dataclass
 
 from .ir import ScheduleError
 
+__all__ = [
+    "MemoryCap",
+    "Partition",
+    "bounds_of",
+    "even_partition",
+    "optimal_partition",
+]
+
 _NODE_BUDGET = 200_000
 
 

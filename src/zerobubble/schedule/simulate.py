@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..errors import DeadlockError
 from .costs import CostModel, StageCosts
 from .gcpause import collector_paused
 from .ir import Kind, Op, Schedule, ScheduleError, dependencies
@@ -30,17 +31,6 @@ from .ir import Kind, Op, Schedule, ScheduleError, dependencies
 _ROLE = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.S: 3, Kind.T: 4}
 _PRODUCES = {Kind.F: (0,), Kind.B: (1,), Kind.W: (2,), Kind.BW: (1, 2), Kind.S: (3,), Kind.T: (4,)}
 _ROLES = len(_ROLE)
-
-
-class DeadlockError(ScheduleError):
-    """The ranks' programs wait on each other in a cycle (or on an op that no program contains).
-
-    ``waits`` maps each stuck rank to ``(its next op, the op it waits for)``.
-    """
-
-    def __init__(self, message: str, waits: dict[int, tuple[Op, Op]]):
-        super().__init__(message)
-        self.waits = waits
 
 
 class OpTimes(Protocol):

@@ -13,9 +13,10 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+from ..errors import ValidationError
 from .costs import CostModel, StageCosts, within_limit
 from .gcpause import collector_paused
-from .ir import Kind, Op, Schedule, ScheduleError
+from .ir import Kind, Op, Schedule
 from .simulate import (
     KIND_CODE,
     KIND_OF_CODE,
@@ -25,15 +26,6 @@ from .simulate import (
     resolve_costs_for,
     simulate_encoded,
 )
-
-
-class ValidationError(ScheduleError):
-    """A schedule failed a check; ``rank`` and ``op`` say where (when known)."""
-
-    def __init__(self, message: str, rank: int | None = None, op: Op | None = None):
-        super().__init__(message)
-        self.rank = rank
-        self.op = op
 
 
 def validate_schedule(schedule: Schedule, costs: CostModel | StageCosts | None = None) -> Timeline:

@@ -39,6 +39,11 @@ from ..tensors import storage_bytes
 from ..wgrad import WeightGradStore, install_deferral
 from .staging import layer_keywords
 
+__all__ = [
+    "measure_transfer",
+    "profile_layers",
+]
+
 Loss = Callable[[Any, Any], torch.Tensor]
 
 

@@ -17,6 +17,12 @@ import torch
 
 from ..tensors import storage_bytes, tensors_in
 
+__all__ = [
+    "ActivationMeter",
+    "storage_bytes",
+    "tensors_in",
+]
+
 
 class _Held:
     """What a saved-tensor hook stores instead of the tensor: lets the meter see it while alive."""

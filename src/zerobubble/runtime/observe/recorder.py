@@ -17,6 +17,13 @@ from ...schedule.channels import MessageKey
 from ...schedule.ir import Op
 from .. import PipelineError
 
+__all__ = [
+    "OpRecorder",
+    "Recorder",
+    "RecorderDefaults",
+    "StepRecorder",
+]
+
 
 @runtime_checkable
 class OpRecorder(Protocol):

@@ -29,13 +29,9 @@ from typing import Any
 
 import torch
 
-from .. import PipelineError
+from ...errors import OptimizerValidationError
 
 __all__ = ["OptimizerValidationError", "ReversibleStep", "rollback_support", "zero_local_optimizer"]
-
-
-class OptimizerValidationError(PipelineError):
-    """The optimizer step cannot be validated as asked; the message says why and what to do."""
 
 
 def _group_problem(optimizer: torch.optim.Optimizer, group: dict) -> str | None:

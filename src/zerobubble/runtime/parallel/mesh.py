@@ -29,6 +29,10 @@ from .. import PipelineError
 from .data_parallel import ParallelLayout
 from .groups import local_group
 
+__all__ = [
+    "ROLES",
+]
+
 ROLES = ("pp", "dp", "dp_replicate", "dp_shard", "tp")
 """The dimensions a Pipeline knows by role: pipeline, data parallelism (one dimension, or HSDP's
 replicate × shard pair), tensor parallelism."""

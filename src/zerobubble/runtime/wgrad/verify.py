@@ -29,18 +29,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .. import PipelineError
+from ...errors import SplitMismatchError, SplitMismatchWarning
 from ..tensors import full_value, is_dtensor
 from .install import Deferral
 from .store import HeldHooks, WeightGradStore
-
-
-class SplitMismatchError(PipelineError):
-    """``verify="strict"``: the B/W split of a module disagrees with plain autograd."""
-
-
-class SplitMismatchWarning(UserWarning):
-    """The B/W split of a module disagreed with plain autograd; it now runs a fused backward."""
 
 
 @dataclass(frozen=True)

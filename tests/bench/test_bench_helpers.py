@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from zerobubble_bench.memory import AllocationMeter, dropout_blocks, mlp_blocks
-from zerobubble_bench.split_models import split_model
 from zerobubble_bench.tables import preserved_torch_state
 from zerobubble_bench.wgrad import wgrad_split_cost
 from zerobubble_bench.workloads import mlp_layers, uneven_lm_workload, workload
+from zerobubble_demo.split_models import split_model
 
 
 @pytest.mark.parametrize(
@@ -102,8 +102,8 @@ def test_the_cli_offers_every_bench_wgrad_stage_and_model():
     import argparse
 
     from zerobubble.cli import build_parser
-    from zerobubble_bench.split_models import REFERENCE_MODELS, SPLIT_MODELS
     from zerobubble_bench.wgrad import SPLIT_STAGES
+    from zerobubble_demo.split_models import REFERENCE_MODELS, SPLIT_MODELS
 
     def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
         action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

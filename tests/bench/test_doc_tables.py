@@ -14,7 +14,7 @@ import pytest
 
 from zerobubble_bench import doc_tables
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = [block for path in doc_tables.documents(ROOT) for block in doc_tables.find_blocks(path)]
 COMMANDS = list(dict.fromkeys(block.command for block in BLOCKS))
 
