@@ -237,8 +237,8 @@ class Pipeline:
         )  # fmt: skip
 
     def _vocab_runner(self) -> VocabRunner | None:
-        """This rank's shard of the vocabulary-parallel head and embedding (:func:`~.vocab.place_vocab`);
-        their weights join the model's state-dict keys."""
+        """This rank's shard of the vocabulary-parallel head and embedding
+        (:func:`~.vocab.runner.place_vocab`); their weights join the model's state-dict keys."""
         head, embedding = self._vocab_layers
         if head is None and embedding is None:
             return None

@@ -287,7 +287,7 @@ def _decide(
 
 def _shared_cores(device: torch.device, ranks: int, world: int) -> int | None:
     """The processors this pipeline's ``ranks`` share (of ``world`` ranks on the machine), or None
-    when every rank has its own: the simulator then models the sharing (:func:`~..schedule.simulate`)."""
+    when every rank has its own: the simulator then models the sharing (:func:`~...schedule.simulate`)."""
     slots = cpu_slots(device)
     if slots is None or slots >= world:
         return None
@@ -337,7 +337,7 @@ class Calibrator:
     Calibrator sees the Pipeline only through :class:`Calibrated`: the resolution it runs, where it
     runs, and its recorder slot (the one thing it changes, for the recorded steps).  The first step is
         left out (it also exchanges shape headers and allocates); the next ``steps`` are recorded — by
-        the Pipeline's own recorder with ``trace=True``, else by a :class:`~.trace.TraceRecorder`
+        the Pipeline's own recorder with ``trace=True``, else by a :class:`~..observe.trace.TraceRecorder`
         attached for them only — then every rank of the pipeline sends its op intervals to rank 0, which
         takes per chunk and kind the median over the steps of the mean op time, runs
         :func:`~zerobubble.schedule.modelplan.calibrate` and broadcasts the calibrated plan.  A

@@ -45,11 +45,11 @@ def place_stages(
 ) -> tuple[dict[int, StageState], dict[int, SplitGuard]]:
     """Cut the layers into chunks and keep rank ``rank``'s, registered in ``module`` under their
     original names: ``(stages, guards)`` by stage index.  Each stage's split gets a guard
-    (:mod:`.wgrad.verify`), checking it unless ``verify`` is False.
+    (:mod:`..wgrad.verify`), checking it unless ``verify`` is False.
 
     ``parallelize(layer, mesh)`` (tensor parallelism) replaces each layer once it is on ``device``
     and before its backward is split (:func:`parallelized`).  ``shard(stage, stage_module)``
-    (``data_parallel="fsdp"``: :class:`~.fsdp.ShardedStages`) runs on each chunk before its
+    (``data_parallel="fsdp"``: :class:`~..parallel.fsdp.ShardedStages`) runs on each chunk before its
     backward is split, so that the split sees the parameters the forwards will use."""
     schedule, named, bounds = resolution.schedule, resolution.layers, resolution.bounds
     stages, guards = {}, {}

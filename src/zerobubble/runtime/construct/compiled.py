@@ -12,7 +12,8 @@ compiled — the layer's own forward and hooks, nothing of the split's:
 * ``Pipeline(..., compile=True)`` or ``compile={...}``: ``layer.compile(**kwargs)`` on every layer
   not compiled already.
 
-:func:`~.wgrad.install.install_deferral` then leaves such a layer whole (:func:`~.wgrad.install.is_compiled`).
+:func:`~..wgrad.install.install_deferral` then leaves such a layer whole
+(:func:`~..wgrad.install.is_compiled`).
 """
 
 from __future__ import annotations

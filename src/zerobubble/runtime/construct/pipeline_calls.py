@@ -3,7 +3,7 @@
 :class:`PipelineCalls` checks and splits this rank's arguments into microbatches (the inputs where
 the first stage or a vocabulary-parallel embedding lives, the targets where the last stage or a
 vocabulary-parallel head lives, the keyword arguments for the layers that take them), compares the
-call with every rank's (:func:`~.consistency.prepare_call`, unless ``check_calls=False``), and
+call with every rank's (:func:`~..parallel.consistency.prepare_call`, unless ``check_calls=False``), and
 turns the executor's per-microbatch losses into what the call returns.
 """
 

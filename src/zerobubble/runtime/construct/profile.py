@@ -5,7 +5,7 @@ gradients and the random-number state are left as they were), and records per la
 
 * ``T_F``, ``T_B`` and ``T_W`` (medians over ``repeats`` sweeps through all layers, each timed run
   after a warm-up) with the runtime's own B/W
-  split: B runs with the weight gradients deferred into a :class:`~.wgrad.WeightGradStore` and W
+  split: B runs with the weight gradients deferred into a :class:`~..wgrad.WeightGradStore` and W
   flushes them, exactly as the executor's B and W ops do (:func:`split_backward` and
   :func:`fused_backward` are the one place that knows this API; a layer whose weight gradients are not
   deferred shows ``T_W = 0``); and the fused backward ``T_BW`` that 1F1B-style schedules run;

@@ -1,6 +1,6 @@
 """Construction, step one: the Pipeline's arguments resolved into one frozen :class:`Resolution`.
 
-A :class:`~.pipeline.Pipeline` is built in two steps.  First its arguments are *resolved*: the
+A :class:`~..pipeline.Pipeline` is built in two steps.  First its arguments are *resolved*: the
 schedule is built (or checked) for the pipeline's ranks and validated — once —, the layers are
 named and cut into chunks, the loss function is checked and the parameters tied between layers are
 found.  :func:`resolve` does it for a schedule name or object; it is pure (no collective, nothing
@@ -93,7 +93,7 @@ def resolve(
     when None, and ``chunks``) or a :class:`Schedule` (checked against ``microbatches``); it is
     validated once, under ``costs`` (:func:`~.staging.default_costs` when None).  ``partition``
     lists the ``S−1`` cut points (even chunks when None).  ``vocab_parallel``: the loss is a
-    vocabulary-parallel head's, whose S and T ops the schedule gets (:mod:`~..schedule.vocab`).
+    vocabulary-parallel head's, whose S and T ops the schedule gets (:mod:`~...schedule.vocab`).
     Raises :class:`PipelineError`.
     """
     loss = checked_loss_fn(loss_fn) if not vocab_parallel else head_loss
@@ -154,8 +154,8 @@ def agree_on(
     """``attempt()``'s resolution, once every rank of ``group`` agrees on it (collective).
 
     The ranks exchange fingerprints of their layers, schedule, cut points, ties, ``data_parallel``,
-    ``sharding`` and ``check_calls`` (:func:`~.consistency.agree`; ``seed`` as there).  ``sharding``
-    is checked here (:func:`~.fsdp.check_sharding`, and no parameter tied across chunks with
+    ``sharding`` and ``check_calls`` (:func:`~..parallel.consistency.agree`; ``seed`` as there).  ``sharding``
+    is checked here (:func:`~..parallel.fsdp.check_sharding`, and no parameter tied across chunks with
     ``"fsdp"``), so a wrong value raises the same way on every rank.  A rank whose arguments
     are wrong (``attempt`` or ``verify`` raised) still joins the exchange, so its peers raise naming
     it instead of waiting for it; it raises its own :class:`PipelineError`.
@@ -198,7 +198,7 @@ def wants_profile(schedule: str | Schedule, partition: Sequence[int] | str | Non
 
 
 def check_verify(verify: bool | str) -> None:
-    """``verify`` is True, False or ``"strict"`` (the split guard's setting, :mod:`.wgrad.verify`)."""
+    """``verify`` is True, False or ``"strict"`` (the split guard's setting, :mod:`..wgrad.verify`)."""
     if verify not in (True, False, "strict"):
         raise PipelineError(f'verify={verify!r}: pass True (the default), "strict" or False')
 

@@ -29,7 +29,7 @@ DEFAULT_MICROBATCHES = 8
 W_MEMORY_FRACTION = 1.0
 """The activation memory a microbatch keeps from its B to its W, as a fraction of what its F kept
 (``M_W / M_B``), used to plan when no ``costs`` are given.  Between B and W the runtime keeps what
-each layer's weight gradient needs (:mod:`.wgrad`): a fast-path layer its input and its output
+each layer's weight gradient needs (:mod:`..wgrad`): a fast-path layer its input and its output
 gradient, a generically split layer its local graph.  A transformer block keeps 16·s·b·h elements
 against 17·s·b·h + 2.5·a·s²·b for F (fraction < 0.95), a Linear–GELU–Linear block 10/9 of F.
 1.0 is also the largest fraction every builder accepts (zb-v needs W to free at least what B adds).
@@ -73,7 +73,7 @@ def layer_keywords(layer: nn.Module) -> Keywords:
     """The keywords ``layer``'s class ``forward`` takes (:class:`Keywords`).
 
     Read from the class, not the instance: the weight-gradient split installs a ``(*args, **kwargs)``
-    forward on the instance (:mod:`.wgrad`); of a compiled module, its original's.
+    forward on the instance (:mod:`..wgrad`); of a compiled module, its original's.
     """
     target = getattr(layer, "_orig_mod", layer)  # torch.compile's OptimizedModule
     try:
@@ -128,7 +128,7 @@ def resolve_schedule(
     """Build (or check) the schedule for ``world`` ranks and validate it: ``(schedule, timeline)``.
 
     ``vocab_parallel``: the schedule runs a vocabulary-parallel head, whose S and T ops a built
-    schedule gets (and a given one without them too, :func:`~..schedule.vocab.add_vocab_ops`)."""
+    schedule gets (and a given one without them too, :func:`~...schedule.vocab.add_vocab_ops`)."""
     costs = costs if costs is not None else default_costs()
     try:
         if isinstance(schedule, str):
@@ -201,7 +201,7 @@ def _refuse_reducing_wrappers(name: str, layer: nn.Module) -> None:
     FSDP2's ``fully_shard`` has ``DTensor`` parameters whose reduction FSDP2 would run from B's
     hooks, before W has written the gradients.  The Pipeline's own ``data_parallel`` replicates and
     averages correctly, ``data_parallel="fsdp"`` applies ``fully_shard`` itself and drives its
-    reduction after W (:mod:`.fsdp`), and tensor parallelism goes through
+    reduction after W (:mod:`..parallel.fsdp`), and tensor parallelism goes through
     ``Pipeline(parallelize=...)``, applied to this rank's layers only.
     """
     for path, module in layer.named_modules():

@@ -7,7 +7,7 @@ the sender's program order, which the schedule layer predicts
 other direction.  A message is the tuple of tensors crossing one stage boundary for
 one microbatch (a :class:`~zerobubble.schedule.channels.MessageKey`).  The first step sends shape
 headers; afterwards shapes are cached and receives are posted ahead so transfers overlap compute.
-Every wait goes through a :class:`~.failures.PeerMonitor`: it ends at completion, at a peer's error
+Every wait goes through a :class:`~..failures.PeerMonitor`: it ends at completion, at a peer's error
 notice or at the timeout — never a hang.
 
 Headers, look-ahead and forward-only steps: ``docs/runtime.md``.
@@ -93,7 +93,7 @@ class Comm:
 
     ``group`` is the pipeline's process group (its rank ``i`` runs ``schedule.programs[i]``).
     Creating a Comm is collective over ``group``: each of its ranks creates one for the same
-    schedule, in the same order as its other groups (:mod:`.groups`).  ``monitor`` carries every
+    schedule, in the same order as its other groups (:mod:`..parallel.groups`).  ``monitor`` carries every
     wait (deadline and peers' error notices).
     """
 
@@ -150,7 +150,7 @@ class Comm:
         one those to a lower rank.  So a group holds at most one channel per rank pair, each a FIFO
         in one direction, and a posted receive never holds up a send the other way (NCCL runs a
         pair's transfers in one stream per communicator).  Both are created by the pipeline's ranks
-        only, every rank creating both (:mod:`.groups`).  NCCL enforces the pipeline timeout
+        only, every rank creating both (:mod:`..parallel.groups`).  NCCL enforces the pipeline timeout
         through its watchdog; gloo gets a longer one for connecting (a peer may still be busy) and
         each wait carries the pipeline timeout.
         """
@@ -360,7 +360,7 @@ class Comm:
         return specs
 
     def _wait(self, work, what: str | Callable[[], str]) -> None:
-        """Wait for ``work`` (see :class:`~.failures.PeerMonitor`); ``what`` names it in the error."""
+        """Wait for ``work`` (see :class:`~..failures.PeerMonitor`); ``what`` names it in the error."""
         self.monitor.wait(work, what)
 
     def _failure(self, what: str, error: Exception) -> PipelineError:

@@ -2,7 +2,7 @@
 
 The executor runs its stages' compute ops (F, B, W, BW).  Whatever a model needs around the first
 stage's inputs and the last stage's outputs that is not a stage's own forward — today the
-vocabulary-parallel embedding and head (:class:`~.vocab.VocabRunner`), with op kinds of their own
+vocabulary-parallel embedding and head (:class:`~..vocab.runner.VocabRunner`), with op kinds of their own
 (S, T) — goes through :class:`ModelEnds`, and the loop knows nothing more of it:
 
 * :meth:`~ModelEnds.op_handlers` — handlers of the op kinds it runs, bound like any op's
@@ -77,5 +77,5 @@ class ModelEnds:
         return []
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Every activation these ends keep now (for :class:`~.memory.ActivationMeter`)."""
+        """Every activation these ends keep now (for :class:`~..observe.memory.ActivationMeter`)."""
         return []

@@ -9,7 +9,7 @@ traces.  Each handler is a receive, a compute and a send, exposed separately so 
 (:mod:`.emulate`) can reuse the transfers.  F keeps what B needs, B keeps only what the deferred W
 needs (the stage's :class:`WeightGradStore`), W frees the rest.  Each forward draws from
 its own RNG stream (:func:`forward_seed`); a failure is reported to the peers before it propagates.
-While a torch profiler records, each entry runs in a ``record_function`` range (:mod:`.ranges`);
+While a torch profiler records, each entry runs in a ``record_function`` range (:mod:`..observe.ranges`);
 otherwise the plain loop runs, with one check of the profiler per step.
 
 The program's structure, the memory each op keeps and the RNG streams: ``docs/runtime.md``.
@@ -188,7 +188,7 @@ class Executor:
         Each microbatch's loss is multiplied by ``loss_scale / m`` before its backward.  Returns the
         detached (unscaled) per-microbatch losses on the rank of the last stage, else ``[]``, in the
         order they ran (their microbatches: :attr:`loss_microbatches`).  ``kwargs`` are the keyword
-        arguments of every stage's forward, per microbatch (:func:`~.staging.split_keywords`);
+        arguments of every stage's forward, per microbatch (:func:`~..construct.staging.split_keywords`);
         ``keep_outputs`` keeps the last stage's detached outputs in :attr:`outputs`.
         """
         self._inputs, self._targets, self._losses = inputs, targets, []

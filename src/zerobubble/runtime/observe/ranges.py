@@ -13,7 +13,7 @@ opens none (the check is made once per step).  The names, all under ``zerobubble
   ranks: a hand-over between two stages of one rank is no message.  A receive's range covers its
   wait; a send's only its posting (the wait for sends to leave is ``zerobubble/wait sends`` at the
   step's end);
-* ``zerobubble/hook <name>`` — a runtime action of the program (:class:`~.executor.Hook`):
+* ``zerobubble/hook <name>`` — a runtime action of the program (:class:`~..execute.executor.Hook`):
   ``zerobubble/hook optimizer settle``, ``zerobubble/hook all-reduce start (stage 1)``;
 * ``zerobubble/step`` — one training step's program, around all of the above.
 

@@ -52,7 +52,7 @@ class Recorder(OpRecorder, Protocol):
 
 @runtime_checkable
 class StepRecorder(Recorder, Protocol):
-    """A recorder keeping whole steps, which :meth:`~.pipeline.Pipeline.measured_timelines` gathers."""
+    """A recorder keeping whole steps, which :meth:`~..pipeline.Pipeline.measured_timelines` gathers."""
 
     @property
     def keeps_first_step(self) -> bool:

@@ -334,7 +334,7 @@ def write_trace(
 ) -> TraceReport:
     """Write recorded steps to ``directory``: the median one next to the simulator's prediction.
 
-    ``timelines`` are the steps to summarise (:meth:`~.pipeline.Pipeline.write_trace` passes the
+    ``timelines`` are the steps to summarise (:meth:`~..pipeline.Pipeline.write_trace` passes the
     gathered ones without the pipeline's first step).  Writes ``trace.json`` (Chrome trace of the
     median step, transfer waits and runtime events included), ``predicted.json`` (the simulator's
     prediction for the measured costs), ``summary.json`` and ``image`` (measured above predicted),

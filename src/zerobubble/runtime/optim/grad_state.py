@@ -3,7 +3,7 @@
 Each rank computes its part of the state (:func:`local_state`; for DTensor gradients of tensor
 parallelism the full tensors' norms, for FSDP2/HSDP shards the local shards' parts), parts combine
 by :func:`combine_states` (or one all-reduce, :func:`reduce_op`), and :func:`clip_coefficient` turns
-the total into ``clip_grad_norm_``'s factor.  Pure functions, used by :mod:`.optim`.
+the total into ``clip_grad_norm_``'s factor.  Pure functions, used by :mod:`.post_validation`.
 """
 
 from __future__ import annotations

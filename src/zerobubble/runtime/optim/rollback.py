@@ -1,6 +1,6 @@
 """Undo one step of a torch optimizer in place.
 
-Optimizer post-validation (:mod:`.optim`) steps before it knows whether the step must be clipped
+Optimizer post-validation (:mod:`.post_validation`) steps before it knows whether the step must be clipped
 or skipped; when it guessed wrong it undoes the step here and takes it again.  A
 :class:`ReversibleStep` records a step (the hyper-parameters of each param group and references to
 the gradients it uses, no parameter-sized copies), takes it with the optimizer's own ``step()``,

@@ -1,9 +1,9 @@
 """A built Pipeline's gradients and optimizer step: reductions after the program, the chained step.
 
 :class:`StepOptimization` owns what happens to the gradients once the executor's program has made
-them — averaged over the replicas (:class:`~.data_parallel.GradientAverager`) or reduce-scattered
-by FSDP2 (:class:`~.fsdp.ShardedStages`), tied parameters' summed over their holders — and the
-optimizer step that follows (:class:`~.optim.PipelineOptimizer`: clipped, post-validated), settled
+them — averaged over the replicas (:class:`~..parallel.data_parallel.GradientAverager`) or reduce-scattered
+by FSDP2 (:class:`~..parallel.fsdp.ShardedStages`), tied parameters' summed over their holders — and the
+optimizer step that follows (:class:`~.post_validation.PipelineOptimizer`: clipped, post-validated), settled
 by a hook at the start of the next step, before anything reads a parameter.
 :meth:`Pipeline.optimizer_step`, ``synchronize`` and ``optimizer_stats`` delegate to it.
 """

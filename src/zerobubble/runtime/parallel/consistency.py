@@ -273,7 +273,7 @@ class CallCheck:
     """Compares every rank's :class:`CallSignature` before a call communicates (one exchange per call).
 
     ``group`` spans every rank of the Pipeline (all replicas; a gloo group the pipeline's transfers
-    never use); ``monitor`` (a :class:`~.failures.PeerMonitor`) carries every wait (the Pipeline's
+    never use); ``monitor`` (a :class:`~..failures.PeerMonitor`) carries every wait (the Pipeline's
     deadline and error notices); ``name(r)`` names the rank of group rank ``r`` in messages.  The
     common case costs one max-reduce of ten int64 — each item and its negation, so every rank
     learns each item's largest and smallest value at once — by recursive doubling over
@@ -439,7 +439,7 @@ def share_objects(obj: Any, group: Any, ranks: Sequence[int], monitor: Any, *, t
 
     Serialised with ``torch.save`` and sent point to point to every other rank on ``group`` (a gloo
     group: CPU tensors) with tags ``tag`` (sizes) and ``tag + 1``, each wait through ``monitor`` (a
-    :class:`~.failures.PeerMonitor`); every rank of ``ranks`` calls it.  Used on
+    :class:`~..failures.PeerMonitor`); every rank of ``ranks`` calls it.  Used on
     rare paths (explaining a difference, gathering a state dict), where N·(N−1) messages are fine.
     """
     me = dist.get_rank()

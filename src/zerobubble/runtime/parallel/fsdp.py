@@ -1,6 +1,6 @@
 """FSDP2 for the data-parallel dimension: ``Pipeline(..., mesh=mesh, data_parallel="fsdp")``.
 
-Each of this rank's chunks (its :class:`~.staging.StageModule`) is one FSDP2 unit: torch's own
+Each of this rank's chunks (its :class:`~..construct.staging.StageModule`) is one FSDP2 unit: torch's own
 ``fully_shard`` over the mesh's data-parallel dimension.  The Pipeline drives
 it explicitly, the way torch's pipelining runtime does (``torch/distributed/pipelining/stage.py``):
 
@@ -69,10 +69,10 @@ def check_ties(ties: Sequence[Sequence[tuple[int, str]]], bounds: Sequence[int])
 class ShardedStages:
     """This rank's chunks as FSDP2 units over the data-parallel group, driven step by step.
 
-    ``shard(module)`` (given to :func:`~.build.place_stages`) makes one chunk a unit right after it
+    ``shard(module)`` (given to :func:`~..construct.build.place_stages`) makes one chunk a unit right after it
     is placed and before its backward is split: it copies replica 0's values first (the replicas
     start equal, as in the replicated path), applies ``fully_shard`` and unshards it, so that
-    :func:`~.wgrad.install_deferral` tracks the unsharded parameters the forwards will see (FSDP2
+    :func:`~..wgrad.install_deferral` tracks the unsharded parameters the forwards will see (FSDP2
     keeps the same unsharded ``Parameter`` objects across steps).  :meth:`placed` reshards them all.
     """
 
@@ -159,4 +159,5 @@ class ShardedStages:
 
 
 ShardFn = Callable[[int, nn.Module], None]
-"""``shard(stage, stage_module)``: what :func:`~.build.place_stages` calls before splitting a chunk."""
+"""``shard(stage, stage_module)``: what :func:`~..construct.build.place_stages` calls before splitting
+a chunk."""

@@ -16,7 +16,7 @@ groups (a local gloo context, no peer involved) until it reaches it; (2) afterwa
 the Pipeline creates the same sequence of groups — the same number, in the same roles and order —
 whether or not its groups hold the same ranks as another rank's.  Groups only some ranks would need
 (the holders of one tied parameter, one channel per rank pair) are therefore not created: those
-transfers go point to point over groups every rank has (:mod:`.comm`, :mod:`.consistency`).
+transfers go point to point over groups every rank has (:mod:`..execute.comm`, :mod:`.consistency`).
 """
 
 from __future__ import annotations

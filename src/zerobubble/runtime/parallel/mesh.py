@@ -189,7 +189,7 @@ def data_mesh(mesh: Any, dims: MeshDims) -> Any:
 def stage_layout(
     mesh: Any, dims: MeshDims, replicas: int, sharding: str | None, parallelized: bool
 ) -> MeshLayout:
-    """What the planner needs of the mesh (:class:`~..schedule.modelplan.MeshLayout`): the
+    """What the planner needs of the mesh (:class:`~...schedule.modelplan.MeshLayout`): the
     replicas and how they hold the parameters, and the ranks each stage's layers are parallelised
     over (the dimensions inside a stage; 1 without ``parallelize``, each then running whole layers)."""
     sizes = _dim_sizes(mesh)

@@ -4,7 +4,7 @@
 ``optimizer_state_dict`` and ``load_optimizer_state_dict`` delegate to, once the Pipeline has settled
 a pending optimizer step: the names are those of the unpipelined model (:mod:`.checkpoint`), the
 vocabulary-parallel weights and their per-row state are each rank's rows as DTensor shards of the
-full tensors, for DCP (:mod:`.vocab_state`), and FSDP2 shards load from full tensors without
+full tensors, for DCP (:mod:`..vocab.state`), and FSDP2 shards load from full tensors without
 communication.
 """
 
@@ -60,7 +60,7 @@ class PipelineState:
         model's order; a tied parameter appears under each of its names whose layer this rank holds.
         The ranks of a pipeline hold disjoint keys whose union is the unpipelined model's state dict,
         but for the vocabulary-parallel weights: every rank holds them, as DTensors of the full shape
-        whose local data are its own rows (:mod:`.vocab_state`; ``dcp.save`` writes each row once).
+        whose local data are its own rows (:mod:`..vocab.state`; ``dcp.save`` writes each row once).
         The tensors share storage with the parameters, as ``nn.Module.state_dict``'s.
         """
         if self.vocab is not None:

@@ -1,6 +1,6 @@
 """The vocabulary-parallel output layer and embedding at run time: one rank's shard and its collectives.
 
-Every rank of the pipeline holds one slice of the vocabulary rows (:mod:`.vocab_layers`).  The
+Every rank of the pipeline holds one slice of the vocabulary rows (:mod:`.layers`).  The
 output layer runs as the schedule's S and T ops (:mod:`~zerobubble.schedule.vocab`):
 
 * the last stage's F broadcasts its hidden states (``hidden`` group, in microbatch order);
@@ -81,7 +81,7 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 class VocabRunner(ModelEnds):
     """The vocabulary-parallel head and embedding of one pipeline rank during a step: the model's
-    ends (:class:`~.ends.ModelEnds`) of a Pipeline with ``head=`` or ``embedding=``.
+    ends (:class:`~..execute.ends.ModelEnds`) of a Pipeline with ``head=`` or ``embedding=``.
 
     ``rank``/``size`` are this rank's pipeline position and the pipeline size; ``last``/``first``
     the ranks of the last and the first stage.  The executor drives it through the protocol: the
@@ -194,7 +194,7 @@ class VocabRunner(ModelEnds):
         self._embedded, self._embedding_grads = [], {}
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Every activation this rank's shard keeps now (for :class:`~.memory.ActivationMeter`)."""
+        """Every activation this rank's shard keeps now (for :class:`~..observe.memory.ActivationMeter`)."""
         held = [buffer for buffer, _ in self._hidden.values()]
         for shard in self._shards.values():
             held += [shard.hidden, shard.logits, *shard.stats, *shard.parts]

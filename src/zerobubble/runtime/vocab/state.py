@@ -1,7 +1,7 @@
 """The vocabulary-parallel layers' checkpoints: every rank's own rows, as DCP shards of the full weight.
 
 Each pipeline rank holds rows ``[vocab_start, vocab_stop)`` of the ``(V, d)`` embedding and head
-(:func:`~.vocab_layers.shard_bounds`).  In :meth:`Pipeline.state_dict` and ``optimizer_state_dict``
+(:func:`~.layers.shard_bounds`).  In :meth:`Pipeline.state_dict` and ``optimizer_state_dict``
 every per-row tensor — a weight, AdamW's ``exp_avg`` / ``exp_avg_sq``, SGD's momentum — is a
 ``DTensor`` of the full shape ``(V, d)`` on a 1-D mesh over the pipeline's ranks, whose local tensor is
 torch's ``LocalShardsWrapper`` holding this rank's rows at their row offset (:func:`row_shard`).  So
@@ -11,8 +11,8 @@ ranks cuts the rows elsewhere — or the unpipelined model's full tensors.
 
 Loading (:meth:`VocabCheckpoint.select_rows`, :meth:`VocabCheckpoint.sliced_optimizer_state`) takes
 such shards back when they are this rank's rows, or full ``(V, d)`` tensors (the unpipelined model's
-``state_dict()``), of which each rank keeps its rows.  :meth:`~.pipeline_state.PipelineState.full_state_dict`
-joins the ranks' rows (:func:`join_rows`).
+``state_dict()``), of which each rank keeps its rows.
+:meth:`~..state.pipeline_state.PipelineState.full_state_dict` joins the ranks' rows (:func:`join_rows`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _shard_rows(value: Any) -> tuple[int, torch.Tensor] | None:
 class VocabCheckpoint:
     """The state-dict side of one rank's vocabulary-parallel layers (see the module docstring).
 
-    ``runner`` is the rank's :class:`~.vocab.VocabRunner`; the mesh of its shards spans the ranks of
+    ``runner`` is the rank's :class:`~.runner.VocabRunner`; the mesh of its shards spans the ranks of
     the runner's collectives (made when first needed: it communicates nothing).
     """
 
@@ -206,7 +206,7 @@ class VocabCheckpoint:
     def sharded_optimizer_state(
         self, state: dict[str, Any], names: Mapping[int, str], *, flatten: bool
     ) -> dict[str, Any]:
-        """An :func:`~.checkpoint.optimizer_state_by_name` dict (changed in place and returned) with
+        """An :func:`~..state.checkpoint.optimizer_state_by_name` dict (changed in place and returned) with
         each vocabulary weight's per-row state (tensors whose first dimension is the shard's rows) as
         this rank's shards of the full tensors; ``step`` and the like stay as they are (equal on every
         rank, DCP writes them once)."""

@@ -269,7 +269,7 @@ compiled backward, W its weight (and bias) gradient (:mod:`.compiled`)."""
 
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``module``'s calls run compiled: ``module.compile()`` sets ``_compiled_call_impl``
-    (``nn.Module.__call__`` then calls it instead of ``_call_impl``); the :class:`~.pipeline.Pipeline`
+    (``nn.Module.__call__`` then calls it instead of ``_call_impl``); the :class:`~..pipeline.Pipeline`
     turns an ``OptimizedModule`` and ``compile=`` into that form (:mod:`..compiled`)."""
     return getattr(module, "_compiled_call_impl", None) is not None
 
