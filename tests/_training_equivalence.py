@@ -267,7 +267,7 @@ def _layout_options(case: Case) -> dict[str, Any]:
     return options
 
 
-def _schedule_options(case: Case, model: dict[str, Any]) -> dict[str, Any]:
+def _schedule_options(case: Case) -> dict[str, Any]:
     """The arguments that choose and build the schedule."""
     from zerobubble import CostModel
 
@@ -292,7 +292,7 @@ def _pipeline(case: Case, model: dict[str, Any]) -> Any:
         embedding=model["embedding"], post_validation=case.post_validation,
         static_shapes=case.static_shapes, timeout=60, seed=case.seed, trace=case.trace,
         verify=case.verify, check_calls=case.check_calls, compile=case.compile,
-        **_schedule_options(case, model), **_layout_options(case),
+        **_schedule_options(case), **_layout_options(case),
     )  # fmt: skip
 
 
