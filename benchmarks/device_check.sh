@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one prepared run on a lent machine (README, "Development"):
-# the device tests (tests/test_devices.py: the B/W split of every split model, two chunks on one
+# the device tests (tests/runtime/test_devices.py: the B/W split of every split model, two chunks on one
 # rank with CUDA-event tracing; tests/bench/test_bench_wgrad.py: bench wgrad), `zerobubble bench wgrad` on the GPU, a traced
 # training run on one GPU, and a run on a one-rank CUDA DeviceMesh with NCCL (the mesh's groups, the
 # Pipeline's locally synchronised groups and their count padding on NCCL; one GPU cannot hold the
@@ -21,7 +21,7 @@ gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
 print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()} ({gpu})")
 PY
 # pytest-timeout may be missing on that machine: its required-plugins line is lifted for this run
-python3 -m pytest -q -p no:cacheprovider -o required_plugins= tests/test_devices.py \
+python3 -m pytest -q -p no:cacheprovider -o required_plugins= tests/runtime/test_devices.py \
     tests/bench/test_bench_wgrad.py 2>&1 | tee "$out/tests.log" || status=1
 # shellcheck disable=SC2086  # ROWS is a list of numbers
 python3 -m zerobubble bench wgrad --device "$device" --repeats "${REPEATS:-21}" --rows ${ROWS:-32 128 512} \

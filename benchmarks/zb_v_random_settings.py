@@ -5,7 +5,7 @@
 The authors' heuristic (fill to the limit, equalise, F-B-W steady state; best of its four fill
 variants, each with its bubble-approval passes) is :mod:`zerobubble.schedule.builders.planning.v_equalised`,
 which reproduces the authors' published ZB-V iteration times exactly on all 12 Table 5 setups
-(``tests/test_v_reference.py``).  Settings: p in 4..32, m in 2p..8p, per-stage F/B/W times,
+(``tests/schedule/builders/test_v_reference.py``).  Settings: p in 4..32, m in 2p..8p, per-stage F/B/W times,
 T_comm up to 10 % of T_F, M_W/M_B in 0..0.6, memory limit p·M_B.  Prints one line per setting and
 the share of settings where zb-v is at least as fast.
 """

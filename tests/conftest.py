@@ -1,6 +1,6 @@
 """Shared test configuration: the test profiles and hypothesis's settings.
 
-Three profiles, chosen by the environment variable ``ZEROBUBBLE_TESTS`` (``tests/_profile.py``):
+Three profiles, chosen by the environment variable ``ZEROBUBBLE_TESTS`` (``tests/helpers/_profile.py``):
 
 * ``quick`` (the default: the README's ``python -m pytest -q``) runs every test but those marked
   ``slow`` or ``long``; the split fuzzer draws 100 stages, the training-equivalence property 12 and 3
@@ -21,9 +21,8 @@ second instead of about 1.2 s a rank.  Tests whose point is that ranks are indep
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
-
 from _profile import profile
+from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "zerobubble",

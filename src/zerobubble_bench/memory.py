@@ -3,7 +3,7 @@
 :func:`peak_memory` (a rank worker) measures the live activation bytes of every
 ``(schedule, microbatches)`` with :class:`zerobubble.runtime.observe.memory.ActivationMeter` on
 Linear–GELU–Linear blocks; :func:`memory_table` runs it on local ranks and renders the ratios
-(``tests/test_runtime_memory.py`` checks the runtime against the bound the same way).
+(``tests/runtime/observe/test_runtime_memory.py`` checks the runtime against the bound the same way).
 """
 
 from __future__ import annotations

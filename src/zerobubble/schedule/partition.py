@@ -15,7 +15,8 @@ the microbatches it holds at once):
   assignment whose largest load already reaches the incumbent cannot improve it) enumerates every
   partition that could be better and is therefore exact as well.
 
-Both are checked against brute force over all ``C(n−1, S−1)`` cut sets in ``tests/test_plan.py``.
+Both are checked against brute force over all ``C(n−1, S−1)`` cut sets in
+``tests/schedule/modelplan/test_plan.py``.
 Pure Python; no torch.
 """
 

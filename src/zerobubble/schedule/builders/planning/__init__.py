@@ -2,7 +2,7 @@
 
 The schedule families (one module each in :mod:`zerobubble.schedule.builders`) depend on these
 helpers, never the reverse: no module here imports a family or the registry
-(``tests/test_layering.py``).
+(``tests/guards/test_layering.py``).
 
 * :mod:`.core` — the planning core: :class:`PlanState` (programs under construction, timed as the
   simulator times them), :class:`BuilderCandidate` and :func:`search` over candidates, :func:`replay`
