@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -31,6 +32,7 @@ from .construct.build import place_stages, tie_parameters
 from .construct.compiled import prepare_layers
 from .construct.construction import World, agreed_resolution, planned_resolution, world_of
 from .construct.pipeline_calls import PipelineCalls, call_results
+from .construct.request import PipelineRequest
 from .construct.resolve import LossFn, Resolution
 from .construct.staging import layer_keywords
 from .execute.comm import Comm
@@ -47,7 +49,7 @@ from .parallel.mesh import data_mesh, layout_of_mesh
 from .state.checkpoint import model_keys
 from .state.pipeline_state import PipelineState
 from .vocab.layers import VocabParallelEmbedding, VocabParallelHead
-from .vocab.runner import VocabRunner, check_vocab_request, place_vocab
+from .vocab.runner import VocabRunner, place_vocab
 from .wgrad import FastPaths
 from .wgrad.verify import SplitRecord
 
@@ -81,7 +83,8 @@ class Pipeline:
     RNG streams, ``static_shapes`` lets receives be posted ahead.  Every argument after ``layers``
     is keyword-only.
 
-    Construction resolves the arguments into one :class:`~.resolve.Resolution` every rank agrees
+    Construction records the arguments as one checked :class:`~.construct.request.PipelineRequest`
+    (:attr:`request`), resolves it into one :class:`~.resolve.Resolution` every rank agrees
     on (:mod:`.construction`), then builds this rank's part (:mod:`.build`): the layers' state,
     optimisation (:mod:`.pipeline_optimization`) and checkpoints each live in an object of their
     own, this class is the facade.  Every argument, with its guarantees: ``docs/guide.md``
@@ -119,36 +122,39 @@ class Pipeline:
         head: VocabParallelHead | None = None,
         embedding: VocabParallelEmbedding | None = None,
     ):
-        check_vocab_request(
-            head, embedding, loss_fn=loss_fn, data_parallel=data_parallel, mesh=mesh, schedule=schedule
-        )
-        layers = prepare_layers(layers, compile)  # before anything reads a name (.compiled)
-        world = world_of(group, mesh, mesh_dims, data_parallel, timeout)  # collective
+        # checked as it is made: a wrong argument raises here, on every rank, before any collective
+        request = PipelineRequest(
+            layers=layers, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn, chunks=chunks,
+            partition=partition, group=group, costs=costs, timeout=timeout, static_shapes=static_shapes,
+            trace=trace, emulate=emulate, data_parallel=data_parallel, mesh=mesh, mesh_dims=mesh_dims,
+            post_validation=post_validation, seed=seed, fast_paths=fast_paths, memory_limit=memory_limit,
+            example=example, calibrate=calibrate, verify=verify, check_calls=check_calls,
+            parallelize=parallelize, compile=compile, head=head, embedding=embedding,
+        )  # fmt: skip
+        self._request = request
+        # the request as the construction reads it: its layers compiled and unwrapped (.compiled)
+        asked = replace(request, layers=prepare_layers(request.layers, request.compile))
+        # collective: joins the group or the mesh (their arguments checked first, alike on every rank)
+        world = world_of(asked.group, asked.mesh, asked.mesh_dims, asked.data_parallel, asked.timeout)
         self.device: torch.device = world.device
-        self.timeout = timeout
+        self.timeout = asked.timeout
         self.sharding: str | None = world.sharding  # "fsdp", "hsdp", or None: replicated
-        self._mesh, self._dims, self._parallelize = mesh, world.dims, parallelize
+        self._dims = world.dims
         self._failure: str | None = None
         self._recorder: OpRecorder | None = None
-        planned, self._calibrator, self._vocab_layers = planned_resolution(  # collective when it plans
-            layers, world, schedule=schedule, partition=partition, example=example, loss_fn=loss_fn,
-            microbatches=microbatches, memory_limit=memory_limit, post_validation=post_validation,
-            chunks=chunks, calibrate=calibrate, vocab_layers=(head, embedding),
-            parallelized=parallelize is not None,
-        )  # fmt: skip
-        resolution, self._agreement = agreed_resolution(  # collective: every rank checks every rank's
-            layers, world, planned, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
-            chunks=chunks, partition=partition, costs=costs, vocab_parallel=head is not None, seed=seed,
-            verify=verify, check_calls=check_calls,
-        )  # fmt: skip
-        self._build(resolution, world, static_shapes, fast_paths, verify, check_calls)
-        self._build_recording(trace, emulate)
-        self._build_facets(resolution, post_validation)
+        planned, self._calibrator, self._vocab_layers = planned_resolution(asked, world)  # collective: plans
+        resolution, self._agreement = agreed_resolution(asked, world, planned)  # collective: every rank's
+        self._build(resolution, world)
+        self._build_recording()
+        self._build_facets(resolution)
 
-    def _build(
-        self, resolution: Resolution, world: World, static_shapes: bool, fast_paths: FastPaths | None,
-        verify: bool | str, check_calls: bool,
-    ) -> None:  # fmt: skip
+    @property
+    def request(self) -> PipelineRequest:
+        """What was asked of this Pipeline: its layers and keyword arguments, as one frozen, checked
+        record (:class:`~.construct.request.PipelineRequest`)."""
+        return self._request
+
+    def _build(self, resolution: Resolution, world: World) -> None:
         """Build this rank's part of the agreed ``resolution`` (collective: the layout's, the call
         check's, the ties' and the channels' groups); nothing is resolved or validated here."""
         self.resolution = resolution
@@ -158,18 +164,19 @@ class Pipeline:
         self.plan: Plan | None = resolution.plan  # schedule="auto": what was chosen and why
         self.profile: ModelProfile | None = resolution.profile  # and the layer profile it came from
         logger.info("%s", resolution.describe())
-        self._build_groups(world, check_calls)
+        self._build_groups(world)
         self._model_keys = model_keys(resolution.layers)  # the unpipelined state dict's keys
         self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
         # the keywords every layer of the model takes (step(**kwargs)): read before any is placed
         self._keywords = [(name, layer_keywords(layer)) for name, layer in resolution.layers]
-        stages = self._place(resolution, fast_paths, verify)
-        self._build_executor(resolution, stages, static_shapes)
+        stages = self._place(resolution)
+        self._build_executor(resolution, stages)
 
-    def _build_groups(self, world: World, check_calls: bool) -> None:
+    def _build_groups(self, world: World) -> None:
         """The layout's process groups, the peer monitor and the per-call check's group (collective)."""
-        if self._mesh is not None and self._dims is not None:
-            self.layout = layout_of_mesh(self._mesh, self._dims, self.timeout)  # collective: local groups
+        mesh = self._request.mesh
+        if mesh is not None and self._dims is not None:
+            self.layout = layout_of_mesh(mesh, self._dims, self.timeout)  # collective: local groups
         else:
             self.layout = create_layout(world.group, world.data_parallel, self.timeout)  # collective, too
         self.group: dist.ProcessGroup | None = self.layout.pipeline_group
@@ -179,22 +186,20 @@ class Pipeline:
         # the per-call argument check: a gloo group of its own over every rank (collective: local group)
         calls = local_group(self.layout.everyone, backend="gloo", timeout=self.layout.setup_timeout)
         self._calls = CallCheck(calls, self._monitor, self.layout.rank_name)
-        self._check_calls = bool(check_calls)
+        self._check_calls = bool(self._request.check_calls)
 
-    def _place(
-        self, resolution: Resolution, fast_paths: FastPaths | None, verify: bool | str
-    ) -> dict[int, StageState]:
+    def _place(self, resolution: Resolution) -> dict[int, StageState]:
         """Place this rank's chunks into :attr:`module`, sharded or tied, every replica starting from
         replica 0's values (collective); returns the chunks by stage index."""
         self.module = nn.Module()
         # data_parallel="fsdp"/"hsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
-        dp_mesh = data_mesh(self._mesh, self._dims) if self._mesh is not None and self._dims else None
+        mesh = self._request.mesh
+        dp_mesh = data_mesh(mesh, self._dims) if mesh is not None and self._dims else None
         self._sharded = ShardedStages(self.layout, self.device, dp_mesh) if self.sharding else None
         shard = self._sharded.shard if self._sharded is not None else None
         stages, self._guards = place_stages(
-            resolution, self.rank, self.device, self.module, fast_paths, verify, shard=shard,
-            parallelize=self._parallelize, mesh=self._mesh,
-        )  # fmt: skip
+            resolution, self._request, rank=self.rank, device=self.device, module=self.module, shard=shard
+        )
         if self._sharded is not None:
             self._sharded.placed()
         self.stages = tuple(sorted(stages))
@@ -203,10 +208,9 @@ class Pipeline:
             broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
         return stages
 
-    def _build_executor(
-        self, resolution: Resolution, stages: dict[int, StageState], static_shapes: bool
-    ) -> None:
+    def _build_executor(self, resolution: Resolution, stages: dict[int, StageState]) -> None:
         """The channels, the executor of this rank's program and the per-call argument preparation."""
+        static_shapes = self._request.static_shapes
         comm = Comm(
             self.schedule, self.group, self.device, self.timeout, static_shapes, monitor=self._monitor
         )
@@ -223,17 +227,16 @@ class Pipeline:
             calls=self._calls if self._check_calls else None, guarded=self._guarded,
         )  # fmt: skip
 
-    def _build_facets(self, resolution: Resolution, post_validation: bool) -> None:
+    def _build_facets(self, resolution: Resolution) -> None:
         """The objects the facade forwards to: the optimizer step's and the state dicts'."""
         self._optimization = StepOptimization(
-            resolution=resolution, layout=self.layout, rank=self.rank, device=self.device,
-            post_validation=post_validation, wait=self._monitor.wait, tied=self._tied,
+            resolution=resolution, layout=self.layout, device=self.device,
+            post_validation=self._request.post_validation, wait=self._monitor.wait, tied=self._tied,
             sharded=self._sharded, executor=self._executor,
         )  # fmt: skip
         self._state = PipelineState(
             module=self.module, ends=self._executor.ends, layout=self.layout, calls=self._calls,
-            monitor=self._monitor, model_keys=self._model_keys, ties=self._ties, rank=self.rank,
-            guarded=self._guarded,
+            monitor=self._monitor, model_keys=self._model_keys, ties=self._ties, guarded=self._guarded,
         )  # fmt: skip
 
     def _vocab_runner(self) -> VocabRunner | None:
@@ -242,20 +245,19 @@ class Pipeline:
         head, embedding = self._vocab_layers
         if head is None and embedding is None:
             return None
-        ranks = [self.layout.global_rank(r) for r in range(self.world_size)]
         runner, keys = place_vocab(
-            head, embedding, self.schedule, self.rank, ranks, self.module, self.device,
-            self.layout.setup_timeout, self._monitor.wait,
-        )  # fmt: skip
+            head, embedding, self.schedule, self.layout, self.module, self.device, self._monitor.wait
+        )
         self._model_keys = (*self._model_keys, *keys)
         return runner
 
-    def _build_recording(self, trace: bool, emulate: CostModel | None) -> None:
+    def _build_recording(self) -> None:
+        emulate = self._request.emulate
         if emulate is not None:  # each op lasts its modelled duration (ms), see .emulate
             from .execute.emulate import install_emulation
 
             install_emulation(self._executor, emulate)
-        if trace:  # record every op and wait of the last steps, see .trace
+        if self._request.trace:  # record every op and wait of the last steps, see .trace
             from .observe.trace import TraceRecorder
 
             self.recorder = TraceRecorder(self.device)

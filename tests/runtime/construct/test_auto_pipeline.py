@@ -166,7 +166,8 @@ def test_the_profile_evicts_the_caches_only_when_ranks_take_turns_on_a_core(
         layers = [("a", nn.Linear(4, 4)), ("b", nn.Linear(4, 4))]
         example = (torch.randn(4, 4), torch.randn(4, 4))
         cpu = torch.device("cpu")
-        auto.plan_for_pipeline(layers, example, nn.functional.mse_loss, None, 1, 2, None, False, cpu)
+        planning = auto.Planning(ranks=1, microbatches=2, post_validation=False)
+        auto.plan_for_pipeline(layers, example, nn.functional.mse_loss, None, cpu, planning)
     finally:
         dist.destroy_process_group()
     assert asked == [evicted]

@@ -1,7 +1,8 @@
 """``Pipeline(schedule="auto")``: profile, plan once, broadcast, so every rank runs the same plan.
 
 :func:`resolve_auto` is called by the Pipeline before it places any layer: :func:`plan_for_pipeline`
-decides, :func:`~.resolve.from_plan` makes the plan the Pipeline's :class:`~.resolve.Resolution`.
+decides what its :class:`~.request.PipelineRequest` and :class:`Planning` ask, :func:`~.resolve.from_plan`
+makes the plan the Pipeline's :class:`~.resolve.Resolution`.
 Ranks 0 and 1 of the group time a transfer (:func:`~.profile.measure_transfer`); every rank
 profiles the layers on the first microbatch of the example batch and of its keyword arguments (on
 copies: the model, its gradients and the random state are untouched) — all at once, or in turns
@@ -22,7 +23,7 @@ import math
 import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -33,10 +34,12 @@ from ...schedule import ScheduleError
 from ...schedule.modelplan import Link, MeshLayout, ModelProfile, Plan, calibrate, median_profile, plan
 from .. import PipelineError
 from ..observe.recorder import OpRecorder, StepRecorder
+from ..vocab.runner import plain_model
 from .profile import measure_transfer, profile_layers
 
 if TYPE_CHECKING:
     from ..observe.trace import MeasuredTimeline
+    from .request import PipelineRequest
     from .resolve import Resolution
 
 logger = logging.getLogger(__name__)
@@ -45,32 +48,44 @@ SHARED_CORE_EVICTION = 64 * 2**20
 """Bytes written before each timed op when the ranks share cores: more than the last-level cache."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Planning:
+    """What the planner is asked for one pipeline (:func:`plan_for_pipeline`).
+
+    ``ranks`` is the pipeline's size; ``schedules`` limits the candidates (every registry schedule
+    but the ILP when None; a named schedule with ``partition="profile"`` passes just its own) and
+    ``chunks`` fixes the interleaved chunk count.  ``head`` is ``"plain"``, or ``"both"`` to weigh a
+    vocabulary-parallel head against the plain one (``vocab_embedding``: the embedding too).
+    ``layout`` places each stage on the mesh's ``dp × tp`` ranks (its links timed by the measured
+    transfer); None: one rank per stage.
+    """
+
+    ranks: int
+    microbatches: int
+    memory_limit: str | float | None = None
+    post_validation: bool = True
+    schedules: Sequence[str] | None = None
+    chunks: int | None = None
+    head: str = "plain"
+    vocab_embedding: bool = False
+    layout: MeshLayout | None = None
+
+
 def plan_for_pipeline(
     named: Sequence[tuple[str, nn.Module]],
     example: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     group: dist.ProcessGroup | None,
-    ranks: int,
-    microbatches: int,
-    memory_limit: str | float | None,
-    post_validation: bool,
     device: torch.device,
+    planning: Planning,
     repeats: int = 5,
-    schedules: Sequence[str] | None = None,
-    chunks: int | None = None,
-    head: str = "plain",
-    vocab_embedding: bool = False,
-    layout: MeshLayout | None = None,
 ) -> tuple[Plan, ModelProfile]:
     """The plan every rank of ``group`` agrees on, and the profile it came from (collective).
 
     ``example`` is one batch as :meth:`Pipeline.step` takes it, ``(inputs, targets)`` or
     ``(inputs, targets, kwargs)`` with the step's keyword arguments in a dict
-    (:func:`example_parts`); ``ranks`` is the pipeline's size; ``schedules`` limits the candidates
-    (every registry schedule but the ILP when None; a named schedule with ``partition="profile"``
-    passes just its own) and ``chunks`` fixes the interleaved chunk count.  ``layout`` places each
-    stage on the mesh's ``dp × tp`` ranks (its links timed by the measured transfer).  Raises
-    :class:`PipelineError` on every rank when no schedule fits.
+    (:func:`example_parts`); ``planning`` says what to plan for.  Raises :class:`PipelineError` on
+    every rank when no schedule fits.
     """
     example = example_parts(example)
     comm = measure_transfer(group, device)
@@ -80,6 +95,7 @@ def plan_for_pipeline(
     # in the caches, so time it after an eviction; a rank with a core (or a GPU) of its own keeps its
     # caches warm (the op times recorded in runs matched the warm profile: docs/auto-planning.md)
     evict = SHARED_CORE_EVICTION if turns > 1 else 0
+    microbatches = planning.microbatches
     for turn in range(turns):  # at most as many ranks profile at once as there are cores for them
         if turns > 1:
             dist.barrier(group=group)
@@ -90,10 +106,7 @@ def plan_for_pipeline(
     dist.gather_object(mine, gathered, dst=source, group=group)
     payload: list[Any] = [None]
     if gathered is not None:
-        payload[0] = _decide(
-            gathered, ranks, microbatches, memory_limit, post_validation, device, schedules, chunks,
-            head=head, vocab_embedding=vocab_embedding, layout=layout,
-        )  # fmt: skip
+        payload[0] = _decide(gathered, device, planning)
     dist.broadcast_object_list(payload, src=source, group=group, device=_object_device(device))
     outcome = payload[0]
     if isinstance(outcome, str):
@@ -102,60 +115,26 @@ def plan_for_pipeline(
 
 
 def resolve_auto(
-    layers: nn.Sequential | Sequence[nn.Module],
-    example: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    group: dist.ProcessGroup | None,
-    ranks: int,
-    microbatches: int | None,
-    memory_limit: str | float | None,
-    post_validation: bool,
-    device: torch.device,
-    schedules: Sequence[str] | None = None,
-    chunks: int | None = None,
-    vocab: VocabPlanning | None = None,
-    layout: MeshLayout | None = None,
+    request: PipelineRequest, group: dist.ProcessGroup | None, device: torch.device, planning: Planning
 ) -> Resolution:
-    """The Pipeline's arguments resolved by the planner (collective): :func:`plan_for_pipeline`'s
-    plan as a :class:`~.resolve.Resolution`, the same on every rank; or the same error on every rank.
+    """``request`` resolved by the planner (collective): :func:`plan_for_pipeline`'s plan as a
+    :class:`~.resolve.Resolution`, the same on every rank; or the same error on every rank.
 
-    ``ranks`` is the pipeline's size; ``microbatches`` defaults to
-    :data:`~.staging.DEFAULT_MICROBATCHES`; ``schedules`` and ``chunks`` as for :func:`plan_for_pipeline`.
-    With ``vocab``, ``layers`` is the plain model of a vocabulary-parallel one (the head, and the
-    embedding, as layers of their own) and the plan chooses: a vocabulary-parallel winner resolves
-    ``vocab.blocks`` with the head's loss.
+    With ``head=`` the planner profiles the plain model (the head, and the embedding, as layers of
+    their own: :func:`~..vocab.runner.plain_model`) and chooses: a vocabulary-parallel winner
+    resolves the request's layers with the head's loss.
     """
     from .resolve import from_plan, head_loss
-    from .staging import DEFAULT_MICROBATCHES, checked_loss_fn, named_layers
+    from .staging import checked_loss_fn, named_layers
 
+    layers, loss_fn = request.layers, request.loss_fn
+    if request.head is not None:  # the planner weighs a plain head against the vocabulary-parallel one
+        layers, loss_fn = plain_model(request.head, request.embedding, request.layers)
     named, loss = named_layers(layers), checked_loss_fn(loss_fn)
-    chosen, profile = plan_for_pipeline(
-        named,
-        example,
-        loss,
-        group,
-        ranks,
-        microbatches or DEFAULT_MICROBATCHES,
-        memory_limit,
-        post_validation,
-        device,
-        schedules=schedules,
-        chunks=chunks,
-        head="both" if vocab is not None else "plain",
-        vocab_embedding=vocab is not None and vocab.embedding,
-        layout=layout,
-    )
-    if vocab is not None and chosen.winner.vocab_parallel:
-        return from_plan(named_layers(vocab.blocks), chosen, profile, head_loss)
+    chosen, profile = plan_for_pipeline(named, request.example, loss, group, device, planning)
+    if request.head is not None and chosen.winner.vocab_parallel:
+        return from_plan(named_layers(request.layers), chosen, profile, head_loss)
     return from_plan(named, chosen, profile, loss)
-
-
-class VocabPlanning:
-    """What :func:`resolve_auto` needs to plan a vocabulary-parallel model: the layers between the
-    embedding and the head, and whether the embedding is vocabulary-parallel (its plain layer first)."""
-
-    def __init__(self, blocks: nn.Sequential | Sequence[nn.Module], *, embedding: bool):
-        self.blocks, self.embedding = blocks, embedding
 
 
 def profiling_turns(world: int, device: torch.device) -> int:
@@ -240,18 +219,7 @@ def _profile_here(
 
 
 def _decide(
-    profiles: Sequence[ModelProfile | str],
-    ranks: int,
-    microbatches: int,
-    memory_limit: str | float | None,
-    post_validation: bool,
-    device: torch.device,
-    schedules: Sequence[str] | None = None,
-    chunks: int | None = None,
-    *,
-    head: str = "plain",
-    vocab_embedding: bool = False,
-    layout: MeshLayout | None = None,
+    profiles: Sequence[ModelProfile | str], device: torch.device, planning: Planning
 ) -> tuple[Plan, ModelProfile] | str:
     """Rank 0's plan from every rank's profile (median times), or the message every rank will raise."""
     failures = [outcome for outcome in profiles if isinstance(outcome, str)]
@@ -262,22 +230,22 @@ def _decide(
         device_memory = (
             float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
         )
-        optimizer = "post-validation" if post_validation else "sync"
+        layout = planning.layout
         if layout is not None:  # the mesh's collectives on the link the transfer was measured on
             link = Link(profile.comm_latency, profile.comm_bandwidth)
             layout = replace(layout, tp_link=link, dp_link=link)
         chosen = plan(
             profile,
-            ranks,
-            microbatches,
-            memory_limit,
-            optimizer=optimizer,
+            planning.ranks,
+            planning.microbatches,
+            planning.memory_limit,
+            optimizer="post-validation" if planning.post_validation else "sync",
             device_memory=device_memory,
-            cores=_shared_cores(device, ranks, len(profiles)),
-            schedules=schedules,
-            interleaved_chunks=(chunks,) if chunks is not None else (2,),
-            head=head,
-            vocab_embedding=vocab_embedding,
+            cores=_shared_cores(device, planning.ranks, len(profiles)),
+            schedules=planning.schedules,
+            interleaved_chunks=(planning.chunks,) if planning.chunks is not None else (2,),
+            head=planning.head,
+            vocab_embedding=planning.vocab_embedding,
             layout=layout,
         )
         return chosen, profile

@@ -1,7 +1,8 @@
 """Construction, step two: this rank's part of a :class:`~.resolve.Resolution`.
 
 :func:`place_stages` keeps this rank's chunks (moved to its device, registered under their original
-names, each with its weight-gradient store, deferral and split guard); :func:`tie_parameters`
+names, each with its weight-gradient store, deferral and split guard, as the
+:class:`~.request.PipelineRequest` asks); :func:`tie_parameters`
 finds the parameters tied across ranks and starts their copies equal (the optimizer step and the
 data-parallel reductions are set up by :mod:`..optim.step`).  The :class:`~..pipeline.Pipeline`
 calls them once every rank has agreed on the resolution.
@@ -10,7 +11,7 @@ calls them once every rank has agreed on the resolution.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,32 +26,34 @@ from ..parallel.data_parallel import (
 )
 from ..parallel.fsdp import ShardFn
 from ..tensors import is_dtensor
-from ..wgrad import FastPaths, WeightGradStore, install_deferral
+from ..wgrad import WeightGradStore, install_deferral
 from ..wgrad.verify import SplitGuard
 from .resolve import Resolution
 from .staging import StageModule, stage_of
 
+if TYPE_CHECKING:
+    from .request import PipelineRequest
+
 
 def place_stages(
     resolution: Resolution,
+    request: PipelineRequest,
+    *,
     rank: int,
     device: torch.device,
     module: nn.Module,
-    fast_paths: FastPaths | None,
-    verify: bool | str,
-    *,
     shard: ShardFn | None = None,
-    parallelize: Callable[[nn.Module, Any], nn.Module] | None = None,
-    mesh: Any = None,
 ) -> tuple[dict[int, StageState], dict[int, SplitGuard]]:
     """Cut the layers into chunks and keep rank ``rank``'s, registered in ``module`` under their
     original names: ``(stages, guards)`` by stage index.  Each stage's split gets a guard
-    (:mod:`..wgrad.verify`), checking it unless ``verify`` is False.
+    (:mod:`..wgrad.verify`), checking it unless the request's ``verify`` is False; the request's
+    ``fast_paths`` join the split's rules.
 
-    ``parallelize(layer, mesh)`` (tensor parallelism) replaces each layer once it is on ``device``
-    and before its backward is split (:func:`parallelized`).  ``shard(stage, stage_module)``
-    (``data_parallel="fsdp"``: :class:`~..parallel.fsdp.ShardedStages`) runs on each chunk before its
-    backward is split, so that the split sees the parameters the forwards will use."""
+    The request's ``parallelize(layer, mesh)`` (tensor parallelism) replaces each layer once it is
+    on ``device`` and before its backward is split (:func:`parallelized`).  ``shard(stage,
+    stage_module)`` (``data_parallel="fsdp"``: :class:`~..parallel.fsdp.ShardedStages`) runs on each
+    chunk before its backward is split, so that the split sees the parameters the forwards will use."""
+    parallelize, mesh, verify = request.parallelize, request.mesh, request.verify
     schedule, named, bounds = resolution.schedule, resolution.layers, resolution.bounds
     stages, guards = {}, {}
     for index in schedule.placement.stages_of(rank):
@@ -66,7 +69,7 @@ def place_stages(
             shard(index, stage_module)
         store = WeightGradStore()
         # fused schedules too: their BW ops gain the fast paths' cheaper accumulation
-        deferral = install_deferral(layers, store, fast_paths, generic=schedule.splits_backward)
+        deferral = install_deferral(layers, store, request.fast_paths, generic=schedule.splits_backward)
         state = StageState(
             index,
             stage_module,

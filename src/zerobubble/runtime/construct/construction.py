@@ -1,23 +1,22 @@
 """What a Pipeline's construction resolves before it builds anything: its world and its resolution.
 
 :func:`world_of` joins the process group (or the mesh), picks the device and sizes the layout;
-:func:`planned_resolution` profiles and plans when ``schedule="auto"`` or ``partition="profile"``
-asks (:mod:`.auto`); :func:`agreed_resolution` resolves the arguments otherwise and has every rank
-agree on the result (:func:`~.resolve.agree_on`).  The Pipeline then builds this rank's part of it.
+:func:`planned_resolution` profiles and plans when the :class:`~.request.PipelineRequest` asks
+(``schedule="auto"`` or ``partition="profile"``, :mod:`.auto`); :func:`agreed_resolution` resolves
+the request otherwise and has every rank agree on the result (:func:`~.resolve.agree_on`).  The
+Pipeline then builds this rank's part of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ...schedule import CostModel, Schedule
 from ...schedule.modelplan import MeshLayout
 from .. import PipelineError
 from ..launch import check_timeout, init_distributed, local_device
@@ -25,12 +24,12 @@ from ..parallel.data_parallel import pipeline_size_of
 from ..parallel.groups import equalize_group_counts, local_group
 from ..parallel.mesh import MeshDims, mesh_groups, mesh_ranks, parallel_size, stage_layout
 from ..parallel.mesh import mesh_dims as mesh_dims_of
-from ..vocab.runner import plain_model
-from .resolve import LossFn, Resolution, agree_on, resolve, wants_profile
+from .resolve import Resolution, agree_on, resolve
 
 if TYPE_CHECKING:
     from ..parallel.consistency import Agreement
     from .auto import Calibrator
+    from .request import PipelineRequest
 
 
 @dataclass(frozen=True)
@@ -80,96 +79,56 @@ def world_of(
 
 
 def planned_resolution(
-    layers: Sequence[nn.Module] | nn.Sequential,
-    world: World,
-    *,
-    schedule: str | Schedule,
-    partition: Sequence[int] | str | None,
-    example: Any,
-    loss_fn: LossFn | None,
-    microbatches: int | None,
-    memory_limit: str | float | None,
-    post_validation: bool,
-    chunks: int | None,
-    calibrate: int,
-    vocab_layers: tuple[Any, Any],
-    parallelized: bool,
+    request: PipelineRequest, world: World
 ) -> tuple[Resolution | None, Calibrator | None, tuple[Any, Any]]:
     """The planner's resolution when ``schedule="auto"`` or ``partition="profile"`` asks for one
     (collective: profile, plan once, broadcast), the calibrator of its first steps, and the
     vocabulary layers still to place (none when the plain model won); ``(None, None, vocab_layers)``
     otherwise."""
-    if not wants_profile(schedule, partition):
+    vocab_layers = request.vocab_layers
+    if not request.wants_profile:
         return None, None, vocab_layers
-    from .auto import Calibrator, VocabPlanning, resolve_auto
+    from .auto import Calibrator, Planning, resolve_auto
+    from .staging import DEFAULT_MICROBATCHES
 
-    head, embedding = vocab_layers
-    profiled, vocab = layers, None
-    if head is not None:  # the planner weighs a plain head against the vocabulary-parallel one
-        profiled, loss_fn = plain_model(head, embedding, layers)
-        vocab = VocabPlanning(layers, embedding=embedding is not None)
-        calibrate = 0  # the calibration models stages only, not the vocabulary ops
+    # the calibration models stages only, not the vocabulary ops
+    calibrate = request.calibrate if not request.vocab_parallel else 0
     calibrator = Calibrator(calibrate) if calibrate else None  # checked before collectives
-    planned = resolve_auto(
-        profiled,
-        example,
-        loss_fn,
-        world.group,
-        pipeline_size_of(world.size, world.data_parallel),
-        microbatches,
-        memory_limit,
-        post_validation,
-        world.device,
-        schedules=[schedule] if isinstance(schedule, str) and partition == "profile" else None,
-        chunks=chunks,
-        vocab=vocab,
-        layout=world.stage_layout(parallelized),
+    schedule, partition = request.schedule, request.partition
+    planning = Planning(
+        ranks=pipeline_size_of(world.size, world.data_parallel),
+        microbatches=request.microbatches or DEFAULT_MICROBATCHES,
+        memory_limit=request.memory_limit,
+        post_validation=request.post_validation,
+        schedules=(schedule,) if isinstance(schedule, str) and partition == "profile" else None,
+        chunks=request.chunks,
+        # with head= the planner weighs a plain head (and embedding) against the vocabulary-parallel ones
+        head="both" if request.vocab_parallel else "plain",
+        vocab_embedding=request.vocab_parallel and request.embedding is not None,
+        layout=world.stage_layout(request.parallelized),
     )
-    if vocab is not None and planned.plan is not None and not planned.plan.winner.vocab_parallel:
+    planned = resolve_auto(request, world.group, world.device, planning)
+    if request.vocab_parallel and planned.plan is not None and not planned.plan.winner.vocab_parallel:
         vocab_layers = (None, None)  # the plain model won: its layers hold head and embedding
     return planned, calibrator, vocab_layers
 
 
 def agreed_resolution(
-    layers: Sequence[nn.Module] | nn.Sequential,
-    world: World,
-    planned: Resolution | None,
-    *,
-    schedule: str | Schedule,
-    microbatches: int | None,
-    loss_fn: LossFn | None,
-    chunks: int | None,
-    partition: Sequence[int] | str | None,
-    costs: CostModel | None,
-    vocab_parallel: bool,
-    seed: int | None,
-    verify: bool | str,
-    check_calls: bool,
+    request: PipelineRequest, world: World, planned: Resolution | None
 ) -> tuple[Resolution, Agreement]:
-    """``planned``, or the arguments resolved, once every rank agrees on it (collective)."""
+    """``planned``, or ``request`` resolved, once every rank agrees on it (collective)."""
 
     def attempt() -> Resolution:
         if planned is not None:
             return planned
-        return resolve(
-            layers,
-            ranks=world.size,
-            data_parallel=world.data_parallel,
-            schedule=schedule,
-            microbatches=microbatches,
-            loss_fn=loss_fn,
-            chunks=chunks,
-            partition=None if isinstance(partition, str) else partition,
-            costs=costs,
-            vocab_parallel=vocab_parallel,
-        )
+        return resolve(request, ranks=world.size, data_parallel=world.data_parallel)
 
     return agree_on(
         attempt,
         data_parallel=world.data_parallel,
-        seed=seed,
+        seed=request.seed,
         group=world.group,
-        verify=verify,
-        check_calls=bool(check_calls),
+        verify=request.verify,
+        check_calls=bool(request.check_calls),
         sharding=world.sharding,
     )

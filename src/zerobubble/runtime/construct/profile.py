@@ -28,6 +28,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,17 +80,18 @@ def profile_layers(
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     target_device = torch.device(device) if device is not None else _device_of(named)
     first = _as_tuple(inputs, target_device)
-    optimizer_factor = optimizer_bytes_per_parameter_byte
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    evict = CacheEvictor(target_device, evict_bytes)
+    timing = _Timing(
+        target_device, optimizer_bytes_per_parameter_byte, CacheEvictor(target_device, evict_bytes)
+    )
     sweeps: list[list[LayerProfile]] = []
     try:
         # every sweep times each layer once (after a warm-up): a burst of load from elsewhere then
         # hits one sample of many layers instead of every sample of one layer
         for _ in range(repeats):
             loss = (loss_fn, _to_device(targets, target_device)) if loss_fn is not None else None
-            sweeps.append(_sweep(named, first, loss, target_device, optimizer_factor, evict, kwargs))
+            sweeps.append(_sweep(named, first, loss, timing, kwargs))
     finally:
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
@@ -168,13 +170,21 @@ def fused_backward(
     return _now(tensors[0].device) - started
 
 
+@dataclass(frozen=True)
+class _Timing:
+    """How each layer of a sweep is timed and sized: on ``device``, its optimizer state
+    ``optimizer_factor`` times its trainable parameter bytes, ``evict`` run before each timed op."""
+
+    device: torch.device
+    optimizer_factor: float
+    evict: Callable[[], None]
+
+
 def _sweep(
     named: list[tuple[str, nn.Module]],
     values: tuple[torch.Tensor, ...],
     loss: tuple[Loss, Any] | None,
-    device: torch.device,
-    optimizer_factor: float,
-    evict: Callable[[], None],
+    timing: _Timing,
     kwargs: Mapping[str, Any] | None,
 ) -> list[LayerProfile]:
     """Profile every layer once, in order, each on the previous one's outputs; ``loss`` goes with the
@@ -183,9 +193,7 @@ def _sweep(
     for index, (name, layer) in enumerate(named):
         last_loss = loss if index == len(named) - 1 else None
         keywords = layer_keywords(layer).select(kwargs, len(values)) if kwargs else {}
-        profile, values = _profile_layer(
-            name, layer, values, last_loss, device, optimizer_factor, index == 0, evict, keywords
-        )
+        profile, values = _profile_layer(name, layer, values, last_loss, timing, index == 0, keywords)
         sweep.append(profile)
     return sweep
 
@@ -195,10 +203,8 @@ def _profile_layer(
     layer: nn.Module,
     values: tuple[torch.Tensor, ...],
     loss: tuple[Loss, Any] | None,
-    device: torch.device,
-    optimizer_factor: float,
+    timing: _Timing,
     first: bool = False,
-    evict: Callable[[], None] = lambda: None,
     keywords: Mapping[str, Any] | None = None,
 ) -> tuple[LayerProfile, tuple[torch.Tensor, ...]]:
     """Time and size one layer once (on a copy, after a warm-up); its profile and detached outputs.
@@ -206,7 +212,7 @@ def _profile_layer(
     The ``first`` layer takes the data as the pipeline's first stage does, without asking for its
     gradient: its B computes no input gradient.  Every forward gets the keyword arguments ``keywords``.
     """
-    keywords = keywords or {}
+    keywords, device, evict = keywords or {}, timing.device, timing.evict
     module = copy.deepcopy(layer).to(device)
     store = WeightGradStore()
     deferral = install_deferral([module], store)
@@ -240,7 +246,7 @@ def _profile_layer(
         weight_input_bytes=kept_bytes,
         parameter_bytes=float(parameter_bytes),
         gradient_bytes=float(trainable),
-        optimizer_bytes=float(trainable * optimizer_factor),
+        optimizer_bytes=float(trainable * timing.optimizer_factor),
         output_bytes=float(sum(t.numel() * t.element_size() for t in outputs)),
         backward_fused=fused,
     )

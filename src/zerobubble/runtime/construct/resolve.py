@@ -1,10 +1,11 @@
 """Construction, step one: the Pipeline's arguments resolved into one frozen :class:`Resolution`.
 
-A :class:`~..pipeline.Pipeline` is built in two steps.  First its arguments are *resolved*: the
-schedule is built (or checked) for the pipeline's ranks and validated — once —, the layers are
-named and cut into chunks, the loss function is checked and the parameters tied between layers are
-found.  :func:`resolve` does it for a schedule name or object; it is pure (no collective, nothing
-moves or allocates) and raises a :class:`PipelineError` saying what to pass instead.  With
+A :class:`~..pipeline.Pipeline` is built in two steps.  First its arguments (its
+:class:`~.request.PipelineRequest`) are *resolved*: the schedule is built (or checked) for the
+pipeline's ranks and validated — once —, the layers are named and cut into chunks, the loss function
+is checked and the parameters tied between layers are found.  :func:`resolve` does it for a schedule
+name or object; it is pure (no collective, nothing moves or allocates) and raises a
+:class:`PipelineError` saying what to pass instead.  With
 ``schedule="auto"`` or ``partition="profile"`` the planner decides instead (:func:`.auto.resolve_auto`:
 a collective, it profiles the layers) and :func:`from_plan` turns its plan into the same
 :class:`Resolution`.  Then the Pipeline only builds from that value: every rank agrees on it, keeps
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ from ..parallel.consistency import Agreement, agree, find_ties, fingerprint
 from ..parallel.data_parallel import pipeline_size_of
 from ..parallel.fsdp import check_sharding, check_ties
 from .staging import checked_loss_fn, default_costs, named_layers, partition_bounds, resolve_schedule
+
+if TYPE_CHECKING:
+    from .request import PipelineRequest
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, target)`` returning a scalar tensor."""
@@ -74,35 +78,24 @@ class Resolution:
         )
 
 
-def resolve(
-    layers: nn.Sequential | Sequence[nn.Module],
-    *,
-    ranks: int,
-    data_parallel: int = 1,
-    schedule: str | Schedule = "zb-v",
-    microbatches: int | None = None,
-    loss_fn: LossFn | None = None,
-    chunks: int | None = None,
-    partition: Sequence[int] | None = None,
-    costs: CostModel | None = None,
-    vocab_parallel: bool = False,
-) -> Resolution:
-    """The Pipeline's arguments resolved for ``ranks`` ranks running ``data_parallel`` replicas (pure).
+def resolve(request: PipelineRequest, *, ranks: int, data_parallel: int = 1) -> Resolution:
+    """``request`` resolved for ``ranks`` ranks running ``data_parallel`` replicas (pure).
 
-    ``schedule`` is a registry name (built for ``microbatches``, :data:`~.staging.DEFAULT_MICROBATCHES`
+    Its ``schedule`` is a registry name (built for ``microbatches``, :data:`~.staging.DEFAULT_MICROBATCHES`
     when None, and ``chunks``) or a :class:`Schedule` (checked against ``microbatches``); it is
-    validated once, under ``costs`` (:func:`~.staging.default_costs` when None).  ``partition``
-    lists the ``S−1`` cut points (even chunks when None).  ``vocab_parallel``: the loss is a
+    validated once, under ``costs`` (:func:`~.staging.default_costs` when None).  Its ``partition``
+    lists the ``S−1`` cut points (even chunks when None).  With ``head=`` the loss is a
     vocabulary-parallel head's, whose S and T ops the schedule gets (:mod:`~...schedule.vocab`).
     Raises :class:`PipelineError`.
     """
-    loss = checked_loss_fn(loss_fn) if not vocab_parallel else head_loss
+    vocab_parallel, costs = request.vocab_parallel, request.costs
+    loss = checked_loss_fn(request.loss_fn) if not vocab_parallel else head_loss
     size = pipeline_size_of(ranks, data_parallel)
     built, timeline = resolve_schedule(
-        schedule, size, microbatches, chunks, costs, vocab_parallel=vocab_parallel
+        request.schedule, size, request.microbatches, request.chunks, costs, vocab_parallel=vocab_parallel
     )
-    named = named_layers(layers)
-    bounds = partition_bounds(len(named), built.num_stages, partition)
+    named = named_layers(request.layers)
+    bounds = partition_bounds(len(named), built.num_stages, request.cut_points)
     return Resolution(
         schedule=built,
         timeline=timeline,
@@ -183,18 +176,6 @@ def agree_on(
         raise problem
     assert resolution is not None
     return resolution, agreement
-
-
-def wants_profile(schedule: str | Schedule, partition: Sequence[int] | str | None) -> bool:
-    """Whether the planner resolves these arguments (``schedule="auto"`` or ``partition="profile"``);
-    a partition word other than ``"profile"``, or one with ``"auto"`` or a schedule object, raises."""
-    profiled = isinstance(partition, str)
-    if profiled and (partition != "profile" or not isinstance(schedule, str) or schedule == "auto"):
-        raise PipelineError(
-            f'partition={partition!r}: pass a list of cut points, None (even), or "profile" with a '
-            'schedule name (schedule="auto" always chooses its partition from the profile)'
-        )
-    return schedule == "auto" or profiled
 
 
 def check_verify(verify: bool | str) -> None:

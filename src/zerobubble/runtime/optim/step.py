@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 class StepOptimization:
-    """The reductions and the optimizer step of pipeline rank ``rank`` (see the module docstring).
+    """The reductions and the optimizer step of ``layout``'s pipeline rank (see the module docstring).
 
     Construction installs the executor's hooks: the settle at the start of each step, then the
     reductions after each chunk's last gradient op.
@@ -53,7 +53,6 @@ class StepOptimization:
         *,
         resolution: Any,
         layout: ParallelLayout,
-        rank: int,
         device: torch.device,
         post_validation: bool,
         wait: Callable[..., Any],
@@ -61,14 +60,14 @@ class StepOptimization:
         sharded: ShardedStages | None,
         executor: Executor,
     ):
-        self.layout, self.rank = layout, rank
+        self.layout, self.rank = layout, layout.pipeline_rank
         self._wait, self._tied, self._sharded = wait, list(tied), sharded
         self._placeholder: torch.optim.Optimizer | None = None
         chained = sharded is not None
         self._optimizer = chain_optimizer(
-            resolution, layout, rank, device, post_validation, wait, tied, sharded=chained
+            resolution, layout, device, post_validation, wait, tied, sharded=chained
         )
-        program = resolution.schedule.programs[rank]
+        program = resolution.schedule.programs[self.rank]
         # The pending step is settled before the next step reads any parameter: at its very start,
         # since the vocabulary embedding's lookups precede the first forward.  (Every rank's first
         # forward waits for its input anyway, so settling earlier costs nothing.)
@@ -145,15 +144,15 @@ class StepOptimization:
 def chain_optimizer(
     resolution: Resolution,
     layout: ParallelLayout,
-    rank: int,
     device: torch.device,
     post_validation: bool,
     wait: Callable[..., Any],
     tied: Sequence[TiedParameter],
     sharded: bool = False,
 ) -> PipelineOptimizer:
-    """The optimizer step of pipeline rank ``rank``: the ranks chained in the order the resolved
+    """The optimizer step of ``layout``'s pipeline rank: the ranks chained in the order the resolved
     timeline finishes them (:func:`~.post_validation.validation_chain`)."""
+    rank = layout.pipeline_rank
     finish_times = [ends[-1] if ends else 0.0 for ends in resolution.timeline.end]
     chain = [layout.global_rank(r) for r in validation_chain(finish_times)]
     return PipelineOptimizer(

@@ -30,7 +30,8 @@ class PipelineState:
     """The state dicts of one rank of a built Pipeline (see the module docstring).
 
     ``model_keys`` are the unpipelined model's state-dict keys in order, ``ties`` the names of each
-    tied parameter (first name first); ``guarded`` wraps every call that communicates.
+    tied parameter (first name first); ``guarded`` wraps every call that communicates.  The rank is
+    ``layout``'s pipeline rank.
     """
 
     def __init__(
@@ -43,7 +44,6 @@ class PipelineState:
         monitor: PeerMonitor,
         model_keys: Sequence[str],
         ties: Sequence[tuple[str, ...]],
-        rank: int,
         guarded: Guarded,
     ):
         self.module, self.layout = module, layout
@@ -51,7 +51,7 @@ class PipelineState:
         self.vocab = VocabCheckpoint(ends) if isinstance(ends, VocabRunner) else None
         self._calls, self._monitor, self._guarded = calls, monitor, guarded
         self.model_keys, self._known_keys = tuple(model_keys), frozenset(model_keys)
-        self.ties, self.rank = list(ties), rank
+        self.ties, self.rank = list(ties), layout.pipeline_rank
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's entries of the unpipelined model's ``state_dict()``, under the same names.

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +45,9 @@ from .layers import (
     head_totals,
     head_weight_grad,
 )
+
+if TYPE_CHECKING:
+    from ..parallel.data_parallel import ParallelLayout
 
 
 @dataclass
@@ -83,8 +85,9 @@ class VocabRunner(ModelEnds):
     """The vocabulary-parallel head and embedding of one pipeline rank during a step: the model's
     ends (:class:`~..execute.ends.ModelEnds`) of a Pipeline with ``head=`` or ``embedding=``.
 
-    ``rank``/``size`` are this rank's pipeline position and the pipeline size; ``last``/``first``
-    the ranks of the last and the first stage.  The executor drives it through the protocol: the
+    ``rank`` is this rank's pipeline position; the pipeline's size, the ranks of the last and the
+    first stage (``last``/``first``) and the microbatches are ``schedule``'s.  The executor drives it
+    through the protocol: the
     S and T handlers, the step's start (the embedding's lookups) and end, the first stage's inputs
     (:meth:`embedded`) and their gradients (:meth:`embedding_grad`), the last stage's outputs
     (:meth:`hidden_ready`) and their gradient (:meth:`input_grad`).
@@ -98,19 +101,18 @@ class VocabRunner(ModelEnds):
         *,
         head: VocabParallelHead | None,
         embedding: VocabParallelEmbedding | None,
+        schedule: Schedule,
         rank: int,
-        size: int,
-        last: int,
-        first: int,
-        microbatches: int,
         groups: VocabGroups,
         device: torch.device,
         wait: Callable[[Any, str], None] = lambda work, what: work.wait(),
     ):
         self._wait = wait  # the peer monitor's: a dead or failed peer ends the wait with its error
         self.head, self.embedding = head, embedding
-        self.rank, self.size, self.last, self.first = rank, size, last, first
-        self.microbatches, self.groups, self.device = microbatches, groups, device
+        self.rank, self.size = rank, schedule.num_ranks
+        self.last = schedule.placement.rank_of(schedule.num_stages - 1)
+        self.first = schedule.placement.rank_of(0)
+        self.microbatches, self.groups, self.device = schedule.microbatches, groups, device
         self._labels: list[torch.Tensor] = []
         self._shapes: list[torch.Size] = []
         self._hidden: dict[int, tuple[torch.Tensor, Any]] = {}  # microbatch -> (buffer, broadcast work)
@@ -369,34 +371,25 @@ def place_vocab(
     head: VocabParallelHead | None,
     embedding: VocabParallelEmbedding | None,
     schedule: Schedule,
-    rank: int,
-    ranks: Sequence[int],
+    layout: ParallelLayout,
     module: nn.Module,
     device: torch.device,
-    timeout: timedelta,
     wait: Callable[[Any, str], None],
 ) -> tuple[VocabRunner, list[str]]:
     """Keep this pipeline rank's vocabulary rows, register the layers in ``module`` as
     ``vocab_head`` and ``vocab_embedding``, and make their runner (collective: three local groups
-    over the pipeline's global ``ranks``).  Returns the runner and the layers' state-dict keys."""
+    over the global ranks of ``layout``'s pipeline, this rank's replica).  Returns the runner and the
+    layers' state-dict keys."""
+    rank, ranks = layout.pipeline_rank, layout.replica_ranks(layout.dp_index)
     shard_vocab_layers(head, embedding, rank, len(ranks), device)
     keys = []
     for name, layer in (("vocab_embedding", embedding), ("vocab_head", head)):  # the embedding's name first
         if layer is not None:
             module.add_module(name, layer)
             keys.append(f"{name}.weight")
-    groups = VocabGroups(*(local_group(ranks, timeout=timeout) for _ in range(3)))
+    groups = VocabGroups(*(local_group(ranks, timeout=layout.setup_timeout) for _ in range(3)))
     runner = VocabRunner(
-        head=head,
-        embedding=embedding,
-        rank=rank,
-        size=len(ranks),
-        last=schedule.placement.rank_of(schedule.num_stages - 1),
-        first=schedule.placement.rank_of(0),
-        microbatches=schedule.microbatches,
-        groups=groups,
-        device=device,
-        wait=wait,
+        head=head, embedding=embedding, schedule=schedule, rank=rank, groups=groups, device=device, wait=wait
     )
     return runner, keys
 
