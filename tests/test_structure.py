@@ -8,7 +8,8 @@ is no longer needed fails too, so the list only shrinks.  :data:`SCOPES` says wh
 the module and docstring limits in ``src/``, ``tests/`` and ``benchmarks/`` alike, the function limit
 in ``src/`` only (a test or a benchmark may spell out a long scenario in one place); the cycle check
 reads ``src/``.  Imports inside functions and under ``if TYPE_CHECKING:`` do not count: those are the
-ways to break a cycle.
+ways to break a cycle.  A function of the schedule layer or the benchmarks takes at most
+:data:`MOST_PARAMETERS` parameters, bar the keyword APIs of :data:`KEYWORD_APIS`.
 """
 
 from __future__ import annotations
@@ -168,3 +169,33 @@ def test_the_cycle_finder_finds_a_cycle():
     cycle = _cycle(ring)
     assert cycle is not None and cycle[0] == cycle[-1] and sorted(set(cycle)) == ["a", "b", "c"]
     assert _cycle({"x": {"y"}, "y": set()}) is None
+
+
+PARAMETER_SCOPES = ("src/zerobubble/schedule", "src/zerobubble_bench")
+"""Where a function or method takes at most :data:`MOST_PARAMETERS` parameters."""
+
+MOST_PARAMETERS = 8
+"""Not counting ``self``/``cls``; ``*args`` and ``**kwargs`` count one each."""
+
+KEYWORD_APIS = {("build_schedule", None), ("compare_schedules", None), ("plan", "search.py")}
+"""Public names whose keyword arguments are the API: exempt (``plan`` of ``modelplan/search.py`` only)."""
+
+
+def test_functions_of_the_schedule_layer_and_the_benchmarks_take_few_parameters():
+    over = []
+    for top in PARAMETER_SCOPES:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                args = node.args
+                named = [
+                    a
+                    for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+                    if a.arg not in ("self", "cls")
+                ]
+                count = len(named) + (args.vararg is not None) + (args.kwarg is not None)
+                exempt = (node.name, None) in KEYWORD_APIS or (node.name, path.name) in KEYWORD_APIS
+                if count > MOST_PARAMETERS and not exempt:
+                    over.append(f"{path.relative_to(ROOT)}::{node.name}: {count} parameters")
+    assert not over, f"group them into a small record (at most {MOST_PARAMETERS}):\n" + "\n".join(over)

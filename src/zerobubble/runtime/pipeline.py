@@ -40,10 +40,10 @@ from .observe.recorder import OpRecorder, as_recorder
 from .optim.post_validation import OptimizerStats
 from .optim.step import StepOptimization
 from .parallel.consistency import CallCheck, broadcast_replicas
-from .parallel.data_parallel import create_layout
+from .parallel.data_parallel import build_layout
 from .parallel.fsdp import ShardedStages
 from .parallel.groups import local_group
-from .parallel.mesh import data_mesh, layout_of_mesh
+from .parallel.mesh import data_mesh
 from .state.checkpoint import model_keys
 from .state.pipeline_state import PipelineState
 from .vocab.layers import VocabParallelEmbedding, VocabParallelHead
@@ -126,8 +126,8 @@ class Pipeline:
         world = world_of(group, mesh, mesh_dims, data_parallel, timeout)  # collective
         self.device: torch.device = world.device
         self.timeout = timeout
-        self.sharding: str | None = world.sharding  # "fsdp", "hsdp", or None: replicated
-        self._mesh, self._dims, self._parallelize = mesh, world.dims, parallelize
+        self.sharding: str | None = world.grid.sharding  # "fsdp", "hsdp", or None: replicated
+        self._mesh, self._parallelize = mesh, parallelize
         self._failure: str | None = None
         self._recorder: OpRecorder | None = None
         planned, self._calibrator, self._vocab_layers = planned_resolution(  # collective when it plans
@@ -168,17 +168,15 @@ class Pipeline:
 
     def _build_groups(self, world: World, check_calls: bool) -> None:
         """The layout's process groups, the peer monitor and the per-call check's group (collective)."""
-        if self._mesh is not None and self._dims is not None:
-            self.layout = layout_of_mesh(self._mesh, self._dims, self.timeout)  # collective: local groups
-        else:
-            self.layout = create_layout(world.group, world.data_parallel, self.timeout)  # collective, too
+        # collective: local groups
+        self.layout = build_layout(world.grid, group=world.group, mesh=self._mesh, timeout=self.timeout)
         self.group: dist.ProcessGroup | None = self.layout.pipeline_group
-        self.rank = self.layout.pipeline_rank
-        self.world_size = self.layout.pipeline_size
+        self.rank = self.layout.grid.pipeline_rank
+        self.world_size = self.layout.grid.pp
         self._monitor = PeerMonitor(self._agreement.key, self.rank, self.timeout)
         # the per-call argument check: a gloo group of its own over every rank (collective: local group)
-        calls = local_group(self.layout.everyone, backend="gloo", timeout=self.layout.setup_timeout)
-        self._calls = CallCheck(calls, self._monitor, self.layout.rank_name)
+        calls = local_group(self.layout.grid.everyone, backend="gloo", timeout=self.layout.setup_timeout)
+        self._calls = CallCheck(calls, self._monitor, self.layout.grid.rank_name)
         self._check_calls = bool(check_calls)
 
     def _place(
@@ -188,7 +186,7 @@ class Pipeline:
         replica 0's values (collective); returns the chunks by stage index."""
         self.module = nn.Module()
         # data_parallel="fsdp"/"hsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
-        dp_mesh = data_mesh(self._mesh, self._dims) if self._mesh is not None and self._dims else None
+        dp_mesh = data_mesh(self._mesh, self.layout.grid) if self._mesh is not None else None
         self._sharded = ShardedStages(self.layout, self.device, dp_mesh) if self.sharding else None
         shard = self._sharded.shard if self._sharded is not None else None
         stages, self._guards = place_stages(
@@ -199,8 +197,8 @@ class Pipeline:
             self._sharded.placed()
         self.stages = tuple(sorted(stages))
         self._tied = tie_parameters(resolution, self.rank, self.layout, self.module, self._monitor.wait)
-        if self.layout.data_parallel > 1 and self._sharded is None:  # replicas start from replica 0's
-            broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
+        if self.layout.grid.dp > 1 and self._sharded is None:  # replicas start from replica 0's
+            broadcast_replicas(self.module, self.layout.dp_group, self.layout.grid.global_rank(self.rank, 0))
         return stages
 
     def _build_executor(
@@ -242,7 +240,7 @@ class Pipeline:
         head, embedding = self._vocab_layers
         if head is None and embedding is None:
             return None
-        ranks = [self.layout.global_rank(r) for r in range(self.world_size)]
+        ranks = [self.layout.grid.global_rank(r) for r in range(self.world_size)]
         runner, keys = place_vocab(
             head, embedding, self.schedule, self.rank, ranks, self.module, self.device,
             self.layout.setup_timeout, self._monitor.wait,
@@ -547,8 +545,8 @@ class Pipeline:
     @property
     def data_parallel(self) -> int:
         """Number of pipeline replicas (``D``); this rank is pipeline rank ``self.rank`` of replica
-        ``self.layout.dp_index`` (group rank ``dp_index · p + rank``)."""
-        return self.layout.data_parallel
+        ``self.layout.grid.dp_index`` (group rank ``dp_index · p + rank``)."""
+        return self.layout.grid.dp
 
     def optimizer_step(
         self,

@@ -77,7 +77,7 @@ class PipelineState:
         }
         if self.vocab is not None:
             local = self.vocab.rows_state(local)
-        ranks = self.layout.replica_ranks(self.layout.dp_index)
+        ranks = self.layout.grid.replica_ranks(self.layout.grid.dp_index)
         parts = self._guarded(
             "full_state_dict",
             lambda: share_objects(local, self._calls.group, ranks, self._monitor, tag=STATE_DICT_TAG),
