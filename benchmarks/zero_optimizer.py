@@ -42,7 +42,7 @@ def midway(pipe) -> float:
     local = torch.stack([p.grad.double().norm() ** 2 for p in pipe.parameters()]).sum().reshape(1)
     gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    squares = [float(gathered[pipe.layout.global_rank(r)]) for r in range(pipe.layout.pipeline_size)]
+    squares = [float(gathered[pipe.layout.grid.global_rank(r)]) for r in range(pipe.layout.grid.pp)]
     head = validation_chain([ends[-1] if ends else 0.0 for ends in pipe.timeline.end])[0]
     return 0.5 * (math.sqrt(squares[head]) + math.sqrt(sum(squares)))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -33,48 +34,54 @@ from .workloads import (
 )
 
 
+@dataclass(frozen=True)
+class Rounds:
+    """How :func:`plan_benchmark` times its configurations: ``rounds`` interleaved rounds of
+    ``steps_per_round`` timed steps each, after ``warmup`` steps, ``settle`` untimed steps before each
+    configuration's turn in a round (:func:`~.workloads.interleaved`)."""
+
+    rounds: int = 8
+    steps_per_round: int = 3
+    warmup: int = 2
+    settle: int = 1
+
+
 def plan_benchmark(
     ranks: Sequence[int] = (2, 4),
     microbatches: int = 8,
     rows: int = 2,
     mlp_rows: int = 32,
-    rounds: int = 8,
-    steps_per_round: int = 3,
-    warmup: int = 2,
     calibrate: int = 3,
-    settle: int = 1,
+    timing: Rounds = Rounds(),
 ) -> list[Table]:
     """``schedule="auto"`` against zb-v on the even split and torch's ZBV on the uneven LM, per rank count;
     and against our hand-picked schedules on the balanced MLP of ``bench pipelines`` (2 ranks).
 
     Every configuration runs in the same spawned ranks, in rotating rounds; the tables give medians,
     ratios to auto, and each configuration's step time predicted by the simulator from auto's profile
-    and from that profile calibrated on auto's steps 2..1+``calibrate`` (run before any timed step).
-    ``settle`` untimed steps precede each configuration's timed steps in every round
-    (:func:`~.workloads.interleaved`).
+    and from that profile calibrated on auto's steps 2..1+``calibrate`` (run before any timed step);
+    ``timing`` says how the steps are timed (:class:`Rounds`).
     """
     tables = []
     for count in ranks:
         lm = launch(
             _plan_rank,
             count,
-            ("lm", microbatches, rows, rounds, steps_per_round, warmup, calibrate, settle),
+            ("lm", microbatches, rows, calibrate, timing),
             threads=1,
         )[0]
         tables.append(_plan_table(uneven_lm_workload(microbatches, rows).name, count, microbatches, rows, lm))
     mlp = launch(
         _plan_rank,
         2,
-        ("mlp", microbatches, mlp_rows, rounds, steps_per_round, warmup, calibrate, settle),
+        ("mlp", microbatches, mlp_rows, calibrate, timing),
         threads=1,
     )[0]
     tables.append(_plan_table(workload("mlp", microbatches, mlp_rows).name, 2, microbatches, mlp_rows, mlp))
     return tables
 
 
-def _plan_rank(
-    model: str, m: int, rows: int, rounds: int, steps: int, warmup: int, calibrate: int, settle: int
-) -> dict[str, Any]:
+def _plan_rank(model: str, m: int, rows: int, calibrate: int, timing: Rounds) -> dict[str, Any]:
     init_distributed(backend="gloo", timeout=300)
     world = dist.get_world_size()
     load = uneven_lm_workload(m, rows) if model == "lm" else workload("mlp", m, rows)
@@ -102,7 +109,8 @@ def _plan_rank(
         runners["torch ScheduleZBVZeroBubble, even split"] = torch_runner(
             "ScheduleZBVZeroBubble", model, load, m
         )
-    times = interleaved(runners, rounds, steps, warmup, settle)
+    steps = timing.steps_per_round
+    times = interleaved(runners, timing.rounds, steps, timing.warmup, timing.settle)
     return {
         "times": times,
         "steps_per_round": steps,
@@ -227,13 +235,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> list[Table]:
     """``zerobubble bench plan``: one table per rank count on the uneven LM, then the MLP's."""
-    return plan_benchmark(
-        args.ranks,
-        args.microbatches,
-        rounds=args.rounds,
-        steps_per_round=args.steps_per_round,
-        settle=args.settle,
-    )
+    timing = Rounds(rounds=args.rounds, steps_per_round=args.steps_per_round, settle=args.settle)
+    return plan_benchmark(args.ranks, args.microbatches, timing=timing)
 
 
 BENCHMARK = Benchmark(

@@ -394,9 +394,9 @@ def _train_rank(config: TrainConfig, schedule: Schedule | None) -> TrainSummary:
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=config.lr)
     corpus = MarkovCorpus(config.vocab, config.seq_len, seed=config.seed)
     start = _resume(config, pipe, optimizer, corpus)
-    shard = slice(pipe.layout.dp_index * shard_size, (pipe.layout.dp_index + 1) * shard_size)
+    shard = slice(pipe.layout.grid.dp_index * shard_size, (pipe.layout.grid.dp_index + 1) * shard_size)
     # one rank reports: the loss holder of replica 0, at tensor-parallel coordinate 0
-    reports_loss = pipe.holds_loss and pipe.layout.dp_index == 0 and _tp_index(pipe.layout.mesh) == 0
+    reports_loss = pipe.holds_loss and pipe.layout.grid.dp_index == 0 and _tp_index(pipe.layout.mesh) == 0
     losses, times = _train_steps(config, pipe, optimizer, corpus, shard, reports_loss, backend)
     pipe.synchronize()
     if config.save is not None:

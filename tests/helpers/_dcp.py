@@ -114,7 +114,7 @@ def reference(
 def pipeline_step(pipe, optimizer, step: int) -> float | None:
     """One step of the global batch: each replica its shard."""
     inputs, targets = batch(step)
-    replicas, index = pipe.data_parallel, pipe.layout.dp_index
+    replicas, index = pipe.data_parallel, pipe.layout.grid.dp_index
     rows = slice(index * BATCH // replicas, (index + 1) * BATCH // replicas)
     loss = pipe.step(inputs[rows], targets[rows])
     pipe.optimizer_step(optimizer, MAX_NORM)

@@ -149,7 +149,9 @@ def pipeline_cases(schedules: list[str], steps: int, max_norm: float) -> dict:
             x, y = _batch(8, seed=100 + step)
             loss_fn(model(x), y).backward()
             shard = (
-                slice(4 * pipe.layout.dp_index, 4 * pipe.layout.dp_index + 4) if replicated else slice(None)
+                slice(4 * pipe.layout.grid.dp_index, 4 * pipe.layout.grid.dp_index + 4)
+                if replicated
+                else slice(None)
             )
             expected = {n: p.grad.clone() for n, p in model.named_parameters()}
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -348,7 +350,7 @@ def _sharded_steps(mesh, data_parallel: str, parallelize_fn, schedule: str, seed
     )  # fmt: skip
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.05, weight_decay=0.1)
     rows = 16 // pipe.data_parallel
-    share = slice(rows * pipe.layout.dp_index, rows * (pipe.layout.dp_index + 1))
+    share = slice(rows * pipe.layout.grid.dp_index, rows * (pipe.layout.grid.dp_index + 1))
     for step in range(steps):
         x, y = _batch(16, seed=100 + step)
         F.mse_loss(model(x), y).backward()
@@ -409,7 +411,7 @@ def _reference_run(seed: int, max_norm: float) -> tuple[dict, dict]:
 def _pipeline_step(pipe, optimizer, step: int, max_norm: float) -> None:
     x, y = _batch(16, seed=100 + step)
     rows = 16 // pipe.data_parallel
-    part = slice(rows * pipe.layout.dp_index, rows * (pipe.layout.dp_index + 1))
+    part = slice(rows * pipe.layout.grid.dp_index, rows * (pipe.layout.grid.dp_index + 1))
     pipe.step(x[part], y[part])
     pipe.optimizer_step(optimizer, max_norm=max_norm)
     optimizer.zero_grad(set_to_none=True)

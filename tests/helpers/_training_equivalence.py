@@ -304,7 +304,7 @@ def train_case(case: Case) -> dict[str, Any]:
     pipe = _pipeline(case, model)
     pairs = _pairs(pipe, reference.model)
     optimizer = _optimizer(case, list(pipe.parameters()))
-    replicas, replica = pipe.layout.data_parallel, pipe.layout.dp_index
+    replicas, replica = pipe.layout.grid.dp, pipe.layout.grid.dp_index
     worst = {"loss": 0.0, "grads": 0.0, "params": 0.0}
     for step in range(case.steps):
         tokens, labels = _batch(case, step, replicas)

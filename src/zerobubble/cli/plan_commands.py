@@ -21,9 +21,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     profile = _plan_profile(args)
     ranks, layout = args.ranks, None
     if args.mesh:
-        sizes = parse_mesh(args.mesh)
         link = Link(profile.comm_latency, profile.comm_bandwidth)
-        ranks, layout = sizes["pp"], mesh_layout(sizes, args.data_parallel or "replicate", link)
+        layout = mesh_layout(parse_mesh(args.mesh), args.data_parallel or "replicate", link)
+        ranks = layout.pp
     result = plan(
         profile,
         ranks,
@@ -52,14 +52,12 @@ def _plan_cluster(args: argparse.Namespace) -> int:
     """``plan --cluster``: every layout of the cluster planned from a model config (on paper)."""
     from pathlib import Path
 
-    from ..schedule.modelplan import parse_mesh
     from ..schedule.modelplan.cluster import (
         DEFAULT_SCHEDULES,
         Cluster,
         TransformerShape,
         best_layout_text,
         cluster_table,
-        layouts_from_mesh,
         plan_cluster,
         render_cluster_option,
     )
@@ -86,8 +84,7 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         microbatch_size=args.microbatch_size,
         recompute=args.recompute,
         schedules=args.schedules.split(",") if args.schedules else DEFAULT_SCHEDULES,
-        layouts=layouts_from_mesh(parse_mesh(args.mesh), cluster) if args.mesh else None,
-        sharding=None if args.data_parallel == "replicate" else "fsdp",
+        layouts=_cluster_grids(args, shape, cluster),
     )
     best = best_layout_text(options)  # raises when no layout fits
     if args.output:
@@ -105,6 +102,18 @@ def _plan_cluster(args: argparse.Namespace) -> int:
     if args.output:
         print(f"wrote {args.output}")
     return 0
+
+
+def _cluster_grids(args: argparse.Namespace, shape: Any, cluster: Any) -> list[Any]:
+    """The grids ``plan --cluster`` plans: the one ``--mesh`` names, or every one of the cluster;
+    their replicas FSDP2-sharded unless ``--data-parallel replicate``."""
+    from ..schedule.modelplan import parse_mesh
+    from ..schedule.modelplan.cluster import cluster_grids, layouts_from_mesh
+
+    sharding = None if args.data_parallel == "replicate" else "fsdp"
+    if args.mesh:
+        return layouts_from_mesh(parse_mesh(args.mesh), cluster, sharding)
+    return cluster_grids(shape, cluster, sharding)
 
 
 def _plan_profile(args: argparse.Namespace) -> Any:

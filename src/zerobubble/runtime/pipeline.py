@@ -42,10 +42,10 @@ from .observe.recorder import OpRecorder, as_recorder
 from .optim.post_validation import OptimizerStats
 from .optim.step import StepOptimization
 from .parallel.consistency import CallCheck, broadcast_replicas
-from .parallel.data_parallel import create_layout
+from .parallel.data_parallel import build_layout
 from .parallel.fsdp import ShardedStages
 from .parallel.groups import local_group
-from .parallel.mesh import data_mesh, layout_of_mesh
+from .parallel.mesh import data_mesh
 from .state.checkpoint import model_keys
 from .state.pipeline_state import PipelineState
 from .vocab.layers import VocabParallelEmbedding, VocabParallelHead
@@ -135,11 +135,10 @@ class Pipeline:
         # the request as the construction reads it: its layers compiled and unwrapped (.compiled)
         asked = replace(request, layers=prepare_layers(request.layers, request.compile))
         # collective: joins the group or the mesh (their arguments checked first, alike on every rank)
-        world = world_of(asked.group, asked.mesh, asked.mesh_dims, asked.data_parallel, asked.timeout)
+        world = world_of(asked)
         self.device: torch.device = world.device
         self.timeout = asked.timeout
-        self.sharding: str | None = world.sharding  # "fsdp", "hsdp", or None: replicated
-        self._dims = world.dims
+        self.sharding: str | None = world.grid.sharding  # "fsdp", "hsdp", or None: replicated
         self._failure: str | None = None
         self._recorder: OpRecorder | None = None
         planned, self._calibrator, self._vocab_layers = planned_resolution(asked, world)  # collective: plans
@@ -174,18 +173,17 @@ class Pipeline:
 
     def _build_groups(self, world: World) -> None:
         """The layout's process groups, the peer monitor and the per-call check's group (collective)."""
-        mesh = self._request.mesh
-        if mesh is not None and self._dims is not None:
-            self.layout = layout_of_mesh(mesh, self._dims, self.timeout)  # collective: local groups
-        else:
-            self.layout = create_layout(world.group, world.data_parallel, self.timeout)  # collective, too
+        # collective: local groups
+        self.layout = build_layout(
+            world.grid, group=world.group, mesh=self._request.mesh, timeout=self.timeout
+        )
         self.group: dist.ProcessGroup | None = self.layout.pipeline_group
-        self.rank = self.layout.pipeline_rank
-        self.world_size = self.layout.pipeline_size
+        self.rank = self.layout.grid.pipeline_rank
+        self.world_size = self.layout.grid.pp
         self._monitor = PeerMonitor(self._agreement.key, self.rank, self.timeout)
         # the per-call argument check: a gloo group of its own over every rank (collective: local group)
-        calls = local_group(self.layout.everyone, backend="gloo", timeout=self.layout.setup_timeout)
-        self._calls = CallCheck(calls, self._monitor, self.layout.rank_name)
+        calls = local_group(self.layout.grid.everyone, backend="gloo", timeout=self.layout.setup_timeout)
+        self._calls = CallCheck(calls, self._monitor, self.layout.grid.rank_name)
         self._check_calls = bool(self._request.check_calls)
 
     def _place(self, resolution: Resolution) -> dict[int, StageState]:
@@ -194,7 +192,7 @@ class Pipeline:
         self.module = nn.Module()
         # data_parallel="fsdp"/"hsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
         mesh = self._request.mesh
-        dp_mesh = data_mesh(mesh, self._dims) if mesh is not None and self._dims else None
+        dp_mesh = data_mesh(mesh, self.layout.grid) if mesh is not None else None
         self._sharded = ShardedStages(self.layout, self.device, dp_mesh) if self.sharding else None
         shard = self._sharded.shard if self._sharded is not None else None
         stages, self._guards = place_stages(
@@ -204,8 +202,8 @@ class Pipeline:
             self._sharded.placed()
         self.stages = tuple(sorted(stages))
         self._tied = tie_parameters(resolution, self.rank, self.layout, self.module, self._monitor.wait)
-        if self.layout.data_parallel > 1 and self._sharded is None:  # replicas start from replica 0's
-            broadcast_replicas(self.module, self.layout.dp_group, self.layout.global_rank(self.rank, 0))
+        if self.layout.grid.dp > 1 and self._sharded is None:  # replicas start from replica 0's
+            broadcast_replicas(self.module, self.layout.dp_group, self.layout.grid.global_rank(self.rank, 0))
         return stages
 
     def _build_executor(self, resolution: Resolution, stages: dict[int, StageState]) -> None:
@@ -549,8 +547,8 @@ class Pipeline:
     @property
     def data_parallel(self) -> int:
         """Number of pipeline replicas (``D``); this rank is pipeline rank ``self.rank`` of replica
-        ``self.layout.dp_index`` (group rank ``dp_index · p + rank``)."""
-        return self.layout.data_parallel
+        ``self.layout.grid.dp_index`` (group rank ``dp_index · p + rank``)."""
+        return self.layout.grid.dp
 
     def optimizer_step(
         self,

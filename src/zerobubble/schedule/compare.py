@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .bounds import lower_bound
 from .builders import REGISTRY, build_schedule
@@ -120,20 +120,8 @@ def compare_schedules(
     if polish_seconds is not None:
         check_polish_request(polish_seconds)  # once, not as the same error on every row
     selected = list(names) if names is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
-    rows = [
-        _row(
-            name,
-            stages,
-            microbatches,
-            costs,
-            chunks,
-            optimizer,
-            step_time,
-            (options or {}).get(name, {}),
-            polish_seconds=polish_seconds,
-        )
-        for name in selected
-    ]
+    request = _Request(stages, microbatches, costs, chunks, optimizer, step_time, polish_seconds)
+    rows = [_row(name, request, (options or {}).get(name, {})) for name in selected]
     # a polished 1F1B is not the baseline a speed-up means: then the plain one is built for it
     reference = None
     if polish_seconds is None:
@@ -144,18 +132,20 @@ def compare_schedules(
     return sorted(rows, key=lambda row: (row.error is not None, row.period or 0.0, row.peak_memory or 0.0))
 
 
-def _row(
-    name: str,
-    stages: int,
-    microbatches: int,
-    costs: CostModel,
-    chunks: int | None,
-    optimizer: str,
-    step_time: float,
-    options: dict[str, Any],
-    *,
-    polish_seconds: float | None,
-) -> ComparisonRow:
+class _Request(NamedTuple):
+    """What every row of one :func:`compare_schedules` call is built and timed with."""
+
+    stages: int
+    microbatches: int
+    costs: CostModel
+    chunks: int | None
+    optimizer: str
+    step_time: float
+    polish_seconds: float | None
+
+
+def _row(name: str, request: _Request, options: dict[str, Any]) -> ComparisonRow:
+    stages, microbatches, costs, chunks, optimizer, step_time, polish_seconds = request
     spec = REGISTRY.get(name)
     take_chunks = chunks if spec is not None and spec.chunks is None else None
     try:

@@ -9,11 +9,9 @@ runtime's takes more than 8, but for the public names whose keyword arguments ar
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 import torch.nn.functional as F
@@ -22,14 +20,6 @@ from torch import nn
 from zerobubble import Pipeline, VocabParallelEmbedding, VocabParallelHead
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.construct.request import PipelineRequest
-
-RUNTIME = Path(__file__).resolve().parents[1] / "src" / "zerobubble" / "runtime"
-MOST_PARAMETERS = 8
-PUBLIC_KEYWORD_APIS = {
-    ("pipeline.py", "__init__"),  # Pipeline(layers, *, schedule=..., ...): the request's fields
-    ("construct/profile.py", "profile_layers"),  # a public module's function
-    ("optim/post_validation.py", "__init__"),  # zerobubble.runtime.optim.PostValidator(...)
-}
 
 
 def _layers() -> list[nn.Module]:
@@ -139,23 +129,3 @@ def test_the_request_raises_todays_errors_when_made_and_so_does_the_pipeline(opt
         PipelineRequest(layers=_layers(), **_options(options))
     with pytest.raises(PipelineError, match=re.escape(message)):
         Pipeline(_layers(), **_options(options))
-
-
-def _parameter_count(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
-    """Its parameters, ``self``/``cls`` not counted, ``*args`` and ``**kwargs`` one each."""
-    args = function.args
-    count = len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs)
-    count += bool(args.vararg) + bool(args.kwarg)
-    return count - bool(args.args and args.args[0].arg in ("self", "cls"))
-
-
-def test_no_runtime_function_takes_more_than_eight_parameters():
-    """The construction passes the request (or a small record) instead of loose parameters."""
-    over = [
-        (path.relative_to(RUNTIME).as_posix(), node.name)
-        for path in sorted(RUNTIME.rglob("*.py"))
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        and _parameter_count(node) > MOST_PARAMETERS
-    ]
-    assert sorted(over) == sorted(PUBLIC_KEYWORD_APIS)

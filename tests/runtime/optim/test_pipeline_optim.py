@@ -191,7 +191,7 @@ def run_data_parallel_case() -> dict:
     mine = dict(pipe.named_parameters())
     sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)  # noqa: E731
     optimizer, their_optimizer = sgd(list(mine.values())), sgd(list(model.parameters()))
-    shard = slice(4 * pipe.layout.dp_index, 4 * pipe.layout.dp_index + 4)
+    shard = slice(4 * pipe.layout.grid.dp_index, 4 * pipe.layout.grid.dp_index + 4)
     loss_errors, grad_errors, recorders = [], [], []
     for step in range(DP_STEPS):
         inputs, targets = rich_batch(8, seed=200 + step)
@@ -221,8 +221,8 @@ def run_data_parallel_case() -> dict:
         "param_error": max(relative_error(p.detach(), expected[n].detach()) for n, p in mine.items()),
         "calls": recorders,
         "chunks": len(pipe.stages),
-        "dp_ranks": [pipe.layout.global_rank(pipe.rank, d) for d in range(2)],
-        "pipeline_ranks": pipe.layout.replica_ranks(pipe.layout.dp_index),
+        "dp_ranks": [pipe.layout.grid.global_rank(pipe.rank, d) for d in range(2)],
+        "pipeline_ranks": pipe.layout.grid.replica_ranks(pipe.layout.grid.dp_index),
         "holds_loss": pipe.holds_loss,
         "stats": pipe.optimizer_stats.clipped,
         "events": events.names,

@@ -102,7 +102,7 @@ def run_case(schedule: str, zero: bool, post_validation: bool, amsgrad: bool = F
     reference = nn.Sequential(*mlp(seed=7))
     their_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, amsgrad=amsgrad)
     rows = ROWS // 2
-    shard = slice(rows * layout.dp_index, rows * (layout.dp_index + 1))
+    shard = slice(rows * layout.grid.dp_index, rows * (layout.grid.dp_index + 1))
     for step in range(STEPS):
         inputs, targets = batch(step)
         pipe.step(inputs[shard], targets[shard])
@@ -110,7 +110,7 @@ def run_case(schedule: str, zero: bool, post_validation: bool, amsgrad: bool = F
         local = torch.stack([p.grad.norm() ** 2 for p in pipe.parameters()]).sum().reshape(1)
         norms = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
         dist.all_gather(norms, local)
-        squares = [float(norms[layout.global_rank(r)]) for r in range(layout.pipeline_size)]
+        squares = [float(norms[layout.grid.global_rank(r)]) for r in range(layout.grid.pp)]
         head_norm, total = math.sqrt(squares[head]), math.sqrt(sum(squares))
         max_norm = 2.0 * total if step == 1 else 0.5 * (head_norm + total)
         if step == 2 and pipe.rank == tail:
@@ -127,18 +127,18 @@ def run_case(schedule: str, zero: bool, post_validation: bool, amsgrad: bool = F
     expected = dict(reference.named_parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in pipe.parameters()])
     other = torch.empty_like(flat)
-    peer = layout.global_rank(pipe.rank, 1 - layout.dp_index)
+    peer = layout.grid.global_rank(pipe.rank, 1 - layout.grid.dp_index)
     sent = dist.isend(flat, peer)  # the other replica's copy of this rank's chunks
     dist.recv(other, peer)
     sent.wait()
     state = optimizer.optim.state if zero else optimizer.state
     if zero:  # collective over the data-parallel group; the state lands on its group rank 0
         optimizer.consolidate_state_dict(to=0)
-    full_state = optimizer.state_dict()["state"] if not zero or layout.dp_index == 0 else None
+    full_state = optimizer.state_dict()["state"] if not zero or layout.grid.dp_index == 0 else None
     reloaded = None
     if zero:  # the consolidated dict loaded into a fresh ZeRO on every replica: the same shards
-        box = [copy.deepcopy(optimizer.state_dict()) if layout.dp_index == 0 else None]
-        dist.broadcast_object_list(box, src=layout.global_rank(pipe.rank, 0), group=layout.dp_group)
+        box = [copy.deepcopy(optimizer.state_dict()) if layout.grid.dp_index == 0 else None]
+        dist.broadcast_object_list(box, src=layout.grid.global_rank(pipe.rank, 0), group=layout.dp_group)
         fresh = ZeroRedundancyOptimizer(
             pipe.parameters(), optimizer_class=torch.optim.AdamW, process_group=layout.dp_group, lr=LR
         )

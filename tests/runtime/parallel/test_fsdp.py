@@ -84,7 +84,7 @@ def run_case(mesh, schedule: str, post_validation: bool = True) -> dict:
         adamw(list(p)) for p in (sharded.parameters(), replicated.parameters(), model.parameters())
     )
     mine_s, mine_r = dict(sharded.named_parameters()), dict(replicated.named_parameters())
-    shard = slice(4 * sharded.layout.dp_index, 4 * sharded.layout.dp_index + 4)
+    shard = slice(4 * sharded.layout.grid.dp_index, 4 * sharded.layout.grid.dp_index + 4)
     out: dict = {"grad_ref": [], "grad_rep": [], "loss": [], "gathers": [], "scatters": []}
     for step in range(STEPS):
         inputs, targets = rich_batch(BATCH, seed=300 + step)

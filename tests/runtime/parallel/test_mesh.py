@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.launch import init_distributed
 from zerobubble.runtime.parallel.groups import equalize_group_counts, group_count
-from zerobubble.runtime.parallel.mesh import mesh_dims, mesh_groups, parallel_size
+from zerobubble.runtime.parallel.mesh import mesh_groups
+from zerobubble.schedule.grid import Grid
 
 
 def _worst_error(pipe, expected: dict[str, torch.Tensor]) -> float:
@@ -50,14 +51,14 @@ def _replicated_case(mesh, dims, seed: int, schedule: str) -> dict:
         timeout=60,
     )
     created = group_count() - before
-    shard = slice(4 * pipe.layout.dp_index, 4 * pipe.layout.dp_index + 4)
+    shard = slice(4 * pipe.layout.grid.dp_index, 4 * pipe.layout.grid.dp_index + 4)
     loss = pipe.step(inputs[shard], targets[shard])
     return {
         "error": _worst_error(pipe, expected),
         "created": created,
         "replicas": pipe.data_parallel,
         "loss": None if loss is None else float(loss),
-        "label": pipe.layout.rank_name(pipe.layout.everyone.index(dist.get_rank())),
+        "label": pipe.layout.grid.rank_name(pipe.layout.grid.everyone.index(dist.get_rank())),
     }
 
 
@@ -99,7 +100,7 @@ def _tied_case(mesh) -> dict:
         tied_layers(5), mesh=mesh, schedule="1f1b", microbatches=2, loss_fn=token_loss, timeout=60
     )
     counts = (before, group_count())
-    shard = slice(4 * pipe.layout.dp_index, 4 * pipe.layout.dp_index + 4)
+    shard = slice(4 * pipe.layout.grid.dp_index, 4 * pipe.layout.grid.dp_index + 4)
     pipe.step(inputs[shard], targets[shard])
     grads = dict(pipe.named_parameters())
     tied = [name for name in TIED_NAMES if name in grads]
@@ -185,53 +186,52 @@ def test_a_replica_count_other_than_the_mesh_s_is_refused(outcomes):
         assert "the replica count comes from the mesh (2 along dp)" in results["bad-count"]
 
 
-class _Mesh:
-    """What ``mesh_dims`` and ``parallel_size`` read of a DeviceMesh: its dimension names (and sizes)."""
-
-    def __init__(self, *names: str, shape: tuple[int, ...] = ()):
-        self.mesh_dim_names = names
-        self.mesh = torch.zeros(shape or (2,) * len(names))
+def _grid(*names: str, shape: tuple[int, ...] = (), roles=None, data_parallel=None) -> Grid:
+    """What the Pipeline reads of a DeviceMesh with these dimension names (and sizes): its grid."""
+    return Grid.of_mesh(names, shape or (2,) * len(names), roles=roles, data_parallel=data_parallel)
 
 
 def test_mesh_dims_name_the_roles_and_refuse_what_does_not_fit():
-    assert mesh_dims(_Mesh("pp", "dp", "tp")) == mesh_dims(_Mesh("tp", "pp", "dp"))
-    dims = mesh_dims(_Mesh("pipe", "tp"), {"pp": "pipe"})
-    assert (dims.pp, dims.dp, dims.tp) == ("pipe", None, "tp")
-    for mesh, names, message in [
-        (_Mesh("dp", "tp"), None, "none is named 'pp' for the pipeline; name one \"pp\""),
-        (_Mesh("pp"), {"cp": "pp"}, "unknown roles ['cp']"),
-        (_Mesh("pp", "dp"), {"dp": "data"}, "the mesh has no dimension 'data'"),
-        (_Mesh("pp", "dp"), {"dp": "pp"}, "one dimension cannot play two roles"),
-        (_Mesh(), None, "needs a DeviceMesh with named dimensions"),
+    assert _grid("pp", "dp", "tp").roles == (("pp", "pp"), ("dp", "dp"), ("tp", "tp"))
+    assert dict(_grid("tp", "pp", "dp").roles) == dict(_grid("pp", "dp", "tp").roles)
+    grid = _grid("pipe", "tp", roles={"pp": "pipe"})
+    assert (grid.dim("pp"), grid.dim("dp"), grid.dim("tp")) == ("pipe", None, "tp")
+    for names, roles, message in [
+        (("dp", "tp"), None, "none is named 'pp' for the pipeline; name one \"pp\""),
+        (("pp",), {"cp": "pp"}, "unknown roles ['cp']"),
+        (("pp", "dp"), {"dp": "data"}, "the mesh has no dimension 'data'"),
+        (("pp", "dp"), {"dp": "pp"}, "one dimension cannot play two roles"),
+        ((), None, "needs a DeviceMesh with named dimensions"),
     ]:
         with pytest.raises(PipelineError) as error:
-            mesh_dims(mesh, names)
+            _grid(*names, roles=roles)
         assert message in str(error.value)
 
 
 def test_a_data_parallel_mode_needs_a_mesh():
     with pytest.raises(PipelineError, match=r"data_parallel='fsdp' names how a mesh"):
-        parallel_size("fsdp", None, None, None)
+        Grid.flat(4, "fsdp")
 
 
 def test_hsdp_runs_on_the_replicate_and_shard_pair_and_each_mode_names_what_it_needs():
-    hsdp = _Mesh("pp", "dp_replicate", "dp_shard", "tp", shape=(2, 3, 2, 2))
-    dims = mesh_dims(hsdp)
-    assert dims.data == ("dp_replicate", "dp_shard") and dims.dp is None
-    assert parallel_size("hsdp", hsdp, dims, None) == (12, 6, "hsdp")
-    assert parallel_size("replicate", hsdp, dims, None) == (12, 6, None)
-    alone = _Mesh("pp", "dp_shard", shape=(2, 4))  # torchtitan's name when nothing replicates
-    assert parallel_size("fsdp", alone, mesh_dims(alone), None) == (8, 4, "fsdp")
-    renamed = _Mesh("pipe", "rows", "cols")
-    names = {"pp": "pipe", "dp_replicate": "rows", "dp_shard": "cols"}
-    assert mesh_dims(renamed, names).data == ("rows", "cols")
-    for mesh, mode, message in [
-        (hsdp, "fsdp", 'pass data_parallel="hsdp" to shard within a row'),
-        (_Mesh("pp", "dp"), "hsdp", 'mesh_dim_names=("pp", "dp_replicate", "dp_shard"[, "tp"])'),
-        (_Mesh("pp", "dp_replicate"), "fsdp", 'add a "dp" dimension'),
-        (hsdp, 4, "the replica count comes from the mesh (6 along dp_replicate × dp_shard)"),
+    shape = (2, 3, 2, 2)
+    hsdp = _grid("pp", "dp_replicate", "dp_shard", "tp", shape=shape, data_parallel="hsdp")
+    assert hsdp.data_dims == ("dp_replicate", "dp_shard") and hsdp.dim("dp") is None
+    assert (hsdp.pp * hsdp.dp, hsdp.dp, hsdp.sharding, hsdp.dp_shard) == (12, 6, "hsdp", 2)
+    replicated = _grid("pp", "dp_replicate", "dp_shard", "tp", shape=shape, data_parallel="replicate")
+    assert (replicated.pp * replicated.dp, replicated.dp, replicated.sharding) == (12, 6, None)
+    alone = _grid("pp", "dp_shard", shape=(2, 4), data_parallel="fsdp")  # torchtitan's name alone
+    assert (alone.pp * alone.dp, alone.dp, alone.sharding) == (8, 4, "fsdp")
+    renamed = _grid("pipe", "rows", "cols", roles={"pp": "pipe", "dp_replicate": "rows", "dp_shard": "cols"})
+    assert renamed.data_dims == ("rows", "cols")
+    full = ("pp", "dp_replicate", "dp_shard", "tp")
+    for names, dims_shape, mode, message in [
+        (full, shape, "fsdp", 'pass data_parallel="hsdp" to shard within a row'),
+        (("pp", "dp"), (), "hsdp", 'mesh_dim_names=("pp", "dp_replicate", "dp_shard"[, "tp"])'),
+        (("pp", "dp_replicate"), (), "fsdp", 'add a "dp" dimension'),
+        (full, shape, 4, "the replica count comes from the mesh (6 along dp_replicate × dp_shard)"),
     ]:
         with pytest.raises(PipelineError, match=re.escape(message)):
-            parallel_size(mode, mesh, mesh_dims(mesh), None)
+            _grid(*names, shape=dims_shape, data_parallel=mode)
     with pytest.raises(PipelineError, match='one "dp" dimension or along the pair'):
-        mesh_dims(_Mesh("pp", "dp", "dp_shard"))
+        _grid("pp", "dp", "dp_shard")

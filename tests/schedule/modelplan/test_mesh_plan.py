@@ -198,13 +198,13 @@ def test_cluster_texts_are_checked():
 def test_tensor_parallelism_splits_or_replicates_whole_key_value_heads():
     """tp divides the kv heads, or is a multiple of them (each replicated over its group); 3 kv heads
     cannot go over 2 or 4 ranks, 2 kv heads can go over 1, 2, 4 or 8."""
-    from zerobubble.schedule.modelplan.cluster import _layouts
+    from zerobubble.schedule.modelplan.cluster import cluster_grids
 
     cluster = Cluster.parse("nodes=1,gpus=8,intra=300GB/s,inter=25GB/s")
 
     def tps(kv_heads: int) -> set[int]:
         config = {**LLAMA3_8B, "num_attention_heads": 24, "num_key_value_heads": kv_heads}
-        return {tp for _, _, tp in _layouts(TransformerShape.from_config(config), cluster)}
+        return {grid.tp for grid in cluster_grids(TransformerShape.from_config(config), cluster)}
 
     assert tps(3) == {
         1

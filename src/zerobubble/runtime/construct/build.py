@@ -159,8 +159,8 @@ def tie_parameters(
                 uses[0][1],
                 module.get_parameter(local),
                 layout.ties_group,
-                [layout.global_rank(holder) for holder in holders],
-                layout.global_rank(source),
+                [layout.grid.global_rank(holder) for holder in holders],
+                layout.grid.global_rank(source),
                 tag,
             )
         )

@@ -1,6 +1,6 @@
 """What a Pipeline's construction resolves before it builds anything: its world and its resolution.
 
-:func:`world_of` joins the process group (or the mesh), picks the device and sizes the layout;
+:func:`world_of` joins the process group (or the mesh), picks the device and reads the grid;
 :func:`planned_resolution` profiles and plans when the :class:`~.request.PipelineRequest` asks
 (``schedule="auto"`` or ``partition="profile"``, :mod:`.auto`); :func:`agreed_resolution` resolves
 the request otherwise and has every rank agree on the result (:func:`~.resolve.agree_on`).  The
@@ -9,7 +9,6 @@ Pipeline then builds this rank's part of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -17,13 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ...schedule.modelplan import MeshLayout
+from ...schedule.grid import Grid
 from .. import PipelineError
-from ..launch import check_timeout, init_distributed, local_device
-from ..parallel.data_parallel import pipeline_size_of
+from ..launch import init_distributed, local_device
 from ..parallel.groups import equalize_group_counts, local_group
-from ..parallel.mesh import MeshDims, mesh_groups, mesh_ranks, parallel_size, stage_layout
-from ..parallel.mesh import mesh_dims as mesh_dims_of
+from ..parallel.mesh import grid_of_mesh, mesh_groups, mesh_ranks
 from .resolve import Resolution, agree_on, resolve
 
 if TYPE_CHECKING:
@@ -34,48 +31,50 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class World:
-    """Where a Pipeline runs: its device, its group (every rank of the mesh, with one), the mesh's
-    roles, the ranks of the pipeline grid, the replicas and how they hold the parameters."""
+    """Where a Pipeline runs: its device, its group (every rank of the mesh, with one), the mesh, and
+    the :class:`~...schedule.grid.Grid` of its ranks (sizes, roles, this rank's place)."""
 
     device: torch.device
     group: dist.ProcessGroup | None
     mesh: Any
-    dims: MeshDims | None
-    size: int
-    data_parallel: int
-    sharding: str | None
+    grid: Grid
 
-    def stage_layout(self, parallelized: bool) -> MeshLayout | None:
+    def stage_layout(self, parallelized: bool) -> Grid | None:
         """Each stage's ranks for the planner: the mesh's, or the replicas (None: one rank)."""
-        if self.mesh is not None and self.dims is not None:
-            return stage_layout(self.mesh, self.dims, self.data_parallel, self.sharding, parallelized)
-        return MeshLayout(dp=self.data_parallel) if self.data_parallel > 1 else None
+        if self.mesh is not None or self.grid.dp > 1:
+            return self.grid.stage_grid(parallelized=parallelized)
+        return None
 
 
-def world_of(
-    group: dist.ProcessGroup | None,
-    mesh: Any,
-    mesh_dims: Mapping[str, str] | None,
-    data_parallel: int | str | None,
-    timeout: float,
-) -> World:
-    """Join the group (initialised from the environment if needed) or the mesh (collective).
+def world_of(request: PipelineRequest) -> World:
+    """Join the request's group (initialised from the environment if needed) or mesh (collective).
 
-    The arguments are checked first, the same way on every rank, so a bad one raises
+    The grid's arguments are checked first, the same way on every rank, so a bad one raises
     :class:`PipelineError` on each rank before any collective."""
-    check_timeout(timeout)
+    group, mesh, timeout = request.group, request.mesh, request.timeout
     if mesh is not None and group is not None:
         raise PipelineError("pass mesh= or group=, not both (the mesh's pipeline dimension is the group)")
     backend = init_distributed(timeout=timeout) if group is None else dist.get_backend(group)
     device = local_device(backend)  # before the first collective (NCCL needs it)
-    dims = mesh_dims_of(mesh, mesh_dims) if mesh is not None else None
+    grid = (
+        grid_of_mesh(mesh, request.mesh_dims, request.data_parallel)
+        if mesh is not None
+        else _flat_grid(group, request.data_parallel)
+    )
     # local groups are named by each rank's group count: make the counts equal first (.groups)
     setup = timedelta(seconds=max(timeout, 60.0))
     equalize_group_counts(mesh_groups(mesh) if mesh is not None else [group], timeout=setup)
     if mesh is not None:  # the Pipeline's world: every rank of the mesh (agreement, planning)
         group = local_group(mesh_ranks(mesh), timeout=setup)
-    size, replicas, sharding = parallel_size(data_parallel, mesh, dims, group)
-    return World(device, group, mesh, dims, size, replicas, sharding)
+    return World(device, group, mesh, grid)
+
+
+def _flat_grid(group: dist.ProcessGroup | None, data_parallel: int | str | None) -> Grid:
+    """The grid of ``group``'s ranks (the world when None) split into ``data_parallel`` replicas,
+    placed at this rank."""
+    grid = Grid.flat(dist.get_world_size(group), data_parallel)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(grid.pp * grid.dp)
+    return grid.on_group(list(ranks), dist.get_rank(group))
 
 
 def planned_resolution(
@@ -96,7 +95,7 @@ def planned_resolution(
     calibrator = Calibrator(calibrate) if calibrate else None  # checked before collectives
     schedule, partition = request.schedule, request.partition
     planning = Planning(
-        ranks=pipeline_size_of(world.size, world.data_parallel),
+        ranks=world.grid.pp,
         microbatches=request.microbatches or DEFAULT_MICROBATCHES,
         memory_limit=request.memory_limit,
         post_validation=request.post_validation,
@@ -121,14 +120,14 @@ def agreed_resolution(
     def attempt() -> Resolution:
         if planned is not None:
             return planned
-        return resolve(request, ranks=world.size, data_parallel=world.data_parallel)
+        return resolve(request, ranks=world.grid.size, data_parallel=world.grid.dp)
 
     return agree_on(
         attempt,
-        data_parallel=world.data_parallel,
+        data_parallel=world.grid.dp,
         seed=request.seed,
         group=world.group,
         verify=request.verify,
         check_calls=bool(request.check_calls),
-        sharding=world.sharding,
+        sharding=world.grid.sharding,
     )

@@ -349,8 +349,8 @@ def write_trace(
     costs = measured_costs(timelines)
     predicted = simulate(measured.schedule, costs)
     folder = Path(directory)
-    if layout is not None and layout.data_parallel > 1:
-        folder = folder / f"replica{layout.dp_index}"
+    if layout is not None and layout.grid.dp > 1:
+        folder = folder / f"replica{layout.grid.dp_index}"
     folder.mkdir(parents=True, exist_ok=True)
     files = {
         "trace.json": measured_chrome_trace(measured),

@@ -60,7 +60,7 @@ class StepOptimization:
         sharded: ShardedStages | None,
         executor: Executor,
     ):
-        self.layout, self.rank = layout, layout.pipeline_rank
+        self.layout, self.rank = layout, layout.grid.pipeline_rank
         self._wait, self._tied, self._sharded = wait, list(tied), sharded
         self._placeholder: torch.optim.Optimizer | None = None
         chained = sharded is not None
@@ -97,7 +97,7 @@ class StepOptimization:
             if self._placeholder is None:
                 self._placeholder = torch.optim.SGD([torch.zeros(0, requires_grad=True)], lr=0.0)
             optimizer = self._placeholder
-        replicas = [self.layout.global_rank(self.rank, d) for d in range(self.layout.data_parallel)]
+        replicas = [self.layout.grid.global_rank(self.rank, d) for d in range(self.layout.grid.dp)]
         check_sharded_optimizer(optimizer, replicas)
         if unscale is not None:
             unscale_gradients(parameters, float(unscale))
@@ -152,18 +152,18 @@ def chain_optimizer(
 ) -> PipelineOptimizer:
     """The optimizer step of ``layout``'s pipeline rank: the ranks chained in the order the resolved
     timeline finishes them (:func:`~.post_validation.validation_chain`)."""
-    rank = layout.pipeline_rank
+    rank = layout.grid.pipeline_rank
     finish_times = [ends[-1] if ends else 0.0 for ends in resolution.timeline.end]
-    chain = [layout.global_rank(r) for r in validation_chain(finish_times)]
+    chain = [layout.grid.global_rank(r) for r in validation_chain(finish_times)]
     return PipelineOptimizer(
         chain,
-        layout.global_rank(rank),
+        layout.grid.global_rank(rank),
         layout.control_group,
         post_validation,
         device,
         wait=wait,
         # a tied parameter's summed gradient is counted once, by the holder of its first layer
-        norm_excludes=[t.param for t in tied if t.source != layout.global_rank(rank)],
+        norm_excludes=[t.param for t in tied if t.source != layout.grid.global_rank(rank)],
         # sharded gradients: each rank's norm state covers its shards, summed over their holders first
         shard_group=layout.shard_group if sharded else None,
     )
@@ -174,11 +174,11 @@ def install_averager(
 ) -> GradientAverager | None:
     """With data parallelism, the averager of the replicas' gradients, each chunk's all-reduce
     started by a hook after its last gradient op; None with one replica."""
-    if layout.data_parallel == 1:
+    if layout.grid.dp == 1:
         return None
     last_ops = last_gradient_ops(program)
     chunks = chunk_parameters(executor.stages, last_ops)
-    averager = GradientAverager(chunks, layout.dp_group, layout.data_parallel, wait=wait)
+    averager = GradientAverager(chunks, layout.dp_group, layout.grid.dp, wait=wait)
     for stage, position in last_ops.items():  # a chunk's gradients are final after this op
         start = functools.partial(averager.start, stage)
         executor.add_hook(position, Hook(f"all-reduce start (stage {stage})", start), after=True)

@@ -4,8 +4,8 @@
 ``dp_index · p + pipeline_rank``); the data-parallel group of pipeline rank ``r`` holds the same
 chunks in every replica.  As soon as a chunk's last gradient op has run, its gradients are
 all-reduced asynchronously over that group (a hook of the executor), overlapping the rest of the
-step; the step waits at its end and divides by ``D``.  :func:`create_layout` and :mod:`.mesh` create
-the layout's groups with local synchronisation (:mod:`.groups`).
+step; the step waits at its end and divides by ``D``.  :func:`build_layout` creates the layout's groups from
+the grid, on a mesh or not, with local synchronisation (:mod:`.groups`).
 
 Why the groups are created that way: ``docs/runtime.md``.
 """
@@ -13,7 +13,7 @@ Why the groups are created that way: ``docs/runtime.md``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...schedule.grid import Grid
+from ...schedule.grid import pipeline_size_of as pipeline_size_of  # where resolve reads it
 from ...schedule.ir import Kind, Op
 from .. import PipelineError
 from ..tensors import local_value
@@ -31,100 +33,85 @@ _GRADIENT_KINDS = (Kind.B, Kind.W, Kind.BW)
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Where this rank sits in a ``D × p`` grid of data-parallel pipeline replicas.
+    """The process groups of this rank's place in a ``D × p`` grid of data-parallel pipeline replicas.
 
-    ``span`` lists the global ranks of the grid in group-rank order (``dp_index · p + pipeline
-    rank``).  ``pipeline_group`` is this replica's group, ``dp_group`` the group of the ranks holding
-    the same chunks (None when ``D = 1``), ``control_group`` a group of this replica's ranks reserved
-    for the optimizer's small messages and ``ties_group`` one for the sums of tied parameters (neither
-    is used by the pipeline's transfers).  ``everyone`` lists every rank taking part in the Pipeline,
-    sorted — the grid's ranks, and on a mesh those of its other dimensions (tensor parallelism) too;
-    ``labels`` names a global rank by its mesh coordinates.  ``mesh`` is the user's mesh, if any.
-    ``shard_group`` is the part of ``dp_group`` a sharded parameter is cut over: all of it, but
-    under HSDP only this rank's ``dp_shard`` row (the rows hold equal copies).
+    ``grid`` (:class:`~...schedule.grid.Grid`) holds the sizes and this rank's place (``pipeline_rank``,
+    ``dp_index``, ``span``, ...).  ``pipeline_group`` is this replica's group, ``dp_group`` the group
+    of the ranks holding the same chunks (None when ``D = 1``), ``control_group`` a group of this
+    replica's ranks reserved for the optimizer's small messages and ``ties_group`` one for the sums
+    of tied parameters (neither is used by the pipeline's transfers).  ``mesh`` is the user's mesh,
+    if any.  ``shard_group`` is the part of ``dp_group`` a sharded parameter is cut over: all of it,
+    but under HSDP only this rank's ``dp_shard`` row (the rows hold equal copies).
     """
 
-    pipeline_size: int
-    data_parallel: int
-    pipeline_rank: int
-    dp_index: int
-    span: tuple[int, ...]
+    grid: Grid
     pipeline_group: Any
     dp_group: Any
     control_group: Any
     setup_timeout: timedelta
     ties_group: Any = None
-    everyone: tuple[int, ...] = ()
-    labels: Mapping[int, str] = field(default_factory=dict)
     mesh: Any = None
     shard_group: Any = None
 
-    def global_rank(self, pipeline_rank: int, dp_index: int | None = None) -> int:
-        """The global rank of ``pipeline_rank`` in replica ``dp_index`` (this rank's replica by default)."""
-        replica = self.dp_index if dp_index is None else dp_index
-        return self.span[replica * self.pipeline_size + pipeline_rank]
+    @property
+    def pipeline_rank(self) -> int:
+        """This rank's place in its pipeline replica (the grid's)."""
+        return self.grid.pipeline_rank
 
-    def rank_name(self, group_rank: int) -> str:
-        """How messages name the rank at position ``group_rank`` of :attr:`everyone` (the call check's
-        group): its global rank, with its mesh coordinates or its replica where there are several."""
-        rank = self.everyone[group_rank] if self.everyone else group_rank
-        if rank in self.labels:
-            return f"rank {rank} ({self.labels[rank]})"
-        if self.data_parallel == 1:
-            return f"rank {rank}"
-        replica, pipeline_rank = divmod(self.span.index(rank), self.pipeline_size)
-        return f"rank {rank} (pipeline rank {pipeline_rank} of replica {replica})"
+    @property
+    def dp_index(self) -> int:
+        """This rank's replica (the grid's)."""
+        return self.grid.dp_index
 
-    def replica_ranks(self, dp_index: int) -> list[int]:
-        """Global ranks of replica ``dp_index`` in pipeline-rank order."""
-        return [self.global_rank(r, dp_index) for r in range(self.pipeline_size)]
+    @property
+    def span(self) -> tuple[int, ...]:
+        """The grid's global ranks in group-rank order, ``dp_index · p + pipeline_rank`` (the grid's)."""
+        return self.grid.span
 
 
-def create_layout(group: Any, data_parallel: int, timeout: float) -> ParallelLayout:
-    """Split ``group`` (the world when None) into ``data_parallel`` pipeline replicas.
+def build_layout(grid: Grid, *, group: Any, mesh: Any, timeout: float) -> ParallelLayout:
+    """The process groups of ``grid``, placed at this rank (:meth:`~...schedule.grid.Grid.on_group`
+    or :meth:`~...schedule.grid.Grid.on_mesh`): on ``mesh`` its pipeline and data-parallel
+    dimensions' own groups, else ``group`` (the world when None) split into the replicas.
 
-    Collective over ``group`` only: every group is created by its members (:mod:`.groups`), each rank
-    creating the same sequence — its replica's group and its data-parallel column's (when ``D > 1``),
-    then its replica's control and ties groups.
+    Collective over the groups it creates, each created by its members only (:mod:`.groups`), every
+    rank creating the same sequence: its replica's group (no mesh, ``D > 1``), its data-parallel
+    column's (no mesh, or HSDP's two dimensions flattened; ``D > 1``), then its replica's control and
+    ties groups.
     """
-    size = dist.get_world_size(group)
-    pipeline_size_of(size, data_parallel)
-    span = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(size))
-    pipeline_size = size // data_parallel
-    dp_index, pipeline_rank = divmod(dist.get_rank(group), pipeline_size)
     setup = timedelta(seconds=max(timeout, 60.0))
-    replica = [span[dp_index * pipeline_size + r] for r in range(pipeline_size)]
-    pipeline_group, dp_group = group, None
-    if data_parallel > 1:
-        pipeline_group = local_group(replica, timeout=setup)
-        column = [span[d * pipeline_size + pipeline_rank] for d in range(data_parallel)]
-        dp_group = local_group(column, timeout=setup)
+    replica = grid.replica_ranks(grid.dp_index)
+    if mesh is not None:
+        pipeline_group = mesh.get_group(grid.dim("pp"))
+    else:
+        pipeline_group = local_group(replica, timeout=setup) if grid.dp > 1 else group
+    dp_group = _data_group(grid, mesh, setup)
+    if mesh is not None:
+        shard_dim = grid.dim("dp_shard") or grid.dim("dp")
+        shard_group = mesh.get_group(shard_dim) if shard_dim is not None and grid.dp > 1 else None
+    else:
+        shard_group = dp_group
     return ParallelLayout(
-        pipeline_size,
-        data_parallel,
-        pipeline_rank,
-        dp_index,
-        span,
+        grid,
         pipeline_group,
         dp_group,
         control_group=local_group(replica, timeout=setup),
         setup_timeout=setup,
         ties_group=local_group(replica, timeout=setup),
-        everyone=tuple(sorted(span)),
-        shard_group=dp_group,
+        mesh=mesh,
+        shard_group=shard_group,
     )
 
 
-def pipeline_size_of(size: int, data_parallel: Any) -> int:
-    """Ranks per pipeline replica when ``size`` ranks run ``data_parallel`` replicas (checked)."""
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise PipelineError(f"data_parallel must be a positive integer, got {data_parallel!r}")
-    if size % data_parallel:
-        raise PipelineError(
-            f"data_parallel={data_parallel} does not divide the {size} ranks of the process group; "
-            f"start a multiple of {data_parallel} ranks (pipeline size × data_parallel)"
-        )
-    return size // data_parallel
+def _data_group(grid: Grid, mesh: Any, setup: timedelta) -> Any:
+    """The group of every replica's pipeline rank of this rank (None: one replica): a mesh's one
+    data-parallel dimension's, else a group of that column created by its members."""
+    if grid.dp == 1:
+        return None
+    if mesh is not None and len(grid.data_dims) == 1:
+        return mesh.get_group(grid.data_dims[0])
+    column = [grid.global_rank(grid.pipeline_rank, d) for d in range(grid.dp)]
+    return local_group(column, timeout=setup)
 
 
 # -- gradient averaging --------------------------------------------------------------------------------
@@ -224,8 +211,8 @@ def mean_loss(
     replicas (an all-reduce over the data-parallel group, waited on with ``wait``)."""
     stacked = torch.stack(list(losses))  # float64 stays float64; lower precisions average in float32
     mean = stacked.to(torch.promote_types(stacked.dtype, torch.float32)).mean()
-    if layout.data_parallel > 1:
+    if layout.grid.dp > 1:
         work = dist.all_reduce(mean, group=layout.dp_group, async_op=True)
         wait(work, "the data-parallel loss average")
-        mean /= layout.data_parallel
+        mean /= layout.grid.dp
     return mean

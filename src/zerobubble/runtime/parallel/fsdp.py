@@ -84,7 +84,7 @@ class ShardedStages:
         # fully_shard reads as replicate × shard), else a 1-D mesh over the layout's dp group
         self.mesh = mesh or DeviceMesh.from_group(layout.dp_group, device.type, mesh_dim_names=("dp",))
         self.units: dict[int, Any] = {}  # stage index -> the FSDPModule (a StageModule)
-        self._source = layout.global_rank(layout.pipeline_rank, 0)
+        self._source = layout.grid.global_rank(layout.grid.pipeline_rank, 0)
         self._unsharded: set[int] = set()
 
     def shard(self, stage: int, module: nn.Module) -> None:

@@ -51,7 +51,7 @@ class PipelineState:
         self.vocab = VocabCheckpoint(ends) if isinstance(ends, VocabRunner) else None
         self._calls, self._monitor, self._guarded = calls, monitor, guarded
         self.model_keys, self._known_keys = tuple(model_keys), frozenset(model_keys)
-        self.ties, self.rank = list(ties), layout.pipeline_rank
+        self.ties, self.rank = list(ties), layout.grid.pipeline_rank
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's entries of the unpipelined model's ``state_dict()``, under the same names.
@@ -77,7 +77,7 @@ class PipelineState:
         }
         if self.vocab is not None:
             local = self.vocab.rows_state(local)
-        ranks = self.layout.replica_ranks(self.layout.dp_index)
+        ranks = self.layout.grid.replica_ranks(self.layout.grid.dp_index)
         parts = self._guarded(
             "full_state_dict",
             lambda: share_objects(local, self._calls.group, ranks, self._monitor, tag=STATE_DICT_TAG),

@@ -380,7 +380,8 @@ def place_vocab(
     ``vocab_head`` and ``vocab_embedding``, and make their runner (collective: three local groups
     over the global ranks of ``layout``'s pipeline, this rank's replica).  Returns the runner and the
     layers' state-dict keys."""
-    rank, ranks = layout.pipeline_rank, layout.replica_ranks(layout.dp_index)
+    grid = layout.grid
+    rank, ranks = grid.pipeline_rank, grid.replica_ranks(grid.dp_index)
     shard_vocab_layers(head, embedding, rank, len(ranks), device)
     keys = []
     for name, layer in (("vocab_embedding", embedding), ("vocab_head", head)):  # the embedding's name first

@@ -8,8 +8,8 @@ one schedule.
 * :mod:`.amounts` — byte budgets: :func:`parse_bytes`, :func:`format_bytes`;
 * :mod:`.profile` — :class:`LayerProfile`, :class:`ModelProfile`, :func:`median_profile`,
   :func:`stage_costs`;
-* :mod:`.layout` — :class:`MeshLayout`, :class:`Link`, :func:`parse_mesh`: a stage on ``dp × tp``
-  ranks; :data:`DATA_PARALLEL_MODES`;
+* :mod:`.layout` — :class:`Grid` (``MeshLayout``, its earlier name; :mod:`..grid`), :class:`Link`,
+  :func:`parse_mesh`, :func:`mesh_layout`: a stage on ``dp × tp`` ranks; :data:`DATA_PARALLEL_MODES`;
 * :mod:`.result` — :class:`PlanCandidate`, :class:`Plan`, :class:`Calibration`;
 * :mod:`.search` — :func:`plan`, the search and the reason text;
 * :mod:`.cluster` — :func:`~.cluster.plan_cluster`: a cluster planned on paper from a model's sizes;
@@ -20,7 +20,7 @@ Each module imports only those listed before it.  Pure Python; no torch.
 
 from .amounts import format_bytes, parse_bytes
 from .calibration import calibrate, calibrated_profile, profile_from_trace
-from .layout import DATA_PARALLEL_MODES, Link, MeshLayout, mesh_layout, parse_mesh
+from .layout import DATA_PARALLEL_MODES, Grid, Link, MeshLayout, mesh_layout, parse_mesh
 from .profile import LayerProfile, ModelProfile, median_profile, stage_costs
 from .result import Calibration, Plan, PlanCandidate
 from .search import HEAD_LAYOUTS, plan
@@ -29,6 +29,7 @@ __all__ = [
     "DATA_PARALLEL_MODES",
     "HEAD_LAYOUTS",
     "Calibration",
+    "Grid",
     "LayerProfile",
     "Link",
     "MeshLayout",

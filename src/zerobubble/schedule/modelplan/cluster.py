@@ -9,25 +9,24 @@
   (bf16 weights and gradients, fp32 master weights and Adam moments: 16 bytes a parameter) and the
   activations of Korthikanti et al. (2022): ``34·s·b·h`` bytes a block with flash attention, ``2·s·b·h``
   with full recomputation, which then repeats the forward in B;
-* :func:`plan_cluster` runs :func:`~.search.plan` with a :class:`~.layout.MeshLayout` for every
-  factorisation ``pp × dp × tp`` of the GPUs (tp within a node), the GPUs' memory as the budget,
-  and orders the layouts by predicted tokens per second.
+* :func:`plan_cluster` runs :func:`~.search.plan` on a :class:`~..grid.Grid` for every
+  factorisation ``pp × dp × tp`` of the GPUs (tp within a node, :func:`cluster_grids`), the GPUs'
+  memory as the budget, and orders the layouts by predicted tokens per second.
 
 Everything here is a model: the efficiency is an input, not a measurement.  Pure Python; no torch.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ..ir import ScheduleError, check_positive
 from .amounts import format_bytes, parse_bytes
-from .layout import Link, MeshLayout
+from .layout import Grid, Link
 from .profile import LayerProfile, ModelProfile
 from .result import Plan
 from .search import plan
@@ -287,10 +286,10 @@ def plan_cluster(
     microbatch_size: int = 1,
     recompute: bool = False,
     schedules: Sequence[str] = DEFAULT_SCHEDULES,
-    layouts: Sequence[tuple[int, int, int]] | None = None,
-    sharding: str | None = "fsdp",
+    layouts: Sequence[Grid] | None = None,
 ) -> list[ClusterOption]:
-    """Every layout ``(pp, dp, tp)`` of the cluster (or those given) planned, fastest first."""
+    """Every layout of the cluster (:func:`cluster_grids`, FSDP2 where there are replicas) or those
+    given (``pp``, ``dp``, ``tp`` and ``sharding`` of each grid read) planned, fastest first."""
     check_positive(tokens_per_step=tokens_per_step, seq_len=seq_len, microbatch_size=microbatch_size)
     sequences, remainder = divmod(tokens_per_step, seq_len)
     if remainder or sequences < 1:
@@ -298,16 +297,14 @@ def plan_cluster(
             f"tokens per step {tokens_per_step} must be a multiple of the sequence length {seq_len}"
         )
     profile = transformer_profile(shape, cluster, seq_len, microbatch_size, recompute)
-    plan_layout = functools.partial(
-        _option, profile, shape, cluster, sequences=sequences, seq_len=seq_len,
-        microbatch_size=microbatch_size, schedules=schedules, sharding=sharding, recompute=recompute,
-    )  # fmt: skip
-    options = [plan_layout(sizes) for sizes in (layouts if layouts is not None else _layouts(shape, cluster))]
-    return sorted(options, key=lambda o: -o.tokens_per_second)
+    setting = _Setting(profile, shape, cluster, sequences, seq_len, microbatch_size, schedules, recompute)
+    grids = layouts if layouts is not None else cluster_grids(shape, cluster)
+    return sorted((_option(setting, grid) for grid in grids), key=lambda o: -o.tokens_per_second)
 
 
-def _layouts(shape: TransformerShape, cluster: Cluster) -> list[tuple[int, int, int]]:
-    """``(pp, dp, tp)`` with ``pp·dp·tp`` the cluster, tp dividing a node and the heads, pp the layers.
+def cluster_grids(shape: TransformerShape, cluster: Cluster, sharding: str | None = "fsdp") -> list[Grid]:
+    """Every ``pp × dp × tp`` grid of the cluster, tp dividing a node and the heads, pp the layers;
+    the replicas held as ``sharding`` says (where there are several).
 
     The key-value heads are split over tp when it divides them, and each replicated over the ranks
     of its group when tp is a multiple of them (Megatron's rule for grouped-query attention)."""
@@ -317,7 +314,8 @@ def _layouts(shape: TransformerShape, cluster: Cluster) -> list[tuple[int, int, 
             continue
         for pp in _divisors(cluster.size // tp):
             if pp <= shape.layers + 2:
-                found.append((pp, cluster.size // (tp * pp), tp))
+                dp = cluster.size // (tp * pp)
+                found.append(Grid(dp=dp, tp=tp, sharding=sharding if dp > 1 else None, pp=pp))
     return found
 
 
@@ -325,40 +323,46 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _option(
-    profile: ModelProfile,
-    shape: TransformerShape,
-    cluster: Cluster,
-    sizes: tuple[int, int, int],
-    *,
-    sequences: int,
-    seq_len: int,
-    microbatch_size: int,
-    schedules: Sequence[str],
-    sharding: str | None,
-    recompute: bool,
-) -> ClusterOption:
-    pp, dp, tp = sizes
-    mode = sharding if dp > 1 else None
-    per_replica, left = divmod(sequences, dp * microbatch_size)
+@dataclass(frozen=True)
+class _Setting:
+    """What every layout of one :func:`plan_cluster` call is planned with."""
+
+    profile: ModelProfile
+    shape: TransformerShape
+    cluster: Cluster
+    sequences: int
+    seq_len: int
+    microbatch_size: int
+    schedules: Sequence[str]
+    recompute: bool
+
+
+def _option(setting: _Setting, grid: Grid) -> ClusterOption:
+    cluster, pp, dp, tp, mode = setting.cluster, grid.pp, grid.dp, grid.tp, grid.sharding
+    per_replica, left = divmod(setting.sequences, dp * setting.microbatch_size)
     if left or per_replica < 1:
-        note = f"{sequences} sequences do not split into {dp} replicas of microbatches of {microbatch_size}"
+        note = (
+            f"{setting.sequences} sequences do not split into {dp} replicas of microbatches of "
+            f"{setting.microbatch_size}"
+        )
         return ClusterOption(pp, dp, tp, mode, 0, None, note=note)
     # a collective's slowest hop: within a node while its ranks fit in one
     tp_link = Link(cluster.latency, cluster.intra)
     dp_link = Link(cluster.latency, cluster.intra if pp * tp * dp <= cluster.gpus else cluster.inter)
     pp_bandwidth = cluster.intra if pp * tp <= cluster.gpus else cluster.inter
-    layout = MeshLayout(dp=dp, tp=tp, sharding=mode, tp_link=tp_link, dp_link=dp_link)
-    staged = ModelProfile(profile.layers, comm_latency=cluster.latency, comm_bandwidth=pp_bandwidth)
+    layout = replace(grid, tp_link=tp_link, dp_link=dp_link)
+    staged = ModelProfile(setting.profile.layers, comm_latency=cluster.latency, comm_bandwidth=pp_bandwidth)
     try:
-        chosen = plan(staged, pp, per_replica, cluster.memory, schedules=schedules, layout=layout, refine=4)
+        chosen = plan(
+            staged, pp, per_replica, cluster.memory, schedules=setting.schedules, layout=layout, refine=4
+        )
     except ScheduleError as error:
         return ClusterOption(pp, dp, tp, mode, per_replica, None, note=str(error))
     step = chosen.predicted_iteration_time
-    tokens = sequences * seq_len / step / cluster.size
-    mfu = tokens * shape.flops_per_token(seq_len) / cluster.flops
+    tokens = setting.sequences * setting.seq_len / step / cluster.size
+    mfu = tokens * setting.shape.flops_per_token(setting.seq_len) / cluster.flops
     # the FLOPs the GPUs run: with recomputation the forward twice (8 passes of the weights, not 6)
-    hfu = mfu * (4 / 3 if recompute else 1.0)
+    hfu = mfu * (4 / 3 if setting.recompute else 1.0)
     return ClusterOption(pp, dp, tp, mode, per_replica, chosen, tokens, mfu, hfu)
 
 
@@ -414,10 +418,13 @@ def render_cluster_option(option: ClusterOption, path: str | Path) -> None:
     option.plan.render(path, title=title)
 
 
-def layouts_from_mesh(sizes: Mapping[str, int], cluster: Cluster) -> list[tuple[int, int, int]]:
-    """``--mesh`` with ``--cluster``: the one layout it names (checked against the cluster's size)."""
+def layouts_from_mesh(
+    sizes: Mapping[str, int], cluster: Cluster, sharding: str | None = "fsdp"
+) -> list[Grid]:
+    """``--mesh`` with ``--cluster``: the one grid it names (checked against the cluster's size), its
+    replicas held as ``sharding`` says."""
     dp = sizes["dp"] * sizes["dp_replicate"] * sizes["dp_shard"]
     total = sizes["pp"] * dp * sizes["tp"]
     if total != cluster.size:
         raise ScheduleError(f"the mesh has {total} ranks but the cluster {cluster.size} GPUs")
-    return [(sizes["pp"], dp, sizes["tp"])]
+    return [Grid(dp=dp, tp=sizes["tp"], sharding=sharding if dp > 1 else None, pp=sizes["pp"])]

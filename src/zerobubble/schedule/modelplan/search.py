@@ -20,7 +20,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..builders import REGISTRY, build_schedule, get_spec
 from ..compare import OPTIMIZER_MODES, SLOW_SCHEDULES, iteration_period
@@ -30,7 +30,7 @@ from ..partition import MemoryCap, even_partition, optimal_partition
 from ..simulate import Timeline, simulate
 from ..validate import validate_schedule
 from .amounts import format_bytes, parse_bytes
-from .layout import MeshLayout
+from .layout import Grid
 from .profile import LayerProfile, ModelProfile, stage_costs
 from .result import Plan, PlanCandidate, one_f_one_b_period
 
@@ -49,7 +49,7 @@ def plan(
     cores: int | None = None,
     head: str = "plain",
     vocab_embedding: bool = False,
-    layout: MeshLayout | None = None,
+    layout: Grid | None = None,
 ) -> Plan:
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
@@ -66,18 +66,17 @@ def plan(
     chooses; each candidate's ``vocab_parallel`` says which it is); ``vocab_embedding``: the
     profile's first layer is an embedding that is vocabulary-parallel along with the head (its
     bytes are then spread over the ranks and the partition covers the layers between).  ``layout``
-    places each stage on ``dp × tp`` ranks (:class:`~.layout.MeshLayout`: tensor-parallel costs,
+    places each stage on ``dp × tp`` ranks (:class:`~..grid.Grid`: tensor-parallel costs,
     sharded bytes, the step's data-parallel collectives); the budget is then per rank of that mesh.
     Raises :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it
     needs and the budget.
     """
-    layout = layout or MeshLayout()
+    layout = layout or Grid()
     budget = parse_bytes(memory_limit, device_memory)
     _check_request(profile, ranks, microbatches, optimizer, head, layout, budget)
     names = list(schedules) if schedules is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
-    searches = _searches(
-        profile, ranks, microbatches, budget, optimizer, refine, cores, layout, head, vocab_embedding
-    )
+    common = _SearchArgs(profile, ranks, microbatches, budget, optimizer, refine, cores)
+    searches = _searches(common, layout, head, vocab_embedding)
     ordered = _ordered(_candidates(searches, names, interleaved_chunks))
     fitting = [c for c in ordered if c.fits]
     if not fitting:
@@ -99,7 +98,7 @@ def _check_request(
     microbatches: int,
     optimizer: str,
     head: str,
-    layout: MeshLayout,
+    layout: Grid,
     budget: float | None,
 ) -> None:
     """Refuse what :func:`plan` cannot plan, before any candidate is built."""
@@ -123,28 +122,25 @@ def _check_request(
         )
 
 
-def _searches(
-    profile: ModelProfile,
-    ranks: int,
-    microbatches: int,
-    budget: float | None,
-    optimizer: str,
-    refine: int,
-    cores: int | None,
-    layout: MeshLayout,
-    head: str,
-    vocab_embedding: bool,
-) -> list[_Search]:
+class _SearchArgs(NamedTuple):
+    """What every search of one :func:`plan` call shares: :class:`_Search`'s first arguments."""
+
+    profile: ModelProfile
+    ranks: int
+    microbatches: int
+    budget: float | None
+    optimizer: str
+    refine: int
+    cores: int | None
+
+
+def _searches(common: _SearchArgs, layout: Grid, head: str, vocab_embedding: bool) -> list[_Search]:
     """The searches ``head`` asks for: the output layer on the last stage, vocabulary-parallel, or both."""
     searches: list[_Search] = []
     if head != "vocab-parallel":
-        searches.append(_Search(profile, ranks, microbatches, budget, optimizer, refine, cores, layout))
+        searches.append(_Search(*common, layout))
     if head != "plain":
-        searches.append(
-            _VocabSearch(
-                profile, ranks, microbatches, budget, optimizer, refine, cores, embedding=vocab_embedding
-            )
-        )
+        searches.append(_VocabSearch(*common, embedding=vocab_embedding))
     return searches
 
 
@@ -211,9 +207,9 @@ class _Search:
         optimizer: str,
         refine: int,
         cores: int | None = None,
-        layout: MeshLayout | None = None,
+        layout: Grid | None = None,
     ):
-        self.layout = layout or MeshLayout()
+        self.layout = layout or Grid()
         # one rank's share of each layer's compute and activations (its static bytes: self.layout)
         self.profile = self.layout.per_rank(profile)
         self.ranks, self.microbatches = ranks, microbatches
@@ -365,7 +361,7 @@ class _Search:
         return held
 
     def memory_text(self, winner: PlanCandidate) -> str:
-        """Where the winner's busiest rank's bytes go (:meth:`.layout.MeshLayout.memory_text`)."""
+        """Where the winner's busiest rank's bytes go (:meth:`..grid.Grid.memory_text`)."""
         assert winner.built is not None
         busiest = max(range(self.ranks), key=lambda r: winner.peak_bytes[r])
         layers = self._rank_layers(winner.partition, winner.built.placement.stage_ranks)[busiest]
@@ -491,9 +487,7 @@ def _reason(
     return "; ".join(parts)
 
 
-def _nothing_fits(
-    candidates: Sequence[PlanCandidate], budget: float | None, ranks: int, layout: MeshLayout
-) -> str:
+def _nothing_fits(candidates: Sequence[PlanCandidate], budget: float | None, ranks: int, layout: Grid) -> str:
     # a candidate that was simulated needs its peak; one that was not built, its static bytes when
     # they alone exceed the budget (otherwise its note says why it was not built)
     measured = [
