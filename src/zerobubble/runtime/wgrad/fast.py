@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .rules import SplitRule
+from .rules import SplitRule, autocast_cast
 from .store import (
     WeightCapture,
     WeightGradStore,
@@ -227,8 +227,8 @@ def fast_forward(plan: FastPlan, fallback: Callable[..., Any]) -> Callable[..., 
             # an op autocast runs in lower precision: cast as autocast would, then run without it;
             # B and W then compute in the saved tensors' dtype and W casts into the parameter's dtype
             dtype = torch.get_autocast_dtype(device)
-            x = x.to(dtype) if x.is_floating_point() else x
-            params = [p.to(dtype) for p in params]
+            x = autocast_cast(x, dtype)
+            params = [autocast_cast(p, dtype) for p in params]
             with torch.autocast(device, enabled=False):
                 return plan.run(x, params)
         return plan.run(x, params)

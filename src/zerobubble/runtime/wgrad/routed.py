@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .rules import MatmulRule
+from .rules import MatmulRule, autocast_cast
 from .store import (
     WeightCapture,
     WeightGradStore,
@@ -342,10 +342,9 @@ class LinearRouter(TorchFunctionMode):
         device = input.device.type
         if torch._C._is_any_autocast_enabled() and torch.is_autocast_enabled(device):
             dtype = torch.get_autocast_dtype(device)
-            input = input.to(dtype) if input.is_floating_point() else input
-            weight = weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-            added = None if added is None else added.to(dtype)
+            input, weight = autocast_cast(input, dtype), autocast_cast(weight, dtype)
+            bias = None if bias is None else autocast_cast(bias, dtype)
+            added = None if added is None else autocast_cast(added, dtype)
             with torch.autocast(device, enabled=False):
                 out = self._product(input, weight, bias, targets)
         else:

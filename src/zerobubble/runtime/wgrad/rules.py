@@ -22,6 +22,14 @@ Tensors = tuple[torch.Tensor | None, ...]
 _CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
 
 
+def autocast_cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as autocast casts an argument of a lower-precision op: floating point tensors to
+    ``dtype``, except float64 ones (autocast leaves those, and integer tensors, as they are)."""
+    if tensor.is_floating_point() and tensor.dtype != torch.float64:
+        return tensor.to(dtype)
+    return tensor
+
+
 class SplitRule:
     """How one module type splits its backward into B (input gradient) and W (parameter gradients).
 
@@ -333,59 +341,6 @@ class BatchNormRule(_MaskedRule):
         )
 
 
-class RMSNormRule(SplitRule):
-    """RMS norm with a weight: ``nn.RMSNorm``, and the ``*RMSNorm`` classes of transformers models.
-
-    Computes like both (in float32 for lower-precision inputs, cast back, times the weight);
-    B and W use the closed-form gradients of ``w · x / rms(x)``.  ``eps_attribute`` names the
-    module's epsilon (``"eps"`` for torch, ``"variance_epsilon"`` for transformers), ``last_dims``
-    how many trailing dimensions are normalised (None: ``module.normalized_shape``'s length).
-    """
-
-    def __init__(self, eps_attribute: str = "eps", last_dims: int | None = None):
-        self.eps_attribute = eps_attribute
-        self.last_dims = last_dims
-
-    def param_names(self, module):
-        return ("weight",)
-
-    def _dims(self, module: nn.Module) -> tuple[int, ...]:
-        count = self.last_dims if self.last_dims is not None else len(module.normalized_shape)  # type: ignore[arg-type]
-        return tuple(range(-count, 0))
-
-    def forward(self, module, x, params):
-        eps = getattr(module, self.eps_attribute)
-        if eps is None:  # torch's default: the float32 machine epsilon
-            eps = torch.finfo(torch.float32).eps
-        h = _at_least_float32(x)
-        rstd = torch.rsqrt(h.pow(2).mean(self._dims(module), keepdim=True) + eps)
-        normalized = (h * rstd).to(x.dtype)
-        return params[0] * normalized, (x, rstd, normalized, params[0])
-
-    def input_grad(self, module, saved, grad_output):
-        x, rstd, _, weight = saved
-        assert x is not None and rstd is not None and weight is not None
-        h = _at_least_float32(x)
-        grad_normalized = grad_output * weight
-        grad_normalized = grad_normalized.to(torch.promote_types(grad_normalized.dtype, h.dtype))
-        dims = self._dims(module)
-        size = math.prod(h.shape[d] for d in dims)
-        dot = (grad_normalized * h).sum(dims, keepdim=True)
-        return (rstd * grad_normalized - h * rstd.pow(3) * dot / size).to(x.dtype)
-
-    def weight_grads(self, module, saved, grad_output, needed):
-        normalized, weight = saved[2], saved[3]
-        assert normalized is not None and weight is not None
-        product = grad_output * normalized
-        return [product.reshape(-1, *weight.shape).sum(0) if needed[0] else None]
-
-
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in float32 if its dtype is narrower (as torch's and transformers' RMS norms compute);
-    a float64 input stays float64 (``x.float()`` would round it to float32)."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
 RULE_KINDS: dict[tuple[bool, bool], tuple[str, tuple[tuple[str, ...], ...]]] = {
     # (weights_in_b, native_backward): (how B and W run, the methods one of whose groups it needs)
     (False, False): (
@@ -482,13 +437,25 @@ class FastPaths:
         return paths
 
 
-_TRANSFORMERS_RMS_NORMS = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2")]
-"""transformers models whose ``*RMSNorm`` computes ``weight * (x·rsqrt(mean(x²)+eps)).to(dtype)``."""
+_TRANSFORMERS_RMS_NORMS = {
+    "llama": [
+        ("llama", "Llama"),
+        ("mistral", "Mistral"),
+        ("qwen2", "Qwen2"),
+        ("qwen3", "Qwen3"),
+        ("phi3", "Phi3"),
+    ],
+    "gemma": [("gemma", "Gemma"), ("gemma2", "Gemma2")],
+}
+"""transformers models by how their ``*RMSNorm`` rounds (:data:`.rms.VARIANTS`): ``"llama"`` computes
+``weight * (x·rsqrt(mean(x²)+eps)).to(dtype)`` in float32, ``"gemma"`` ``(x̂ · (1 + weight)).to(dtype)``."""
 
 
 def default_fast_paths() -> FastPaths:
     """A new registry with the built-in rules (Linear, Conv1D, Conv1d/2d/3d, Embedding, norms, RMS
     norms) and ``F.linear`` calls on leaf weights routed to Linear's closed form."""
+    from .rms import RMSNormRule  # it builds on SplitRule, defined here
+
     paths = FastPaths(route_linear=True)
     builtin: Mapping[type[nn.Module] | str, SplitRule] = {
         nn.Linear: MatmulRule(weight_is_out_by_in=True),
@@ -505,9 +472,10 @@ def default_fast_paths() -> FastPaths:
         nn.RMSNorm: RMSNormRule(),
         **{
             f"transformers.models.{family}.modeling_{family}.{name}RMSNorm": RMSNormRule(
-                "variance_epsilon", 1
+                "variance_epsilon" if variant == "llama" else "eps", 1, variant
             )
-            for family, name in _TRANSFORMERS_RMS_NORMS
+            for variant, families in _TRANSFORMERS_RMS_NORMS.items()
+            for family, name in families
         },
     }
     for module_type, rule in builtin.items():
