@@ -120,7 +120,7 @@ def agreed_resolution(
     def attempt() -> Resolution:
         if planned is not None:
             return planned
-        return resolve(request, ranks=world.grid.size, data_parallel=world.grid.dp)
+        return resolve(request, ranks=world.grid.pp * world.grid.dp, data_parallel=world.grid.dp)
 
     return agree_on(
         attempt,
