@@ -71,7 +71,7 @@ class PipelineRequest:
     embedding: VocabParallelEmbedding | None = None
 
     def __post_init__(self) -> None:
-        # today's order of the checks, each with its message (tests/test_request.py)
+        # today's order of the checks, each with its message (tests/runtime/construct/test_request.py)
         check_vocab_request(
             self.head,
             self.embedding,
