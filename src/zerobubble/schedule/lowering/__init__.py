@@ -19,23 +19,41 @@ from .actions import (
     Step,
     Wait,
 )
+from .check import LoweringError, validate_lowered
+from .choose import CommChoice, candidate_options, choose_options
 from .collectives import CollectiveCosts, CommProfile
 from .layout import StageBytes
 from .lower import lower, options_for_grid
+from .memory import ParameterMemory
+from .overlap import LoweredDeadlock, simulate_lowered
+from .pictures import render_comm_svg, render_comm_text, to_comm_chrome_trace
+from .spans import CommTimeline
 
 __all__ = [
     "Action",
     "CollectiveCosts",
     "Comm",
+    "CommChoice",
     "CommKind",
     "CommProfile",
+    "CommTimeline",
     "Compute",
     "Issue",
+    "LoweredDeadlock",
     "LoweredSchedule",
+    "LoweringError",
     "LoweringOptions",
+    "ParameterMemory",
     "StageBytes",
     "Step",
     "Wait",
+    "candidate_options",
+    "choose_options",
     "lower",
     "options_for_grid",
+    "render_comm_svg",
+    "render_comm_text",
+    "simulate_lowered",
+    "to_comm_chrome_trace",
+    "validate_lowered",
 ]

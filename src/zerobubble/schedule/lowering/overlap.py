@@ -21,7 +21,7 @@ from ...errors import ScheduleError
 from ..costs import CostModel, StageCosts
 from ..gcpause import collector_paused
 from ..simulate import resolve_costs_for
-from .actions import Comm, CommKind, Compute, Issue, LoweredSchedule, Step, Wait
+from .actions import Comm, CommKind, Compute, Issue, LoweredSchedule, Step, Wait, send
 from .collectives import CollectiveCosts
 from .memory import ParameterMemory, memory_levels
 from .spans import CommTimeline
@@ -95,7 +95,8 @@ class _Run:
             sender = schedule.placement.rank_of(message.boundary + message.direction)
             receiver = schedule.placement.rank_of(message.boundary + 1 - message.direction)
             hop = self.costs.comm[message.boundary]
-            made = _Transfer(comm, frozenset({sender}), ((sender, f"pp->{receiver}"),), lambda _: hop)
+            link = ((sender, f"pp->{receiver}"),)
+            made = _Transfer(send(message), frozenset({sender}), link, lambda _: hop)
         elif kind is CommKind.VOCAB_BROADCAST:
             vocab, root = self.costs.vocab_comm, self.root
             made = _Transfer(
