@@ -8,6 +8,7 @@ with a compute stream and communication links that overlap; :func:`choose_option
 fastest lowering under a memory cap.  ``docs/communication.md`` describes the model.  Pure Python.
 """
 
+from ...errors import LoweredDeadlock, LoweringError
 from .actions import (
     Action,
     Comm,
@@ -19,13 +20,13 @@ from .actions import (
     Step,
     Wait,
 )
-from .check import LoweringError, validate_lowered
+from .check import validate_lowered
 from .choose import CommChoice, candidate_options, choose_options
 from .collectives import CollectiveCosts, CommProfile
 from .layout import StageBytes
 from .lower import lower, options_for_grid
 from .memory import ParameterMemory
-from .overlap import LoweredDeadlock, simulate_lowered
+from .overlap import simulate_lowered
 from .pictures import render_comm_svg, render_comm_text, to_comm_chrome_trace
 from .spans import CommTimeline
 

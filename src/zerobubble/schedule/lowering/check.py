@@ -16,37 +16,29 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-from ...errors import ValidationError
+from ...errors import LoweredDeadlock, LoweringError
 from ..channels import received_message, receiving_stage, sending_stage
 from ..ir import Kind
 from ..validate import validate_schedule
 from .actions import REDUCTIONS, Action, Comm, CommKind, Compute, Issue, LoweredSchedule, Step, Wait, recv
 from .lower import compute_ops
-from .overlap import LoweredDeadlock, simulate_lowered
-
-
-class LoweringError(ValidationError):
-    """A lowered program failed a check; ``rank`` and ``action`` say where."""
-
-    def __init__(self, message: str, rank: int, action: Action | None = None):
-        super().__init__(message, rank)
-        self.action = action
+from .overlap import simulate_lowered
 
 
 def validate_lowered(lowered: LoweredSchedule) -> None:
     """Check ``lowered`` completely (module docstring); raises :class:`LoweringError`."""
     validate_schedule(lowered.source)
+    _check_collective_order(lowered)  # first: a mismatch here is what would hang
     for replica, rank, program in _programs(lowered):
         where = f"rank {rank}" + (f" (replica {replica})" if replica else "")
         _check_compute(lowered, rank, program, where)
-        _check_issues_and_waits(rank, program, where)
         _check_needs(lowered, rank, program, where)
         if lowered.options.data_parallel == "fsdp":
             _check_units(rank, program, where)
+        _check_issues_and_waits(rank, program, where)
         if lowered.options.data_parallel != "none":
             _check_reductions(lowered, rank, program, where)
     _check_channels(lowered)
-    _check_collective_order(lowered)
     try:
         simulate_lowered(lowered)
     except LoweredDeadlock as error:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ...errors import ScheduleError
+from ...errors import LoweredDeadlock, ScheduleError
 from ..costs import CostModel, StageCosts
 from ..gcpause import collector_paused
 from ..simulate import resolve_costs_for
@@ -25,15 +25,6 @@ from .actions import Comm, CommKind, Compute, Issue, LoweredSchedule, Step, Wait
 from .collectives import CollectiveCosts
 from .memory import ParameterMemory, memory_levels
 from .spans import CommTimeline
-
-
-class LoweredDeadlock(ScheduleError):
-    """The lowered programs wait on each other forever; ``rank`` and ``action`` name one stuck rank."""
-
-    def __init__(self, message: str, rank: int, action: object):
-        super().__init__(message)
-        self.rank = rank
-        self.action = action
 
 
 @dataclass(eq=False)
