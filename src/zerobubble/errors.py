@@ -64,6 +64,23 @@ class DeadlockError(ScheduleError):
         self.waits = waits
 
 
+class LoweringError(ValidationError):
+    """A lowered program (``schedule/lowering``) failed a check; ``rank`` and ``action`` say where."""
+
+    def __init__(self, message: str, rank: int, action: object = None):
+        super().__init__(message, rank)
+        self.action = action
+
+
+class LoweredDeadlock(ScheduleError):
+    """Lowered programs wait on each other forever; ``rank`` and ``action`` name one stuck rank."""
+
+    def __init__(self, message: str, rank: int, action: object):
+        super().__init__(message)
+        self.rank = rank
+        self.action = action
+
+
 class PipelineError(RuntimeError):
     """The pipeline cannot run as asked, or a step failed; the message says where and what to do."""
 

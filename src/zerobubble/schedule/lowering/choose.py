@@ -1,0 +1,125 @@
+"""Choosing how to lower: the fastest FSDP unit size, reshard policy, prefetch depth or bucket size
+under a memory cap.
+
+For a built schedule, a :class:`~..grid.Grid` with data parallelism and the stages' per-layer bytes,
+:func:`choose_options` lowers and simulates every candidate of :func:`candidate_options` and keeps
+the fastest whose peak memory (activations plus parameters, :mod:`.memory`) fits the cap, with a
+one-line reason.  The planner (``modelplan``) does not call it yet: see ``docs/communication.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ...errors import ScheduleError
+from ..costs import CostModel, StageCosts
+from ..grid import Grid
+from ..ir import Schedule
+from .actions import LoweringOptions
+from .collectives import CollectiveCosts
+from .layout import StageBytes
+from .lower import lower, options_for_grid
+from .overlap import simulate_lowered
+from .spans import CommTimeline
+
+#: The reshard policies tried: (after forward, after backward).
+RESHARD_POLICIES = ((False, False), (True, False), (True, True))
+
+
+@dataclass(frozen=True)
+class CommChoice:
+    """The chosen options, their simulated timeline, why, and every candidate's ``(options,
+    iteration time, peak memory)``."""
+
+    options: LoweringOptions
+    timeline: CommTimeline
+    reason: str
+    tried: tuple[tuple[LoweringOptions, float, float], ...]
+
+
+def candidate_options(
+    grid: Grid,
+    *,
+    groups: Sequence[int] = (2,),
+    prefetch: Sequence[int] = (1, 2),
+    bucket_bytes: Sequence[float] = (0.0,),
+) -> list[LoweringOptions]:
+    """The lowerings worth trying on ``grid``: FSDP's unit granularity (per chunk, per layer, per
+    group of ``g`` layers) × reshard policy × prefetch depth, or replicate's bucket sizes."""
+    base = options_for_grid(grid)
+    if base.data_parallel == "replicate":
+        return [options_for_grid(grid, bucket_bytes=size) for size in bucket_bytes]
+    if base.data_parallel == "none":
+        return [base]
+    units = [("chunk", 0), ("layer", 0), *(("group", g) for g in groups)]
+    return [
+        options_for_grid(
+            grid,
+            granularity=granularity,
+            group=max(g, 1),
+            reshard_after_forward=forward,
+            reshard_after_backward=backward,
+            prefetch=depth,
+        )
+        for granularity, g in units
+        for forward, backward in RESHARD_POLICIES
+        for depth in prefetch
+    ]
+
+
+def choose_options(
+    schedule: Schedule,
+    costs: CostModel | StageCosts,
+    grid: Grid,
+    model: StageBytes,
+    *,
+    memory_cap: float | None = None,
+    collectives: CollectiveCosts | None = None,
+    candidates: Sequence[LoweringOptions] | None = None,
+) -> CommChoice:
+    """The fastest candidate whose largest rank peak is at most ``memory_cap`` (in the unit shared
+    by ``costs.mem_b`` and ``model``'s bytes); when none fits, the one with the lowest peak, and the
+    reason says so.  Ties go to the earlier candidate (the coarser, less communicating one)."""
+    tried = candidates or candidate_options(grid)
+    if not tried:
+        raise ScheduleError("choose_options needs at least one candidate")
+    collectives = collectives or CollectiveCosts.from_grid(grid)
+    scored = []
+    for options in tried:
+        lowered = lower(schedule, options, model=model, replicas=grid.dp, shard=grid.shard)
+        timeline = simulate_lowered(lowered, costs, collectives)
+        scored.append((options, timeline))
+    table = tuple((options, t.iteration_time, max(t.peak_memory)) for options, t in scored)
+    fitting = [entry for entry in scored if memory_cap is None or max(entry[1].peak_memory) <= memory_cap]
+    if fitting:
+        options, timeline = min(fitting, key=lambda entry: entry[1].iteration_time)
+    else:
+        options, timeline = min(scored, key=lambda entry: max(entry[1].peak_memory))
+    reason = _reason(options, timeline, scored, memory_cap, fits=bool(fitting))
+    return CommChoice(options, timeline, reason, table)
+
+
+def _reason(
+    options: LoweringOptions,
+    timeline: CommTimeline,
+    scored: list[tuple[LoweringOptions, CommTimeline]],
+    cap: float | None,
+    *,
+    fits: bool,
+) -> str:
+    peak = max(timeline.peak_memory)
+    head = (
+        f"{options.describe()}: iteration {timeline.iteration_time:.4g}, peak {peak:.4g}, "
+        f"{timeline.exposed_dp:.3g} of data-parallel communication exposed"
+    )
+    if not fits:
+        return f"{head}; no candidate fits the cap {cap:.4g}, this one peaks lowest of {len(scored)}"
+    fastest_options, fastest = min(scored, key=lambda entry: entry[1].iteration_time)
+    if fastest is timeline or fastest.iteration_time >= timeline.iteration_time:
+        within = f" within the cap {cap:.4g}" if cap is not None else ""
+        return f"{head}; the fastest of {len(scored)} candidates{within}"
+    return (
+        f"{head}; the fastest of {len(scored)} within the cap {cap:.4g} ({fastest_options.describe()} "
+        f"takes {fastest.iteration_time:.4g} but peaks at {max(fastest.peak_memory):.4g})"
+    )

@@ -1,0 +1,245 @@
+"""The lowering pass: a built schedule becomes each rank's full program of compute and communication.
+
+Every op of stage ``s`` runs as the parts of ``s`` (its FSDP units or all-reduce buckets; one part
+without data parallelism), forwards in layer order, backwards in reverse.  Around the parts the pass
+places, per rank (``docs/communication.md`` says why each goes where it goes):
+
+* a send right after the op that produces the message; its receive posted one op ahead of the
+  consumer (in the sender's order on each channel), waited just before the consumer;
+* an FSDP unit's unshard ``prefetch`` parts before the first part that reads it, waited just before
+  that part; its reshard after its last gradient part, and, with ``reshard_after_forward`` (and
+  ``reshard_after_backward``), after each forward (gradient) read it is not read again soon after;
+* a unit's reduce-scatter, or a bucket's all-reduce, right after its last gradient part;
+* the output layer's broadcast after the last stage's forward (posted by the other ranks one op
+  ahead of their S) and its reduction after each S, waited before T and the last backward;
+* at the end the waits of the sends and the reductions, then the optimizer step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ...errors import ScheduleError
+from ..channels import channel_messages, received_message, receiving_stage, sending_stage, sent_message
+from ..grid import Grid
+from ..ir import Kind, Op, Schedule
+from .actions import (
+    Action,
+    Comm,
+    CommKind,
+    Compute,
+    Issue,
+    LoweredSchedule,
+    LoweringOptions,
+    Step,
+    Wait,
+    recv,
+    send,
+)
+from .layout import StageBytes, stage_parts
+
+DATA_PARALLEL = ("none", "replicate", "fsdp")
+GRANULARITIES = ("chunk", "layer", "group")
+
+
+def options_for_grid(grid: Grid, **choices: object) -> LoweringOptions:
+    """:class:`LoweringOptions` whose data parallelism is ``grid``'s (none for one replica,
+    replicate, fsdp for FSDP and HSDP), with the other fields from ``choices``."""
+    kind = "none" if grid.dp == 1 else ("replicate" if grid.shard == 1 else "fsdp")
+    return LoweringOptions(data_parallel=kind, **choices)  # type: ignore[arg-type]
+
+
+def lower(
+    schedule: Schedule,
+    options: LoweringOptions | None = None,
+    *,
+    model: StageBytes | None = None,
+    replicas: int = 1,
+    shard: int = 1,
+) -> LoweredSchedule:
+    """``schedule`` lowered to each rank's full program under ``options`` (module docstring).
+
+    ``model`` gives each stage's per-layer bytes (needed with data parallelism); ``replicas`` and
+    ``shard`` the data-parallel size and the ranks a parameter is cut over (a grid's ``dp`` and
+    ``shard``).  Raises :class:`ScheduleError` for options that do not fit.
+    """
+    options = options or LoweringOptions()
+    _check_options(options, replicas, shard)
+    layers, params, grads = stage_parts(schedule.num_stages, model, options)
+    programs = tuple(
+        _RankLowering(schedule, options, layers, rank).program() for rank in range(schedule.num_ranks)
+    )
+    return LoweredSchedule(schedule, options, programs, layers, params, grads, replicas, shard)
+
+
+def _check_options(options: LoweringOptions, replicas: int, shard: int) -> None:
+    if options.data_parallel not in DATA_PARALLEL:
+        raise ScheduleError(f"data_parallel {options.data_parallel!r}: choose one of {DATA_PARALLEL}")
+    if options.granularity not in GRANULARITIES:
+        raise ScheduleError(f"granularity {options.granularity!r}: choose one of {GRANULARITIES}")
+    if options.prefetch < 0:
+        raise ScheduleError(f"prefetch must be 0 or more parts ahead, got {options.prefetch}")
+    if replicas < 1 or shard < 1 or replicas % shard:
+        raise ScheduleError(f"replicas={replicas}, shard={shard}: shard must divide the replicas")
+    if options.data_parallel == "fsdp" and shard < 2:
+        raise ScheduleError("fsdp shards the parameters over at least 2 replicas: give shard ≥ 2")
+    if options.data_parallel == "replicate" and replicas < 2:
+        raise ScheduleError("replicate all-reduces over at least 2 replicas: give replicas ≥ 2")
+
+
+@dataclass
+class _RankLowering:
+    """One rank's program under construction: its compute parts, and the actions to place before
+    and after each (``before[len(parts)]`` is the end of the program)."""
+
+    schedule: Schedule
+    options: LoweringOptions
+    layers: tuple[tuple[int, ...], ...]
+    rank: int
+    parts: list[Compute] = field(default_factory=list)
+    first_part: list[int] = field(default_factory=list)  # op index -> its first part's index
+    before: defaultdict[int, list[Action]] = field(default_factory=lambda: defaultdict(list))
+    after: defaultdict[int, list[Action]] = field(default_factory=lambda: defaultdict(list))
+    finals: list[Comm] = field(default_factory=list)  # waited at the end, in issue order
+
+    def program(self) -> tuple[Action, ...]:
+        """Place everything, then read the program out."""
+        self._expand()
+        self._place_messages()
+        if self.schedule.vocab_shards:
+            self._place_vocab()
+        if self.options.data_parallel == "fsdp":
+            self._place_units()
+        if self.options.data_parallel != "none":
+            self._place_reductions()
+        actions: list[Action] = []
+        for i, part in enumerate(self.parts):
+            actions += self.before[i]
+            actions.append(part)
+            actions += self.after[i]
+        actions += self.before[len(self.parts)]
+        actions += [Wait(comm) for comm in self.finals]
+        actions.append(Step())
+        return tuple(actions)
+
+    def _expand(self) -> None:
+        for op in self.schedule.programs[self.rank]:
+            self.first_part.append(len(self.parts))
+            count = 1 if op.is_vocab else len(self.layers[op.stage])
+            order = range(count) if op.kind is Kind.F or op.is_vocab else range(count - 1, -1, -1)
+            self.parts += [Compute(op, part, count) for part in order]
+
+    def _last_part(self, index: int) -> int:
+        ends = [*self.first_part[1:], len(self.parts)]
+        return ends[index] - 1
+
+    def _place_messages(self) -> None:
+        schedule, S = self.schedule, self.schedule.num_stages
+        rank_of = schedule.placement.rank_of
+        consumers: dict[object, int] = {}
+        for index, op in enumerate(schedule.programs[self.rank]):
+            sent = sent_message(op, S)
+            if sent is not None and rank_of(receiving_stage(sent)) != self.rank:
+                self.after[self._last_part(index)].append(Issue(send(sent)))
+                self.finals.append(send(sent))
+            got = received_message(op, S)
+            if got is not None and rank_of(sending_stage(got)) != self.rank:
+                consumers[got] = index
+                self.before[self.first_part[index]].append(Wait(recv(got)))
+        for src in range(schedule.num_ranks):
+            if src != self.rank:
+                self._post_receives(channel_messages(schedule, src, self.rank), consumers)
+
+    def _post_receives(self, messages: list, consumers: dict[object, int]) -> None:
+        """Post each receive one op ahead of its consumer, never after a later-sent message's post
+        (a channel is FIFO: the receiver posts in the sender's order)."""
+        posts = [max(consumers[key] - 1, 0) for key in messages]
+        for k in range(len(posts) - 2, -1, -1):
+            posts[k] = min(posts[k], posts[k + 1])
+        for key, at in zip(messages, posts):
+            slot = self.before[self.first_part[at]]
+            waits = next((i for i, a in enumerate(slot) if isinstance(a, Wait)), len(slot))
+            slot.insert(waits, Issue(recv(key)))  # posts go ahead of the slot's waits
+
+    def _place_vocab(self) -> None:
+        schedule = self.schedule
+        root = schedule.placement.rank_of(schedule.num_stages - 1)
+        program = schedule.programs[self.rank]
+        waited: set[Comm] = set()
+        for index, op in enumerate(program):
+            j = op.microbatch
+            broadcast, reduction = (
+                Comm(kind, -1, 0, j) for kind in (CommKind.VOCAB_BROADCAST, CommKind.VOCAB_REDUCE)
+            )
+            if op.kind is Kind.F and op.stage == schedule.num_stages - 1:
+                self.after[self._last_part(index)].append(Issue(broadcast))
+            if op.kind is Kind.S:
+                if self.rank != root:  # posted one op ahead, after earlier posts, ahead of the waits
+                    at = self.first_part[max(index - 1, 0)]
+                    self.before[at].insert(self._issue_slot(at), Issue(broadcast))
+                self.before[self.first_part[index]].append(Wait(broadcast))
+                self.after[self._last_part(index)].append(Issue(reduction))
+            last_backward = op.computes_input_grad and op.stage == schedule.num_stages - 1
+            if (op.kind is Kind.T or last_backward) and reduction not in waited:
+                waited.add(reduction)  # the last stage's rank: before the first of T and the backward
+                self.before[self.first_part[index]].append(Wait(reduction))
+
+    def _readers(self) -> dict[tuple[int, int], list[int]]:
+        """Each unit ``(stage, part)`` of the rank: the indices of the parts that read it."""
+        readers: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, part in enumerate(self.parts):
+            if not part.op.is_vocab:
+                readers[(part.op.stage, part.part)].append(i)
+        return readers
+
+    def _runs(self, readers: list[int]) -> list[list[int]]:
+        """The readers cut where the unit is resharded: after a forward part (``reshard_after_forward``)
+        or a gradient part (``reshard_after_backward``) whose unit is not read again within the
+        prefetch's reach (an unshard issued right after the reshard would undo it); never before
+        the last reader otherwise."""
+        options = self.options
+        bridged = options.prefetch + 1
+        runs: list[list[int]] = [[readers[0]]]
+        for previous, i in itertools.pairwise(readers):
+            forward = self.parts[previous].op.kind is Kind.F
+            policy = options.reshard_after_forward if forward else options.reshard_after_backward
+            if policy and i - previous > bridged:
+                runs.append([])
+            runs[-1].append(i)
+        return runs
+
+    def _place_units(self) -> None:
+        prefetch = self.options.prefetch
+        for (stage, index), readers in sorted(self._readers().items(), key=lambda item: item[1][0]):
+            earliest = 0
+            for round_, run in enumerate(self._runs(readers)):
+                unshard = Comm(CommKind.UNSHARD, stage, index, -1, round_)
+                at = max(run[0] - prefetch, earliest)
+                self.before[at].insert(self._issue_slot(at), Issue(unshard))
+                self.before[run[0]].append(Wait(unshard))
+                self.after[run[-1]].append(Issue(Comm(CommKind.RESHARD, stage, index, -1, round_)))
+                earliest = run[-1] + 1
+
+    def _issue_slot(self, at: int) -> int:
+        """Where an unshard issued before part ``at`` goes: after the other unshard issues already
+        there (they are read earlier), ahead of the waits."""
+        slot = self.before[at]
+        return next((i for i, a in enumerate(slot) if isinstance(a, Wait)), len(slot))
+
+    def _place_reductions(self) -> None:
+        kind = CommKind.REDUCE_SCATTER if self.options.data_parallel == "fsdp" else CommKind.ALL_REDUCE
+        last: dict[tuple[int, int], int] = {}
+        for i, part in enumerate(self.parts):
+            if part.op.computes_weight_grad:
+                last[(part.op.stage, part.part)] = i
+        for (stage, index), i in sorted(last.items(), key=lambda item: item[1]):
+            reduction = Comm(kind, stage, index)
+            self.after[i].insert(0, Issue(reduction))  # ahead of the unit's reshard
+            self.finals.append(reduction)
+
+
+def compute_ops(program: tuple[Action, ...]) -> list[Op]:
+    """The compute ops of a lowered program in order (each op once, however many parts it has)."""
+    return [action.op for action in program if isinstance(action, Compute) and action.first]
