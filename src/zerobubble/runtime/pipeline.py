@@ -49,7 +49,7 @@ from .parallel.mesh import data_mesh
 from .state.checkpoint import model_keys
 from .state.pipeline_state import PipelineState
 from .vocab.layers import VocabParallelEmbedding, VocabParallelHead
-from .vocab.runner import VocabRunner, check_vocab_grid, place_vocab, vocab_weights
+from .vocab.runner import VocabRunner, check_vocab_grid, place_vocab
 from .wgrad import FastPaths
 from .wgrad.verify import SplitRecord
 
@@ -231,7 +231,7 @@ class Pipeline:
         self._optimization = StepOptimization(
             resolution=resolution, layout=self.layout, device=self.device,
             post_validation=self._request.post_validation, wait=self._monitor.wait, tied=self._tied,
-            sharded=self._sharded, executor=self._executor, replicated=vocab_weights(self._executor.ends),
+            sharded=self._sharded, executor=self._executor,
         )  # fmt: skip
         self._state = PipelineState(
             module=self.module, ends=self._executor.ends, layout=self.layout, calls=self._calls,

@@ -98,7 +98,7 @@ CHECKS = [  # (options, the PipelineError's message: the one Pipeline(...) raise
     ),
     (
         {"head": "head", "data_parallel": "hsdp"},
-        'the vocabulary-parallel head and embedding shard over each replica\'s pipeline ranks: they combine '
+        "the vocabulary-parallel head and embedding shard over each replica's pipeline ranks: they combine "
         'with data_parallel= (a replica count, "replicate" or "fsdp") but not with data_parallel="hsdp"',
     ),
     (

@@ -59,14 +59,14 @@ class StepOptimization:
         tied: Sequence[Any],
         sharded: ShardedStages | None,
         executor: Executor,
-        replicated: Sequence[torch.Tensor] = (),
     ):
         self.layout, self.rank = layout, layout.grid.pipeline_rank
         self._wait, self._tied, self._sharded = wait, list(tied), sharded
         self._placeholder: torch.optim.Optimizer | None = None
         chained = sharded is not None
+        whole = executor.ends.whole_on_replicas()  # the vocabulary rows: not FSDP2 shards
         self._optimizer = chain_optimizer(
-            resolution, layout, device, post_validation, wait, tied, sharded=chained, replicated=replicated
+            resolution, layout, device, post_validation, wait, tied, sharded=chained, replicated=whole
         )
         program = resolution.schedule.programs[self.rank]
         # The pending step is settled before the next step reads any parameter: at its very start,

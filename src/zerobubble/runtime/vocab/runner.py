@@ -320,6 +320,11 @@ class VocabRunner(ModelEnds):
             if entry is not None and entry[1] is not None:
                 self._wait(entry[1], f"the broadcast of microbatch {j}'s last hidden states")
 
+    def whole_on_replicas(self) -> list[torch.Tensor]:
+        """The vocabulary rows this rank holds: whole on every replica, averaged at the step's end."""
+        layers = [layer for layer in (self.embedding, self.head) if layer is not None]
+        return list({id(layer.weight): layer.weight for layer in layers}.values())
+
     def _head(self) -> VocabParallelHead:
         if self.head is None:  # pragma: no cover - the schedule has S/T ops only with a head
             raise PipelineError("this pipeline has no vocabulary-parallel head")
@@ -456,15 +461,6 @@ def _replica_averager(
     if embedding is not None:
         chunks[1] = [embedding.weight]  # a tied weight's gradient is final after the embedding's end
     return GradientAverager(chunks, layout.dp_group, grid.dp, wait=wait)
-
-
-def vocab_weights(ends: Any) -> list[torch.Tensor]:
-    """The vocabulary-parallel rows ``ends`` holds (a :class:`VocabRunner`'s, whole on every
-    replica; none for other ends)."""
-    if not isinstance(ends, VocabRunner):
-        return []
-    layers = [layer for layer in (ends.embedding, ends.head) if layer is not None]
-    return list({id(layer.weight): layer.weight for layer in layers}.values())
 
 
 def check_vocab_call(
