@@ -22,12 +22,22 @@ tied across chunks) are checked to be refused.
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 from _dist import run_ranks
 from _profile import profile
 from _rank_pool import RankPool
-from _training_equivalence import LAYOUTS, LOOPS, OPTIMIZERS, Case, refusal, train_case, zeroed_in_place
+from _training_equivalence import (
+    LAYOUTS,
+    LOOPS,
+    OPTIMIZERS,
+    Case,
+    parallelize,
+    refusal,
+    train_case,
+    zeroed_in_place,
+)
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -92,8 +102,11 @@ def cases(world_size: int) -> st.SearchStrategy[Case]:
     def draw(data: st.DrawFn) -> Case:
         layout = data(st.sampled_from(LAYOUTS)) if world_size == 4 else "pp"
         stages = world_size if layout == "pp" else 2
-        vocab_parallel = data(st.booleans()) if layout in ("pp", "groups") else False  # else refused
         choice = data(_schedule_choice(stages))
+        # refused: tensor parallelism; and the planner weighs a vocabulary-parallel head on one replica only
+        replicas = layout not in ("pp", "groups")
+        allowed = layout != "mesh-tp" and not (replicas and choice["schedule"] == "auto")
+        vocab_parallel = data(st.booleans()) if allowed else False
         cuts = choice.pop("cuts", None)
         layers = choice["blocks"] + (0 if vocab_parallel else 2)
         if cuts is not None and data(st.booleans()):  # explicit cuts, else even ones
@@ -207,17 +220,21 @@ def test_every_pipeline_argument_is_drawn_or_named():
     assert not stale, f"named but no longer Pipeline arguments: {sorted(stale)}"
 
 
-@pytest.mark.parametrize("options", [{"data_parallel": 2}, {"mesh": "a mesh"}])
-def test_what_the_draw_skips_is_refused(options):
-    """Vocabulary-parallel ends with replicas or a mesh are skipped by the draw: the Pipeline refuses
-    them before any collective, with a message that says so."""
+@pytest.mark.parametrize(
+    "options, what",
+    [({"data_parallel": "hsdp"}, 'data_parallel="hsdp"'), ({"parallelize": parallelize}, "parallelize=")],
+)
+def test_what_the_draw_skips_is_refused(options, what):
+    """Vocabulary-parallel ends with HSDP or tensor parallelism are skipped by the draw: the Pipeline
+    refuses them before any collective, with a message that says so (a mesh with ranks inside a
+    stage: tests/runtime/vocab/test_vocab_grid.py)."""
     from _training_equivalence import build_model
 
     from zerobubble import Pipeline
     from zerobubble.runtime import PipelineError
 
     model = build_model(ISSUE_CASE)
-    with pytest.raises(PipelineError, match="do not combine with data_parallel= or mesh="):
+    with pytest.raises(PipelineError, match=f"but not with {re.escape(what)}"):
         Pipeline(model["layers"], head=model["head"], embedding=model["embedding"], **options)
 
 

@@ -49,7 +49,7 @@ from .parallel.mesh import data_mesh
 from .state.checkpoint import model_keys
 from .state.pipeline_state import PipelineState
 from .vocab.layers import VocabParallelEmbedding, VocabParallelHead
-from .vocab.runner import VocabRunner, place_vocab
+from .vocab.runner import VocabRunner, check_vocab_grid, place_vocab
 from .wgrad import FastPaths
 from .wgrad.verify import SplitRecord
 
@@ -136,6 +136,7 @@ class Pipeline:
         asked = replace(request, layers=prepare_layers(request.layers, request.compile))
         # collective: joins the group or the mesh (their arguments checked first, alike on every rank)
         world = world_of(asked)
+        check_vocab_grid(asked.head, asked.embedding, world.grid)  # alike on every rank, no group made yet
         self.device: torch.device = world.device
         self.timeout = asked.timeout
         self.sharding: str | None = world.grid.sharding  # "fsdp", "hsdp", or None: replicated

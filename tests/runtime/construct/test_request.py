@@ -55,10 +55,9 @@ def test_the_derived_facts_are_properties_of_the_request():
     assert not plain.vocab_parallel and not plain.parallelized and not plain.wants_profile
     assert plain.cut_points == [1] and plain.vocab_layers == (None, None)
     head = VocabParallelHead(4, 8)
-    vocab = PipelineRequest(
-        layers=_layers(), head=head, parallelize=lambda layer, mesh: layer, partition="profile"
-    )
-    assert vocab.vocab_parallel and vocab.parallelized and vocab.wants_profile
+    vocab = PipelineRequest(layers=_layers(), head=head, partition="profile")
+    assert vocab.vocab_parallel and not vocab.parallelized and vocab.wants_profile
+    assert PipelineRequest(layers=_layers(), parallelize=lambda layer, mesh: layer).parallelized
     assert vocab.cut_points is None and vocab.vocab_layers == (head, None)
     assert PipelineRequest(layers=_layers(), schedule="auto").wants_profile
 
@@ -98,8 +97,9 @@ CHECKS = [  # (options, the PipelineError's message: the one Pipeline(...) raise
         "head= computes the loss (the exact cross-entropy over the whole vocabulary): drop loss_fn=",
     ),
     (
-        {"head": "head", "data_parallel": 2},
-        "the vocabulary-parallel head and embedding shard over the pipeline's ranks only",
+        {"head": "head", "data_parallel": "hsdp"},
+        "the vocabulary-parallel head and embedding shard over each replica's pipeline ranks: they combine "
+        'with data_parallel= (a replica count, "replicate" or "fsdp") but not with data_parallel="hsdp"',
     ),
     (
         {"embedding": "embedding", "schedule": "auto"},

@@ -79,6 +79,7 @@ class PipelineRequest:
             data_parallel=self.data_parallel,
             mesh=self.mesh,
             schedule=self.schedule,
+            parallelize=self.parallelize,
         )
         compile_options(self.compile)
         check_timeout(self.timeout)

@@ -79,3 +79,8 @@ class ModelEnds:
     def held_tensors(self) -> list[torch.Tensor]:
         """Every activation these ends keep now (for :class:`~..observe.memory.ActivationMeter`)."""
         return []
+
+    def whole_on_replicas(self) -> list[torch.Tensor]:
+        """Parameters these ends keep whole on every data-parallel replica and average themselves
+        (a sharded norm counts them on the first replica only)."""
+        return []

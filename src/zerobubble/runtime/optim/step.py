@@ -64,8 +64,9 @@ class StepOptimization:
         self._wait, self._tied, self._sharded = wait, list(tied), sharded
         self._placeholder: torch.optim.Optimizer | None = None
         chained = sharded is not None
+        whole = executor.ends.whole_on_replicas()  # the vocabulary rows: not FSDP2 shards
         self._optimizer = chain_optimizer(
-            resolution, layout, device, post_validation, wait, tied, sharded=chained
+            resolution, layout, device, post_validation, wait, tied, sharded=chained, replicated=whole
         )
         program = resolution.schedule.programs[self.rank]
         # The pending step is settled before the next step reads any parameter: at its very start,
@@ -149,9 +150,12 @@ def chain_optimizer(
     wait: Callable[..., Any],
     tied: Sequence[TiedParameter],
     sharded: bool = False,
+    replicated: Sequence[torch.Tensor] = (),
 ) -> PipelineOptimizer:
     """The optimizer step of ``layout``'s pipeline rank: the ranks chained in the order the resolved
-    timeline finishes them (:func:`~.post_validation.validation_chain`)."""
+    timeline finishes them (:func:`~.post_validation.validation_chain`).  ``replicated``: parameters
+    whole on every replica (the vocabulary-parallel rows), whose norm the first replica alone counts
+    when the norm state is summed over the shards' holders (``sharded``)."""
     rank = layout.grid.pipeline_rank
     finish_times = [ends[-1] if ends else 0.0 for ends in resolution.timeline.end]
     chain = [layout.grid.global_rank(r) for r in validation_chain(finish_times)]
@@ -163,7 +167,8 @@ def chain_optimizer(
         device,
         wait=wait,
         # a tied parameter's summed gradient is counted once, by the holder of its first layer
-        norm_excludes=[t.param for t in tied if t.source != layout.grid.global_rank(rank)],
+        norm_excludes=[t.param for t in tied if t.source != layout.grid.global_rank(rank)]
+        + (list(replicated) if sharded and layout.grid.dp_index != 0 else []),
         # sharded gradients: each rank's norm state covers its shards, summed over their holders first
         shard_group=layout.shard_group if sharded else None,
     )

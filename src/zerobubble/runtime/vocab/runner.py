@@ -31,6 +31,8 @@ from torch import nn
 from ...schedule import Kind, Schedule
 from .. import PipelineError
 from ..execute.ends import ModelEnds
+from ..parallel.consistency import broadcast_replicas
+from ..parallel.data_parallel import GradientAverager
 from ..parallel.groups import local_group
 from .layers import (
     HeadTotals,
@@ -106,6 +108,7 @@ class VocabRunner(ModelEnds):
         groups: VocabGroups,
         device: torch.device,
         wait: Callable[[Any, str], None] = lambda work, what: work.wait(),
+        replicas: GradientAverager | None = None,
     ):
         self._wait = wait  # the peer monitor's: a dead or failed peer ends the wait with its error
         self.head, self.embedding = head, embedding
@@ -122,6 +125,9 @@ class VocabRunner(ModelEnds):
         self._embedding_grads: dict[int, torch.Tensor] = {}
         self._scale, self._training = 1.0, True
         self.takes_outputs = head is not None
+        # data parallelism: the replicas' average of the weights' gradients (chunk 0 the head's,
+        # started after this step's last T; chunk 1 the embedding's and a tied weight's, at the end)
+        self._replicas, self._t_done = replicas, 0
 
     # -- the protocol (.ends) ------------------------------------------------------------------------
 
@@ -158,7 +164,7 @@ class VocabRunner(ModelEnds):
     ) -> None:
         """Keep the step's labels and start the embedding's reductions; the labels and tokens were
         checked before the call ran (:func:`check_vocab_call`)."""
-        self._scale, self._training = scale, training
+        self._scale, self._training, self._t_done = scale, training, 0
         if self.head is not None:
             labels = [torch.as_tensor(t).to(self.device).reshape(-1) for t in targets]
             self._labels, self._shapes = labels, [torch.as_tensor(t).shape for t in targets]
@@ -188,12 +194,18 @@ class VocabRunner(ModelEnds):
             self._embedded = []
             if self._training:
                 self._embedding_backward()
+        if self._replicas is not None and self._training:
+            if 1 in self._replicas.chunks:
+                self._replicas.start(1)
+            self._replicas.finish()
 
     def abort(self) -> None:
         """Drop everything of a failed step (its collectives are abandoned with the step)."""
         self._hidden.clear()
         self._shards.clear()
         self._embedded, self._embedding_grads = [], {}
+        if self._replicas is not None:
+            self._replicas.discard()
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every activation this rank's shard keeps now (for :class:`~..observe.memory.ActivationMeter`)."""
@@ -275,6 +287,9 @@ class VocabRunner(ModelEnds):
             self._wait_parts(shard, j)
         shard.logits = torch.empty(0)
         self._release(j)
+        self._t_done += 1
+        if self._t_done == self.microbatches and self._replicas is not None and 0 in self._replicas.chunks:
+            self._replicas.start(0)  # the head's gradient is final: its average travels meanwhile
 
     def input_grad(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last stage's B(j): the gradient of its output and the loss of microbatch ``j``."""
@@ -304,6 +319,11 @@ class VocabRunner(ModelEnds):
             entry = self._hidden.pop(j, None)
             if entry is not None and entry[1] is not None:
                 self._wait(entry[1], f"the broadcast of microbatch {j}'s last hidden states")
+
+    def whole_on_replicas(self) -> list[torch.Tensor]:
+        """The vocabulary rows this rank holds: whole on every replica, averaged at the step's end."""
+        layers = [layer for layer in (self.embedding, self.head) if layer is not None]
+        return list({id(layer.weight): layer.weight for layer in layers}.values())
 
     def _head(self) -> VocabParallelHead:
         if self.head is None:  # pragma: no cover - the schedule has S/T ops only with a head
@@ -340,7 +360,14 @@ class VocabRunner(ModelEnds):
 
 
 def check_vocab_request(
-    head: Any, embedding: Any, *, loss_fn: Any, data_parallel: Any, mesh: Any, schedule: Any
+    head: Any,
+    embedding: Any,
+    *,
+    loss_fn: Any,
+    data_parallel: Any,
+    mesh: Any,
+    schedule: Any,
+    parallelize: Any = None,
 ) -> None:
     """Refuse what the vocabulary-parallel layers do not support, the same way on every rank."""
     if head is not None and not isinstance(head, VocabParallelHead):
@@ -355,15 +382,28 @@ def check_vocab_request(
         raise PipelineError(
             "head= computes the loss (the exact cross-entropy over the whole vocabulary): drop loss_fn="
         )
-    if data_parallel not in (None, 1) or mesh is not None:
+    if data_parallel == "hsdp" or parallelize is not None:
+        what = 'data_parallel="hsdp"' if data_parallel == "hsdp" else "parallelize= (tensor parallelism)"
         raise PipelineError(
-            "the vocabulary-parallel head and embedding shard over the pipeline's ranks only: they do "
-            "not combine with data_parallel= or mesh= yet"
+            f"the vocabulary-parallel head and embedding shard over each replica's pipeline ranks: they "
+            f'combine with data_parallel= (a replica count, "replicate" or "fsdp") but not with {what}'
         )
     if head is None and schedule == "auto":
         raise PipelineError(
             'schedule="auto" with embedding= needs head= too: it chooses between a plain and a '
             "vocabulary-parallel output layer (docs/guide.md, Vocabulary parallelism)"
+        )
+
+
+def check_vocab_grid(head: Any, embedding: Any, grid: Any) -> None:
+    """Refuse a device grid with ranks inside a stage (a mesh dimension besides the pipeline's and
+    the data-parallel ones) for the vocabulary-parallel layers: the same on every rank, before any
+    group is made."""
+    if (head is not None or embedding is not None) and grid.tp > 1:
+        raise PipelineError(
+            f"the vocabulary-parallel head and embedding shard over each replica's pipeline ranks: the "
+            f"mesh puts {grid.tp} ranks inside each stage ({grid.describe()}), which they do not "
+            "support; keep only the pipeline and data-parallel dimensions"
         )
 
 
@@ -390,9 +430,37 @@ def place_vocab(
             keys.append(f"{name}.weight")
     groups = VocabGroups(*(local_group(ranks, timeout=layout.setup_timeout) for _ in range(3)))
     runner = VocabRunner(
-        head=head, embedding=embedding, schedule=schedule, rank=rank, groups=groups, device=device, wait=wait
-    )
+        head=head, embedding=embedding, schedule=schedule, rank=rank, groups=groups, device=device,
+        wait=wait, replicas=_replica_averager(head, embedding, layout, wait),
+    )  # fmt: skip
     return runner, keys
+
+
+def _replica_averager(
+    head: VocabParallelHead | None,
+    embedding: VocabParallelEmbedding | None,
+    layout: ParallelLayout,
+    wait: Callable[[Any, str], None],
+) -> GradientAverager | None:
+    """With data parallelism, replica 0's rows copied to every replica and the averager of the rows'
+    gradients over the replicas (collective over the data-parallel group); None with one replica.
+
+    The rows stay whole on every replica under ``data_parallel="fsdp"`` too, averaged like a
+    replicated parameter's: FSDP2 reduce-scatters in autograd's post-backward hooks, and the shards'
+    gradients are made by hand (S, T, the embedding's end of step), outside autograd; a shard's
+    rows are already ``1/pp`` of the weight (docs/guide.md, "Vocabulary parallelism")."""
+    grid = layout.grid
+    if grid.dp == 1:
+        return None
+    layers = nn.ModuleList([layer for layer in (embedding, head) if layer is not None])
+    broadcast_replicas(layers, layout.dp_group, grid.global_rank(grid.pipeline_rank, 0))
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    chunks = {}
+    if head is not None and not tied:
+        chunks[0] = [head.weight]
+    if embedding is not None:
+        chunks[1] = [embedding.weight]  # a tied weight's gradient is final after the embedding's end
+    return GradientAverager(chunks, layout.dp_group, grid.dp, wait=wait)
 
 
 def check_vocab_call(
