@@ -105,7 +105,9 @@ def costs_from_args(args: argparse.Namespace, stages: int) -> CostModel:
 
 def add_setup_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
     if schedule:
-        parser.add_argument("--schedule", default="zb-h1", help="schedule name (see 'zerobubble schedules')")
+        parser.add_argument(
+            "--schedule", "-s", default="zb-h1", help="schedule name (see 'zerobubble schedules')"
+        )
         parser.add_argument(
             "--schedule-file", help="read a schedule JSON (from 'export --format json') instead"
         )

@@ -1,5 +1,6 @@
 """The schedule commands: ``schedules``, ``simulate``, ``show``, ``export`` and ``compare`` (the
-schedule layer only: no torch)."""
+schedule layer only: no torch).  ``simulate``, ``show`` and ``export`` lower the schedule first
+when given ``--dp`` (:mod:`.comm_options`): then they report, draw and trace its communication too."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .base import (
     schedule_from_args,
     writing,
 )
+from .comm_options import LoweredRun, add_comm_arguments, lower_from_args, lowered_report, tried_table
 
 
 def _cmd_schedules(args: argparse.Namespace) -> int:
@@ -50,8 +52,13 @@ def _simulation_report(args: argparse.Namespace) -> tuple[Schedule, Any, dict[st
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    _, _, report = _simulation_report(args)
+    _, timeline, report = _simulation_report(args)
+    lowered = lower_from_args(args, timeline)
+    if lowered is not None:
+        report = lowered_report(lowered, report, args.optimizer, args.step_time, args.memory_cap)
     if args.json:
+        if lowered is not None and lowered.tried:
+            report["candidates"] = tried_table(lowered)
         print(json.dumps(report))
         return 0
     for key, value in report.items():
@@ -67,6 +74,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from ..schedule.render import render_image, render_text
 
     _, timeline, report = _simulation_report(args)
+    lowered = lower_from_args(args, timeline)
+    if lowered is not None:
+        return _show_lowered(args, lowered)
     if args.output:
         with writing(args.output):
             render_image(timeline, args.output)
@@ -79,13 +89,39 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_lowered(args: argparse.Namespace, lowered: LoweredRun) -> int:
+    """``show --dp``: the lowered timeline with a lane per communication group (text or SVG)."""
+    from ..schedule.lowering import render_comm_svg, render_comm_text
+
+    timeline = lowered.timeline
+    if not args.output:
+        print(render_comm_text(timeline, width=args.width or 100))
+        return 0
+    if not args.output.endswith(".svg"):
+        raise UsageError(
+            f"show --dp draws its communication lanes as SVG: give -o FILE.svg, not {args.output!r}"
+        )
+    with writing(args.output):
+        render_comm_svg(timeline, args.output)
+    lowering = timeline.lowered.options.describe()
+    print(
+        f"wrote {args.output}: {timeline.lowered.source.name} lowered ({lowering}), "
+        f"iteration time {timeline.iteration_time:.6g}, exposed dp {timeline.exposed_dp:.4g}"
+    )
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from ..schedule.export import describe_torch_placement, export, torch_placement_json
 
     if args.placement and args.format != "torch-csv":
         raise UsageError("--placement goes with --format torch-csv (the placement its CSV needs)")
     schedule, timeline, _ = _simulation_report(args)
-    text = export(timeline if args.format == "chrome-trace" else schedule, args.format)
+    lowered = lower_from_args(args, timeline)
+    if lowered is not None:
+        text = _export_lowered(args, lowered)
+    else:
+        text = export(timeline if args.format == "chrome-trace" else schedule, args.format)
     if args.output:
         _write(args.output, text)
     else:
@@ -99,6 +135,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
     where = f"; written to {placement}" if placement else ""
     print(f"stage placement for this CSV: {describe_torch_placement(schedule)}{where}", file=sys.stderr)
     return 0
+
+
+def _export_lowered(args: argparse.Namespace, lowered: LoweredRun) -> str:
+    """``export --dp``: the lowered timeline as a Chrome trace, a thread per communication lane."""
+    from ..schedule.lowering import to_comm_chrome_trace
+
+    if args.format != "chrome-trace":
+        raise UsageError(
+            f"export --dp writes the lowered timeline as --format chrome-trace; {args.format} holds "
+            "the compute ops only (export it without --dp)"
+        )
+    return to_comm_chrome_trace(lowered.timeline)
 
 
 def _placement_path(output: str) -> str:
@@ -205,6 +253,7 @@ def _add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-time", type=non_negative_float, default=0.0, help="optimizer step time (default 0)"
     )
     parser.add_argument("--time-limit", type=positive_float, help="seconds for zb-ilp (default 60)")
+    add_comm_arguments(parser)
 
 
 def _add_show_arguments(parser: argparse.ArgumentParser) -> None:
