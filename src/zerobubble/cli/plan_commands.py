@@ -57,6 +57,7 @@ def _plan_cluster(args: argparse.Namespace) -> int:
     from ..schedule.modelplan.cluster import (
         DEFAULT_SCHEDULES,
         Cluster,
+        ClusterSearch,
         TransformerShape,
         best_layout_text,
         cluster_table,
@@ -85,8 +86,8 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         args.seq_len,
         microbatch_size=args.microbatch_size,
         recompute=args.recompute,
-        schedules=args.schedules.split(",") if args.schedules else DEFAULT_SCHEDULES,
         layouts=_cluster_grids(args, shape, cluster),
+        search=ClusterSearch(tuple(args.schedules.split(",")) if args.schedules else DEFAULT_SCHEDULES),
     )
     best = best_layout_text(options)  # raises when no layout fits
     if args.output:
@@ -187,6 +188,17 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("replicate", "fsdp", "hsdp"),
         help="with --mesh (default replicate) or --cluster (default fsdp; replicate tries that instead)",
     )
+    _add_cluster_arguments(parser)
+    parser.add_argument(
+        "--output",
+        "-o",
+        help="draw the chosen schedule (.svg or .png); with --cluster, that of the best layout",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """``plan``'s options for a cluster on paper and for the published runs."""
     cluster = parser.add_argument_group("a cluster on paper (--cluster, instead of --profile)")
     cluster.add_argument(
         "--cluster",
@@ -209,13 +221,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan each published run's layout beside its published figure (default: the shipped runs: "
         "Megatron-LM's Table 1, torchtitan's Llama 3 on A100)",
     )
-    cluster.add_argument("--calibrate-on", help="with --published: the run the matmul efficiency is fitted to")
-    parser.add_argument(
-        "--output",
-        "-o",
-        help="draw the chosen schedule (.svg or .png); with --cluster, that of the best layout",
+    cluster.add_argument(
+        "--calibrate-on", help="with --published: the run the matmul efficiency is fitted to"
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:

@@ -26,10 +26,10 @@ from typing import Any
 
 from ..ir import ScheduleError, check_positive
 from .amounts import format_bytes, parse_bytes
+from .choices import describe_sharding, least_memory, score_shardings, sharding_reason
 from .kernels import BlockShape, Device, block_seconds, head_seconds
 from .layout import Grid, Link
 from .profile import LayerProfile, ModelProfile
-from .choices import describe_sharding, least_memory, score_shardings, sharding_reason
 from .result import Plan
 from .search import plan
 
@@ -135,7 +135,9 @@ class Cluster:
 
 
 _CLUSTER_DEFAULTS = {
-    f.name: f.default for f in fields(Cluster) if f.name in ("flops", "memory", "efficiency", "latency", "hbm", "sms")
+    f.name: f.default
+    for f in fields(Cluster)
+    if f.name in ("flops", "memory", "efficiency", "latency", "hbm", "sms")
 }
 """What :meth:`Cluster.parse` assumes for the fields a cluster text leaves out."""
 
@@ -230,6 +232,22 @@ class TransformerShape:
         """Every parameter (untied embedding and output layer)."""
         return self.layers * self.block_parameters + 2 * self.vocab * self.hidden
 
+    def block(self, tokens: int, seq_len: int, tp: int) -> BlockShape:
+        """One rank's share of a block at tensor parallelism ``tp`` (:mod:`.kernels`)."""
+        return BlockShape(
+            tokens=tokens,
+            seq_len=seq_len,
+            hidden=self.hidden,
+            kv_hidden=self.hidden * self.kv_heads // self.heads,
+            intermediate=self.intermediate,
+            heads=self.heads,
+            gated=self.gated,
+            rotary=self.rotary,
+            dropout=self.dropout,
+            flash=self.flash,
+            tp=tp,
+        )
+
     def flops_per_token(self, seq_len: int) -> float:
         """Forward and backward FLOPs a token costs: ``6·N`` plus attention's ``12·L·h·s`` (the
         convention of Megatron's and torchtitan's MFU)."""
@@ -250,26 +268,17 @@ def transformer_profile(
     path; bytes of the whole layer (:meth:`~..grid.Grid.per_rank` divides them)."""
     tokens, h = seq_len * microbatch_size, shape.hidden
     device = cluster.device()
-    block = BlockShape(
-        tokens=tokens,
-        seq_len=seq_len,
-        hidden=h,
-        kv_hidden=h * shape.kv_heads // shape.heads,
-        intermediate=shape.intermediate,
-        heads=shape.heads,
-        gated=shape.gated,
-        rotary=shape.rotary,
-        dropout=shape.dropout,
-        flash=shape.flash,
-        tp=tp,
-    )
-    forward, backward_input, backward_weight = block_seconds(block, device)
+    forward, backward_input, backward_weight = block_seconds(shape.block(tokens, seq_len, tp), device)
     reduce = Grid.all_reduce(2.0 * tokens * h, tp, Link(cluster.latency, cluster.intra))
     forward += 2 * reduce
     backward_input += 2 * reduce + (forward if recompute else 0.0)
 
     def state(count: int) -> dict[str, float]:
-        return {"parameter_bytes": 2.0 * count, "gradient_bytes": 2.0 * count, "optimizer_bytes": 12.0 * count}
+        return {
+            "parameter_bytes": 2.0 * count,
+            "gradient_bytes": 2.0 * count,
+            "optimizer_bytes": 12.0 * count,
+        }
 
     # a cut after a block sends its output; split over the tp ranks' links (Megatron's scatter-gather)
     sent = 2.0 * tokens * h / tp
@@ -307,6 +316,18 @@ def _together(name: str, first: LayerProfile, second: LayerProfile) -> LayerProf
         )
     }  # fmt: skip
     return LayerProfile(name, output_bytes=second.output_bytes, **summed)
+
+
+@dataclass(frozen=True)
+class ClusterSearch:
+    """How :func:`plan_cluster` searches each layout: the schedules tried, the chunk counts tried for
+    interleaved 1F1B, the planner's cut moves (``refine``), and whether it chooses the sharding (else
+    the grid's own)."""
+
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    interleaved_chunks: tuple[int, ...] = (2,)
+    refine: int = 4
+    choose_sharding: bool = True
 
 
 @dataclass(frozen=True)
@@ -360,26 +381,20 @@ def plan_cluster(
     *,
     microbatch_size: int = 1,
     recompute: bool = False,
-    schedules: Sequence[str] = DEFAULT_SCHEDULES,
     layouts: Sequence[Grid] | None = None,
-    interleaved_chunks: Sequence[int] = (2,),
-    refine: int = 4,
-    choose_sharding: bool = True,
+    search: ClusterSearch = ClusterSearch(),
 ) -> list[ClusterOption]:
     """Every layout of the cluster (:func:`cluster_grids`, FSDP2 where there are replicas) or those
     given (``pp``, ``dp``, ``tp`` and ``sharding`` of each grid read) planned, fastest first; each
-    with the fastest sharding that fits (:mod:`.choices`), or, without ``choose_sharding``, the
-    grid's own (``unit_layers``, ``reshard_after_forward``, ``prefetch``, ``bucket_bytes``)."""
+    with the fastest sharding that fits (:mod:`.choices`), or, without ``search.choose_sharding``,
+    the grid's own (``unit_layers``, ``reshard_after_forward``, ``prefetch``, ``bucket_bytes``)."""
     check_positive(tokens_per_step=tokens_per_step, seq_len=seq_len, microbatch_size=microbatch_size)
     sequences, remainder = divmod(tokens_per_step, seq_len)
     if remainder or sequences < 1:
         raise ScheduleError(
             f"tokens per step {tokens_per_step} must be a multiple of the sequence length {seq_len}"
         )
-    setting = _Setting(
-        shape, cluster, sequences, seq_len, microbatch_size, tuple(schedules), recompute,
-        tuple(interleaved_chunks), refine, choose_sharding,
-    )  # fmt: skip
+    setting = _Setting(shape, cluster, sequences, seq_len, microbatch_size, recompute, search)
     grids = layouts if layouts is not None else cluster_grids(shape, cluster)
     return sorted((_option(setting, grid) for grid in grids), key=lambda o: -o.tokens_per_second)
 
@@ -414,15 +429,14 @@ class _Setting:
     sequences: int
     seq_len: int
     microbatch_size: int
-    schedules: tuple[str, ...]
     recompute: bool
-    interleaved_chunks: tuple[int, ...]
-    refine: int
-    choose_sharding: bool
+    search: ClusterSearch
 
     def profile(self, tp: int) -> ModelProfile:
         """The per-layer profile of one rank of ``tp`` (:func:`transformer_profile`)."""
-        return transformer_profile(self.shape, self.cluster, self.seq_len, self.microbatch_size, self.recompute, tp)
+        return transformer_profile(
+            self.shape, self.cluster, self.seq_len, self.microbatch_size, self.recompute, tp
+        )
 
 
 def _option(setting: _Setting, grid: Grid) -> ClusterOption:
@@ -444,14 +458,14 @@ def _option(setting: _Setting, grid: Grid) -> ClusterOption:
             pp,
             per_replica,
             cluster.memory,
-            schedules=setting.schedules,
-            interleaved_chunks=setting.interleaved_chunks,
+            schedules=setting.search.schedules,
+            interleaved_chunks=setting.search.interleaved_chunks,
             layout=layout,
-            refine=setting.refine,
+            refine=setting.search.refine,
         )
     except ScheduleError as error:
         return ClusterOption(pp, dp, tp, mode, per_replica, None, note=str(error))
-    own = None if setting.choose_sharding else [_with_sharding_of(layout, grid)]
+    own = None if setting.search.choose_sharding else [_with_sharding_of(layout, grid)]
     scores = score_shardings(
         layout, staged, chosen.winner, microbatches=per_replica, budget=cluster.memory, variants=own
     )

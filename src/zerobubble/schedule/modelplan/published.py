@@ -22,7 +22,7 @@ from typing import Any
 from ..grid import Grid
 from ..ir import ScheduleError
 from .amounts import format_bytes
-from .cluster import Cluster, ClusterOption, TransformerShape, plan_cluster
+from .cluster import Cluster, ClusterOption, ClusterSearch, TransformerShape, plan_cluster
 
 RUNS = Path(__file__).resolve().parents[2] / "data" / "published_runs.json"
 """The published runs shipped with the package."""
@@ -39,7 +39,14 @@ def load_runs(path: str | Path = RUNS) -> dict[str, Any]:
 def megatron_flops(batch: int, seq_len: int, layers: int, hidden: int, vocab: int) -> float:
     """FLOPs of one step as Narayanan et al. (2021, eq. 3) count them, recomputation included:
     ``96·B·s·l·h²·(1 + s/6h + V/16lh)``."""
-    return 96.0 * batch * seq_len * layers * hidden**2 * (1 + seq_len / (6 * hidden) + vocab / (16 * layers * hidden))
+    return (
+        96.0
+        * batch
+        * seq_len
+        * layers
+        * hidden**2
+        * (1 + seq_len / (6 * hidden) + vocab / (16 * layers * hidden))
+    )
 
 
 @dataclass(frozen=True)
@@ -88,11 +95,8 @@ def predict(run: Mapping[str, Any], shared: str, efficiency: float, *, choose: b
         run["seq_len"],
         microbatch_size=run["microbatch_size"],
         recompute=run["recompute"],
-        schedules=[run["schedule"]],
         layouts=[run_grid(run)],
-        interleaved_chunks=(run["chunks"],),
-        refine=0,
-        choose_sharding=choose,
+        search=ClusterSearch((run["schedule"],), (run["chunks"],), refine=0, choose_sharding=choose),
     )
     if option.plan is None:
         return Prediction(run, 0.0, option)

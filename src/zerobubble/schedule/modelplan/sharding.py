@@ -102,7 +102,9 @@ def unit_step_seconds(
         gathers = [link.time((s - 1) / s * p) for p in params]
         scatters = [link.time((s - 1) / s * g) + grid.all_reduce(g / s, rows, link) for g in grads]
         forward = [math.fsum(layer.forward for layer in unit) for unit in groups]
-        backward = [math.fsum(layer.backward_input + layer.backward_weight for layer in unit) for unit in groups]
+        backward = [
+            math.fsum(layer.backward_input + layer.backward_weight for layer in unit) for unit in groups
+        ]
         nothing = [0.0] * len(groups)
         total += exposed_seconds(forward, gathers, nothing, grid.prefetch)
         again = gathers[::-1] if grid.reshard_after_forward else nothing
