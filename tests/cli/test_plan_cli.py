@@ -13,6 +13,7 @@ from zerobubble.cli import main
 from zerobubble.runtime.construct.profile import profile_layers
 from zerobubble.schedule import ScheduleError
 from zerobubble.schedule.modelplan import LayerProfile, ModelProfile, plan, profile_from_trace
+from zerobubble.schedule.modelplan.cluster import CALIBRATED_EFFICIENCY
 
 
 def run(capsys, *argv):
@@ -79,7 +80,9 @@ def test_plan_of_a_cluster_on_paper(capsys, tmp_path):
     code, out, _ = run(capsys, *argv, "--seq-len", "2048", "--mesh", "pp=2,dp=4,tp=2", "--json")
     (row,) = json.loads(out)["layouts"]
     assert code == 0 and (row["pp"], row["dp"], row["tp"], row["sharding"]) == (2, 4, 2, "fsdp")
-    assert json.loads(out)["cluster"]["efficiency"] == 0.5  # the assumptions are in the JSON too
+    assert (
+        json.loads(out)["cluster"]["efficiency"] == CALIBRATED_EFFICIENCY
+    )  # the assumptions, in the JSON too
     code, _, err = run(capsys, "plan", "--cluster", cluster)
     assert code == 2 and "--cluster needs --model" in err
     code, _, err = run(capsys, *argv, "--data-parallel", "hsdp")  # not silently planned as fsdp
@@ -94,15 +97,18 @@ def test_plan_of_a_cluster_prints_what_it_assumed(capsys, tmp_path):
     code, out, _ = run(capsys, *argv, "--cluster", "nodes=2,gpus=4,intra=300GB/s,inter=25GB/s")
     assert code == 0
     assert (
-        "assumed per GPU: 312 TFLOP/s peak (default) × matmul efficiency 0.5 (default) = 156 TFLOP/s; "
-        "80.00 GiB of memory (default)\n"
+        f"assumed per GPU: 312 TFLOP/s peak (default) × matmul efficiency {CALIBRATED_EFFICIENCY:g} "
+        f"(default) = {312 * CALIBRATED_EFFICIENCY:g} TFLOP/s for a large product; 2039 GB/s of memory "
+        "bandwidth (default), 108 multiprocessors (default); 80.00 GiB of memory (default)\n"
         "assumed links: 300 GB/s a GPU within a node of 4, 25 GB/s a GPU between the 2 nodes; "
         "10 µs a message (default)\n"
     ) in out
-    given = "nodes=2,gpus=4,intra=100GB/s,inter=10GB/s,flops=989e12,memory=94GiB,efficiency=0.4,latency=2e-5"
+    given = "nodes=2,gpus=4,intra=100GB/s,inter=10GB/s,flops=989e12,memory=94GiB,efficiency=0.4,latency=2e-5,"
+    given += "hbm=3350GB/s,sms=132"
     code, out, _ = run(capsys, *argv, "--cluster", given)
     assert code == 0 and "(default)" not in out
-    assert "989 TFLOP/s peak × matmul efficiency 0.4 = 395.6 TFLOP/s; 94.00 GiB of memory" in out
+    assert "989 TFLOP/s peak × matmul efficiency 0.4 = 395.6 TFLOP/s for a large product" in out
+    assert "94.00 GiB of memory\n" in out
     assert "100 GB/s a GPU within a node of 4, 10 GB/s a GPU between the 2 nodes; 20 µs a message" in out
 
 

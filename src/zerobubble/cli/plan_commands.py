@@ -16,6 +16,8 @@ from .base import UsageError, non_negative_int, positive_int, writing
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ..schedule.modelplan import Link, mesh_layout, parse_mesh, plan
 
+    if args.published:
+        return _plan_published(args)
     if args.cluster:
         return _plan_cluster(args)
     profile = _plan_profile(args)
@@ -55,6 +57,7 @@ def _plan_cluster(args: argparse.Namespace) -> int:
     from ..schedule.modelplan.cluster import (
         DEFAULT_SCHEDULES,
         Cluster,
+        ClusterSearch,
         TransformerShape,
         best_layout_text,
         cluster_table,
@@ -83,8 +86,8 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         args.seq_len,
         microbatch_size=args.microbatch_size,
         recompute=args.recompute,
-        schedules=args.schedules.split(",") if args.schedules else DEFAULT_SCHEDULES,
         layouts=_cluster_grids(args, shape, cluster),
+        search=ClusterSearch(tuple(args.schedules.split(",")) if args.schedules else DEFAULT_SCHEDULES),
     )
     best = best_layout_text(options)  # raises when no layout fits
     if args.output:
@@ -101,6 +104,17 @@ def _plan_cluster(args: argparse.Namespace) -> int:
     print(best)
     if args.output:
         print(f"wrote {args.output}")
+    return 0
+
+
+def _plan_published(args: argparse.Namespace) -> int:
+    """``plan --published``: each published run's layout planned on paper beside its published figure."""
+    from ..schedule.modelplan.published import RUNS, load_runs, published_table
+
+    data = load_runs(RUNS if args.published == "shipped" else args.published)
+    if args.calibrate_on:
+        data["calibrate_on"] = args.calibrate_on
+    print(published_table(data))
     return 0
 
 
@@ -174,10 +188,22 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("replicate", "fsdp", "hsdp"),
         help="with --mesh (default replicate) or --cluster (default fsdp; replicate tries that instead)",
     )
+    _add_cluster_arguments(parser)
+    parser.add_argument(
+        "--output",
+        "-o",
+        help="draw the chosen schedule (.svg or .png); with --cluster, that of the best layout",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """``plan``'s options for a cluster on paper and for the published runs."""
     cluster = parser.add_argument_group("a cluster on paper (--cluster, instead of --profile)")
     cluster.add_argument(
         "--cluster",
-        help="nodes=8,gpus=8,intra=300GB/s,inter=25GB/s[,flops=312e12,memory=80GiB,efficiency=0.5]",
+        help="nodes=8,gpus=8,intra=300GB/s,inter=25GB/s[,flops=312e12,memory=80GiB,efficiency=0.684,"
+        "hbm=2039GB/s,sms=108,latency=1e-5]",
     )
     cluster.add_argument("--model", help="a Hugging Face config.json (its sizes)")
     cluster.add_argument("--tokens-per-step", type=positive_int, help="the global batch in tokens")
@@ -187,12 +213,17 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cluster.add_argument("--recompute", action="store_true", help="full activation recomputation")
     cluster.add_argument("--top", type=positive_int, default=10, help="layouts listed (default 10)")
-    parser.add_argument(
-        "--output",
-        "-o",
-        help="draw the chosen schedule (.svg or .png); with --cluster, that of the best layout",
+    cluster.add_argument(
+        "--published",
+        nargs="?",
+        const="shipped",
+        metavar="RUNS.json",
+        help="plan each published run's layout beside its published figure (default: the shipped runs: "
+        "Megatron-LM's Table 1, torchtitan's Llama 3 on A100)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    cluster.add_argument(
+        "--calibrate-on", help="with --published: the run the matmul efficiency is fitted to"
+    )
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:

@@ -101,6 +101,15 @@ class Grid:
     span: tuple[int, ...] = ()
     everyone: tuple[int, ...] = ()
     labels: Mapping[int, str] = field(default_factory=dict, compare=False)
+    # the planner's sharding choices (modelplan/sharding.py): FSDP units of ``unit_layers`` layers
+    # (0: each chunk gathered once a step, as the runtime does), reshard after forward, gathers in
+    # flight ahead, the replicated all-reduce's buckets (0: once after the step); ``split_compute``
+    # False: the profile's times are already one tensor-parallel rank's (collectives included)
+    unit_layers: int = 0
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    bucket_bytes: float = 0.0
+    split_compute: bool = True
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.tp < 1:
@@ -275,9 +284,9 @@ class Grid:
         return replace(profile, layers=tuple(self._tensor_parallel(layer) for layer in profile.layers))
 
     def _tensor_parallel(self, layer: LayerProfile) -> LayerProfile:
-        t = self.tp
-        reduce = self.tp_collectives * self.all_reduce(layer.output_bytes, t, self.tp_link)
-        kept = 1 - self.tp_activation_share + self.tp_activation_share / t
+        t = self.tp if self.split_compute else 1
+        reduce = self.tp_collectives * self.all_reduce(layer.output_bytes, self.tp, self.tp_link)
+        kept = 1 - self.tp_activation_share + self.tp_activation_share / self.tp
         return replace(
             layer,
             forward=layer.forward / t + reduce,
@@ -289,25 +298,44 @@ class Grid:
         )
 
     def static_bytes(self, layer: LayerProfile) -> float:
-        """The most parameter, gradient and optimizer-state bytes of ``layer`` one rank holds in a step."""
+        """The most parameter, gradient and optimizer-state bytes of ``layer`` one rank holds in a step
+        (with FSDP units: its shards; the units in flight are :meth:`held_bytes`'s)."""
         p, g, o = (
             value / self.tp for value in (layer.parameter_bytes, layer.gradient_bytes, layer.optimizer_bytes)
         )
         s = self.shard
         if s == 1:
             return p + g + o
+        if self.unit_layers:
+            return (p + g + o) / s
         return p * (1 + 1 / s) + g + o / s
+
+    def held_bytes(self, layers: Sequence[LayerProfile]) -> float:
+        """The most parameter, gradient and optimizer-state bytes a rank holding ``layers`` keeps in a
+        step: the sum of :meth:`static_bytes`, or with FSDP units their shards and the units in flight."""
+        if self.unit_layers and self.shard > 1:
+            from .modelplan.sharding import unit_held_bytes  # modelplan imports this module
+
+            return unit_held_bytes(self, layers)
+        return math.fsum(self.static_bytes(layer) for layer in layers)
 
     def resident_bytes(self, layer: LayerProfile) -> float:
         """The bytes of ``layer`` one rank keeps between steps (sharded)."""
         return layer.static_bytes / (self.tp * self.shard)
 
-    def step_seconds(self, layers: Sequence[LayerProfile], chunks: int = 1) -> float:
+    def step_seconds(self, layers: Sequence[LayerProfile], chunks: int = 1, microbatches: int = 1) -> float:
         """The data-parallel collectives of one step for a rank holding ``layers`` in ``chunks``
         chunks: FSDP's all-gather and reduce-scatter (HSDP: and the rows' all-reduce), or the
-        replicated all-reduce; one message per chunk."""
+        replicated all-reduce; one message per chunk, all exposed.  With FSDP units or buckets, the
+        part not hidden behind the ``microbatches``' compute (``modelplan/sharding.py``)."""
         if self.dp == 1:
             return 0.0
+        if (self.unit_layers and self.shard > 1) or (self.bucket_bytes and self.shard == 1):
+            from .modelplan import sharding  # modelplan imports this module: not at its top
+
+            if self.shard > 1:
+                return sharding.unit_step_seconds(self, layers, chunks, microbatches)
+            return sharding.bucket_step_seconds(self, layers)
         params = math.fsum(layer.parameter_bytes for layer in layers) / self.tp
         grads = math.fsum(layer.gradient_bytes for layer in layers) / self.tp
         link, s = self.dp_link, self.shard
@@ -327,7 +355,7 @@ class Grid:
         """What a rank holding ``layers`` keeps, for a plan's reason."""
         from .modelplan.amounts import format_bytes  # modelplan imports this module: not at its top
 
-        static = math.fsum(self.static_bytes(layer) for layer in layers)
+        static = self.held_bytes(layers)
         resident = math.fsum(self.resident_bytes(layer) for layer in layers)
         return (
             f"on {self.describe()} the busiest rank holds {format_bytes(peak)} at its peak: "

@@ -12,7 +12,8 @@ one schedule.
   :func:`parse_mesh`, :func:`mesh_layout`: a stage on ``dp × tp`` ranks; :data:`DATA_PARALLEL_MODES`;
 * :mod:`.result` — :class:`PlanCandidate`, :class:`Plan`, :class:`Calibration`;
 * :mod:`.search` — :func:`plan`, the search and the reason text;
-* :mod:`.cluster` — :func:`~.cluster.plan_cluster`: a cluster planned on paper from a model's sizes;
+* :mod:`.cluster` — :func:`~.cluster.plan_cluster`: a cluster planned on paper from a model's sizes
+  (its kernel model :mod:`.kernels`, FSDP units :mod:`.sharding` and :mod:`.choices`; :mod:`.published`);
 * :mod:`.calibration` — :func:`calibrate`, :func:`calibrated_profile`, :func:`profile_from_trace`.
 
 Each module imports only those listed before it.  Pure Python; no torch.

@@ -26,6 +26,8 @@ from typing import Any
 
 from ..ir import ScheduleError, check_positive
 from .amounts import format_bytes, parse_bytes
+from .choices import describe_sharding, least_memory, score_shardings, sharding_reason
+from .kernels import BlockShape, Device, block_seconds, head_seconds
 from .layout import Grid, Link
 from .profile import LayerProfile, ModelProfile
 from .result import Plan
@@ -34,17 +36,29 @@ from .search import plan
 GATED_MLP = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
 """``model_type`` values whose MLP has three matrices (gate, up, down); others have two."""
 
+ROTARY = (*GATED_MLP, "gpt_neox", "falcon")
+"""``model_type`` values with rotary position embedding (also any config with ``rope_theta``)."""
+
+DROPOUTS = ("attention_dropout", "attn_pdrop", "hidden_dropout", "resid_pdrop", "dropout")
+"""Config fields whose positive value means dropout runs (its masks are read and written)."""
+
 DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 """The schedules a cluster plan tries unless told (the memory-planned ones are slow at 1024 GPUs)."""
+
+
+CALIBRATED_EFFICIENCY = 0.684
+"""The fraction of the peak a large product sustains (:mod:`.kernels`), calibrated on one published
+run: Megatron-LM's 39.1B row (Narayanan et al. 2021, Table 1); ``zerobubble plan --published``
+recomputes it (:func:`~.published.calibrate`)."""
 
 
 @dataclass(frozen=True)
 class Cluster:
     """``nodes`` × ``gpus`` GPUs: links within a node (``intra``) and between nodes (``inter``) in
-    bytes/s a GPU, each GPU's peak ``flops``, the fraction of it a transformer's matmuls reach
-    (``efficiency``), its ``memory`` in bytes and the ``latency`` of a message in seconds.  Unless
-    told: an A100's bf16 peak of 312 TFLOP/s, 80 GiB, efficiency 0.5 (an assumption, not a
-    measurement: every predicted time scales with it) and 10 µs."""
+    bytes/s a GPU, each GPU's peak ``flops``, the fraction of it a large matrix product sustains
+    (``efficiency``), its ``memory`` in bytes, the ``latency`` of a message in seconds, its memory
+    bandwidth ``hbm`` in bytes/s and its ``sms`` multiprocessors.  Unless told: an A100 80GB (312
+    TFLOP/s bf16, 80 GiB, 2039 GB/s, 108 multiprocessors), :data:`CALIBRATED_EFFICIENCY` and 10 µs."""
 
     nodes: int
     gpus: int
@@ -52,8 +66,10 @@ class Cluster:
     inter: float
     flops: float = 312e12
     memory: float = 80 * 2**30
-    efficiency: float = 0.5
+    efficiency: float = CALIBRATED_EFFICIENCY
     latency: float = 1e-5
+    hbm: float = 2.039e12
+    sms: int = 108
 
     @property
     def size(self) -> int:
@@ -71,7 +87,13 @@ class Cluster:
             "intra_node_bytes_per_second": self.intra,
             "inter_node_bytes_per_second": self.inter,
             "latency_seconds": self.latency,
+            "memory_bandwidth_bytes_per_second": self.hbm,
+            "multiprocessors": self.sms,
         }
+
+    def device(self) -> Device:
+        """One GPU as :mod:`.kernels` times it."""
+        return Device(peak=self.flops, bandwidth=self.hbm, sms=self.sms, efficiency=self.efficiency)
 
     def describe(self) -> str:
         """Two lines: each GPU's assumed peak FLOP/s, matmul efficiency and memory; the links'
@@ -83,8 +105,9 @@ class Cluster:
 
         gpu = (
             f"assumed per GPU: {self.flops / 1e12:g} TFLOP/s peak{mark('flops')} × matmul efficiency "
-            f"{self.efficiency:g}{mark('efficiency')} = {self.flops * self.efficiency / 1e12:g} TFLOP/s; "
-            f"{format_bytes(self.memory)} of memory{mark('memory')}"
+            f"{self.efficiency:g}{mark('efficiency')} = {self.flops * self.efficiency / 1e12:g} TFLOP/s "
+            f"for a large product; {self.hbm / 1e9:g} GB/s of memory bandwidth{mark('hbm')}, "
+            f"{self.sms} multiprocessors{mark('sms')}; {format_bytes(self.memory)} of memory{mark('memory')}"
         )
         links = (
             f"assumed links: {self.intra / 1e9:g} GB/s a GPU within a node of {self.gpus}, "
@@ -112,17 +135,19 @@ class Cluster:
 
 
 _CLUSTER_DEFAULTS = {
-    f.name: f.default for f in fields(Cluster) if f.name in ("flops", "memory", "efficiency", "latency")
+    f.name: f.default
+    for f in fields(Cluster)
+    if f.name in ("flops", "memory", "efficiency", "latency", "hbm", "sms")
 }
 """What :meth:`Cluster.parse` assumes for the fields a cluster text leaves out."""
 
 
 def _cluster_value(name: str, value: str) -> Any:
-    if name in ("nodes", "gpus"):
+    if name in ("nodes", "gpus", "sms"):
         if not value.isdigit() or int(value) < 1:
             raise ValueError("a positive integer")
         return int(value)
-    if name in ("intra", "inter"):
+    if name in ("intra", "inter", "hbm"):
         return _rate(value)
     if name == "memory":
         return parse_bytes(value)
@@ -131,7 +156,9 @@ def _cluster_value(name: str, value: str) -> Any:
         if not math.isfinite(number) or number <= 0 or (name == "efficiency" and number > 1):
             raise ValueError("a positive number (efficiency at most 1)")
         return number
-    raise ValueError("unknown; the fields are nodes, gpus, intra, inter, flops, memory, efficiency, latency")
+    raise ValueError(
+        "unknown; the fields are nodes, gpus, intra, inter, flops, memory, efficiency, latency, hbm, sms"
+    )
 
 
 def _rate(value: str) -> float:
@@ -160,6 +187,9 @@ class TransformerShape:
     kv_heads: int
     vocab: int
     gated: bool
+    rotary: bool = False
+    dropout: bool = False
+    flash: bool = True
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> TransformerShape:
@@ -185,6 +215,9 @@ class TransformerShape:
             kv_heads=int(first("num_key_value_heads", "num_kv_heads") or heads),
             vocab=int(vocab),
             gated=str(config.get("model_type", "")) in GATED_MLP,
+            rotary=str(config.get("model_type", "")) in ROTARY or "rope_theta" in config,
+            dropout=any(float(config.get(name) or 0) > 0 for name in DROPOUTS),
+            flash=first("attn_implementation", "_attn_implementation") != "eager",
         )
 
     @property
@@ -199,6 +232,22 @@ class TransformerShape:
         """Every parameter (untied embedding and output layer)."""
         return self.layers * self.block_parameters + 2 * self.vocab * self.hidden
 
+    def block(self, tokens: int, seq_len: int, tp: int) -> BlockShape:
+        """One rank's share of a block at tensor parallelism ``tp`` (:mod:`.kernels`)."""
+        return BlockShape(
+            tokens=tokens,
+            seq_len=seq_len,
+            hidden=self.hidden,
+            kv_hidden=self.hidden * self.kv_heads // self.heads,
+            intermediate=self.intermediate,
+            heads=self.heads,
+            gated=self.gated,
+            rotary=self.rotary,
+            dropout=self.dropout,
+            flash=self.flash,
+            tp=tp,
+        )
+
     def flops_per_token(self, seq_len: int) -> float:
         """Forward and backward FLOPs a token costs: ``6·N`` plus attention's ``12·L·h·s`` (the
         convention of Megatron's and torchtitan's MFU)."""
@@ -206,11 +255,23 @@ class TransformerShape:
 
 
 def transformer_profile(
-    shape: TransformerShape, cluster: Cluster, seq_len: int, microbatch_size: int, recompute: bool
+    shape: TransformerShape,
+    cluster: Cluster,
+    seq_len: int,
+    microbatch_size: int,
+    recompute: bool,
+    tp: int = 1,
 ) -> ModelProfile:
-    """Per-layer costs of one microbatch (embedding, blocks, output layer) on one GPU (module docstring)."""
+    """Per-layer costs of one microbatch (embedding, blocks, output layer) on one rank of ``tp``
+    tensor-parallel ranks: times from :mod:`.kernels` with the tensor-parallel all-reduces (two in
+    the forward, two in the backward, two more when it recomputes the forward) on the critical
+    path; bytes of the whole layer (:meth:`~..grid.Grid.per_rank` divides them)."""
     tokens, h = seq_len * microbatch_size, shape.hidden
-    rate = cluster.flops * cluster.efficiency
+    device = cluster.device()
+    forward, backward_input, backward_weight = block_seconds(shape.block(tokens, seq_len, tp), device)
+    reduce = Grid.all_reduce(2.0 * tokens * h, tp, Link(cluster.latency, cluster.intra))
+    forward += 2 * reduce
+    backward_input += 2 * reduce + (forward if recompute else 0.0)
 
     def state(count: int) -> dict[str, float]:
         return {
@@ -219,32 +280,61 @@ def transformer_profile(
             "optimizer_bytes": 12.0 * count,
         }
 
-    matmul = 2 * tokens * shape.block_parameters / rate  # one pass over the block's weights
-    attention = 4 * tokens * seq_len * h / rate  # scores and their mix with v
-    forward = matmul + attention
-    block = LayerProfile(
+    # a cut after a block sends its output; split over the tp ranks' links (Megatron's scatter-gather)
+    sent = 2.0 * tokens * h / tp
+    blocks = LayerProfile(
         "block",
         forward=forward,
-        backward_input=matmul + 2 * attention + (forward if recompute else 0.0),
-        backward_weight=matmul,
+        backward_input=backward_input,
+        backward_weight=backward_weight,
         activation_bytes=(2.0 if recompute else 34.0) * tokens * h,
         weight_input_bytes=32.0 * tokens * h,
-        output_bytes=2.0 * tokens * h,
+        output_bytes=sent,
         **state(shape.block_parameters),
     )
     table = shape.vocab * h
-    head_pass = 2 * tokens * table / rate
-    embedding = LayerProfile("embedding", 0.0, 0.0, 0.0, output_bytes=2.0 * tokens * h, **state(table))
+    head_f, head_b, head_w = head_seconds(tokens, h, shape.vocab, tp, device)
+    embedding = LayerProfile("embedding", 0.0, 0.0, 0.0, output_bytes=sent, **state(table))
     head = LayerProfile(
-        "head", head_pass, head_pass, head_pass, activation_bytes=6.0 * tokens * shape.vocab, **state(table)
+        "head", head_f, head_b, head_w, activation_bytes=6.0 * tokens * shape.vocab, **state(table)
     )
-    layers = (embedding, *(block for _ in range(shape.layers)), head)
-    return ModelProfile(layers, comm_latency=cluster.latency, comm_bandwidth=cluster.inter)
+    # the embedding travels with the first block and the output layer with the last, as Megatron-LM
+    # and torchtitan place them: the blocks split evenly over the stages is then a partition
+    middle = [blocks] * shape.layers
+    middle[0] = _together("embedding+block", embedding, middle[0])
+    middle[-1] = _together(f"{middle[-1].name}+head", middle[-1], head)
+    return ModelProfile(tuple(middle), comm_latency=cluster.latency, comm_bandwidth=cluster.inter)
+
+
+def _together(name: str, first: LayerProfile, second: LayerProfile) -> LayerProfile:
+    """Two consecutive layers as one: times and bytes summed, the second's output sent on."""
+    summed = {
+        key: getattr(first, key) + getattr(second, key)
+        for key in (
+            "forward", "backward_input", "backward_weight", "activation_bytes", "weight_input_bytes",
+            "parameter_bytes", "gradient_bytes", "optimizer_bytes",
+        )
+    }  # fmt: skip
+    return LayerProfile(name, output_bytes=second.output_bytes, **summed)
+
+
+@dataclass(frozen=True)
+class ClusterSearch:
+    """How :func:`plan_cluster` searches each layout: the schedules tried, the chunk counts tried for
+    interleaved 1F1B, the planner's cut moves (``refine``), and whether it chooses the sharding (else
+    the grid's own)."""
+
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    interleaved_chunks: tuple[int, ...] = (2,)
+    refine: int = 4
+    choose_sharding: bool = True
 
 
 @dataclass(frozen=True)
 class ClusterOption:
-    """One layout of the cluster with its plan (None, and ``note``, when nothing fits)."""
+    """One layout of the cluster with its plan (None, and ``note``, when nothing fits): the step in
+    seconds and the busiest GPU's bytes with the chosen ``data_parallel`` sharding
+    (:mod:`.choices`), which ``reason`` explains."""
 
     pp: int
     dp: int
@@ -256,6 +346,10 @@ class ClusterOption:
     mfu: float = 0.0
     hfu: float = 0.0
     note: str = ""
+    step_time: float = 0.0
+    memory: float = 0.0
+    data_parallel: str = ""
+    reason: str = ""
 
     def row(self) -> dict[str, Any]:
         """JSON-ready numbers."""
@@ -267,12 +361,14 @@ class ClusterOption:
             "sharding": self.sharding or "replicate",
             "microbatches": self.microbatches,
             "schedule": winner.label if winner else None,
-            "step_time": winner.period if winner else None,
+            "step_time": self.step_time if winner else None,
             "bubble_rate": winner.bubble_rate if winner else None,
-            "memory_per_gpu": max(winner.peak_bytes) if winner else None,
+            "memory_per_gpu": self.memory if winner else None,
+            "data_parallel": self.data_parallel,
             "tokens_per_second_per_gpu": self.tokens_per_second,
             "mfu": self.mfu,
             "hfu": self.hfu,
+            "reason": self.reason,
             "note": self.note,
         }
 
@@ -285,19 +381,20 @@ def plan_cluster(
     *,
     microbatch_size: int = 1,
     recompute: bool = False,
-    schedules: Sequence[str] = DEFAULT_SCHEDULES,
     layouts: Sequence[Grid] | None = None,
+    search: ClusterSearch = ClusterSearch(),
 ) -> list[ClusterOption]:
     """Every layout of the cluster (:func:`cluster_grids`, FSDP2 where there are replicas) or those
-    given (``pp``, ``dp``, ``tp`` and ``sharding`` of each grid read) planned, fastest first."""
+    given (``pp``, ``dp``, ``tp`` and ``sharding`` of each grid read) planned, fastest first; each
+    with the fastest sharding that fits (:mod:`.choices`), or, without ``search.choose_sharding``,
+    the grid's own (``unit_layers``, ``reshard_after_forward``, ``prefetch``, ``bucket_bytes``)."""
     check_positive(tokens_per_step=tokens_per_step, seq_len=seq_len, microbatch_size=microbatch_size)
     sequences, remainder = divmod(tokens_per_step, seq_len)
     if remainder or sequences < 1:
         raise ScheduleError(
             f"tokens per step {tokens_per_step} must be a multiple of the sequence length {seq_len}"
         )
-    profile = transformer_profile(shape, cluster, seq_len, microbatch_size, recompute)
-    setting = _Setting(profile, shape, cluster, sequences, seq_len, microbatch_size, schedules, recompute)
+    setting = _Setting(shape, cluster, sequences, seq_len, microbatch_size, recompute, search)
     grids = layouts if layouts is not None else cluster_grids(shape, cluster)
     return sorted((_option(setting, grid) for grid in grids), key=lambda o: -o.tokens_per_second)
 
@@ -313,7 +410,7 @@ def cluster_grids(shape: TransformerShape, cluster: Cluster, sharding: str | Non
         if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
             continue
         for pp in _divisors(cluster.size // tp):
-            if pp <= shape.layers + 2:
+            if pp <= shape.layers:
                 dp = cluster.size // (tp * pp)
                 found.append(Grid(dp=dp, tp=tp, sharding=sharding if dp > 1 else None, pp=pp))
     return found
@@ -327,14 +424,19 @@ def _divisors(n: int) -> list[int]:
 class _Setting:
     """What every layout of one :func:`plan_cluster` call is planned with."""
 
-    profile: ModelProfile
     shape: TransformerShape
     cluster: Cluster
     sequences: int
     seq_len: int
     microbatch_size: int
-    schedules: Sequence[str]
     recompute: bool
+    search: ClusterSearch
+
+    def profile(self, tp: int) -> ModelProfile:
+        """The per-layer profile of one rank of ``tp`` (:func:`transformer_profile`)."""
+        return transformer_profile(
+            self.shape, self.cluster, self.seq_len, self.microbatch_size, self.recompute, tp
+        )
 
 
 def _option(setting: _Setting, grid: Grid) -> ClusterOption:
@@ -346,24 +448,58 @@ def _option(setting: _Setting, grid: Grid) -> ClusterOption:
             f"{setting.microbatch_size}"
         )
         return ClusterOption(pp, dp, tp, mode, 0, None, note=note)
-    # a collective's slowest hop: within a node while its ranks fit in one
-    tp_link = Link(cluster.latency, cluster.intra)
-    dp_link = Link(cluster.latency, cluster.intra if pp * tp * dp <= cluster.gpus else cluster.inter)
+    layout = _planned_grid(cluster, grid)
+    profile = setting.profile(tp)
     pp_bandwidth = cluster.intra if pp * tp <= cluster.gpus else cluster.inter
-    layout = replace(grid, tp_link=tp_link, dp_link=dp_link)
-    staged = ModelProfile(setting.profile.layers, comm_latency=cluster.latency, comm_bandwidth=pp_bandwidth)
+    staged = ModelProfile(profile.layers, comm_latency=cluster.latency, comm_bandwidth=pp_bandwidth)
     try:
         chosen = plan(
-            staged, pp, per_replica, cluster.memory, schedules=setting.schedules, layout=layout, refine=4
+            staged,
+            pp,
+            per_replica,
+            cluster.memory,
+            schedules=setting.search.schedules,
+            interleaved_chunks=setting.search.interleaved_chunks,
+            layout=layout,
+            refine=setting.search.refine,
         )
     except ScheduleError as error:
         return ClusterOption(pp, dp, tp, mode, per_replica, None, note=str(error))
-    step = chosen.predicted_iteration_time
-    tokens = setting.sequences * setting.seq_len / step / cluster.size
+    own = None if setting.search.choose_sharding else [_with_sharding_of(layout, grid)]
+    scores = score_shardings(
+        layout, staged, chosen.winner, microbatches=per_replica, budget=cluster.memory, variants=own
+    )
+    best = scores[0]
+    tokens = setting.sequences * setting.seq_len / best.step / cluster.size
     mfu = tokens * setting.shape.flops_per_token(setting.seq_len) / cluster.flops
     # the FLOPs the GPUs run: with recomputation the forward twice (8 passes of the weights, not 6)
     hfu = mfu * (4 / 3 if setting.recompute else 1.0)
-    return ClusterOption(pp, dp, tp, mode, per_replica, chosen, tokens, mfu, hfu)
+    return ClusterOption(
+        pp, dp, tp, mode, per_replica, chosen, tokens, mfu, hfu,
+        step_time=best.step, memory=best.peak, data_parallel=describe_sharding(best.grid),
+        reason=sharding_reason(scores, cluster.memory),
+    )  # fmt: skip
+
+
+def _planned_grid(cluster: Cluster, grid: Grid) -> Grid:
+    """``grid`` with the cluster's links (a collective's slowest hop: within a node while its ranks
+    fit in one), the profile's times taken as one tensor-parallel rank's, and the sharding that
+    holds the least (:func:`~.choices.least_memory`)."""
+    tp_link = Link(cluster.latency, cluster.intra)
+    dp_link = Link(cluster.latency, cluster.intra if grid.size <= cluster.gpus else cluster.inter)
+    timed = replace(grid, tp_link=tp_link, dp_link=dp_link, split_compute=False, tp_collectives=0)
+    return least_memory(timed)
+
+
+def _with_sharding_of(layout: Grid, grid: Grid) -> Grid:
+    """``layout`` running ``grid``'s own sharding choices."""
+    return replace(
+        layout,
+        unit_layers=grid.unit_layers,
+        reshard_after_forward=grid.reshard_after_forward,
+        prefetch=grid.prefetch,
+        bucket_bytes=grid.bucket_bytes,
+    )
 
 
 def cluster_table(options: Sequence[ClusterOption], top: int) -> str:
@@ -373,14 +509,14 @@ def cluster_table(options: Sequence[ClusterOption], top: int) -> str:
     )
     lines = [header]
     for option in [o for o in options if o.plan is not None][:top]:
-        assert option.plan is not None and option.plan.winner.period is not None
+        assert option.plan is not None
         winner = option.plan.winner
         bubble = max(winner.bubble_rate or 0.0, 0.0)
-        memory = format_bytes(max(winner.peak_bytes))
         lines.append(
             f"{option.pp:4d} {option.dp:4d} {option.tp:4d}  {option.sharding or 'replicate':9s}"
-            f"{option.microbatches:4d}  {winner.label:16s} {winner.period:8.3f}  {bubble:6.1%}"
-            f"  {memory:>10s} {option.tokens_per_second:10.0f} {option.mfu:6.1%} {option.hfu:5.1%}"
+            f"{option.microbatches:4d}  {winner.label:16s} {option.step_time:8.3f}  {bubble:6.1%}"
+            f"  {format_bytes(option.memory):>10s} {option.tokens_per_second:10.0f} {option.mfu:6.1%}"
+            f" {option.hfu:5.1%}"
         )
     failed = sum(o.plan is None for o in options)
     if failed:
@@ -389,7 +525,8 @@ def cluster_table(options: Sequence[ClusterOption], top: int) -> str:
 
 
 def best_layout_text(options: Sequence[ClusterOption]) -> str:
-    """One line on the winner, or why nothing runs."""
+    """Two lines on the winner (its layout and throughput; its data-parallel sharding and why), or
+    why nothing runs."""
     fitting = [o for o in options if o.plan is not None]
     if not fitting:
         reasons = "; ".join(f"pp {o.pp} dp {o.dp} tp {o.tp}: {o.note}" for o in options[:3])
@@ -399,7 +536,8 @@ def best_layout_text(options: Sequence[ClusterOption]) -> str:
     return (
         f"best: pp {best.pp} × dp {best.dp} ({best.sharding or 'replicate'}) × tp {best.tp}, "
         f"{best.plan.winner.label} with {best.microbatches} microbatches: {best.tokens_per_second:.0f} "
-        f"tokens/s per GPU, MFU {best.mfu:.1%} (HFU {best.hfu:.1%})"
+        f"tokens/s per GPU, MFU {best.mfu:.1%} (HFU {best.hfu:.1%})\n"
+        f"data parallel: {best.reason}"
     )
 
 

@@ -321,7 +321,7 @@ class _Search:
         timeline = simulate(schedule, costs, cores=self.cores)
         # the step's data-parallel collectives, exposed in full (.layout), on the slowest rank
         collectives = max(
-            self.layout.step_seconds(layers, schedule.chunks)
+            self.layout.step_seconds(layers, schedule.chunks, self.microbatches)
             for layers in self._rank_layers(cuts, stage_ranks)
         )
         peaks = tuple(s + a for s, a in zip(static, timeline.peak_memory))
@@ -347,10 +347,7 @@ class _Search:
         )
 
     def _static_bytes(self, cuts: Sequence[int], stage_ranks: Sequence[int]) -> list[float]:
-        return [
-            math.fsum(self.layout.static_bytes(layer) for layer in layers)
-            for layers in self._rank_layers(cuts, stage_ranks)
-        ]
+        return [self.layout.held_bytes(layers) for layers in self._rank_layers(cuts, stage_ranks)]
 
     def _rank_layers(self, cuts: Sequence[int], stage_ranks: Sequence[int]) -> list[list[LayerProfile]]:
         """The layers each rank holds with the layers cut at ``cuts``."""
