@@ -144,15 +144,18 @@ def halves_runner(model: str, load: Workload, m: int) -> Callable[[], None]:
     half = nn.Sequential(*(layer for c in chunks for layer in layers[bounds[c] : bounds[c + 1]]))
     inputs, targets = (t.chunk(m) for t in load.batch)
     holds_last = 2 * world - 1 in chunks
-    with torch.no_grad():  # a middle rank's inputs and output gradients: hidden states of the model
-        hidden = [layers[0](x) for x in inputs] if not holds_last else list(inputs)
-        grads = [torch.randn_like(h) for h in hidden]
+    hidden: list[torch.Tensor] = []  # a middle rank's inputs: hidden states of the model
+    if not holds_last:
+        with torch.no_grad():
+            hidden = [layers[0](x) for x in inputs]
+    grads = [torch.randn_like(h) for h in hidden]
 
     def step() -> None:
-        for x, h, y, g in zip(inputs, hidden, targets, grads):
-            if holds_last:
+        if holds_last:
+            for x, y in zip(inputs, targets):
                 (load.loss_fn(half(x), y) / m).backward()
-            else:
+        else:
+            for h, g in zip(hidden, grads):
                 half(h.detach().requires_grad_()).backward(g)
         half.zero_grad(set_to_none=True)
 
