@@ -130,6 +130,38 @@ def single_runner(load: Workload, m: int) -> Callable[[], None]:
     return step
 
 
+def halves_runner(model: str, load: Workload, m: int) -> Callable[[], None]:
+    """This rank's layers under zb-v's placement (chunks ``r`` and ``2·world−1−r``) run forward and
+    backward on its own microbatches, no transfers: both ranks at once, the machine's own floor.
+
+    The layers, rows and gradients are the pipeline's: the first chunk's input needs no gradient,
+    the rank holding the last chunk computes the loss, the other backpropagates a random gradient.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layers = load.make_layers()
+    bounds = [0, *bench_partition(model, len(layers), 2 * world), len(layers)]
+    chunks = [rank, 2 * world - 1 - rank]
+    half = nn.Sequential(*(layer for c in chunks for layer in layers[bounds[c] : bounds[c + 1]]))
+    inputs, targets = (t.chunk(m) for t in load.batch)
+    holds_last = 2 * world - 1 in chunks
+    hidden: list[torch.Tensor] = []  # a middle rank's inputs: hidden states of the model
+    if not holds_last:
+        with torch.no_grad():
+            hidden = [layers[0](x) for x in inputs]
+    grads = [torch.randn_like(h) for h in hidden]
+
+    def step() -> None:
+        if holds_last:
+            for x, y in zip(inputs, targets):
+                (load.loss_fn(half(x), y) / m).backward()
+        else:
+            for h, g in zip(hidden, grads):
+                half(h.detach().requires_grad_()).backward(g)
+        half.zero_grad(set_to_none=True)
+
+    return step
+
+
 def torch_runner(name: str, model: str, load: Workload, m: int) -> Callable[[], None]:
     """A torch.distributed.pipelining schedule over the same split as ours (V order for ZBV)."""
     from torch.distributed.pipelining import PipelineStage, schedules
