@@ -54,9 +54,9 @@ class FSDPOptions:
     (runs of N layers of a chunk), or ``"chunk"``.  ``reshard_after_forward``: free a unit's gathered
     parameters after each forward and each B, gathering it again when next needed (the peak holds
     one unit, not the chunk); False keeps each unit whole from its first use to the chunk's
-    reduce-scatter.  ``prefetch``: how many units ahead a forward or B gathers (0: FSDP2's own
-    order).  ``fsdp=None``, the default, is the once-per-step layout: one unit per chunk, gathered
-    before the first forward and kept (``FSDPOptions(units="chunk", reshard_after_forward=False)``).
+    reduce-scatter.  ``prefetch``: how many units ahead a forward or B gathers (0: none).
+    ``fsdp=None``, the default, is the once-per-step layout: one unit per chunk, gathered before the
+    first forward and kept (``FSDPOptions(units="chunk", reshard_after_forward=False)``).
     """
 
     units: str | int = "layer"
@@ -296,12 +296,13 @@ class ShardedStages:
 
 def _set_prefetch(units: Sequence[Any], depth: int) -> None:
     """Each unit gathers the next ``depth`` units in its forward and the previous ``depth`` in its
-    backward (explicitly: FSDP2's implicit backward order follows every microbatch's forwards)."""
-    if depth <= 0:
-        return
+    backward, explicitly.  A unit with nothing to prefetch lists itself (a no-op: it is unsharded by
+    then): with an empty list FSDP2 prefetches the unit whose forward ran before in its order of every
+    microbatch's forwards — a later microbatch's last layer, left gathered until the chunk's reduce."""
     for index, unit in enumerate(units):
         unit.set_modules_to_forward_prefetch(list(units[index + 1 : index + 1 + depth]))
-        unit.set_modules_to_backward_prefetch(list(reversed(units[max(index - depth, 0) : index])))
+        before = list(reversed(units[max(index - depth, 0) : index])) if depth else []
+        unit.set_modules_to_backward_prefetch(before or [unit])
 
 
 def _fsdp_params(unit: Any) -> list[Any]:
