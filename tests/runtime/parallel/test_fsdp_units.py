@@ -5,9 +5,10 @@ whole batch (float64, 3 clipped AdamW steps, post-validated): after each step ev
 tensors) and the loss, after the last every parameter.
 
 * pp 2 × fsdp 2 with per-layer units resharded after forward under zb-h1, zb-v and 1f1b; pp 1 ×
-  fsdp 4 (no pipeline: ZeRO-3) under zb-h1 and 1f1b; units of 2 layers kept whole for the step; a
-  chunk resharded after forward; and the default (``fsdp=None``), whose collectives are unchanged:
-  one all-gather and one reduce-scatter per chunk per step.
+  fsdp 4 (no pipeline: ZeRO-3) under zb-h1 and 1f1b, and HSDP (2 × 2) without a pipeline; units of
+  2 layers kept whole for the step; a chunk resharded after forward; and the default
+  (``fsdp=None``), whose collectives are unchanged: one all-gather and one reduce-scatter per chunk
+  per step.  ``evaluate`` then matches the reference's loss and leaves every parameter sharded.
 * per-layer units gather each layer at least once per forward and B (more collectives than per
   chunk) and hold fewer parameter bytes at their peak than the per-chunk layout (measured with
   :func:`~zerobubble.runtime.parallel.fsdp.parameter_peak`).
@@ -36,18 +37,23 @@ STEPS = 3
 MAX_NORM = 0.3
 TOLERANCE = 1e-5
 BATCH = 8
-DIMS = ("dp", "pp")
 LAYERED = FSDPOptions()  # per layer, resharded after forward, one unit prefetched
 
-CASES = {  # name: (mesh shape (dp, pp), schedule, fsdp)
-    "pp2 zb-h1": ((2, 2), "zb-h1", LAYERED),
-    "pp2 zb-v": ((2, 2), "zb-v", LAYERED),
-    "pp2 1f1b": ((2, 2), "1f1b", LAYERED),
-    "pp1 zb-h1": ((4, 1), "zb-h1", LAYERED),
-    "pp1 1f1b": ((4, 1), "1f1b", FSDPOptions(prefetch=2)),
-    "pp2 zb-h1 pairs kept": ((2, 2), "zb-h1", FSDPOptions(units=2, reshard_after_forward=False, prefetch=0)),
-    "pp2 zb-h1 chunk resharded": ((2, 2), "zb-h1", FSDPOptions(units="chunk")),
-    "pp2 zb-h1 default": ((2, 2), "zb-h1", None),
+MESHES = {  # name: (shape, dimension names, data_parallel)
+    "pp2": ((2, 2), ("dp", "pp"), "fsdp"),
+    "pp1": ((4, 1), ("dp", "pp"), "fsdp"),
+    "pp1 hsdp": ((2, 2, 1), ("dp_replicate", "dp_shard", "pp"), "hsdp"),
+}
+CASES = {  # name: (mesh, schedule, fsdp)
+    "pp2 zb-h1": ("pp2", "zb-h1", LAYERED),
+    "pp2 zb-v": ("pp2", "zb-v", LAYERED),
+    "pp2 1f1b": ("pp2", "1f1b", LAYERED),
+    "pp1 zb-h1": ("pp1", "zb-h1", LAYERED),
+    "pp1 1f1b": ("pp1", "1f1b", FSDPOptions(prefetch=2)),
+    "pp1 hsdp zb-h1": ("pp1 hsdp", "zb-h1", LAYERED),
+    "pp2 zb-h1 pairs kept": ("pp2", "zb-h1", FSDPOptions(units=2, reshard_after_forward=False, prefetch=0)),
+    "pp2 zb-h1 chunk resharded": ("pp2", "zb-h1", FSDPOptions(units="chunk")),
+    "pp2 zb-h1 default": ("pp2", "zb-h1", None),
 }
 
 
@@ -77,12 +83,12 @@ def _layers(seed: int) -> list[nn.Module]:
     return [layer.double() for layer in rich_layers(seed)]
 
 
-def _pipeline(mesh, schedule: str, fsdp, seed: int = 3):
+def _pipeline(mesh, schedule: str, fsdp, seed: int = 3, data_parallel: str = "fsdp"):
     from zerobubble import Pipeline
 
     return Pipeline(
         _layers(seed), schedule=schedule, microbatches=2, loss_fn=token_loss, timeout=60, mesh=mesh,
-        data_parallel="fsdp", fsdp=fsdp,
+        data_parallel=data_parallel, fsdp=fsdp,
     )  # fmt: skip
 
 
@@ -93,8 +99,8 @@ def _forward(layers, inputs):
     return values
 
 
-def run_case(mesh, schedule: str, fsdp) -> dict:
-    pipe = _pipeline(mesh, schedule, fsdp)
+def run_case(mesh, schedule: str, fsdp, data_parallel: str) -> dict:
+    pipe = _pipeline(mesh, schedule, fsdp, data_parallel=data_parallel)
     layers = _layers(seed=3)
     model = nn.Sequential(*layers)
     adamw = lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.01)  # noqa: E731
@@ -128,6 +134,13 @@ def run_case(mesh, schedule: str, fsdp) -> dict:
     out["resharded"] = all(type(p).__name__ == "DTensor" for p in pipe.parameters())
     out["clipped"] = pipe.optimizer_stats.clipped
     out["paths"] = sorted({record.path for record in pipe.split_report()})
+    inputs, targets = rich_batch(BATCH, seed=999)
+    evaluated = pipe.evaluate(inputs[rows], targets[rows])  # the mean over the replicas' rows
+    if evaluated is not None:
+        with torch.no_grad():
+            expected_loss = token_loss(_forward(layers, inputs), targets).item()
+        out["eval"] = abs(evaluated.item() - expected_loss) / expected_loss
+    out["resharded after evaluate"] = all(type(p).__name__ == "DTensor" for p in pipe.parameters())
     return out
 
 
@@ -175,13 +188,13 @@ def rank_worker(directory: str) -> dict:
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
 
-    meshes = {
-        shape: init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp")) for shape in [(2, 2), (4, 1)]
-    }
-    results = {
-        name: run_case(meshes[shape], schedule, fsdp) for name, (shape, schedule, fsdp) in CASES.items()
-    }
-    results["checkpoint"] = checkpoint_case(meshes[(2, 2)], directory)
+    meshes = {}
+    for name, (shape, dims, _) in MESHES.items():
+        meshes[name] = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    results = {}
+    for name, (mesh, schedule, fsdp) in CASES.items():
+        results[name] = run_case(meshes[mesh], schedule, fsdp, MESHES[mesh][2])
+    results["checkpoint"] = checkpoint_case(meshes["pp2"], directory)
     return results
 
 
@@ -197,10 +210,11 @@ def test_units_train_exactly_as_one_process(outcomes, case):
     per_rank = [results[case] for results in outcomes]
     for rank, r in enumerate(per_rank):
         assert max(r["grad"]) <= TOLERANCE and r["param"] <= TOLERANCE, (rank, r)
-        assert r["clipped"] > 0 and r["resharded"], (rank, r)
+        assert r["clipped"] > 0 and r["resharded"] and r["resharded after evaluate"], (rank, r)
+        assert r.get("eval", 0.0) <= TOLERANCE, (rank, r)
         assert not any("fallback" in path for path in r["paths"]), r["paths"]
     losses = [e for r in per_rank for e in r["loss"]]
-    pipelines = CASES[case][0][0]  # one loss per step on each pipeline's last stage
+    pipelines = 4 // MESHES[CASES[case][0]][0][-1]  # one loss per step on each pipeline's last stage
     assert len(losses) == pipelines * STEPS and max(losses) <= TOLERANCE, losses
 
 
