@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CostModel",
+    "FSDPOptions",
     "Pipeline",
     "Schedule",
     "ScheduleError",
@@ -34,6 +35,10 @@ def __getattr__(name: str):
         from .runtime.pipeline import Pipeline
 
         return Pipeline
+    if name == "FSDPOptions":
+        from .runtime.parallel.fsdp import FSDPOptions
+
+        return FSDPOptions
     if name in ("VocabParallelHead", "VocabParallelEmbedding"):
         from .runtime.vocab import layers as vocab_layers
 

@@ -43,7 +43,7 @@ from .optim.post_validation import OptimizerStats
 from .optim.step import StepOptimization
 from .parallel.consistency import CallCheck, broadcast_replicas
 from .parallel.data_parallel import build_layout
-from .parallel.fsdp import ShardedStages
+from .parallel.fsdp import FSDPOptions, ShardedStages
 from .parallel.groups import local_group
 from .parallel.mesh import data_mesh
 from .state.checkpoint import model_keys
@@ -72,9 +72,9 @@ class Pipeline:
     ``group`` or ``mesh`` (a ``DeviceMesh``: ``"pp"``, ``"dp"`` or ``"dp_replicate"`` ×
     ``"dp_shard"``, and dimensions inside a stage such as ``"tp"``, :mod:`.mesh`) lays out the
     ranks; ``data_parallel`` is a replica count, or on a mesh ``"replicate"``, ``"fsdp"`` (FSDP2,
-    :mod:`.fsdp`) or ``"hsdp"``.  ``parallelize(layer, mesh)`` applies tensor parallelism to each
-    layer on its device; ``compile`` compiles the layers (``docs/wgrad.md``); ``head`` and
-    ``embedding`` are vocabulary-parallel layers (:mod:`.vocab`).  :meth:`step` runs one batch,
+    :mod:`.fsdp`; ``fsdp=FSDPOptions(...)``: per-layer units, ZeRO-3) or ``"hsdp"``.
+    ``parallelize(layer, mesh)`` applies tensor parallelism to each layer on its device; ``compile``
+    compiles the layers; ``head``, ``embedding`` are vocabulary-parallel layers.  :meth:`step` runs one batch,
     :meth:`optimizer_step` clips and steps (post-validated unless ``post_validation=False``),
     :meth:`evaluate` runs forward only; the state-dict methods checkpoint by the unpipelined
     model's names (:mod:`.pipeline_state`).  ``trace`` records the last steps' ops, ``emulate``
@@ -121,6 +121,7 @@ class Pipeline:
         compile: bool | Mapping[str, Any] = False,
         head: VocabParallelHead | None = None,
         embedding: VocabParallelEmbedding | None = None,
+        fsdp: FSDPOptions | None = None,
     ):
         # checked as it is made: a wrong argument raises here, on every rank, before any collective
         request = PipelineRequest(
@@ -129,7 +130,7 @@ class Pipeline:
             trace=trace, emulate=emulate, data_parallel=data_parallel, mesh=mesh, mesh_dims=mesh_dims,
             post_validation=post_validation, seed=seed, fast_paths=fast_paths, memory_limit=memory_limit,
             example=example, calibrate=calibrate, verify=verify, check_calls=check_calls,
-            parallelize=parallelize, compile=compile, head=head, embedding=embedding,
+            parallelize=parallelize, compile=compile, head=head, embedding=embedding, fsdp=fsdp,
         )  # fmt: skip
         self._request = request
         # the request as the construction reads it: its layers compiled and unwrapped (.compiled)
@@ -194,13 +195,14 @@ class Pipeline:
         # data_parallel="fsdp"/"hsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
         mesh = self._request.mesh
         dp_mesh = data_mesh(mesh, self.layout.grid) if mesh is not None else None
-        self._sharded = ShardedStages(self.layout, self.device, dp_mesh) if self.sharding else None
+        options = self._request.fsdp
+        self._sharded = ShardedStages(self.layout, self.device, dp_mesh, options) if self.sharding else None
         shard = self._sharded.shard if self._sharded is not None else None
         stages, self._guards = place_stages(
             resolution, self._request, rank=self.rank, device=self.device, module=self.module, shard=shard
         )
         if self._sharded is not None:
-            self._sharded.placed()
+            self._sharded.placed({stage: guard.deferral for stage, guard in self._guards.items()})
         self.stages = tuple(sorted(stages))
         self._tied = tie_parameters(resolution, self.rank, self.layout, self.module, self._monitor.wait)
         if self.layout.grid.dp > 1 and self._sharded is None:  # replicas start from replica 0's

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import PipelineError
 from ..launch import check_timeout
+from ..parallel.fsdp import FSDPOptions, check_fsdp_options
 from ..vocab.runner import check_vocab_request
 from .compiled import compile_options
 
@@ -69,6 +70,7 @@ class PipelineRequest:
     compile: bool | Mapping[str, Any] = False
     head: VocabParallelHead | None = None
     embedding: VocabParallelEmbedding | None = None
+    fsdp: FSDPOptions | None = None
 
     def __post_init__(self) -> None:
         # today's order of the checks, each with its message (tests/runtime/construct/test_request.py)
@@ -84,6 +86,7 @@ class PipelineRequest:
         compile_options(self.compile)
         check_timeout(self.timeout)
         check_partition(self.schedule, self.partition)
+        check_fsdp_options(self.fsdp, self.data_parallel)
 
     @property
     def vocab_parallel(self) -> bool:

@@ -7,6 +7,8 @@ Parameters and the caller's batch are not activations and are left out.  It read
 every op (it is the Pipeline's recorder) and keeps the peak.
 
 The benchmark that measures every schedule with it is :mod:`zerobubble_bench.memory`.
+:func:`parameter_peak` (from :mod:`..parallel.fsdp`) measures the parameter bytes FSDP2 units hold
+at their peak (``benchmarks/fsdp_units.py``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import weakref
 
 import torch
 
+from ..parallel.fsdp import ParameterPeak, parameter_peak
 from ..tensors import storage_bytes, tensors_in
 
 __all__ = [
     "ActivationMeter",
+    "ParameterPeak",
+    "parameter_peak",
     "storage_bytes",
     "tensors_in",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...schedule.ir import Op
+from ...schedule.ir import Kind, Op
 from .. import PipelineError
 from ..construct.resolve import Resolution
 from ..execute.executor import Executor, Hook
@@ -191,9 +191,19 @@ def install_averager(
 
 
 def install_sharded_reduction(executor: Executor, program: Sequence[Op], sharded: ShardedStages) -> None:
-    """``data_parallel="fsdp"``: every chunk unsharded before the first forward (after the optimizer
-    settle hook, added earlier), reduce-scattered by FSDP2 after its last gradient op."""
-    executor.add_hook(first_forward(program), Hook("FSDP unshard", sharded.unshard))
+    """``data_parallel="fsdp"``: once a step, every chunk unsharded before the first forward (after
+    the optimizer settle hook, added earlier) — or, with layered units, the units a W reads gathered
+    around each W op — and reduce-scattered by FSDP2 after its last gradient op."""
+    if not sharded.layered:
+        executor.add_hook(first_forward(program), Hook("FSDP unshard", sharded.unshard))
+    else:
+        executor.add_start_hook(Hook("FSDP step start", sharded.begin_step))
+    for position, op in enumerate(program):
+        if op.kind is Kind.W and sharded.weight_readers(op.stage):
+            gather = functools.partial(sharded.gather_for_w, op.stage)
+            release = functools.partial(sharded.release_after_w, op.stage)
+            executor.add_hook(position, Hook(f"FSDP unshard for W (stage {op.stage})", gather))
+            executor.add_hook(position, Hook(f"FSDP reshard after W (stage {op.stage})", release), after=True)
     for stage, position in last_gradient_ops(program).items():
         reduce = functools.partial(sharded.reduce, stage)
         executor.add_hook(position, Hook(f"FSDP reduce-scatter (stage {stage})", reduce), after=True)

@@ -1,31 +1,32 @@
-"""FSDP2 for the data-parallel dimension: ``Pipeline(..., mesh=mesh, data_parallel="fsdp")``.
+"""FSDP2 for the data-parallel dimension: ``Pipeline(..., mesh=mesh, data_parallel="fsdp", fsdp=...)``.
 
-Each of this rank's chunks (its :class:`~..construct.staging.StageModule`) is one FSDP2 unit: torch's own
-``fully_shard`` over the mesh's data-parallel dimension.  The Pipeline drives
-it explicitly, the way torch's pipelining runtime does (``torch/distributed/pipelining/stage.py``):
-
-* every chunk is all-gathered (``unshard``) once per step, just before this rank's first forward
-  (after the pending optimizer step is settled), and stays unsharded for every microbatch's F, B
-  and W: ``reshard_after_forward=False``, and during the step ``set_reshard_after_backward(False)``,
-  ``set_requires_gradient_sync(False)``, ``set_is_last_backward(False)``, so the post-backward hooks
-  FSDP2 fires in each B reduce nothing;
-* after a chunk's last gradient op (its last W, B or BW: :func:`~.data_parallel.last_gradient_ops`)
-  its gradients are reduce-scattered by FSDP2's own reduction: with gradient sync switched on, each
-  param group's ``post_backward()`` (which reads the unsharded parameters' ``.grad``, where W wrote
-  them) and the root's ``_root_post_backward_final_callback()``, as ``perform_reduce_grad`` does;
-  that also reshards the chunk, whose parameters the step no longer reads;
-* whatever is still unsharded at the step's end (an evaluation) is resharded.
-
-FSDP2 averages over the group, which is the replicated path's average: gradients of the mean loss
-over the global batch.
-
-One unit per chunk, not per layer: every layer of a chunk stays unsharded for the whole step anyway,
-so per-layer units would only multiply the collectives (why: ``docs/guide.md``, "FSDP2").
+Units (:class:`FSDPOptions`): by default each chunk (its ``StageModule``) is one ``fully_shard``
+unit, all-gathered once before this rank's first forward and kept whole for the step.  With
+``fsdp=FSDPOptions(units="layer" | N)`` each layer (each run of N layers) is a unit under a
+parameter-less chunk root, and FSDP2's own hooks all-gather a unit just before its forward and its B
+(prefetching ``prefetch`` units ahead) and reshard it after (``reshard_after_forward``) — B and W
+split (``runtime/wgrad``) around it:
+* B reads the parameters (input gradients): FSDP2's pre-backward hook re-gathers the unit, its
+  post-backward hook reshards it (``set_reshard_after_backward(True)``), reducing nothing
+  (``set_requires_gradient_sync(False)``, ``set_is_last_backward(False)``);
+* W writes the unsharded ``Parameter`` objects' ``.grad`` (FSDP2 keeps them across reshards; only
+  their storage is freed).  W of a linear, embedding or norm fast path reads no parameter value, so
+  such units stay sharded in W; a unit holding any other split (a generic local graph may have saved
+  a parameter) is gathered before the chunk's W op and resharded after it (``weight_readers``);
+* after a chunk's last gradient op (:func:`~.data_parallel.last_gradient_ops`) FSDP2's own
+  ``post_backward()`` per unit and the root's final callback reduce-scatter the unsharded ``.grad``,
+  as ``perform_reduce_grad`` of torch's pipelining does; whatever is still unsharded at the step's
+  end (an evaluation) is resharded.
+Peak parameter memory per rank: the shards plus one unit (plus ``prefetch`` more) in F and B, plus
+the gathered W-reading units in W; the unsharded gradients stay whole until the reduce-scatter.
+FSDP2 averages over the group, as the replicated path does.  Derivation: ``docs/runtime.md``, "FSDP2 units".
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +36,74 @@ from ...schedule.modelplan.layout import SHARDINGS
 from .. import PipelineError
 from .consistency import broadcast_replicas
 from .data_parallel import ParallelLayout
+
+UNIT_WORDS = ("chunk", "layer")
+"""The unit granularities :class:`FSDPOptions` takes by name (or else a positive layer count)."""
+
+W_READS_NO_PARAMETER = ("MatmulRule", "EmbeddingRule", "LayerNormRule", "GroupNormRule", "BatchNormRule")
+"""The fast paths whose W reads no parameter value (closed forms of the saved input and the output
+gradient; the norms' parameter gradients come from B's kernel): a unit made only of them stays
+sharded during W (``docs/runtime.md``, "FSDP2 units")."""
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """How ``data_parallel="fsdp"``/``"hsdp"`` makes FSDP2 units: ``Pipeline(..., fsdp=FSDPOptions())``.
+
+    ``units``: ``"layer"`` (one ``fully_shard`` unit per layer, ZeRO-3's layout), a positive int N
+    (runs of N layers of a chunk), or ``"chunk"``.  ``reshard_after_forward``: free a unit's gathered
+    parameters after each forward and each B, gathering it again when next needed (the peak holds
+    one unit, not the chunk); False keeps each unit whole from its first use to the chunk's
+    reduce-scatter.  ``prefetch``: how many units ahead a forward or B gathers (0: none).
+    ``fsdp=None``, the default, is the once-per-step layout: one unit per chunk, gathered before the
+    first forward and kept (``FSDPOptions(units="chunk", reshard_after_forward=False)``).
+    """
+
+    units: str | int = "layer"
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+
+    def __post_init__(self) -> None:
+        units = self.units
+        if isinstance(units, bool) or not (units in UNIT_WORDS or (isinstance(units, int) and units >= 1)):
+            raise PipelineError(
+                f'FSDPOptions(units={units!r}): "layer" (one FSDP2 unit per layer), "chunk" (one per '
+                "chunk) or a positive number of layers per unit"
+            )
+        if not isinstance(self.reshard_after_forward, bool):
+            raise PipelineError(
+                f"FSDPOptions(reshard_after_forward={self.reshard_after_forward!r}): True or False"
+            )
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise PipelineError(
+                f"FSDPOptions(prefetch={self.prefetch!r}): the number of units gathered ahead, 0 or more"
+            )
+
+    @property
+    def once_per_step(self) -> bool:
+        """Whether this is the default layout: one unit per chunk, gathered once a step and kept."""
+        return self.units == "chunk" and not self.reshard_after_forward
+
+    def group_size(self, layers: int) -> int:
+        """Layers per unit in a chunk of ``layers`` layers."""
+        if self.units == "layer":
+            return 1
+        return max(layers, 1) if self.units == "chunk" else int(self.units)
+
+
+def check_fsdp_options(fsdp: Any, data_parallel: Any) -> None:
+    """``fsdp`` is None or an :class:`FSDPOptions` given with ``data_parallel="fsdp"``/``"hsdp"``."""
+    if fsdp is None:
+        return
+    if not isinstance(fsdp, FSDPOptions):
+        raise PipelineError(
+            f"fsdp={fsdp!r}: pass FSDPOptions(units=..., reshard_after_forward=..., prefetch=...) or None"
+        )
+    if data_parallel not in ("fsdp", "hsdp"):
+        raise PipelineError(
+            f'fsdp=FSDPOptions(...) says how data_parallel="fsdp" or "hsdp" shards, but data_parallel='
+            f'{data_parallel!r}: pass data_parallel="fsdp" (or "hsdp") with a mesh, or drop fsdp='
+        )
 
 
 def check_sharding(sharding: Any, data_parallel: int) -> str | None:
@@ -69,44 +138,90 @@ def check_ties(ties: Sequence[Sequence[tuple[int, str]]], bounds: Sequence[int])
 class ShardedStages:
     """This rank's chunks as FSDP2 units over the data-parallel group, driven step by step.
 
-    ``shard(module)`` (given to :func:`~..construct.build.place_stages`) makes one chunk a unit right after it
-    is placed and before its backward is split: it copies replica 0's values first (the replicas
-    start equal, as in the replicated path), applies ``fully_shard`` and unshards it, so that
-    :func:`~..wgrad.install_deferral` tracks the unsharded parameters the forwards will see (FSDP2
-    keeps the same unsharded ``Parameter`` objects across steps).  :meth:`placed` reshards them all.
+    ``shard(stage, module)`` (given to :func:`~..construct.build.place_stages`) makes one chunk's
+    units right after it is placed and before its backward is split: it copies replica 0's values
+    first (the replicas start equal, as in the replicated path), applies ``fully_shard`` (per the
+    :class:`FSDPOptions`) and unshards every unit, so that :func:`~..wgrad.install_deferral` tracks
+    the unsharded parameters the forwards will see (FSDP2 keeps the same unsharded ``Parameter``
+    objects across steps).  :meth:`placed` reshards them all.
     """
 
-    def __init__(self, layout: ParallelLayout, device: torch.device, mesh: Any = None):
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        device: torch.device,
+        mesh: Any = None,
+        options: FSDPOptions | None = None,
+    ):
         from torch.distributed.device_mesh import DeviceMesh
 
         self.layout = layout
         # the user's mesh's data-parallel dimension (HSDP: its dp_replicate × dp_shard submesh, which
         # fully_shard reads as replicate × shard), else a 1-D mesh over the layout's dp group
         self.mesh = mesh or DeviceMesh.from_group(layout.dp_group, device.type, mesh_dim_names=("dp",))
-        self.units: dict[int, Any] = {}  # stage index -> the FSDPModule (a StageModule)
+        self.options = options or FSDPOptions(units="chunk", reshard_after_forward=False)
+        self.layered = not self.options.once_per_step  # units driven by FSDP2's hooks, op by op
+        self.units: dict[int, Any] = {}  # stage index -> the chunk's root FSDPModule (a StageModule)
+        self.layer_units: dict[int, list[Any]] = {}  # stage index -> its units in forward order
+        self._readers: dict[int, list[Any]] = {}  # stage index -> the units its W reads
         self._source = layout.grid.global_rank(layout.grid.pipeline_rank, 0)
         self._unsharded: set[int] = set()
+        self._params: list[Any] = []  # the layered units' FSDPParams
+        self.in_step = False  # between begin_step and the step's end (reshard)
 
     def shard(self, stage: int, module: nn.Module) -> None:
-        """Make ``module`` (chunk ``stage``'s StageModule) an FSDP2 unit, left unsharded (collective
+        """Make ``module`` (chunk ``stage``'s StageModule) FSDP2 units, left unsharded (collective
         over the data-parallel group)."""
         from torch.distributed.fsdp import fully_shard
 
         broadcast_replicas(module, self.layout.dp_group, self._source)
-        unit: Any = fully_shard(module, mesh=self.mesh, reshard_after_forward=False)
-        self._quiet(unit)
-        unit.unshard()
-        self.units[stage] = unit
+        units: list[Any] = []
+        if self.layered:
+            layers = list(getattr(module, "layers", ()))
+            size = self.options.group_size(len(layers))
+            for start in range(0, len(layers), size):
+                group = layers[start : start + size]
+                shard = fully_shard(
+                    group if len(group) > 1 else group[0],
+                    mesh=self.mesh,
+                    reshard_after_forward=self.options.reshard_after_forward,
+                )
+                units.append(shard[0] if isinstance(shard, list) else shard)
+            _set_prefetch(units, self.options.prefetch)
+            for unit in units:
+                self._params += [_keep_split_view(param, self) for param in _fsdp_params(unit)]
+        root: Any = fully_shard(module, mesh=self.mesh, reshard_after_forward=False)
+        self._quiet(root)
+        for unit in (*units, root):
+            unit.unshard()
+        self.units[stage], self.layer_units[stage] = root, units
         self._unsharded.add(stage)
 
-    def placed(self) -> None:
-        """Reshard every unit once construction is done (the optimizer must see the shards)."""
+    def placed(self, deferrals: Mapping[int, Any] | None = None) -> None:
+        """Reshard every unit once construction is done (the optimizer must see the shards); note
+        which units each chunk's W reads, from its split (``deferrals``: stage -> ``Deferral``)."""
+        for stage, units in self.layer_units.items():
+            deferral = (deferrals or {}).get(stage)
+            self._readers[stage] = [unit for unit in units if deferral is None or _w_reads(unit, deferral)]
         self.reshard()
+
+    def weight_readers(self, stage: int) -> list[Any]:
+        """The units of chunk ``stage`` whose W may read parameter values (layered units only):
+        gathered around its W ops (:meth:`gather_for_w`)."""
+        return self._readers.get(stage, []) if self.layered else []
 
     # -- the step --------------------------------------------------------------------------------------
 
+    def begin_step(self) -> None:
+        """A training step starts: resharded layered units keep their unsharded parameters registered
+        (:func:`_keep_split_view`) until :meth:`reshard` at the step's end."""
+        self.in_step = self.layered
+
     def unshard(self) -> None:
-        """All-gather every chunk (once a step, before the first forward); no-op for unsharded ones."""
+        """Once-per-step layout: all-gather every chunk (before the first forward or an evaluation);
+        no-op for unsharded ones.  Layered units are gathered by FSDP2's hooks as they run."""
+        if self.layered:
+            return
         handles = []
         for stage, unit in self.units.items():
             if stage not in self._unsharded:
@@ -116,6 +231,20 @@ class ShardedStages:
         for handle in handles:
             if handle is not None:
                 handle.wait()
+
+    def gather_for_w(self, stage: int) -> None:
+        """Before a W op of chunk ``stage``: all-gather the units its W reads (all started, then waited)."""
+        handles = [unit.unshard(async_op=True) for unit in self.weight_readers(stage)]
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+
+    def release_after_w(self, stage: int) -> None:
+        """After a W op of chunk ``stage``: reshard what :meth:`gather_for_w` gathered (with
+        ``reshard_after_forward``; otherwise the units stay whole until the reduce-scatter)."""
+        if self.options.reshard_after_forward:
+            for unit in self.weight_readers(stage):
+                unit.reshard()
 
     @torch.no_grad()
     def reduce(self, stage: int) -> None:
@@ -138,10 +267,17 @@ class ShardedStages:
         self._unsharded.discard(stage)
 
     def reshard(self) -> None:
-        """Reshard every chunk still unsharded (a step's end, an evaluation, construction)."""
+        """Reshard every unit still unsharded (a step's end, an evaluation, construction)."""
         for stage in sorted(self._unsharded):
             self.units[stage].reshard()
         self._unsharded.clear()
+        for units in self.layer_units.values():
+            for unit in units:
+                unit.reshard()
+        self.in_step = False
+        for param in self._params:  # the step is over: the modules show their shards again
+            if param.sharded_state == _sharded_state():
+                param._setattr_on_modules(param.sharded_param)
 
     def discard(self) -> None:
         """After a failed step: drop the unsharded state (the Pipeline is unusable afterwards)."""
@@ -150,12 +286,129 @@ class ShardedStages:
         except Exception:  # the failure that stopped the step is the one to report
             self._unsharded.clear()
 
-    @staticmethod
-    def _quiet(unit: Any) -> None:
-        """During a step: FSDP2's own backward hooks neither reduce nor reshard (B runs before W)."""
+    def _quiet(self, unit: Any) -> None:
+        """During a step: FSDP2's own backward hooks reduce nothing (B runs before W); layered units
+        with ``reshard_after_forward`` are resharded after each B as after each forward."""
         unit.set_is_last_backward(False)
-        unit.set_reshard_after_backward(False)
+        unit.set_reshard_after_backward(self.layered and self.options.reshard_after_forward)
         unit.set_requires_gradient_sync(False)
+
+
+def _set_prefetch(units: Sequence[Any], depth: int) -> None:
+    """Each unit gathers the next ``depth`` units in its forward and the previous ``depth`` in its
+    backward, explicitly.  A unit with nothing to prefetch lists itself (a no-op: it is unsharded by
+    then): with an empty list FSDP2 prefetches the unit whose forward ran before in its order of every
+    microbatch's forwards — a later microbatch's last layer, left gathered until the chunk's reduce."""
+    for index, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(list(units[index + 1 : index + 1 + depth]))
+        before = list(reversed(units[max(index - depth, 0) : index])) if depth else []
+        unit.set_modules_to_backward_prefetch(before or [unit])
+
+
+def _fsdp_params(unit: Any) -> list[Any]:
+    """The FSDPParams of one unit (FSDP2's param group of its state; none without parameters)."""
+    from torch.distributed.fsdp import fully_shard
+
+    group = fully_shard.state(unit)._fsdp_param_group  # type: ignore[attr-defined]
+    return list(group.fsdp_params) if group is not None else []
+
+
+def _sharded_state() -> Any:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    return ShardedState.SHARDED
+
+
+def _keep_split_view(param: Any, stages: ShardedStages) -> Any:
+    """``param`` (an FSDPParam) resharding as FSDP2 does, except that during a step its module keeps
+    the unsharded ``Parameter`` registered, its storage freed.  Why: the split's W resolves a layer's
+    parameters through the module when it adds into ``.grad`` (the fast paths' rules), after the
+    unit was resharded; the gradients must reach the unsharded parameters FSDP2 reduce-scatters.
+    Nothing reads their freed values: forwards and B gather first, W gathers the units it reads."""
+    to_sharded = param.to_sharded
+
+    def resharded() -> None:
+        to_sharded()
+        if stages.in_step:
+            param._setattr_on_modules(param._unsharded_param)
+
+    param.to_sharded = resharded
+    return param
+
+
+def _w_reads(unit: nn.Module, deferral: Any) -> bool:
+    """Whether W may read a parameter value of ``unit``: it holds a module with parameters that is
+    not a fast path of :data:`W_READS_NO_PARAMETER` (a generic split, a convolution, a compiled or
+    fallen-back layer, a user rule)."""
+    for module in unit.modules():
+        if any(p is not None for p in module._parameters.values()):
+            path = deferral.path_of(module)
+            if not any(path == f"fast path ({rule})" for rule in W_READS_NO_PARAMETER):
+                return True
+    return False
+
+
+@contextmanager
+def parameter_peak() -> Iterator[ParameterPeak]:
+    """The peak parameter bytes FSDP2 holds on this rank while the block runs (:class:`ParameterPeak`)."""
+    peak = ParameterPeak()
+    with peak.tracking():
+        yield peak
+
+
+class ParameterPeak:
+    """The most bytes of parameters this rank's FSDP2 units held at once: every distinct storage of
+    their shards, gathered (unsharded) parameters and pending all-gather buffers, summed right after
+    each all-gather is started or completed (the only moments the total grows)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.shards = 0
+        self._groups: dict[int, Any] = {}
+
+    @contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Patch FSDP2's param group's ``unshard`` and ``wait_for_unshard`` to sample after each."""
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        originals = {name: getattr(FSDPParamGroup, name) for name in ("unshard", "wait_for_unshard")}
+
+        def sampled(original: Callable[..., Any]) -> Callable[..., Any]:
+            def run(group: Any, *args: Any, **kwargs: Any) -> Any:
+                self._groups[id(group)] = group
+                result = original(group, *args, **kwargs)
+                self.sample()
+                return result
+
+            return run
+
+        for name, original in originals.items():
+            setattr(FSDPParamGroup, name, sampled(original))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(FSDPParamGroup, name, original)
+
+    def sample(self) -> int:
+        """The bytes held now (and the peak updated)."""
+        storages: dict[int, int] = {}
+        shards: dict[int, int] = {}
+        for group in self._groups.values():
+            for param in group.fsdp_params:
+                local = param._sharded_local_tensor
+                shards[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+                for tensor in (*param.all_gather_outputs, getattr(param, "_unsharded_param", None)):
+                    if tensor is not None and tensor.untyped_storage().nbytes() > 0:
+                        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            pending = group._all_gather_result
+            if pending is not None and pending.all_gather_output is not None:
+                storage = pending.all_gather_output.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        self.shards = sum(shards.values())
+        total = self.shards + sum(storages.values())
+        self.peak = max(self.peak, total)
+        return total
 
 
 ShardFn = Callable[[int, nn.Module], None]
