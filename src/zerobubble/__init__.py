@@ -36,7 +36,7 @@ def __getattr__(name: str):
 
         return Pipeline
     if name == "FSDPOptions":
-        from .runtime.parallel.fsdp import FSDPOptions
+        from .schedule.sharding import FSDPOptions
 
         return FSDPOptions
     if name in ("VocabParallelHead", "VocabParallelEmbedding"):

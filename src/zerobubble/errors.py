@@ -11,6 +11,7 @@ from ``zerobubble.runtime.failures``, ... — as the same class.
 * :class:`PipelineError` (a ``RuntimeError``): the pipeline cannot run as asked, or a step failed;
   :class:`PeerFailure`, :class:`RankFailure`, :class:`OptimizerValidationError` and
   :class:`SplitMismatchError` say which way.
+* :class:`OptionsError` (both): a data-parallel options record (``FSDPOptions``) is invalid.
 * :class:`UsageError`: a command-line mistake argparse cannot see (the CLI and ``zerobubble bench``);
   :class:`ConfigError` (a ``ValueError``): a setting of the ``zerobubble train`` demo that cannot run.
 
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigError",
     "DeadlockError",
     "OptimizerValidationError",
+    "OptionsError",
     "PeerFailure",
     "PipelineError",
     "RankFailure",
@@ -83,6 +85,12 @@ class LoweredDeadlock(ScheduleError):
 
 class PipelineError(RuntimeError):
     """The pipeline cannot run as asked, or a step failed; the message says where and what to do."""
+
+
+class OptionsError(ScheduleError, PipelineError):
+    """An :class:`~zerobubble.schedule.sharding.FSDPOptions` record is invalid.  The record is read by
+    the schedule layer (lowering, planner) and the runtime alike, so its error is both a
+    :class:`ScheduleError` and a :class:`PipelineError`: either ``except`` catches it."""
 
 
 class PeerFailure(PipelineError):

@@ -16,9 +16,9 @@ from zerobubble.schedule.lowering import (
     StageBytes,
     choose_options,
     lower,
-    options_for_grid,
     simulate_lowered,
 )
+from zerobubble.schedule.sharding import FSDPOptions
 
 SETUP = ("-s", "zb-v", "-p", "4", "-m", "8")
 FSDP = ("--dp", "4", "--sharding", "fsdp")
@@ -43,7 +43,7 @@ def library_timeline(name: str, options: dict, *, dp: int, sharding: str | None,
     schedule = build_schedule(name, 4, 8, costs)
     grid = Grid(dp=dp, sharding=sharding, dp_link=link, pp=4)
     model = StageBytes.uniform(schedule.num_stages, 4, 1.0)
-    lowered = lower(schedule, options_for_grid(grid, **options), model=model, replicas=dp, shard=grid.shard)
+    lowered = lower(schedule, FSDPOptions(**options), grid=grid, model=model)
     stage_costs = REGISTRY[name].resolve_costs(costs, 4)
     return simulate_lowered(lowered, stage_costs, CollectiveCosts.from_grid(grid))
 
@@ -52,7 +52,7 @@ def test_simulate_reports_the_lowered_step_as_the_library_times_it(capsys):
     report = run_json(capsys, "simulate", *SETUP, *FSDP, "--units", "layer", "--reshard", "both")
     expected = library_timeline(
         "zb-v",
-        {"granularity": "layer", "reshard_after_forward": True, "reshard_after_backward": True},
+        {"units": "layer", "reshard_after_forward": True, "reshard_after_backward": True},
         dp=4,
         sharding="fsdp",
         link=Link(0.0, 4.0),

@@ -7,7 +7,9 @@ from hypothesis import strategies as st
 
 from zerobubble.schedule import REGISTRY, CostModel, Schedule, ScheduleError, build_schedule
 from zerobubble.schedule.compare import SLOW_SCHEDULES
-from zerobubble.schedule.lowering import LoweringOptions, StageBytes
+from zerobubble.schedule.grid import Grid
+from zerobubble.schedule.lowering import StageBytes
+from zerobubble.schedule.sharding import ONCE_PER_STEP, FSDPOptions
 from zerobubble.schedule.vocab import add_vocab_ops
 
 FAST = [name for name in REGISTRY if name not in SLOW_SCHEDULES]
@@ -41,12 +43,10 @@ def built(draw: st.DrawFn, *, comm: bool = True) -> tuple[Schedule, CostModel]:
 
 
 @st.composite
-def fsdp_options(draw: st.DrawFn) -> LoweringOptions:
+def fsdp_options(draw: st.DrawFn) -> FSDPOptions:
     """Any FSDP lowering."""
-    return LoweringOptions(
-        data_parallel="fsdp",
-        granularity=draw(st.sampled_from(["chunk", "layer", "group"])),
-        group=draw(st.integers(1, 3)),
+    return FSDPOptions(
+        units=draw(st.sampled_from(["chunk", "layer", 1, 2, 3])),
         reshard_after_forward=draw(st.booleans()),
         reshard_after_backward=draw(st.booleans()),
         prefetch=draw(st.integers(0, 3)),
@@ -54,14 +54,16 @@ def fsdp_options(draw: st.DrawFn) -> LoweringOptions:
 
 
 @st.composite
-def any_options(draw: st.DrawFn) -> tuple[LoweringOptions, int, int]:
-    """Options with their replicas and shard size: none, replicate (some bucket size) or FSDP."""
+def any_options(draw: st.DrawFn) -> tuple[FSDPOptions, Grid]:
+    """Options with their grid: no data parallelism, replicate (some bucket size) or FSDP/HSDP."""
     kind = draw(st.sampled_from(["none", "replicate", "fsdp"]))
     if kind == "none":
-        return LoweringOptions(), 1, 1
+        return ONCE_PER_STEP, Grid()
     if kind == "replicate":
-        return LoweringOptions("replicate", bucket_bytes=draw(st.sampled_from([0.0, 1.0, 2.5]))), 2, 1
-    return draw(fsdp_options()), 4, draw(st.sampled_from([2, 4]))
+        return FSDPOptions(bucket_bytes=draw(st.sampled_from([0.0, 1.0, 2.5]))), Grid(dp=2)
+    shard = draw(st.sampled_from([2, 4]))
+    grid = Grid(dp=4, sharding="fsdp") if shard == 4 else Grid(dp=4, sharding="hsdp", dp_shard=2)
+    return draw(fsdp_options()), grid
 
 
 def stage_bytes(schedule: Schedule, layers: int = 4) -> StageBytes:

@@ -25,10 +25,10 @@ from ..schedule.lowering import (
     StageBytes,
     choose_options,
     lower,
-    options_for_grid,
     simulate_lowered,
     validate_lowered,
 )
+from ..schedule.sharding import FSDPOptions
 from ..schedule.simulate import Timeline
 from .base import non_negative_int, positive_int
 
@@ -95,12 +95,12 @@ def link(text: str) -> Link:
     return Link(alpha, positive_amount(bandwidth.strip().removesuffix("/s")))
 
 
-def units(text: str) -> tuple[str, int]:
+def units(text: str) -> str | int:
     """An argparse ``type``: an FSDP unit — ``chunk`` (a whole stage), ``layer``, or ``N`` layers."""
     if text in ("chunk", "layer"):
-        return text, 2
+        return text
     try:
-        return "group", positive_int(text)
+        return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"must be chunk, layer or a positive number of layers, got {text!r}"
@@ -195,17 +195,14 @@ def lower_from_args(args: argparse.Namespace, timeline: Timeline) -> LoweredRun 
         validate_lowered(choice.timeline.lowered)
         return LoweredRun(choice.timeline, grid, model, choice.reason, choice.tried)
     forward, backward = RESHARD[args.reshard or "keep"]
-    granularity, group = args.units or ("chunk", 2)
-    options = options_for_grid(
-        grid,
-        granularity=granularity,
-        group=group,
+    options = FSDPOptions(
+        units=args.units or "chunk",
         reshard_after_forward=forward,
         reshard_after_backward=backward,
         prefetch=1 if args.prefetch is None else args.prefetch,
         bucket_bytes=args.bucket or 0.0,
     )
-    lowered = lower(schedule, options, model=model, replicas=grid.dp, shard=grid.shard)
+    lowered = lower(schedule, options, grid=grid, model=model)
     validate_lowered(lowered)
     return LoweredRun(simulate_lowered(lowered, costs, collectives), grid, model)
 
@@ -266,7 +263,7 @@ def lowered_report(
         "stages": plain["stages"],
         "microbatches": plain["microbatches"],
         "setup": describe_setup(run),
-        "lowering": timeline.lowered.options.describe(),
+        "lowering": timeline.lowered.options.describe(run.grid.dp_mode),
         "iteration_time": timeline.iteration_time,
         "makespan": timeline.makespan,
         "period": period,
@@ -290,6 +287,6 @@ def lowered_report(
 def tried_table(run: LoweredRun) -> list[dict[str, Any]]:
     """The chooser's candidates as JSON rows: lowering, iteration time, peak memory."""
     return [
-        {"lowering": options.describe(), "iteration_time": time, "peak_memory": peak}
+        {"lowering": options.describe(run.grid.dp_mode), "iteration_time": time, "peak_memory": peak}
         for options, time, peak in run.tried
     ]

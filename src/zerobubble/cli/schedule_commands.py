@@ -103,7 +103,7 @@ def _show_lowered(args: argparse.Namespace, lowered: LoweredRun) -> int:
         )
     with writing(args.output):
         render_comm_svg(timeline, args.output)
-    lowering = timeline.lowered.options.describe()
+    lowering = timeline.lowered.options.describe(timeline.lowered.data_parallel)
     print(
         f"wrote {args.output}: {timeline.lowered.source.name} lowered ({lowering}), "
         f"iteration time {timeline.iteration_time:.6g}, exposed dp {timeline.exposed_dp:.4g}"

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import CostModel, Schedule, Timeline
+from ..schedule.sharding import FSDPOptions
 from . import PipelineError
 from .construct.build import place_stages, tie_parameters
 from .construct.compiled import prepare_layers
@@ -43,7 +44,7 @@ from .optim.post_validation import OptimizerStats
 from .optim.step import StepOptimization
 from .parallel.consistency import CallCheck, broadcast_replicas
 from .parallel.data_parallel import build_layout
-from .parallel.fsdp import FSDPOptions, ShardedStages
+from .parallel.fsdp import ShardedStages
 from .parallel.groups import local_group
 from .parallel.mesh import data_mesh
 from .state.checkpoint import model_keys

@@ -25,6 +25,7 @@ from itertools import product
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PipelineError, ScheduleError
+from .sharding import ONCE_PER_STEP, FSDPOptions
 
 if TYPE_CHECKING:
     from .modelplan.profile import LayerProfile, ModelProfile
@@ -101,14 +102,10 @@ class Grid:
     span: tuple[int, ...] = ()
     everyone: tuple[int, ...] = ()
     labels: Mapping[int, str] = field(default_factory=dict, compare=False)
-    # the planner's sharding choices (modelplan/sharding.py): FSDP units of ``unit_layers`` layers
-    # (0: each chunk gathered once a step, as the runtime does), reshard after forward, gathers in
-    # flight ahead, the replicated all-reduce's buckets (0: once after the step); ``split_compute``
-    # False: the profile's times are already one tensor-parallel rank's (collectives included)
-    unit_layers: int = 0
-    reshard_after_forward: bool = True
-    prefetch: int = 1
-    bucket_bytes: float = 0.0
+    # how the replicas communicate (sharding.FSDPOptions: units, resharding, prefetch, buckets),
+    # read by the planner's closed form (modelplan/sharding.py); ``split_compute`` False: the
+    # profile's times are already one tensor-parallel rank's (collectives included)
+    comm: FSDPOptions = ONCE_PER_STEP
     split_compute: bool = True
 
     def __post_init__(self) -> None:
@@ -175,6 +172,14 @@ class Grid:
         if self.sharding == "hsdp":
             return self.dp_shard or self.dp
         return self.dp if self.sharding == "fsdp" else 1
+
+    @property
+    def dp_mode(self) -> str:
+        """How the replicas communicate: ``"none"`` (one replica), ``"replicate"`` (gradients
+        all-reduced) or ``"fsdp"`` (parameters sharded: FSDP, and HSDP across rows too)."""
+        if self.dp == 1:
+            return "none"
+        return "replicate" if self.shard == 1 else "fsdp"
 
     @property
     def trivial(self) -> bool:
@@ -306,14 +311,14 @@ class Grid:
         s = self.shard
         if s == 1:
             return p + g + o
-        if self.unit_layers:
+        if self.comm.resharded:
             return (p + g + o) / s
         return p * (1 + 1 / s) + g + o / s
 
     def held_bytes(self, layers: Sequence[LayerProfile]) -> float:
         """The most parameter, gradient and optimizer-state bytes a rank holding ``layers`` keeps in a
         step: the sum of :meth:`static_bytes`, or with FSDP units their shards and the units in flight."""
-        if self.unit_layers and self.shard > 1:
+        if self.comm.resharded and self.shard > 1:
             from .modelplan.sharding import unit_held_bytes  # modelplan imports this module
 
             return unit_held_bytes(self, layers)
@@ -330,7 +335,7 @@ class Grid:
         part not hidden behind the ``microbatches``' compute (``modelplan/sharding.py``)."""
         if self.dp == 1:
             return 0.0
-        if (self.unit_layers and self.shard > 1) or (self.bucket_bytes and self.shard == 1):
+        if (self.comm.resharded and self.shard > 1) or (self.comm.bucket_bytes and self.shard == 1):
             from .modelplan import sharding  # modelplan imports this module: not at its top
 
             if self.shard > 1:

@@ -7,24 +7,27 @@ from _lowering import built, stage_bytes
 from hypothesis import given, settings
 
 from zerobubble.schedule import CostModel, build_schedule
+from zerobubble.schedule.grid import Grid
 from zerobubble.schedule.lowering import (
     CommKind,
     Issue,
     LoweringError,
-    LoweringOptions,
     Wait,
     lower,
     validate_lowered,
 )
+from zerobubble.schedule.sharding import FSDPOptions
 from zerobubble.schedule.vocab import add_vocab_ops
+
+KEPT = {"reshard_after_forward": False, "reshard_after_backward": False}
 
 VOCAB_COSTS = CostModel(vocab_s=0.5, vocab_t=0.5, vocab_mem=0.1)
 
 
 def fsdp(name="zb-h1", p=3, m=4, **choices):
     schedule = build_schedule(name, p, m)
-    options = LoweringOptions("fsdp", granularity="layer", **choices)
-    return lower(schedule, options, model=stage_bytes(schedule, 3), replicas=2, shard=2)
+    options = FSDPOptions(units="layer", **(KEPT | choices))
+    return lower(schedule, options, grid=Grid(dp=2, sharding="fsdp"), model=stage_bytes(schedule, 3))
 
 
 def with_program(lowered, rank, program):
@@ -144,10 +147,9 @@ def test_dropping_any_wait_is_caught(setup):
     schedule, _ = setup
     lowered = lower(
         schedule,
-        LoweringOptions("fsdp", granularity="layer"),
+        FSDPOptions(units="layer", **KEPT),
+        grid=Grid(dp=2, sharding="fsdp"),
         model=stage_bytes(schedule),
-        replicas=2,
-        shard=2,
     )
     rank = max(range(schedule.num_ranks), key=lambda r: len(lowered.programs[r]))
     waits = [i for i, a in enumerate(lowered.programs[rank]) if isinstance(a, Wait)]

@@ -14,12 +14,12 @@ from zerobubble.schedule.lowering import (
     candidate_options,
     choose_options,
     lower,
-    options_for_grid,
     render_comm_svg,
     render_comm_text,
     simulate_lowered,
     to_comm_chrome_trace,
 )
+from zerobubble.schedule.sharding import ONCE_PER_STEP
 
 LINK = Link(latency=0.5, bandwidth=2.0)
 
@@ -57,12 +57,12 @@ def test_a_measured_profile_overrides_the_model():
 def test_candidates_cover_granularity_reshard_and_prefetch():
     grid = Grid(dp=2, sharding="fsdp")
     options = candidate_options(grid)
-    assert {o.granularity for o in options} == {"chunk", "layer", "group"}
+    assert {o.units for o in options} == {"chunk", "layer", 2}
     assert {o.prefetch for o in options} == {1, 2}
     assert {o.reshard_after_forward for o in options} == {False, True}
     replicated = candidate_options(Grid(dp=2), bucket_bytes=(0.0, 4.0))
     assert [o.bucket_bytes for o in replicated] == [0.0, 4.0]
-    assert options_for_grid(Grid()).data_parallel == "none"
+    assert candidate_options(Grid()) == [ONCE_PER_STEP]
 
 
 def test_the_choice_is_the_fastest_that_fits_and_says_why():
@@ -76,7 +76,7 @@ def test_the_choice_is_the_fastest_that_fits_and_says_why():
     lowest = min(peak for _, _, peak in free.tried)
     capped = choose_options(schedule, costs, grid, model, memory_cap=lowest)
     assert max(capped.timeline.peak_memory) <= lowest
-    assert capped.options.reshard_after_forward and capped.options.granularity != "chunk"
+    assert capped.options.reshard_after_forward and capped.options.units != "chunk"
     assert "within the cap" in capped.reason
     impossible = choose_options(schedule, costs, grid, model, memory_cap=lowest / 10)
     assert "no candidate fits" in impossible.reason
@@ -84,7 +84,7 @@ def test_the_choice_is_the_fastest_that_fits_and_says_why():
 
 def test_communication_has_lanes_of_its_own():
     schedule = build_schedule("1f1b", 2, 3)
-    lowered = lower(schedule, options_for_grid(Grid(dp=2)), model=StageBytes.uniform(2, 2, 1.0), replicas=2)
+    lowered = lower(schedule, grid=Grid(dp=2), model=StageBytes.uniform(2, 2, 1.0))
     timeline = simulate_lowered(lowered, CostModel(comm=0.2), CollectiveCosts(2, 1, LINK, LINK))
     text = render_comm_text(timeline, 60)
     assert "rank 0" in text and "      pp |" in text and "      dp |" in text and "a" in text.split("dp |")[1]

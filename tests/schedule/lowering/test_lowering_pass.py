@@ -8,31 +8,32 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerobubble.schedule import ScheduleError, build_schedule, simulate
-from zerobubble.schedule.grid import Link
+from zerobubble.schedule.grid import Grid, Link
 from zerobubble.schedule.lowering import (
     CollectiveCosts,
     CommKind,
     Compute,
     Issue,
-    LoweringOptions,
     StageBytes,
     Wait,
     lower,
     simulate_lowered,
     validate_lowered,
 )
+from zerobubble.schedule.sharding import ONCE_PER_STEP, FSDPOptions
 
 FAST_SETTINGS = settings(max_examples=40, deadline=None)
+FSDP2 = Grid(dp=2, sharding="fsdp")
 
 
 @FAST_SETTINGS
 @given(setup=built(), choice=any_options(), layers=st.integers(1, 5))
 def test_every_lowering_validates_and_reduces_each_gradient_once(setup, choice, layers):
     schedule, _ = setup
-    options, replicas, shard = choice
-    lowered = lower(schedule, options, model=stage_bytes(schedule, layers), replicas=replicas, shard=shard)
+    options, grid = choice
+    lowered = lower(schedule, options, grid=grid, model=stage_bytes(schedule, layers))
     validate_lowered(lowered)
-    if options.data_parallel == "none":
+    if lowered.data_parallel == "none":
         return
     for rank, program in enumerate(lowered.programs):
         reduced = Counter(
@@ -49,7 +50,7 @@ def test_every_lowering_validates_and_reduces_each_gradient_once(setup, choice, 
 @given(setup=built(), options=fsdp_options())
 def test_no_part_reads_a_resharded_unit(setup, options):
     schedule, _ = setup
-    lowered = lower(schedule, options, model=stage_bytes(schedule), replicas=2, shard=2)
+    lowered = lower(schedule, options, grid=FSDP2, model=stage_bytes(schedule))
     for program in lowered.programs:
         ready = set()
         for action in program:
@@ -85,10 +86,10 @@ def test_with_hop_costs_it_is_never_faster_than_simulate(setup):
 @given(setup=built(), choice=any_options(), latency=st.floats(0, 0.5), bandwidth=st.floats(0.5, 20))
 def test_overlap_is_never_slower_than_serialising(setup, choice, latency, bandwidth):
     schedule, costs = setup
-    options, replicas, shard = choice
-    lowered = lower(schedule, options, model=stage_bytes(schedule), replicas=replicas, shard=shard)
+    options, grid = choice
+    lowered = lower(schedule, options, grid=grid, model=stage_bytes(schedule))
     link = Link(latency, bandwidth)
-    collectives = CollectiveCosts(replicas, shard, link, link)
+    collectives = CollectiveCosts(grid.dp, grid.shard, link, link)
     overlapped = simulate_lowered(lowered, costs, collectives)
     serial = simulate_lowered(lowered, costs, collectives, overlap=False)
     assert overlapped.iteration_time <= serial.iteration_time * (1 + 1e-9) + 1e-12
@@ -103,26 +104,26 @@ def test_per_layer_units_resharded_peak_below_per_chunk(setup):
     model = stage_bytes(schedule, layers=4)
 
     def peak(**choices):
-        lowered = lower(schedule, LoweringOptions("fsdp", **choices), model=model, replicas=2, shard=2)
+        lowered = lower(schedule, FSDPOptions(**choices), grid=FSDP2, model=model)
         return max(simulate_lowered(lowered, costs).memory.parameters)
 
-    chunk = peak(granularity="chunk")
-    layer = peak(granularity="layer", reshard_after_forward=True, reshard_after_backward=True)
+    chunk = peak(units="chunk", reshard_after_forward=False)
+    layer = peak(units="layer", reshard_after_forward=True, reshard_after_backward=True)
     assert layer < chunk
 
 
 def test_fsdp_peak_counts_full_units_while_unsharded():
     schedule = build_schedule("1f1b", 2, 4)
     model = StageBytes.uniform(2, 2, 8.0)
-    whole = lower(schedule, LoweringOptions("fsdp"), model=model, replicas=4, shard=4)
+    whole = lower(schedule, ONCE_PER_STEP, grid=Grid(dp=4, sharding="fsdp"), model=model)
     assert simulate_lowered(whole).memory.parameters == (16.0, 16.0)  # both units whole at once
-    resting = lower(schedule, LoweringOptions("replicate"), model=model, replicas=4)
+    resting = lower(schedule, ONCE_PER_STEP, grid=Grid(dp=4), model=model)
     assert simulate_lowered(resting).memory.parameters == (16.0, 16.0)
 
 
 def test_exposed_collectives_lengthen_the_step_by_what_is_not_hidden():
     schedule = build_schedule("gpipe", 1, 2)
-    lowered = lower(schedule, LoweringOptions("replicate"), model=StageBytes.uniform(1, 1, 4.0), replicas=2)
+    lowered = lower(schedule, grid=Grid(dp=2), model=StageBytes.uniform(1, 1, 4.0))
     link = Link(0.0, 4.0)  # all-reduce of 4 bytes over 2 ranks: 2·(1/2)·4 / 4 = 1
     timeline = simulate_lowered(lowered, None, CollectiveCosts(2, 1, link, link))
     assert timeline.iteration_time == pytest.approx(2 * 1.0 + 2 * 2.0 + 1.0)  # F F BW BW, then the reduction
@@ -132,8 +133,10 @@ def test_exposed_collectives_lengthen_the_step_by_what_is_not_hidden():
 def test_options_that_do_not_fit_are_refused():
     schedule = build_schedule("1f1b", 2, 2)
     with pytest.raises(ScheduleError, match="byte sizes"):
-        lower(schedule, LoweringOptions("fsdp"), replicas=2, shard=2)
-    with pytest.raises(ScheduleError, match="at least 2"):
-        lower(schedule, LoweringOptions("fsdp"), model=StageBytes.uniform(2, 1, 1.0))
-    with pytest.raises(ScheduleError, match="granularity"):
-        lower(schedule, LoweringOptions(granularity="row"))
+        lower(schedule, grid=FSDP2)
+    with pytest.raises(ScheduleError, match="dp ≥ 2"):
+        lower(schedule, grid=Grid(dp=1, sharding="fsdp"), model=StageBytes.uniform(2, 1, 1.0))
+    with pytest.raises(ScheduleError, match="FSDPOptions"):
+        lower(schedule, FSDPOptions(units="row"))
+    with pytest.raises(ScheduleError, match="an FSDPOptions record"):
+        lower(schedule, {"units": "layer"})  # type: ignore[arg-type]

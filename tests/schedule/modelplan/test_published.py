@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from zerobubble.schedule.grid import Grid
 from zerobubble.schedule.modelplan import LayerProfile
-from zerobubble.schedule.modelplan.choices import WHOLE_CHUNK, describe_sharding
+from zerobubble.schedule.modelplan.choices import describe_sharding
 from zerobubble.schedule.modelplan.cluster import (
     CALIBRATED_EFFICIENCY,
     ClusterSearch,
@@ -27,6 +27,7 @@ from zerobubble.schedule.modelplan.cluster import (
 )
 from zerobubble.schedule.modelplan.published import load_runs, predict, predict_all, run_cluster, run_grid
 from zerobubble.schedule.modelplan.sharding import exposed_seconds
+from zerobubble.schedule.sharding import ONCE_PER_STEP, FSDPOptions
 
 DATA = load_runs()
 FAST = ClusterSearch(refine=0)
@@ -65,7 +66,7 @@ def test_torchtitan_llama3_70b_fits_with_per_layer_units_and_its_throughput_is_w
     assert 0.85 <= option.tokens_per_second / run["published"] <= 1.15
     # the chunk gathered once a step (the runtime's) does not fit: the reason says so
     assert "do not fit" in option.reason
-    runtime = replace(run_grid(run), unit_layers=0)
+    runtime = replace(run_grid(run), comm=ONCE_PER_STEP)
     own = plan_cluster(shape, cluster, 524288, 8192, recompute=True, layouts=[runtime], search=OWN)
     assert own[0].plan is not None and own[0].memory > 80 * 2**30
 
@@ -94,29 +95,38 @@ grids = st.builds(
     dp=st.sampled_from([2, 4, 8]),
     tp=st.sampled_from([1, 2]),
     sharding=st.just("fsdp"),
-    prefetch=st.integers(0, 3),
-    reshard_after_forward=st.booleans(),
+    comm=st.builds(
+        FSDPOptions,
+        prefetch=st.integers(0, 3),
+        reshard_after_forward=st.booleans(),
+        reshard_after_backward=st.just(True),
+    ),
 )
+
+
+def with_units(grid: Grid, units: str | int, **choices) -> Grid:
+    """``grid`` with its record's units (and other fields) changed."""
+    return replace(grid, comm=replace(grid.comm, units=units, **choices))
 
 
 @settings(max_examples=80, deadline=None)
 @given(layers=layer_lists, grid=grids, size=st.sampled_from([1, 2, 3]))
 def test_per_layer_units_never_hold_more_than_per_chunk(layers, grid, size):
-    per_layer = replace(grid, unit_layers=1).held_bytes(layers)
-    grouped = replace(grid, unit_layers=size).held_bytes(layers)
-    per_chunk = replace(grid, unit_layers=WHOLE_CHUNK).held_bytes(layers)
+    per_layer = with_units(grid, "layer").held_bytes(layers)
+    grouped = with_units(grid, size).held_bytes(layers)
+    per_chunk = with_units(grid, "chunk").held_bytes(layers)
     assert per_layer <= grouped * (1 + 1e-12) + 1e-6
     assert grouped <= per_chunk * (1 + 1e-12) + 1e-6
 
 
 @settings(max_examples=80, deadline=None)
-@given(layers=layer_lists, grid=grids, size=st.sampled_from([1, 2, WHOLE_CHUNK]))
+@given(layers=layer_lists, grid=grids, size=st.sampled_from([1, 2, "chunk"]))
 def test_more_prefetch_never_holds_less_and_resharding_never_more(layers, grid, size):
-    unit = replace(grid, unit_layers=size)
-    deeper = replace(unit, prefetch=unit.prefetch + 1)
+    unit = with_units(grid, size)
+    deeper = with_units(unit, size, prefetch=unit.comm.prefetch + 1)
     assert deeper.held_bytes(layers) >= unit.held_bytes(layers) * (1 - 1e-12) - 1e-6
-    resharded = replace(unit, reshard_after_forward=True).held_bytes(layers)
-    kept = replace(unit, reshard_after_forward=False).held_bytes(layers)
+    resharded = with_units(unit, size, reshard_after_forward=True).held_bytes(layers)
+    kept = with_units(unit, size, reshard_after_forward=False).held_bytes(layers)
     assert resharded <= kept * (1 + 1e-12) + 1e-6
 
 

@@ -20,9 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ...schedule.sharding import FSDPOptions
 from .. import PipelineError
 from ..launch import check_timeout
-from ..parallel.fsdp import FSDPOptions, check_fsdp_options
+from ..parallel.fsdp import check_fsdp_options
 from ..vocab.runner import check_vocab_request
 from .compiled import compile_options
 

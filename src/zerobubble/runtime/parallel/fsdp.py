@@ -1,13 +1,14 @@
 """FSDP2 for the data-parallel dimension: ``Pipeline(..., mesh=mesh, data_parallel="fsdp", fsdp=...)``.
 
-Units (:class:`FSDPOptions`): by default each chunk (its ``StageModule``) is one ``fully_shard``
-unit, all-gathered once before this rank's first forward and kept whole for the step.  With
-``fsdp=FSDPOptions(units="layer" | N)`` each layer (each run of N layers) is a unit under a
-parameter-less chunk root, and FSDP2's own hooks all-gather a unit just before its forward and its B
-(prefetching ``prefetch`` units ahead) and reshard it after (``reshard_after_forward``) — B and W
-split (``runtime/wgrad``) around it:
+Units (``fsdp=``, the schedule layer's record :class:`~...schedule.sharding.FSDPOptions`): by
+default each chunk (its ``StageModule``) is one ``fully_shard`` unit, all-gathered once before this
+rank's first forward and kept whole for the step.  With ``fsdp=FSDPOptions(units="layer" | N)``
+each layer (each run of N layers) is a unit under a parameter-less chunk root, and FSDP2's own
+hooks all-gather a unit just before its forward and its B (prefetching ``prefetch`` units ahead)
+and reshard it after (``reshard_after_forward``, ``reshard_after_backward``) — B and W split
+(``runtime/wgrad``) around it:
 * B reads the parameters (input gradients): FSDP2's pre-backward hook re-gathers the unit, its
-  post-backward hook reshards it (``set_reshard_after_backward(True)``), reducing nothing
+  post-backward hook reshards it (``set_reshard_after_backward``), reducing nothing
   (``set_requires_gradient_sync(False)``, ``set_is_last_backward(False)``);
 * W writes the unsharded ``Parameter`` objects' ``.grad`` (FSDP2 keeps them across reshards; only
   their storage is freed).  W of a linear, embedding or norm fast path reads no parameter value, so
@@ -26,19 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...schedule.modelplan.layout import SHARDINGS
+from ...schedule.sharding import ONCE_PER_STEP, FSDPOptions
 from .. import PipelineError
 from .consistency import broadcast_replicas
 from .data_parallel import ParallelLayout
-
-UNIT_WORDS = ("chunk", "layer")
-"""The unit granularities :class:`FSDPOptions` takes by name (or else a positive layer count)."""
 
 W_READS_NO_PARAMETER = ("MatmulRule", "EmbeddingRule", "LayerNormRule", "GroupNormRule", "BatchNormRule")
 """The fast paths whose W reads no parameter value (closed forms of the saved input and the output
@@ -46,53 +44,9 @@ gradient; the norms' parameter gradients come from B's kernel): a unit made only
 sharded during W (``docs/runtime.md``, "FSDP2 units")."""
 
 
-@dataclass(frozen=True)
-class FSDPOptions:
-    """How ``data_parallel="fsdp"``/``"hsdp"`` makes FSDP2 units: ``Pipeline(..., fsdp=FSDPOptions())``.
-
-    ``units``: ``"layer"`` (one ``fully_shard`` unit per layer, ZeRO-3's layout), a positive int N
-    (runs of N layers of a chunk), or ``"chunk"``.  ``reshard_after_forward``: free a unit's gathered
-    parameters after each forward and each B, gathering it again when next needed (the peak holds
-    one unit, not the chunk); False keeps each unit whole from its first use to the chunk's
-    reduce-scatter.  ``prefetch``: how many units ahead a forward or B gathers (0: none).
-    ``fsdp=None``, the default, is the once-per-step layout: one unit per chunk, gathered before the
-    first forward and kept (``FSDPOptions(units="chunk", reshard_after_forward=False)``).
-    """
-
-    units: str | int = "layer"
-    reshard_after_forward: bool = True
-    prefetch: int = 1
-
-    def __post_init__(self) -> None:
-        units = self.units
-        if isinstance(units, bool) or not (units in UNIT_WORDS or (isinstance(units, int) and units >= 1)):
-            raise PipelineError(
-                f'FSDPOptions(units={units!r}): "layer" (one FSDP2 unit per layer), "chunk" (one per '
-                "chunk) or a positive number of layers per unit"
-            )
-        if not isinstance(self.reshard_after_forward, bool):
-            raise PipelineError(
-                f"FSDPOptions(reshard_after_forward={self.reshard_after_forward!r}): True or False"
-            )
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise PipelineError(
-                f"FSDPOptions(prefetch={self.prefetch!r}): the number of units gathered ahead, 0 or more"
-            )
-
-    @property
-    def once_per_step(self) -> bool:
-        """Whether this is the default layout: one unit per chunk, gathered once a step and kept."""
-        return self.units == "chunk" and not self.reshard_after_forward
-
-    def group_size(self, layers: int) -> int:
-        """Layers per unit in a chunk of ``layers`` layers."""
-        if self.units == "layer":
-            return 1
-        return max(layers, 1) if self.units == "chunk" else int(self.units)
-
-
 def check_fsdp_options(fsdp: Any, data_parallel: Any) -> None:
-    """``fsdp`` is None or an :class:`FSDPOptions` given with ``data_parallel="fsdp"``/``"hsdp"``."""
+    """``fsdp`` is None or an :class:`FSDPOptions` (the schedule layer's record, checked when made)
+    given with ``data_parallel="fsdp"``/``"hsdp"``, without the replicated all-reduce's buckets."""
     if fsdp is None:
         return
     if not isinstance(fsdp, FSDPOptions):
@@ -103,6 +57,11 @@ def check_fsdp_options(fsdp: Any, data_parallel: Any) -> None:
         raise PipelineError(
             f'fsdp=FSDPOptions(...) says how data_parallel="fsdp" or "hsdp" shards, but data_parallel='
             f'{data_parallel!r}: pass data_parallel="fsdp" (or "hsdp") with a mesh, or drop fsdp='
+        )
+    if fsdp.bucket_bytes:
+        raise PipelineError(
+            f"fsdp=FSDPOptions(bucket_bytes={fsdp.bucket_bytes!r}): buckets are the replicated "
+            "all-reduce's (the lowering's and the planner's); FSDP reduce-scatters per unit: drop it"
         )
 
 
@@ -159,7 +118,7 @@ class ShardedStages:
         # the user's mesh's data-parallel dimension (HSDP: its dp_replicate × dp_shard submesh, which
         # fully_shard reads as replicate × shard), else a 1-D mesh over the layout's dp group
         self.mesh = mesh or DeviceMesh.from_group(layout.dp_group, device.type, mesh_dim_names=("dp",))
-        self.options = options or FSDPOptions(units="chunk", reshard_after_forward=False)
+        self.options = options or ONCE_PER_STEP
         self.layered = not self.options.once_per_step  # units driven by FSDP2's hooks, op by op
         self.units: dict[int, Any] = {}  # stage index -> the chunk's root FSDPModule (a StageModule)
         self.layer_units: dict[int, list[Any]] = {}  # stage index -> its units in forward order
@@ -178,7 +137,7 @@ class ShardedStages:
         units: list[Any] = []
         if self.layered:
             layers = list(getattr(module, "layers", ()))
-            size = self.options.group_size(len(layers))
+            size = self.options.unit_size(len(layers))
             for start in range(0, len(layers), size):
                 group = layers[start : start + size]
                 shard = fully_shard(
@@ -241,8 +200,8 @@ class ShardedStages:
 
     def release_after_w(self, stage: int) -> None:
         """After a W op of chunk ``stage``: reshard what :meth:`gather_for_w` gathered (with
-        ``reshard_after_forward``; otherwise the units stay whole until the reduce-scatter)."""
-        if self.options.reshard_after_forward:
+        ``reshard_after_backward``; otherwise the units stay whole until the reduce-scatter)."""
+        if self.options.reshard_after_backward:
             for unit in self.weight_readers(stage):
                 unit.reshard()
 
@@ -288,9 +247,9 @@ class ShardedStages:
 
     def _quiet(self, unit: Any) -> None:
         """During a step: FSDP2's own backward hooks reduce nothing (B runs before W); layered units
-        with ``reshard_after_forward`` are resharded after each B as after each forward."""
+        with ``reshard_after_backward`` are resharded after each B."""
         unit.set_is_last_backward(False)
-        unit.set_reshard_after_backward(self.layered and self.options.reshard_after_forward)
+        unit.set_reshard_after_backward(self.layered and bool(self.options.reshard_after_backward))
         unit.set_requires_gradient_sync(False)
 
 

@@ -16,7 +16,6 @@ from .actions import (
     Compute,
     Issue,
     LoweredSchedule,
-    LoweringOptions,
     Step,
     Wait,
 )
@@ -24,7 +23,7 @@ from .check import validate_lowered
 from .choose import CommChoice, candidate_options, choose_options
 from .collectives import CollectiveCosts, CommProfile
 from .layout import StageBytes
-from .lower import lower, options_for_grid
+from .lower import lower
 from .memory import ParameterMemory
 from .overlap import simulate_lowered
 from .pictures import render_comm_svg, render_comm_text, to_comm_chrome_trace
@@ -43,7 +42,6 @@ __all__ = [
     "LoweredDeadlock",
     "LoweredSchedule",
     "LoweringError",
-    "LoweringOptions",
     "ParameterMemory",
     "StageBytes",
     "Step",
@@ -51,7 +49,6 @@ __all__ = [
     "candidate_options",
     "choose_options",
     "lower",
-    "options_for_grid",
     "render_comm_svg",
     "render_comm_text",
     "simulate_lowered",

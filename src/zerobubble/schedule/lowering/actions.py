@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..channels import MessageKey
+from ..grid import Grid
 from ..ir import Kind, Op, Schedule
+from ..sharding import FSDPOptions
 
 
 class CommKind(str, enum.Enum):
@@ -171,53 +173,12 @@ Action = Compute | Issue | Wait | Step
 
 
 @dataclass(frozen=True)
-class LoweringOptions:
-    """How :func:`~.lower.lower` places communication.
-
-    ``data_parallel``: ``"none"``, ``"replicate"`` (gradients all-reduced per bucket) or ``"fsdp"``
-    (parameters sharded per unit: unshard, reshard, reduce-scatter; HSDP is fsdp whose
-    reduce-scatter also all-reduces across rows, :mod:`.costs`).  ``granularity``: an FSDP unit
-    is a whole stage (``"chunk"``), one layer (``"layer"``) or ``group`` layers (``"group"``).
-    ``reshard_after_forward``: free a unit after a forward reads it (and gather it again for the
-    next reader); ``reshard_after_backward`` the same after a gradient op (else a unit read by a
-    backward stays whole until its last gradient op, as torch's pipelining keeps it).
-    ``prefetch``: issue an unshard that many compute parts before its first reader.
-    ``bucket_bytes``: replicate's all-reduce buckets (0: one bucket per stage).
-    """
-
-    data_parallel: str = "none"
-    granularity: str = "chunk"
-    group: int = 2
-    reshard_after_forward: bool = False
-    reshard_after_backward: bool = False
-    prefetch: int = 1
-    bucket_bytes: float = 0.0
-
-    def describe(self) -> str:
-        """The options in words, for a plan's reason."""
-        if self.data_parallel == "replicate":
-            size = "one bucket per chunk" if self.bucket_bytes <= 0 else f"{self.bucket_bytes:g}-byte buckets"
-            return f"replicated, all-reduce in {size}"
-        if self.data_parallel != "fsdp":
-            return "no data parallelism"
-        unit = {"chunk": "per-chunk", "layer": "per-layer"}.get(self.granularity, f"{self.group}-layer")
-        after = [
-            name
-            for name, on in (
-                ("forward", self.reshard_after_forward),
-                ("backward", self.reshard_after_backward),
-            )
-            if on
-        ]
-        keep = f"reshard after {' and '.join(after)}" if after else "kept whole until the last gradient op"
-        return f"FSDP {unit} units, {keep}, prefetch {self.prefetch}"
-
-
-@dataclass(frozen=True)
 class LoweredSchedule:
     """A schedule lowered to each rank's full program.
 
-    ``programs[r]`` is pipeline rank ``r``'s action sequence, run alike by its ``replicas``
+    ``options`` is how the data-parallel communication was laid out, ``grid`` whose mode (none,
+    replicated, FSDP or HSDP: :attr:`~..grid.Grid.dp_mode`) and sizes it ran under.
+    ``programs[r]`` is pipeline rank ``r``'s action sequence, run alike by the grid's ``dp``
     data-parallel replicas unless ``replica_programs`` holds another for ``(replica, rank)`` (a
     lowering that differs per replica: the validator then checks their collectives agree).
     ``part_layers[s]`` are the layer counts of stage ``s``'s parts (units or buckets),
@@ -226,14 +187,28 @@ class LoweredSchedule:
     """
 
     source: Schedule
-    options: LoweringOptions
+    options: FSDPOptions
     programs: tuple[tuple[Action, ...], ...]
     part_layers: tuple[tuple[int, ...], ...]
     part_bytes: tuple[tuple[float, ...], ...]
     part_grad_bytes: tuple[tuple[float, ...], ...]
-    replicas: int = 1
-    shard: int = 1
+    grid: Grid = field(default_factory=Grid)
     replica_programs: Mapping[tuple[int, int], tuple[Action, ...]] = field(default_factory=dict)
+
+    @property
+    def replicas(self) -> int:
+        """The data-parallel replicas (the grid's ``dp``)."""
+        return self.grid.dp
+
+    @property
+    def shard(self) -> int:
+        """The ranks a parameter is cut over (the grid's ``shard``; 1: replicated)."""
+        return self.grid.shard
+
+    @property
+    def data_parallel(self) -> str:
+        """``"none"``, ``"replicate"`` or ``"fsdp"`` (HSDP too): the grid's :attr:`~..grid.Grid.dp_mode`."""
+        return self.grid.dp_mode
 
     def program_of(self, rank: int, replica: int = 0) -> tuple[Action, ...]:
         """The program of pipeline rank ``rank`` in data-parallel replica ``replica``."""

@@ -33,10 +33,10 @@ def validate_lowered(lowered: LoweredSchedule) -> None:
         where = f"rank {rank}" + (f" (replica {replica})" if replica else "")
         _check_compute(lowered, rank, program, where)
         _check_needs(lowered, rank, program, where)
-        if lowered.options.data_parallel == "fsdp":
+        if lowered.data_parallel == "fsdp":
             _check_units(rank, program, where)
         _check_issues_and_waits(rank, program, where)
-        if lowered.options.data_parallel != "none":
+        if lowered.data_parallel != "none":
             _check_reductions(lowered, rank, program, where)
     _check_channels(lowered)
     try:
@@ -153,7 +153,7 @@ def _check_units(rank: int, program: tuple[Action, ...], where: str) -> None:
 
 def _check_reductions(lowered: LoweredSchedule, rank: int, program: tuple[Action, ...], where: str) -> None:
     """Every unit or bucket of the rank reduced once, after its last gradient part, waited before the step."""
-    kind = CommKind.REDUCE_SCATTER if lowered.options.data_parallel == "fsdp" else CommKind.ALL_REDUCE
+    kind = CommKind.REDUCE_SCATTER if lowered.data_parallel == "fsdp" else CommKind.ALL_REDUCE
     last_grad: dict[tuple[int, int], int] = {}
     issued: Counter[tuple[int, int]] = Counter()
     issue_at: dict[tuple[int, int], int] = {}
@@ -163,9 +163,7 @@ def _check_reductions(lowered: LoweredSchedule, rank: int, program: tuple[Action
         elif isinstance(action, Issue) and action.comm.kind in REDUCTIONS:
             part = (action.comm.stage, action.comm.index)
             if action.comm.kind is not kind:
-                raise _fail(
-                    where, rank, action, f"a {lowered.options.data_parallel} lowering reduces with {kind}"
-                )
+                raise _fail(where, rank, action, f"a {lowered.data_parallel} lowering reduces with {kind}")
             issued[part] += 1
             issue_at[part] = i
     for stage in lowered.source.placement.stages_of(rank):

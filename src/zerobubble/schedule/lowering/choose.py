@@ -10,16 +10,16 @@ one-line reason.  The planner (``modelplan``) does not call it yet: see ``docs/c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...errors import ScheduleError
 from ..costs import CostModel, StageCosts
 from ..grid import Grid
 from ..ir import Schedule
-from .actions import LoweringOptions
+from ..sharding import ONCE_PER_STEP, FSDPOptions
 from .collectives import CollectiveCosts
 from .layout import StageBytes
-from .lower import lower, options_for_grid
+from .lower import lower
 from .overlap import simulate_lowered
 from .spans import CommTimeline
 
@@ -32,10 +32,10 @@ class CommChoice:
     """The chosen options, their simulated timeline, why, and every candidate's ``(options,
     iteration time, peak memory)``."""
 
-    options: LoweringOptions
+    options: FSDPOptions
     timeline: CommTimeline
     reason: str
-    tried: tuple[tuple[LoweringOptions, float, float], ...]
+    tried: tuple[tuple[FSDPOptions, float, float], ...]
 
 
 def candidate_options(
@@ -44,25 +44,22 @@ def candidate_options(
     groups: Sequence[int] = (2,),
     prefetch: Sequence[int] = (1, 2),
     bucket_bytes: Sequence[float] = (0.0,),
-) -> list[LoweringOptions]:
+) -> list[FSDPOptions]:
     """The lowerings worth trying on ``grid``: FSDP's unit granularity (per chunk, per layer, per
     group of ``g`` layers) × reshard policy × prefetch depth, or replicate's bucket sizes."""
-    base = options_for_grid(grid)
-    if base.data_parallel == "replicate":
-        return [options_for_grid(grid, bucket_bytes=size) for size in bucket_bytes]
-    if base.data_parallel == "none":
-        return [base]
-    units = [("chunk", 0), ("layer", 0), *(("group", g) for g in groups)]
+    if grid.dp_mode == "replicate":
+        return [replace(ONCE_PER_STEP, bucket_bytes=size) for size in bucket_bytes]
+    if grid.dp_mode == "none":
+        return [ONCE_PER_STEP]
+    units: list[str | int] = ["chunk", "layer", *(max(g, 1) for g in groups)]
     return [
-        options_for_grid(
-            grid,
-            granularity=granularity,
-            group=max(g, 1),
+        FSDPOptions(
+            units=unit,
             reshard_after_forward=forward,
             reshard_after_backward=backward,
             prefetch=depth,
         )
-        for granularity, g in units
+        for unit in units
         for forward, backward in RESHARD_POLICIES
         for depth in prefetch
     ]
@@ -76,7 +73,7 @@ def choose_options(
     *,
     memory_cap: float | None = None,
     collectives: CollectiveCosts | None = None,
-    candidates: Sequence[LoweringOptions] | None = None,
+    candidates: Sequence[FSDPOptions] | None = None,
 ) -> CommChoice:
     """The fastest candidate whose largest rank peak is at most ``memory_cap`` (in the unit shared
     by ``costs.mem_b`` and ``model``'s bytes); when none fits, the one with the lowest peak, and the
@@ -87,7 +84,7 @@ def choose_options(
     collectives = collectives or CollectiveCosts.from_grid(grid)
     scored = []
     for options in tried:
-        lowered = lower(schedule, options, model=model, replicas=grid.dp, shard=grid.shard)
+        lowered = lower(schedule, options, grid=grid, model=model)
         timeline = simulate_lowered(lowered, costs, collectives)
         scored.append((options, timeline))
     table = tuple((options, t.iteration_time, max(t.peak_memory)) for options, t in scored)
@@ -96,21 +93,22 @@ def choose_options(
         options, timeline = min(fitting, key=lambda entry: entry[1].iteration_time)
     else:
         options, timeline = min(scored, key=lambda entry: max(entry[1].peak_memory))
-    reason = _reason(options, timeline, scored, memory_cap, fits=bool(fitting))
+    reason = _reason(options, timeline, scored, memory_cap, fits=bool(fitting), mode=grid.dp_mode)
     return CommChoice(options, timeline, reason, table)
 
 
 def _reason(
-    options: LoweringOptions,
+    options: FSDPOptions,
     timeline: CommTimeline,
-    scored: list[tuple[LoweringOptions, CommTimeline]],
+    scored: list[tuple[FSDPOptions, CommTimeline]],
     cap: float | None,
     *,
     fits: bool,
+    mode: str,
 ) -> str:
     peak = max(timeline.peak_memory)
     head = (
-        f"{options.describe()}: iteration {timeline.iteration_time:.4g}, peak {peak:.4g}, "
+        f"{options.describe(mode)}: iteration {timeline.iteration_time:.4g}, peak {peak:.4g}, "
         f"{timeline.exposed_dp:.3g} of data-parallel communication exposed"
     )
     if not fits:
@@ -120,6 +118,6 @@ def _reason(
         within = f" within the cap {cap:.4g}" if cap is not None else ""
         return f"{head}; the fastest of {len(scored)} candidates{within}"
     return (
-        f"{head}; the fastest of {len(scored)} within the cap {cap:.4g} ({fastest_options.describe()} "
+        f"{head}; the fastest of {len(scored)} within the cap {cap:.4g} ({fastest_options.describe(mode)} "
         f"takes {fastest.iteration_time:.4g} but peaks at {max(fastest.peak_memory):.4g})"
     )

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...errors import ScheduleError
-from .actions import LoweringOptions
+from ..sharding import FSDPOptions
 
 
 @dataclass(frozen=True)
@@ -47,16 +47,15 @@ class StageBytes:
 
 
 def cut_stage(
-    params: Sequence[float], grads: Sequence[float], options: LoweringOptions
+    params: Sequence[float], grads: Sequence[float], options: FSDPOptions, mode: str
 ) -> tuple[tuple[int, int], ...]:
-    """The layer ranges ``[start, stop)`` of one stage's parts under ``options``, in layer order."""
+    """The layer ranges ``[start, stop)`` of one stage's parts under ``options`` and the grid's
+    data-parallel ``mode``, in layer order."""
     layers = len(params)
-    if options.data_parallel == "fsdp":
-        size = {"chunk": layers, "layer": 1}.get(options.granularity, options.group)
-        if size < 1:
-            raise ScheduleError(f"an FSDP unit needs at least one layer, got group {options.group}")
+    if mode == "fsdp":
+        size = options.unit_size(layers)
         return tuple((start, min(start + size, layers)) for start in range(0, layers, size))
-    if options.data_parallel == "replicate" and options.bucket_bytes > 0:
+    if mode == "replicate" and options.bucket_bytes > 0:
         return _buckets(grads, options.bucket_bytes)
     return ((0, layers),)
 
@@ -77,15 +76,14 @@ def _buckets(grads: Sequence[float], bucket_bytes: float) -> tuple[tuple[int, in
 
 
 def stage_parts(
-    num_stages: int, model: StageBytes | None, options: LoweringOptions
+    num_stages: int, model: StageBytes | None, options: FSDPOptions, mode: str
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
     """Per stage: its parts' layer counts, parameter bytes and gradient bytes.  Without ``model``
     every stage is one layer of no bytes."""
     if model is None:
-        if options.data_parallel != "none":
+        if mode != "none":
             raise ScheduleError(
-                f"lowering with data_parallel={options.data_parallel!r} needs the stages' byte sizes "
-                "(model=StageBytes(...))"
+                f"lowering with data_parallel={mode!r} needs the stages' byte sizes (model=StageBytes(...))"
             )
         model = StageBytes.uniform(num_stages, 1, 0.0)
     if model.num_stages != num_stages:
@@ -94,7 +92,7 @@ def stage_parts(
         )
     layers, params, grads = [], [], []
     for stage_params, stage_grads in zip(model.params, model.grads):
-        ranges = cut_stage(stage_params, stage_grads, options)
+        ranges = cut_stage(stage_params, stage_grads, options, mode)
         layers.append(tuple(stop - start for start, stop in ranges))
         params.append(tuple(sum(stage_params[start:stop]) for start, stop in ranges))
         grads.append(tuple(sum(stage_grads[start:stop]) for start, stop in ranges))

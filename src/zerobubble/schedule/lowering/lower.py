@@ -25,6 +25,7 @@ from ...errors import ScheduleError
 from ..channels import channel_messages, received_message, receiving_stage, sending_stage, sent_message
 from ..grid import Grid
 from ..ir import Kind, Op, Schedule
+from ..sharding import ONCE_PER_STEP, FSDPOptions
 from .actions import (
     Action,
     Comm,
@@ -32,7 +33,6 @@ from .actions import (
     Compute,
     Issue,
     LoweredSchedule,
-    LoweringOptions,
     Step,
     Wait,
     recv,
@@ -40,53 +40,31 @@ from .actions import (
 )
 from .layout import StageBytes, stage_parts
 
-DATA_PARALLEL = ("none", "replicate", "fsdp")
-GRANULARITIES = ("chunk", "layer", "group")
-
-
-def options_for_grid(grid: Grid, **choices: object) -> LoweringOptions:
-    """:class:`LoweringOptions` whose data parallelism is ``grid``'s (none for one replica,
-    replicate, fsdp for FSDP and HSDP), with the other fields from ``choices``."""
-    kind = "none" if grid.dp == 1 else ("replicate" if grid.shard == 1 else "fsdp")
-    return LoweringOptions(data_parallel=kind, **choices)  # type: ignore[arg-type]
-
 
 def lower(
     schedule: Schedule,
-    options: LoweringOptions | None = None,
+    options: FSDPOptions | None = None,
     *,
+    grid: Grid | None = None,
     model: StageBytes | None = None,
-    replicas: int = 1,
-    shard: int = 1,
 ) -> LoweredSchedule:
     """``schedule`` lowered to each rank's full program under ``options`` (module docstring).
 
-    ``model`` gives each stage's per-layer bytes (needed with data parallelism); ``replicas`` and
-    ``shard`` the data-parallel size and the ranks a parameter is cut over (a grid's ``dp`` and
-    ``shard``).  Raises :class:`ScheduleError` for options that do not fit.
+    ``grid`` says the data-parallel mode and sizes (:attr:`~..grid.Grid.dp_mode`, ``dp``, ``shard``;
+    default: one replica); ``options`` how its communication is laid out (default
+    :data:`~..sharding.ONCE_PER_STEP`); ``model`` each stage's per-layer bytes (needed with data
+    parallelism).  Raises :class:`ScheduleError` for what does not fit.
     """
-    options = options or LoweringOptions()
-    _check_options(options, replicas, shard)
-    layers, params, grads = stage_parts(schedule.num_stages, model, options)
+    options = ONCE_PER_STEP if options is None else options
+    grid = grid or Grid()
+    if not isinstance(options, FSDPOptions):
+        raise ScheduleError(f"lower: options must be an FSDPOptions record, got {options!r}")
+    layers, params, grads = stage_parts(schedule.num_stages, model, options, grid.dp_mode)
     programs = tuple(
-        _RankLowering(schedule, options, layers, rank).program() for rank in range(schedule.num_ranks)
+        _RankLowering(schedule, options, grid.dp_mode, layers, rank).program()
+        for rank in range(schedule.num_ranks)
     )
-    return LoweredSchedule(schedule, options, programs, layers, params, grads, replicas, shard)
-
-
-def _check_options(options: LoweringOptions, replicas: int, shard: int) -> None:
-    if options.data_parallel not in DATA_PARALLEL:
-        raise ScheduleError(f"data_parallel {options.data_parallel!r}: choose one of {DATA_PARALLEL}")
-    if options.granularity not in GRANULARITIES:
-        raise ScheduleError(f"granularity {options.granularity!r}: choose one of {GRANULARITIES}")
-    if options.prefetch < 0:
-        raise ScheduleError(f"prefetch must be 0 or more parts ahead, got {options.prefetch}")
-    if replicas < 1 or shard < 1 or replicas % shard:
-        raise ScheduleError(f"replicas={replicas}, shard={shard}: shard must divide the replicas")
-    if options.data_parallel == "fsdp" and shard < 2:
-        raise ScheduleError("fsdp shards the parameters over at least 2 replicas: give shard ≥ 2")
-    if options.data_parallel == "replicate" and replicas < 2:
-        raise ScheduleError("replicate all-reduces over at least 2 replicas: give replicas ≥ 2")
+    return LoweredSchedule(schedule, options, programs, layers, params, grads, grid)
 
 
 @dataclass
@@ -95,7 +73,8 @@ class _RankLowering:
     and after each (``before[len(parts)]`` is the end of the program)."""
 
     schedule: Schedule
-    options: LoweringOptions
+    options: FSDPOptions
+    mode: str  # the grid's dp_mode
     layers: tuple[tuple[int, ...], ...]
     rank: int
     parts: list[Compute] = field(default_factory=list)
@@ -110,9 +89,9 @@ class _RankLowering:
         self._place_messages()
         if self.schedule.vocab_shards:
             self._place_vocab()
-        if self.options.data_parallel == "fsdp":
+        if self.mode == "fsdp":
             self._place_units()
-        if self.options.data_parallel != "none":
+        if self.mode != "none":
             self._place_reductions()
         actions: list[Action] = []
         for i, part in enumerate(self.parts):
@@ -229,7 +208,7 @@ class _RankLowering:
         return next((i for i, a in enumerate(slot) if isinstance(a, Wait)), len(slot))
 
     def _place_reductions(self) -> None:
-        kind = CommKind.REDUCE_SCATTER if self.options.data_parallel == "fsdp" else CommKind.ALL_REDUCE
+        kind = CommKind.REDUCE_SCATTER if self.mode == "fsdp" else CommKind.ALL_REDUCE
         last: dict[tuple[int, int], int] = {}
         for i, part in enumerate(self.parts):
             if part.op.computes_weight_grad:

@@ -27,7 +27,7 @@ class ParameterMemory:
 
 def memory_levels(lowered: LoweredSchedule, costs: StageCosts) -> ParameterMemory:
     """The peaks of every rank's activation and parameter memory along its program."""
-    fsdp = lowered.options.data_parallel == "fsdp"
+    fsdp = lowered.data_parallel == "fsdp"
     shard = lowered.shard if fsdp else 1
     placement = lowered.source.placement
     activations, parameters, totals = [], [], []

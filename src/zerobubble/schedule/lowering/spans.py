@@ -81,7 +81,7 @@ class CommTimeline:
         """The headline numbers as a JSON-ready dict."""
         return {
             "schedule": self.lowered.source.name,
-            "lowering": self.lowered.options.describe(),
+            "lowering": self.lowered.options.describe(self.lowered.data_parallel),
             "iteration_time": self.iteration_time,
             "makespan": self.makespan,
             "exposed": [dict(exposed) for exposed in self.exposed],

@@ -17,14 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..grid import Grid
+from ..sharding import ONCE_PER_STEP, FSDPOptions
 from .amounts import format_bytes
 from .profile import LayerProfile, ModelProfile
 from .result import PlanCandidate
 
-WHOLE_CHUNK = 1 << 30
-"""``unit_layers`` that makes each chunk one FSDP unit (gathered every microbatch)."""
-
-UNIT_SIZES = (1, 2, 4, WHOLE_CHUNK)
+UNIT_SIZES: tuple[str | int, ...] = ("layer", 2, 4, "chunk")
 """The FSDP unit sizes tried: a layer, groups of 2 and 4 layers, the chunk."""
 
 PREFETCH_DEPTHS = (0, 1, 2)
@@ -34,43 +32,49 @@ BUCKETS = (0.0, 25e6, 100e6)
 """Replicated all-reduce buckets: after the step, DDP's 25 MB default, 100 MB."""
 
 
-def sharding_variants(grid: Grid) -> list[Grid]:
-    """Every sharding choice of ``grid``: the runtime's chunk gathered once a step and the FSDP
-    units (size × reshard after forward × prefetch), or the replicated all-reduce's buckets."""
+def sharding_records(grid: Grid) -> list[FSDPOptions]:
+    """Every communication record tried on ``grid``: the runtime's chunk gathered once a step and
+    the FSDP units (size × reshard after the forward or not, always after the backward ×
+    prefetch), or the replicated all-reduce's buckets."""
     if grid.dp == 1:
-        return [grid]
+        return [grid.comm]
     if grid.shard == 1:
-        return [replace(grid, bucket_bytes=size) for size in BUCKETS]
-    found = [replace(grid, unit_layers=0)]
-    for unit in UNIT_SIZES:
-        for reshard in (True, False):
-            found += [
-                replace(grid, unit_layers=unit, reshard_after_forward=reshard, prefetch=depth)
-                for depth in PREFETCH_DEPTHS
-            ]
-    return found
+        return [replace(ONCE_PER_STEP, bucket_bytes=size) for size in BUCKETS]
+    return [ONCE_PER_STEP] + [
+        FSDPOptions(units=unit, reshard_after_forward=forward, reshard_after_backward=True, prefetch=depth)
+        for unit in UNIT_SIZES
+        for forward in (True, False)
+        for depth in PREFETCH_DEPTHS
+    ]
+
+
+def sharding_variants(grid: Grid) -> list[Grid]:
+    """``grid`` with each of :func:`sharding_records` as its ``comm``."""
+    return [replace(grid, comm=record) for record in sharding_records(grid)]
 
 
 def least_memory(grid: Grid) -> Grid:
     """The variant that holds the fewest bytes: what a layout's schedule is planned with."""
     if grid.dp == 1 or grid.shard == 1:
-        return replace(grid, bucket_bytes=0.0)
-    return replace(grid, unit_layers=1, reshard_after_forward=True, prefetch=0)
+        return replace(grid, comm=ONCE_PER_STEP)
+    return replace(grid, comm=FSDPOptions(units="layer", reshard_after_forward=True, prefetch=0))
 
 
 def describe_sharding(grid: Grid) -> str:
     """``FSDP units of 1 layer, resharded after the forward, 1 gather ahead`` and the like."""
+    comm = grid.comm
     if grid.dp == 1:
         return "no data parallelism"
     if grid.shard == 1:
-        if not grid.bucket_bytes:
+        if not comm.bucket_bytes:
             return "gradients all-reduced once after the step"
-        return f"gradients all-reduced in {grid.bucket_bytes / 1e6:g} MB buckets during the backward"
-    if not grid.unit_layers:
+        return f"gradients all-reduced in {comm.bucket_bytes / 1e6:g} MB buckets during the backward"
+    if not comm.resharded:
         return "each chunk gathered once a step (the runtime's)"
-    unit = {1: "one layer", WHOLE_CHUNK: "a chunk"}.get(grid.unit_layers, f"{grid.unit_layers} layers")
-    kept = "resharded after the forward" if grid.reshard_after_forward else "kept whole until the backward"
-    ahead = f"{grid.prefetch} gather{'s' if grid.prefetch != 1 else ''} ahead"
+    words = {"layer": "one layer", "1": "one layer", "chunk": "a chunk"}
+    unit = words.get(str(comm.units), f"{comm.units} layers")
+    kept = "resharded after the forward" if comm.reshard_after_forward else "kept whole until the backward"
+    ahead = f"{comm.prefetch} gather{'s' if comm.prefetch != 1 else ''} ahead"
     return f"FSDP units of {unit}, {kept}, {ahead}"
 
 

@@ -387,7 +387,7 @@ def plan_cluster(
     """Every layout of the cluster (:func:`cluster_grids`, FSDP2 where there are replicas) or those
     given (``pp``, ``dp``, ``tp`` and ``sharding`` of each grid read) planned, fastest first; each
     with the fastest sharding that fits (:mod:`.choices`), or, without ``search.choose_sharding``,
-    the grid's own (``unit_layers``, ``reshard_after_forward``, ``prefetch``, ``bucket_bytes``)."""
+    the grid's own record (``grid.comm``, :class:`~..sharding.FSDPOptions`)."""
     check_positive(tokens_per_step=tokens_per_step, seq_len=seq_len, microbatch_size=microbatch_size)
     sequences, remainder = divmod(tokens_per_step, seq_len)
     if remainder or sequences < 1:
@@ -492,14 +492,8 @@ def _planned_grid(cluster: Cluster, grid: Grid) -> Grid:
 
 
 def _with_sharding_of(layout: Grid, grid: Grid) -> Grid:
-    """``layout`` running ``grid``'s own sharding choices."""
-    return replace(
-        layout,
-        unit_layers=grid.unit_layers,
-        reshard_after_forward=grid.reshard_after_forward,
-        prefetch=grid.prefetch,
-        bucket_bytes=grid.bucket_bytes,
-    )
+    """``layout`` running ``grid``'s own communication record."""
+    return replace(layout, comm=grid.comm)
 
 
 def cluster_table(options: Sequence[ClusterOption], top: int) -> str:

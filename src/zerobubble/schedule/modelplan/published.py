@@ -21,6 +21,7 @@ from typing import Any
 
 from ..grid import Grid
 from ..ir import ScheduleError
+from ..sharding import ONCE_PER_STEP, FSDPOptions
 from .amounts import format_bytes
 from .cluster import Cluster, ClusterOption, ClusterSearch, TransformerShape, plan_cluster
 
@@ -76,10 +77,24 @@ def run_grid(run: Mapping[str, Any]) -> Grid:
         tp=run["tp"],
         sharding="fsdp" if fsdp else None,
         pp=run["pp"],
-        unit_layers=int(run.get("unit_layers", 0)),
+        comm=run_comm(run),
+    )
+
+
+def run_comm(run: Mapping[str, Any]) -> FSDPOptions:
+    """The published run's communication record: ``unit_layers`` 0 (or absent) is the chunk gathered
+    once a step; N ≥ 1 FSDP units of N layers, resharded after each backward (and after each forward
+    with ``reshard_after_forward``); ``bucket_bytes`` the replicated all-reduce's buckets."""
+    unit = int(run.get("unit_layers", 0))
+    bucket = float(run.get("bucket_bytes", 0.0))
+    if not unit:
+        return replace(ONCE_PER_STEP, bucket_bytes=bucket)
+    return FSDPOptions(
+        units="layer" if unit == 1 else unit,
         reshard_after_forward=bool(run.get("reshard_after_forward", True)),
+        reshard_after_backward=True,
         prefetch=int(run.get("prefetch", 1)),
-        bucket_bytes=float(run.get("bucket_bytes", 0.0)),
+        bucket_bytes=bucket,
     )
 
 
