@@ -92,7 +92,7 @@ def main() -> None:
             if options is None:
                 held, what = chunk_layers * unit, "shards + chunk"
             else:
-                size = options.group_size(chunk_layers) * unit
+                size = options.unit_size(chunk_layers) * unit
                 held, what = size * (1 + options.prefetch), f"shards + {1 + options.prefetch} unit(s)"
             expected = worst["shards"] + held
             times = statistics.median(r[name]["ms"] for r in per_rank)

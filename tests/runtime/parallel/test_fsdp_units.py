@@ -27,11 +27,13 @@ import torch
 from _dist import DistSpy, relative_error, rich_batch, rich_layers, run_ranks, token_loss
 from torch import nn
 
+from zerobubble.errors import ScheduleError
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.construct.request import PipelineRequest
 from zerobubble.runtime.launch import init_distributed
-from zerobubble.runtime.parallel.fsdp import FSDPOptions, parameter_peak
+from zerobubble.runtime.parallel.fsdp import parameter_peak
 from zerobubble.runtime.tensors import full_value
+from zerobubble.schedule.sharding import FSDPOptions
 
 STEPS = 3
 MAX_NORM = 0.3
@@ -246,6 +248,7 @@ def test_a_per_layer_checkpoint_loads_into_per_chunk_units(outcomes):
     [
         (FSDPOptions(), "replicate", 'fsdp=FSDPOptions(...) says how data_parallel="fsdp" or "hsdp" shards'),
         ({"units": "layer"}, "fsdp", "fsdp={'units': 'layer'}: pass FSDPOptions("),
+        (FSDPOptions(bucket_bytes=25e6), "fsdp", "fsdp=FSDPOptions(bucket_bytes=25000000.0): buckets are"),
     ],
 )
 def test_fsdp_options_are_checked_when_the_request_is_made(fsdp, data_parallel, message):
@@ -265,4 +268,6 @@ def test_fsdp_options_are_checked_when_the_request_is_made(fsdp, data_parallel, 
 )
 def test_bad_fsdp_options_are_refused(options, message):
     with pytest.raises(PipelineError, match=re.escape(message)):
+        FSDPOptions(**options)
+    with pytest.raises(ScheduleError, match=re.escape(message)):  # the schedule layer's record too
         FSDPOptions(**options)
