@@ -61,6 +61,9 @@ class Case:
     memory_limit: str | None = None  # schedule="auto" only
     calibrate: int = 3  # schedule="auto" only
     compile: bool = False  # every layer compiled with inductor
+    # data_parallel="fsdp" only: FSDPOptions(units, reshard_after_forward, reshard_after_backward,
+    # prefetch); None: the once-per-step chunk
+    fsdp: tuple[str | int, bool, bool | None, int] | None = None
 
 
 class Block(nn.Module):
@@ -264,6 +267,16 @@ def _layout_options(case: Case) -> dict[str, Any]:
         options["parallelize"] = parallelize
     else:
         options["data_parallel"] = case.layout.removeprefix("mesh-")
+    if case.fsdp is not None:
+        from zerobubble import FSDPOptions
+
+        units, after_forward, after_backward, prefetch = case.fsdp
+        options["fsdp"] = FSDPOptions(
+            units=units,
+            reshard_after_forward=after_forward,
+            reshard_after_backward=after_backward,
+            prefetch=prefetch,
+        )
     return options
 
 

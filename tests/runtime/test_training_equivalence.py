@@ -59,7 +59,7 @@ LIMIT = pytest.mark.timeout({"quick": 300, "ci": 900, "long": 7200}[profile()])
 DRAWN = frozenset(
     {
         "layers", "schedule", "microbatches", "chunks", "partition", "costs", "loss_fn", "head",
-        "embedding", "post_validation", "data_parallel", "mesh", "mesh_dims", "group", "parallelize",
+        "embedding", "post_validation", "data_parallel", "mesh", "mesh_dims", "group", "parallelize", "fsdp",
         "static_shapes", "seed", "timeout", "trace", "emulate", "verify", "check_calls",
         "memory_limit", "example", "calibrate",
     }
@@ -95,6 +95,13 @@ def _schedule_choice(data: st.DrawFn, stages: int) -> dict:
     return choice
 
 
+def _fsdp_options() -> st.SearchStrategy[tuple | None]:
+    """``fsdp=``: None (one unit a chunk, gathered once a step) or drawn units, resharding and prefetch."""
+    units = st.sampled_from(("layer", "chunk", 2))
+    resharded = st.tuples(units, st.booleans(), st.sampled_from((None, True, False)), st.integers(0, 2))
+    return st.none() | resharded
+
+
 def cases(world_size: int) -> st.SearchStrategy[Case]:
     """Configurations that ``world_size`` ranks can run (the Pipeline refuses the rest)."""
 
@@ -122,6 +129,7 @@ def cases(world_size: int) -> st.SearchStrategy[Case]:
             seed=data(st.integers(0, 2**16)), emulate=data(st.booleans()), trace=data(st.booleans()),
             verify=data(st.sampled_from((True, "strict", False))), check_calls=data(st.booleans()),
             renamed_dims=data(st.booleans()) if layout.startswith("mesh") else False,
+            fsdp=data(_fsdp_options()) if layout == "mesh-fsdp" else None,
         )  # fmt: skip
 
     return draw()

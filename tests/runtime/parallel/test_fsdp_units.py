@@ -56,6 +56,16 @@ CASES = {  # name: (mesh, schedule, fsdp)
     "pp2 zb-h1 pairs kept": ("pp2", "zb-h1", FSDPOptions(units=2, reshard_after_forward=False, prefetch=0)),
     "pp2 zb-h1 chunk resharded": ("pp2", "zb-h1", FSDPOptions(units="chunk")),
     "pp2 zb-h1 default": ("pp2", "zb-h1", None),
+    "pp2 zb-v resharded after forward only": (
+        "pp2",
+        "zb-v",
+        FSDPOptions(reshard_after_forward=True, reshard_after_backward=False),
+    ),
+    "pp1 1f1b resharded after backward only": (
+        "pp1",
+        "1f1b",
+        FSDPOptions(reshard_after_forward=False, reshard_after_backward=True),
+    ),
 }
 
 
