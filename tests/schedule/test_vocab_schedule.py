@@ -19,6 +19,7 @@ from zerobubble.schedule import (
     simulate,
     validate_schedule,
 )
+from zerobubble.schedule.builders import get_spec
 from zerobubble.schedule.vocab import RESERVED_MICROBATCHES, add_vocab_ops, head_costs, vocab_budgets
 
 SCHEDULES = [name for name in REGISTRY if name != "zb-ilp"]
@@ -58,11 +59,19 @@ def test_every_schedule_gets_valid_vocab_ops(name, p, m, s, t, comm):
         assert {op.stage for op in shards} == {rank}
         assert [op.microbatch for op in shards if op.kind is Kind.S] == list(range(m))
         assert sorted(op.microbatch for op in shards if op.kind is Kind.T) == list(range(m))
-    base = build_schedule(name, p, m, vocab_budgets(costs, p, budget_given=False)[0])
-    for rank in range(p):  # the base program's ops, each kind in its order (forwards may run ahead)
+    spec = get_spec(name)
+    base_costs = vocab_budgets(spec.resolve_costs(costs, p), p, budget_given=False)[0]
+    held_less = schedule.meta["vocab"].get("base_held_less", 0.0)
+    if held_less:  # built under less memory, to leave room for a deeper warm-up
+        limits = base_costs.memory_limit
+        limits = limits if isinstance(limits, tuple) else (limits,) * p
+        base_costs = base_costs.with_memory_limit(tuple(x - held_less for x in limits))
+    base = spec.load()(p, m, base_costs, spec.resolve_chunks(None), **spec.options)
+    for rank in range(p):  # the base program's ops, each stage's in order (forwards may run ahead)
         for kind in (Kind.F, Kind.B, Kind.W, Kind.BW):
-            ours = [op for op in schedule.programs[rank] if op.kind is kind]
-            assert ours == [op for op in base.programs[rank] if op.kind is kind]
+            for stage in schedule.placement.stages_of(rank):
+                ours = [op for op in schedule.programs[rank] if op.kind is kind and op.stage == stage]
+                assert ours == [op for op in base.programs[rank] if op.kind is kind and op.stage == stage]
         ours = [op for op in schedule.programs[rank] if not op.is_vocab and op.kind is not Kind.F]
         assert ours == [op for op in base.programs[rank] if op.kind is not Kind.F]
     assert plain.num_ops + 2 * p * m == schedule.num_ops

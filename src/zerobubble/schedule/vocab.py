@@ -20,7 +20,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .costs import CostModel, StageCosts, within_limit
@@ -38,19 +38,24 @@ class VocabPolicy:
     forwards a rank may run ahead of its program while its next op waits (the last stage's backward
     waits for the reduction: one more forward in flight hides it, as a deeper warm-up would); and
     ``patience``: a rank whose S input arrives within that fraction of its next op's duration waits
-    for it instead of starting the op (every shard's S is on the last stage's critical path)."""
+    for it instead of starting the op (every shard's S is on the last stage's critical path); and
+    ``deeper``: every rank's forwards moved that many backwards earlier in its program (a warm-up
+    that many microbatches deeper, as the paper's vocabulary-parallel schedules have: the last
+    stage's backward then waits for the reduction behind a forward, not in idle time)."""
 
     outstanding: int
     eager: bool
     lookahead: int = 0
     patience: float = 0.0
+    deeper: int = 0
 
     def describe(self) -> str:
         """The policy in words, for ``meta["vocab"]``."""
         ahead = f", {self.lookahead} forward(s) ahead" if self.lookahead else ""
         wait = f", waits up to {self.patience:g}× an op for its S" if self.patience else ""
+        deeper = f", warm-up {self.deeper} deeper" if self.deeper else ""
         placing = "eager" if self.eager else "idle-filling"
-        return f"{placing} T, at most {self.outstanding} outstanding{ahead}{wait}"
+        return f"{placing} T, at most {self.outstanding} outstanding{deeper}{ahead}{wait}"
 
 
 #: How many of a rank's next program entries :class:`VocabPolicy.lookahead` looks through for a forward.
@@ -59,16 +64,22 @@ LOOKAHEAD_WINDOW = 4
 
 def default_policies(microbatches: int) -> tuple[VocabPolicy, ...]:
     """The T placements :func:`add_vocab_ops` tries first: bounds 1, 2, 4 and ``m``, eager or
-    idle-filling T, with neither lookahead nor patience."""
+    idle-filling T, on the schedule's own warm-up and on one a microbatch deeper, with neither
+    lookahead nor patience."""
     bounds = sorted({min(b, microbatches) for b in (1, 2, 4, microbatches)})
-    return tuple(VocabPolicy(bound, eager) for bound in bounds for eager in (False, True))
+    return tuple(
+        VocabPolicy(bound, eager, deeper=deeper)
+        for deeper in (0, 1)
+        for bound in bounds
+        for eager in (False, True)
+    )
 
 
 def refined_policies(policy: VocabPolicy) -> tuple[VocabPolicy, ...]:
-    """``policy``'s T placement with zero to two forwards ahead and patience 0, ½ or 1 (the second
-    round of :func:`add_vocab_ops`, around the first round's choice)."""
+    """``policy``'s T placement and warm-up with zero to two forwards ahead and patience 0, ½ or 1
+    (the second round of :func:`add_vocab_ops`, around the first round's choice)."""
     return tuple(
-        VocabPolicy(policy.outstanding, policy.eager, ahead, patience)
+        VocabPolicy(policy.outstanding, policy.eager, ahead, patience, policy.deeper)
         for ahead in (0, 1, 2)
         for patience in (0.0, 0.5, 1.0)
         if ahead or patience
@@ -83,13 +94,12 @@ def add_vocab_ops(
 ) -> Schedule:
     """``schedule`` with every shard's S and T op of every microbatch placed into its programs.
 
-    Each policy of ``policies`` gives one candidate; by default the T placements of
-    :func:`default_policies`, then :func:`refined_policies` around the best of them.  Among
-    those whose activation memory respects ``costs.memory_limit`` and whose largest rank peak is
-    within :data:`MEMORY_SLACK` of the lowest any candidate reaches, the fastest is returned: a
-    shard's logits weigh as much on the last stage's rank as on the others, so the policy that
-    keeps fewer of them costs little time and keeps the ranks' memory even.  With no candidate
-    within the limit, the least hungry is returned (the validator then says by how much).
+    Each policy of ``policies`` gives one candidate; by default those of :func:`default_policies`,
+    then :func:`refined_policies` around the best of each warm-up depth.  Among those whose activation memory
+    respects ``costs.memory_limit``, the fastest is returned, or the one of lowest largest-rank peak
+    among those within :data:`TIME_TOLERANCE` of the fastest (a placement that holds more buys
+    nothing).  With no candidate within the limit, the least hungry is returned (the validator
+    then says by how much).  A deeper warm-up that would deadlock this schedule is skipped.
     ``meta["vocab"]`` records the policy.  Raises :class:`ScheduleError` for a schedule that already
     has S or T ops.
     """
@@ -99,28 +109,86 @@ def add_vocab_ops(
     rounds = [policies] if policies else [default_policies(schedule.microbatches), None]
     scored: list[tuple[Timeline, Schedule, VocabPolicy]] = []
     for tried in rounds:
-        chosen = _choose(scored)[2] if scored else None
-        for policy in tried if tried is not None else refined_policies(chosen):  # type: ignore[arg-type]
-            candidate = _interleave(schedule, stage_costs, policy)
+        if tried is None:  # refine around the best of each warm-up depth
+            depths = sorted({policy.deeper for _, _, policy in scored})
+            leaders = [_choose([e for e in scored if e[2].deeper == d])[2] for d in depths]
+            tried = tuple(q for policy in leaders for q in refined_policies(policy))
+        for policy in tried:
+            try:
+                candidate = _interleave(schedule, stage_costs, policy)
+            except ScheduleError:
+                if not policy.deeper:
+                    raise
+                continue  # this schedule's order cannot take a deeper warm-up
             scored.append((simulate(candidate, stage_costs), candidate, policy))
-    return _choose(scored)[1]
+    best, placed, _ = _choose(scored)
+    cramped = any(
+        policy.deeper and not _within(timeline) and timeline.iteration_time < best.iteration_time * 0.99
+        for timeline, _, policy in scored
+    )
+    meta = {**placed.meta, "vocab": {**placed.meta["vocab"], "cramped": cramped}}
+    return Schedule(placed.name, placed.placement, placed.microbatches, placed.programs, meta)
+
+
+def place_vocab_ops(build: Callable[[CostModel], Schedule], base: CostModel, final: CostModel) -> Schedule:
+    """The schedule ``build(base)`` with its vocabulary ops placed under ``final`` (what
+    ``build_schedule(..., vocab_parallel=True)`` runs).  When a deeper warm-up would be faster but
+    does not fit ``base``'s memory limit (``meta["vocab"]["cramped"]``), the schedule is also built
+    under that limit less one and two microbatches of the largest stage's activations, and the
+    fastest placement within ``final``'s limit is kept (``meta["vocab"]["base_held_less"]`` says by how
+    much that base's limit was lowered): a base that holds a little less leaves room
+    for the deeper warm-up that hides the reduction (``docs/schedulers.md``, "Vocabulary parallelism").
+    """
+    placed = add_vocab_ops(build(base), final)
+    name = placed.name
+    if base.memory_limit is None or not placed.meta["vocab"]["cramped"]:
+        return placed
+    stage_costs = resolve_costs_for(placed, final)
+    best = (simulate(placed, stage_costs), placed)
+    unit = max(stage_costs.mem_b)
+    limits = _per_rank(base.memory_limit, placed.num_ranks)
+    for held_less in (1, 2):
+        reduced = tuple(limit - held_less * unit for limit in limits)
+        if min(reduced) <= 0:
+            break
+        try:
+            candidate = add_vocab_ops(build(base.with_memory_limit(reduced)), final)
+        except ScheduleError:
+            continue  # the builder cannot fit its schedule in so little memory
+        timeline = simulate(candidate, stage_costs)
+        if _within(timeline) and timeline.iteration_time < best[0].iteration_time:
+            vocab = {**candidate.meta["vocab"], "base_held_less": held_less * unit}
+            meta = {**candidate.meta, "vocab": vocab}
+            best = (
+                timeline,
+                Schedule(name, candidate.placement, candidate.microbatches, candidate.programs, meta),
+            )
+    return best[1]
 
 
 def _choose(
     scored: Sequence[tuple[Timeline, Schedule, VocabPolicy]],
 ) -> tuple[Timeline, Schedule, VocabPolicy]:
-    """The fastest within the memory limit and :data:`MEMORY_SLACK` of the lowest peak (else the
-    least hungry)."""
+    """The fastest within the memory limit, the least hungry of those within
+    :data:`TIME_TOLERANCE` of it (else the least hungry of all)."""
     fitting = [entry for entry in scored if _within(entry[0])]
     if not fitting:
         return min(scored, key=lambda entry: max(entry[0].peak_memory))
-    lowest = min(max(entry[0].peak_memory) for entry in fitting)
-    even = [entry for entry in fitting if max(entry[0].peak_memory) <= lowest * MEMORY_SLACK + 1e-12]
-    return min(even, key=lambda entry: entry[0].iteration_time)
+    costs = fitting[0][0].costs
+    if all(math.isinf(limit) for limit in costs.memory_limit):  # no limit: keep the ranks' memory even
+        ceiling = min(max(e[0].peak_memory) for e in fitting) * MEMORY_SLACK + max(costs.mem_b) + 1e-12
+        fitting = [entry for entry in fitting if max(entry[0].peak_memory) <= ceiling]
+    fastest = min(entry[0].iteration_time for entry in fitting)
+    close = [entry for entry in fitting if entry[0].iteration_time <= fastest * (1 + TIME_TOLERANCE)]
+    return min(close, key=lambda entry: (max(entry[0].peak_memory), entry[0].iteration_time))
 
 
-#: How far above the lowest largest-rank peak of the candidates :func:`add_vocab_ops` may go for speed.
+#: Without a memory limit, how far above the lowest largest-rank peak (plus one microbatch of the
+#: largest stage's activations, the deeper warm-up's price) :func:`add_vocab_ops` may go for speed.
 MEMORY_SLACK = 1.15
+
+#: How much slower than the fastest fitting candidate :func:`add_vocab_ops` may pick to hold less.
+TIME_TOLERANCE = 0.002
 
 
 #: The microbatches of vocabulary memory (``vocab_mem``) a memory budget sets aside per rank.
@@ -215,8 +283,33 @@ class _Interleaving:
         return end
 
 
+def deepened(schedule: Schedule, deeper: int) -> Schedule:
+    """``schedule`` with every rank's forwards ``deeper`` backwards (B or BW) earlier in its program:
+    each forward that followed the rank's ``n``-th backward now precedes its ``n - deeper``-th.  The
+    order of the forwards and of the other ops is kept; the activations of ``deeper`` more
+    microbatches are held at once."""
+    if deeper <= 0:
+        return schedule
+    programs = []
+    for program in schedule.programs:
+        others = [op for op in program if op.kind is not Kind.F]
+        backwards = [i for i, op in enumerate(others) if op.kind in (Kind.B, Kind.BW)]
+        before: list[list[Op]] = [[] for _ in range(len(others) + 1)]  # forwards before others[i]
+        seen = backwards_seen = 0
+        for op in program:
+            if op.kind is Kind.F:
+                target = backwards_seen - deeper
+                before[min(seen, backwards[target]) if target >= 0 else 0].append(op)
+            else:
+                seen += 1
+                backwards_seen += op.kind in (Kind.B, Kind.BW)
+        programs.append([*itertools.chain.from_iterable([*before[i], op] for i, op in enumerate(others))])
+        programs[-1].extend(before[-1])
+    return Schedule(schedule.name, schedule.placement, schedule.microbatches, programs, schedule.meta)
+
+
 def _interleave(schedule: Schedule, costs: StageCosts, policy: VocabPolicy) -> Schedule:
-    state = _Interleaving(schedule, costs, policy)
+    state = _Interleaving(deepened(schedule, policy.deeper), costs, policy)
     p = schedule.num_ranks
     heap = [(0.0, rank, rank) for rank in range(p)]  # (time the rank decides, tie order, rank)
     order, stalled, stalled_at = p, 0, -1.0
@@ -252,6 +345,41 @@ def _interleave(schedule: Schedule, costs: StageCosts, policy: VocabPolicy) -> S
         heapq.heappush(heap, (min(later) if later else now, order, rank))
     meta = {**schedule.meta, "vocab": {"barriers": 1, "policy": policy.describe()}}
     return Schedule(schedule.name, schedule.placement, schedule.microbatches, state.programs, meta)
+
+
+def partition_reference(
+    name: str, stages: int, microbatches: int, costs: CostModel, *, chunks: int | None = None
+) -> float:
+    """The iteration time of schedule ``name`` with the vocabulary-parallel head perfectly partitioned:
+    each rank's shard folded into its own stages (S split evenly over its forwards and input
+    gradients, T added to its weight gradients), with no vocabulary op, collective or memory.
+
+    The *partition bound* of issue 47, as a reference rather than a lower bound: folding puts each
+    rank's share of S on the pipeline's dependency chain once per stage, where the
+    vocabulary-parallel schedule has one shard's S (and the collectives' latency) once, so a
+    placement may beat it (``docs/schedulers.md``, "Vocabulary parallelism").
+    """
+    from .builders import build_schedule, get_spec  # the builders import this module's placement
+
+    spec = get_spec(name)
+    probe = build_schedule(name, stages, microbatches, chunks=chunks, validate=False)
+    placement = probe.placement
+    resolved = spec.resolve_costs(costs, stages).resolve(placement)
+    share = [1.0 / len(placement.stages_of(placement.rank_of(s))) for s in range(placement.num_stages)]
+    rank_of = placement.stage_ranks
+    s_part = [resolved.vocab_s[rank_of[s]] * share[s] / 2 for s in range(placement.num_stages)]
+    t_part = [resolved.vocab_t[rank_of[s]] * share[s] for s in range(placement.num_stages)]
+    folded = CostModel(
+        f=tuple(f + x for f, x in zip(resolved.f, s_part)),
+        b=tuple(b + x for b, x in zip(resolved.b, s_part)),
+        w=tuple(w + x for w, x in zip(resolved.w, t_part)),
+        comm=resolved.comm,
+        mem_b=resolved.mem_b,
+        mem_w=resolved.mem_w,
+        memory_limit=None if spec.fixed_memory_limit else costs.memory_limit,
+    )
+    built = build_schedule(name, stages, microbatches, folded, chunks=chunks, validate=False)
+    return simulate(built, folded).iteration_time
 
 
 @dataclass(frozen=True)
@@ -335,11 +463,15 @@ def head_costs(
 __all__ = [
     "MEMORY_SLACK",
     "RESERVED_MICROBATCHES",
+    "TIME_TOLERANCE",
     "HeadCosts",
     "VocabPolicy",
     "add_vocab_ops",
+    "deepened",
     "default_policies",
     "head_costs",
+    "partition_reference",
+    "place_vocab_ops",
     "refined_policies",
     "vocab_budgets",
 ]

@@ -240,20 +240,24 @@ def build_schedule(
 
         own_limit = not spec.fixed_memory_limit and given.memory_limit is not None
         resolved, final = vocab_budgets(resolved, stages, budget_given=own_limit)
-    with collector_paused():  # the searches allocate much and free nothing cyclic (gcpause.py)
-        schedule = spec.load()(stages, microbatches, resolved, v, **{**spec.options, **options})
-        if schedule.name != name:
-            schedule = Schedule(
-                name, schedule.placement, schedule.microbatches, schedule.programs, schedule.meta
-            )
+
+    def build(under: CostModel) -> Schedule:
+        built = spec.load()(stages, microbatches, under, v, **{**spec.options, **options})
+        if built.name != name:
+            built = Schedule(name, built.placement, built.microbatches, built.programs, built.meta)
         if polish_seconds is not None:
             from ..polish import polish_schedule
 
-            schedule = polish_schedule(schedule, resolved, seconds=polish_seconds)
-        if vocab_parallel:
-            from ..vocab import add_vocab_ops
+            built = polish_schedule(built, under, seconds=polish_seconds)
+        return built
 
-            schedule = add_vocab_ops(schedule, final)
+    with collector_paused():  # the searches allocate much and free nothing cyclic (gcpause.py)
+        if vocab_parallel:
+            from ..vocab import place_vocab_ops
+
+            schedule = place_vocab_ops(build, resolved, final)
+        else:
+            schedule = build(resolved)
         if validate:
             from ..validate import validate_schedule
 
