@@ -109,12 +109,12 @@ def _plan_cluster(args: argparse.Namespace) -> int:
 
 def _plan_published(args: argparse.Namespace) -> int:
     """``plan --published``: each published run's layout planned on paper beside its published figure."""
-    from ..schedule.modelplan.published import RUNS, load_runs, published_table
+    from ..schedule.modelplan.published import RUNS, anchor_table, load_runs, published_table
 
     data = load_runs(RUNS if args.published == "shipped" else args.published)
     if args.calibrate_on:
         data["calibrate_on"] = args.calibrate_on
-    print(published_table(data))
+    print(anchor_table(data) if args.anchors else published_table(data))
     return 0
 
 
@@ -202,7 +202,7 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     cluster = parser.add_argument_group("a cluster on paper (--cluster, instead of --profile)")
     cluster.add_argument(
         "--cluster",
-        help="nodes=8,gpus=8,intra=300GB/s,inter=25GB/s[,flops=312e12,memory=80GiB,efficiency=0.684,"
+        help="nodes=8,gpus=8,intra=300GB/s,inter=25GB/s[,flops=312e12,memory=80GiB,efficiency=0.713,"
         "hbm=2039GB/s,sms=108,latency=1e-5]",
     )
     cluster.add_argument("--model", help="a Hugging Face config.json (its sizes)")
@@ -223,6 +223,11 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cluster.add_argument(
         "--calibrate-on", help="with --published: the run the matmul efficiency is fitted to"
+    )
+    cluster.add_argument(
+        "--anchors",
+        action="store_true",
+        help="with --published: calibrate on each Table 1 row in turn and print how far the predictions move",
     )
 
 

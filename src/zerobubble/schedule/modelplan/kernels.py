@@ -5,17 +5,20 @@ on paper"), instead of FLOPs at one fixed fraction of the peak:
 
 * each matrix multiplication (:func:`gemm_seconds`) on a roofline: its FLOPs at ``efficiency × peak``
   scaled by the wave quantization of its output tiles over the GPU's multiprocessors, or the bytes
-  it moves at the memory bandwidth, whichever is longer, plus a launch latency — so the thin
+  it moves at the sustained memory bandwidth, whichever is longer, plus a launch latency — so the thin
   tensor-parallel slices of a small model and the head-sized products of attention run further
   from the peak than the large products of a large model;
 * the element-wise work of a block (norms, activations, residual adds, dropout, rotary embedding,
   and without flash attention the softmax over the materialized scores): bytes moved at the
-  memory bandwidth (:func:`elementwise_bytes`);
+  sustained memory bandwidth (:func:`elementwise_bytes`);
 * attention: materialized (``eager``: batched products of ``s × d`` by ``d × s``) or flash (its
   FLOPs, halved under the causal mask, at ``efficiency × peak``; its backward recomputes the scores).
 
-``efficiency`` is the one free parameter: the fraction of the peak a large, well-shaped product
-sustains.  Everything else is a size or a published hardware figure.  Pure Python; no torch.
+``efficiency`` is the one free parameter: the fraction of the datasheet that the software stack
+sustains, for the tensor cores (a large, well-shaped product) and the memory (every kernel's bytes,
+:attr:`Device.sustained_bandwidth`) alike — the memory-bound share of a small model's time is what
+makes its efficiency lower than a large one's.  Everything else is a size or a published hardware
+figure.  Pure Python; no torch.
 """
 
 from __future__ import annotations
@@ -38,13 +41,20 @@ K_OVERHEAD = 128
 
 @dataclass(frozen=True)
 class Device:
-    """What the model needs of one GPU: ``peak`` FLOP/s, memory ``bandwidth`` in bytes/s, its
-    multiprocessor count ``sms`` and the fraction of the peak a large product sustains."""
+    """What the model needs of one GPU: ``peak`` FLOP/s, memory ``bandwidth`` in bytes/s (both
+    datasheet figures), its multiprocessor count ``sms`` and the fraction of the datasheet the
+    kernels sustain (``efficiency``)."""
 
     peak: float
     bandwidth: float
     sms: int
     efficiency: float
+
+    @property
+    def sustained_bandwidth(self) -> float:
+        """The bytes/s a kernel moves: the datasheet bandwidth at the same sustained fraction as the
+        products' FLOP/s (``docs/auto-planning.md``, "A cluster on paper", why one fraction)."""
+        return self.bandwidth * self.efficiency
 
 
 def wave_efficiency(m: int, n: int, batch: int, sms: int) -> float:
@@ -67,7 +77,7 @@ def gemm_seconds(m: float, n: float, k: float, device: Device, batch: int = 1) -
     flops = 2.0 * batch * m * n * k
     rate = device.peak * device.efficiency * wave_efficiency(m, n, batch, device.sms) * k / (k + K_OVERHEAD)
     moved = 2.0 * batch * (m * k + k * n + m * n)
-    return GEMM_LATENCY + max(flops / rate, moved / device.bandwidth)
+    return GEMM_LATENCY + max(flops / rate, moved / device.sustained_bandwidth)
 
 
 def product_passes(m: float, n: float, k: float, device: Device) -> tuple[float, float, float]:
@@ -110,7 +120,7 @@ def block_seconds(block: BlockShape, device: Device) -> tuple[float, float, floa
     passes = [product_passes(m, n, k, device) for m, n, k in matrices]
     forward, backward_input, backward_weight = (math.fsum(p[i] for p in passes) for i in range(3))
     attention = attention_seconds(block, device)
-    moved = [size / device.bandwidth for size in elementwise_bytes(block)]
+    moved = [size / device.sustained_bandwidth for size in elementwise_bytes(block)]
     return forward + attention[0] + moved[0], backward_input + attention[1] + moved[1], backward_weight
 
 
@@ -158,5 +168,5 @@ def head_seconds(tokens: int, hidden: int, vocab: int, tp: int, device: Device) 
     """The output layer ``[tokens, h] @ [h, vocab/tp]`` and its cross-entropy (softmax over the
     logits in fp32: read 2, write 4, read 4 bytes a logit forward; twice that backward)."""
     forward, backward_input, backward_weight = product_passes(tokens, vocab / tp, hidden, device)
-    loss = 10.0 * tokens * vocab / tp / device.bandwidth
+    loss = 10.0 * tokens * vocab / tp / device.sustained_bandwidth
     return forward + loss, backward_input + 2 * loss, backward_weight

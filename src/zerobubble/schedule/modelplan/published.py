@@ -23,7 +23,7 @@ from ..grid import Grid
 from ..ir import ScheduleError
 from ..sharding import ONCE_PER_STEP, FSDPOptions
 from .amounts import format_bytes
-from .cluster import Cluster, ClusterOption, ClusterSearch, TransformerShape, plan_cluster
+from .cluster import CALIBRATED_EFFICIENCY, Cluster, ClusterOption, ClusterSearch, TransformerShape, plan_cluster
 
 RUNS = Path(__file__).resolve().parents[2] / "data" / "published_runs.json"
 """The published runs shipped with the package."""
@@ -123,13 +123,94 @@ def predict(run: Mapping[str, Any], shared: str, efficiency: float, *, choose: b
 
 
 def calibrate(run: Mapping[str, Any], shared: str, *, low: float = 0.05, high: float = 1.0) -> float:
-    """The efficiency at which ``run`` is predicted exactly (to 1e-4), by bisection."""
-    if predict(run, shared, high).ratio < 1:
-        raise ScheduleError(f"{run['name']}: even efficiency {high} predicts less than published")
-    while high - low > 1e-4:
-        middle = (low + high) / 2
-        low, high = (middle, high) if predict(run, shared, middle).ratio < 1 else (low, middle)
-    return round((low + high) / 2, 4)
+    """The efficiency at which ``run`` is predicted exactly (to 1e-4 of the figure): the prediction
+    grows about in proportion with the efficiency, so each guess steps to where it would be exact,
+    kept inside the bracket of guesses that predict too little and too much (else bisects it)."""
+    guess = min(max(CALIBRATED_EFFICIENCY, low), high)
+    for _ in range(60):
+        ratio = predict(run, shared, guess).ratio
+        if abs(ratio - 1) < 1e-4:
+            return round(guess, 4)
+        low, high = (guess, high) if ratio < 1 else (low, guess)
+        if high - low < 1e-5:
+            break
+        step = guess / ratio if ratio > 0 else high
+        guess = step if low < step < high else (low + high) / 2
+    raise ScheduleError(
+        f"{run['name']}: no efficiency within [{low:g}, {high:g}] predicts it: the last guess "
+        f"{guess:g} predicts {ratio:.3f} of the published figure"
+    )
+
+
+@dataclass(frozen=True)
+class AnchorSpread:
+    """The runs predicted at the efficiency calibrated on ``anchor``: the efficiency, every
+    prediction, and the lowest and highest ratio among the rows of Narayanan et al.'s Table 1."""
+
+    anchor: str
+    efficiency: float
+    predictions: tuple[Prediction, ...]
+
+    @property
+    def table1(self) -> list[Prediction]:
+        """The predictions of the Table 1 rows (the runs counted in Megatron's teraFLOP/s)."""
+        return [p for p in self.predictions if p.run["metric"] == "megatron_tflops"]
+
+    @property
+    def low(self) -> Prediction:
+        """The Table 1 row predicted lowest against its figure."""
+        return min(self.table1, key=lambda p: p.ratio)
+
+    @property
+    def high(self) -> Prediction:
+        """The Table 1 row predicted highest against its figure."""
+        return max(self.table1, key=lambda p: p.ratio)
+
+
+def anchor_spreads(data: Mapping[str, Any]) -> list[AnchorSpread]:
+    """Every Table 1 row of ``data`` taken in turn as the anchor: how far the predictions move with
+    the choice of the one row the efficiency is calibrated on."""
+    spreads = []
+    for anchor in (run for run in data["runs"] if run["metric"] == "megatron_tflops"):
+        efficiency, predictions = predict_all(data, calibrate(anchor, data["cluster"]))
+        spreads.append(AnchorSpread(anchor["name"], efficiency, tuple(predictions)))
+    return spreads
+
+
+def anchor_table(data: Mapping[str, Any]) -> str:
+    """A Markdown table, one line an anchor: its efficiency, the lowest and highest Table 1 ratio
+    and each other run's ratio and memory (``zerobubble plan --published --anchors``)."""
+    spreads = anchor_spreads(data)
+    others = [p.run["name"] for p in spreads[0].predictions if p.run["metric"] != "megatron_tflops"]
+    lines = [
+        "### Every anchor",
+        "",
+        "| anchor | efficiency | Table 1: lowest | Table 1: highest | "
+        + " | ".join(others)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(others),
+    ]
+    for spread in spreads:
+        low, high = spread.low, spread.high
+        rest = [_ratio_text(p) for p in spread.predictions if p.run["metric"] != "megatron_tflops"]
+        lines.append(
+            f"| {spread.anchor} | {spread.efficiency:.4f} | {low.ratio:.3f} ({_short(low)}) | "
+            f"{high.ratio:.3f} ({_short(high)}) | " + " | ".join(rest) + " |"
+        )
+    ratios = [p.ratio for spread in spreads for p in spread.table1]
+    lines += ["", f"over every anchor: Table 1 ratios from {min(ratios):.3f} to {max(ratios):.3f}"]
+    return "\n".join(lines)
+
+
+def _short(prediction: Prediction) -> str:
+    """A Table 1 row's size, e.g. ``39.1B``."""
+    return str(prediction.run["name"]).rsplit(" ", 1)[-1]
+
+
+def _ratio_text(prediction: Prediction) -> str:
+    if prediction.option.plan is None:
+        return "does not fit"
+    return f"{prediction.ratio:.3f}, {format_bytes(prediction.option.memory)}"
 
 
 def predict_all(data: Mapping[str, Any], efficiency: float | None = None) -> tuple[float, list[Prediction]]:
