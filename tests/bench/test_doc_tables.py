@@ -20,7 +20,9 @@ COMMANDS = list(dict.fromkeys(block.command for block in BLOCKS))
 
 
 def _marks(command: str) -> list[pytest.MarkDecorator]:
-    return [pytest.mark.slow] if command.startswith("zerobubble bench") else []
+    # `plan --published --anchors` calibrates on ten rows (about 30 s): CI's profile too
+    slow = command.startswith("zerobubble bench") or "--anchors" in command
+    return [pytest.mark.slow] if slow else []
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,14 @@ from ..grid import Grid
 from ..ir import ScheduleError
 from ..sharding import ONCE_PER_STEP, FSDPOptions
 from .amounts import format_bytes
-from .cluster import CALIBRATED_EFFICIENCY, Cluster, ClusterOption, ClusterSearch, TransformerShape, plan_cluster
+from .cluster import (
+    CALIBRATED_EFFICIENCY,
+    Cluster,
+    ClusterOption,
+    ClusterSearch,
+    TransformerShape,
+    plan_cluster,
+)
 
 RUNS = Path(__file__).resolve().parents[2] / "data" / "published_runs.json"
 """The published runs shipped with the package."""
@@ -185,9 +192,7 @@ def anchor_table(data: Mapping[str, Any]) -> str:
     lines = [
         "### Every anchor",
         "",
-        "| anchor | efficiency | Table 1: lowest | Table 1: highest | "
-        + " | ".join(others)
-        + " |",
+        "| anchor | efficiency | Table 1: lowest | Table 1: highest | " + " | ".join(others) + " |",
         "|---|---|---|---|" + "---|" * len(others),
     ]
     for spread in spreads:
