@@ -46,14 +46,12 @@ class Hook:
 
 
 class CommAction(Hook):
-    """The entry of a lowered ``Issue`` or ``Wait`` (its name is the action's: ``issue all_reduce(bucket
-    1.0)``); a recorder sees it as an event, which a trace draws in the rank's communication lane."""
+    """The entry of a lowered ``Issue`` or ``Wait``, named as the action (``issue all_reduce(bucket 1.0)``,
+    :data:`~..observe.recorder.COMM_ACTION_PREFIXES`); a recorder sees it as an event, which a trace
+    draws in the rank's communication lane."""
 
     __slots__ = ()
 
-
-#: how the names of :class:`CommAction` entries start (the lowered actions' words)
-COMM_ACTION_PREFIXES = ("issue ", "wait ")
 
 ProgramEntry = tuple[Op | Hook, Handler, Any, int]
 """``(op or hook, handler, stage state or None, microbatch)``: one step of the compiled program."""
