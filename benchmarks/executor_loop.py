@@ -74,6 +74,10 @@ def measure(repeats: int) -> dict[str, float]:
         s: StageState(s, nn.Linear(4, 4), WeightGradStore(), s == 0, s == 1, f"chunk {s}") for s in (0, 1)
     }
     executor = Executor(schedule, 0, stages, LocalComm(), lambda out, y: out.square().mean())
+    if hasattr(executor, "follow"):  # the tree whose executor runs the lowered program (here: the ops)
+        from zerobubble.schedule.lowering import lower
+
+        executor.follow(lower(schedule).program_of(0))
     program = schedule.programs[0]
     settle_at = next(i for i, op in enumerate(program) if op.kind is Kind.F)
     if hasattr(executor, "add_hook"):  # the executor owns its hooks

@@ -63,8 +63,9 @@ INTERNAL_PROBES: dict[str, tuple[tuple[str, ...], str]] = {
             "zerobubble.runtime.execute.executor",
             "zerobubble.runtime.failures",
             "zerobubble.runtime.parallel.data_parallel",
+            "zerobubble.schedule.lowering",
         ),
-        "times the executor's dispatch loop on a hand-built Executor, no Pipeline around it",
+        "times the dispatch loop of a hand-built Executor following a lowered program, no Pipeline",
     ),
     "benchmarks/wait_latency.py": (
         ("zerobubble.runtime.failures",),

@@ -32,6 +32,7 @@ from . import PipelineError
 from .construct.build import place_stages, tie_parameters
 from .construct.compiled import prepare_layers
 from .construct.construction import World, agreed_resolution, planned_resolution, world_of
+from .construct.lowering import lowered_pipeline
 from .construct.pipeline_calls import PipelineCalls, call_results
 from .construct.request import PipelineRequest
 from .construct.resolve import LossFn, Resolution
@@ -166,6 +167,7 @@ class Pipeline:
         self.plan: Plan | None = resolution.plan  # schedule="auto": what was chosen and why
         self.profile: ModelProfile | None = resolution.profile  # and the layer profile it came from
         logger.info("%s", resolution.describe())
+        self.lowered = lowered_pipeline(resolution, world.grid, self._request.fsdp)  # checked; frozen
         self._build_groups(world)
         self._model_keys = model_keys(resolution.layers)  # the unpipelined state dict's keys
         self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
@@ -176,7 +178,6 @@ class Pipeline:
 
     def _build_groups(self, world: World) -> None:
         """The layout's process groups, the peer monitor and the per-call check's group (collective)."""
-        # collective: local groups
         self.layout = build_layout(
             world.grid, group=world.group, mesh=self._request.mesh, timeout=self.timeout
         )
@@ -220,6 +221,7 @@ class Pipeline:
             self.schedule, self.rank, stages, comm, resolution.loss_fn, self._agreement.seed,
             ends=self._vocab_runner(),
         )  # fmt: skip
+        self._executor.follow(self.lowered.program_of(self.rank, self.layout.grid.dp_index))
         self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
         head, embedding = self._vocab_layers
         self._call_args = PipelineCalls(
@@ -279,11 +281,8 @@ class Pipeline:
 
     @property
     def recorder(self) -> OpRecorder | None:
-        """An optional :class:`~.recorder.Recorder` timing every op, runtime event and transfer wait.
-
-        It needs at least ``op(op, start, end)`` and ``wait(key, start, end)``; the rest of the
-        protocol (``clock``, ``begin_step``, ``event``) defaults when missing.
-        """
+        """An optional :class:`~.recorder.Recorder` timing every op, runtime event and transfer wait:
+        ``op(op, start, end)``, ``wait(key, start, end)``; ``clock``, ``begin_step``, ``event`` optional."""
         return self._recorder
 
     @recorder.setter

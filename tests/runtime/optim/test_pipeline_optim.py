@@ -306,10 +306,13 @@ def test_data_parallel_pipeline_equals_one_process_on_the_whole_batch(outcomes):
             # one asynchronous reduction per chunk, plus the loss's on the last stage
             assert len(reductions) == r["chunks"] + r["holds_loss"], "one asynchronous reduction per chunk"
             assert len(calls) == r["chunks"] + r["holds_loss"], "plus the loss on the last stage"
-        # the executor's hooks are visible to a recorder: one settle, one all-reduce start per chunk
+        # the lowered program's actions are visible to a recorder: one settle, then per chunk one
+        # all-reduce issued and, at the step's end, waited
         assert r["events"].count("optimizer settle") == 1, r["events"]
-        starts = [name for name in r["events"] if name.startswith("all-reduce start")]
-        assert len(starts) == r["chunks"], r["events"]
+        starts = [name for name in r["events"] if name.startswith("issue all_reduce")]
+        waits = [name for name in r["events"] if name.startswith("wait all_reduce")]
+        assert len(starts) == len(waits) == r["chunks"], r["events"]
+        assert r["events"][-len(waits) :] == waits, "the waits end the program"
 
 
 @pytest.mark.multiprocess

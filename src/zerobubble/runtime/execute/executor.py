@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 
 from ...schedule.channels import ACTIVATIONS, GRADIENTS, MessageKey
 from ...schedule.ir import Kind, Op, Schedule
+from ...schedule.lowering import Action, Compute
 from .. import PipelineError
 from ..failures import PeerFailure
 from ..observe import ranges
@@ -37,6 +38,15 @@ from ..wgrad import WeightGradStore
 from ..wgrad.verify import SplitGuard
 from .comm import Comm
 from .ends import ModelEnds
+from .program import (
+    Communication,
+    Hook,
+    NoCommunication,
+    ProgramEntry,
+    checked_actions,
+    comm_entries,
+    plain_actions,
+)
 
 _MISMATCH_WORDS = ("shape", "size", "dtype", "mat1", "mat2", "Expected", "expected", "must match")
 
@@ -57,31 +67,6 @@ class StageState:
         self.next_local = False
         self.prev_local = False
         self.guard: SplitGuard | None = None  # checks the split before F (.wgrad.verify), or None
-
-
-class Hook:
-    """A named runtime action run at a fixed point of a rank's program; not an op of the schedule.
-
-    It occupies its own program entry (``handler(state, microbatch)`` ignores both arguments), so
-    the plain loop runs it like an op and a recorder sees it as an ``event`` named :attr:`name`.
-    """
-
-    __slots__ = ("action", "name")
-
-    def __init__(self, name: str, action: Callable[[], None]):
-        self.name = name
-        self.action = action
-
-    def run(self, state: Any, microbatch: int) -> None:
-        """Run the action (the program-entry calling convention)."""
-        self.action()
-
-    def __repr__(self) -> str:
-        return f"Hook({self.name!r})"
-
-
-ProgramEntry = tuple[Op | Hook, Callable[[Any, int], None], Any, int]
-"""``(op or hook, handler, stage state or None, microbatch)``: one step of the compiled program."""
 
 
 class Executor:
@@ -133,6 +118,8 @@ class Executor:
         self._start: list[Hook] = []  # run before anything of a training step reads a parameter
         self._before: dict[int, list[Hook]] = {}
         self._after: dict[int, list[Hook]] = {}
+        self._actions: tuple[Action, ...] = plain_actions(schedule, rank)  # or the lowered (follow)
+        self.communication: Communication = NoCommunication()
         self.compile()
         self._steps = 0
         self.seed = seed
@@ -141,9 +128,11 @@ class Executor:
         self._cuda = comm.device.type == "cuda"  # F ops then save and restore the CUDA RNG too
 
     def compile(self) -> None:
-        """Bind every op of this rank's program to its handler and place the hooks around them.
+        """Bind every action of this rank's program to its handler and place the hooks around the ops.
 
-        Call again after changing ``handlers``; the hooks added so far are kept.
+        The program is the lowered one (:meth:`follow`), else the schedule's ops; a compute op is
+        one entry at its first part, a communication action one entry where :attr:`communication`
+        binds it (:mod:`.program`).  Call again after changing ``handlers``; the hooks are kept.
         """
         program: list[ProgramEntry] = [(hook, hook.run, None, 0) for hook in self._start]
         ends = self.ends
@@ -153,13 +142,32 @@ class Executor:
                 lambda: ends.begin_step(self._inputs, self._targets, self._scale, training=True),
             )
             program.append((start, start.run, None, 0))
-        own_kinds = ends.op_handlers()
-        for position, op in enumerate(self.schedule.programs[self.rank]):
+        own_kinds, communication, position = ends.op_handlers(), self.communication, 0
+        for action in self._actions:
+            if not isinstance(action, Compute):
+                program += comm_entries(action, communication)
+                continue
+            if not action.first:  # the op ran whole at its first part
+                continue
+            op = action.op
             program += [(hook, hook.run, None, 0) for hook in self._before.get(position, ())]
             state = ends if op.kind in own_kinds else self.stages[op.stage]
-            program.append((op, self.handlers[op.kind], state, op.microbatch))
+            handler = communication.compute_handler(op, self.handlers[op.kind])
+            program.append((op, handler, state, op.microbatch))
             program += [(hook, hook.run, None, 0) for hook in self._after.get(position, ())]
+            position += 1
         self.program = program
+
+    def follow(self, program: Sequence[Action]) -> None:
+        """Run ``program``, this rank's lowered program of the schedule (``schedule/lowering``), from
+        now on; its compute ops must be the schedule's (raises :class:`PipelineError`)."""
+        self._actions = checked_actions(program, self.schedule, self.rank)
+        self.compile()
+
+    def communicate(self, communication: Communication) -> None:
+        """Bind the lowered program's communication actions through ``communication`` (:mod:`.program`)."""
+        self.communication = communication
+        self.compile()
 
     def add_hook(self, position: int, hook: Hook, after: bool = False) -> None:
         """Run ``hook`` just before (or ``after``) the op at ``position`` of this rank's program."""

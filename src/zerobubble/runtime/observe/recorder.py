@@ -1,8 +1,9 @@
 """The recorder protocol: what the executor and the channels report when a step is timed.
 
 A recorder attached to a Pipeline (``pipe.recorder = ...``, or ``trace=True``) receives every op's
-interval, every transfer wait and every runtime event (the optimizer settle, the start of a chunk's
-data-parallel all-reduce).  Without one the executor reads no clock.  :func:`as_recorder` completes
+interval, every transfer wait and every runtime event (the optimizer settle; the lowered program's
+communication actions, named ``issue …``/``wait …``: :data:`COMM_ACTION_PREFIXES`).  Without
+one the executor reads no clock.  :func:`as_recorder` completes
 an object that only has ``op`` and ``wait`` with the defaults of :class:`RecorderDefaults`, once,
 when it is attached — the executor then calls every method without probing.
 """
@@ -18,11 +19,16 @@ from ...schedule.ir import Op
 from .. import PipelineError
 
 __all__ = [
+    "COMM_ACTION_PREFIXES",
     "OpRecorder",
     "Recorder",
     "RecorderDefaults",
     "StepRecorder",
 ]
+
+#: How the names of the lowered program's communication events start (a trace draws them in a lane of
+#: their own: ``rank r comm``).
+COMM_ACTION_PREFIXES = ("issue ", "wait ")
 
 
 @runtime_checkable

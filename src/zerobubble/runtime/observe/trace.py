@@ -32,7 +32,7 @@ from ...schedule.render import render_comparison
 from ...schedule.simulate import RecordedSpans, time_bounds
 from .. import PipelineError
 from ..parallel.data_parallel import ParallelLayout
-from .recorder import RecorderDefaults, StepRecorder
+from .recorder import COMM_ACTION_PREFIXES, RecorderDefaults, StepRecorder
 
 Interval = tuple[float, float]
 Wait = tuple[MessageKey, float, float]
@@ -393,8 +393,10 @@ def _planning_inputs(
 
 
 def measured_chrome_trace(timeline: MeasuredTimeline) -> str:
-    """Chrome trace JSON (µs) of a measured step: the ops, every transfer wait as a ``wait`` event
-    and every runtime event (optimizer settle, all-reduce start) as a ``runtime`` event."""
+    """Chrome trace JSON (µs) of a measured step: the ops, every transfer wait as a ``wait`` event,
+    every runtime event (optimizer settle) as a ``runtime`` event, and the lowered program's
+    communication actions (``issue …``, ``wait …``) as ``comm`` events in a row ``rank r comm`` of
+    their own under each rank's row."""
     trace = json.loads(to_chrome_trace(timeline, time_unit_us=1e6))
     t0 = time_bounds(timeline)[0]
     events = trace["traceEvents"]
@@ -402,15 +404,41 @@ def measured_chrome_trace(timeline: MeasuredTimeline) -> str:
         for key, a, b in waits:
             events.append(_span(f"wait {MessageKey(*key).describe()}", "wait", rank, a - t0, b - a))
             events[-1]["args"] = {"key": list(key)}
+    ranks = timeline.schedule.num_ranks
     for rank, runtime_events in enumerate(timeline.events):
         for name, a, b in runtime_events:
-            events.append(_span(name, "runtime", rank, a - t0, b - a))
+            if name.startswith(COMM_ACTION_PREFIXES):  # in the rank's comm lane, as the lowering draws it
+                events.append(_span(name, "comm", ranks + rank, a - t0, b - a))
+            else:
+                events.append(_span(name, "runtime", rank, a - t0, b - a))
+    _add_comm_lanes(timeline, events)
     earliest = min((e["ts"] for e in trace["traceEvents"] if "ts" in e), default=0.0)
     if earliest < 0:  # a rank's first wait begins before the first op's inputs arrive
         for event in trace["traceEvents"]:
             if "ts" in event:
                 event["ts"] = round(event["ts"] - earliest, 3)
     return json.dumps(trace)
+
+
+def _add_comm_lanes(timeline: MeasuredTimeline, events: list[dict[str, Any]]) -> None:
+    """Rows ``rank r comm`` (thread ``ranks + r``) for the ranks with communication events, each
+    sorted right under its rank's row (the rows' sort keys become ``2r`` and ``2r + 1``)."""
+    ranks = timeline.schedule.num_ranks
+    lanes = [
+        rank
+        for rank, runtime_events in enumerate(timeline.events)
+        if any(name.startswith(COMM_ACTION_PREFIXES) for name, _, _ in runtime_events)
+    ]
+    if not lanes:
+        return
+    for event in events:
+        if event.get("name") == "thread_sort_index" and event["tid"] < ranks:
+            event["args"] = {"sort_index": 2 * event["tid"]}
+    for rank in lanes:
+        tid, name = ranks + rank, f"rank {rank} comm"
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}})
+        sort = {"sort_index": 2 * rank + 1}
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": sort})
 
 
 def _span(name: str, category: str, rank: int, start: float, duration: float) -> dict[str, Any]:

@@ -4,20 +4,20 @@
 them — averaged over the replicas (:class:`~..parallel.data_parallel.GradientAverager`) or reduce-scattered
 by FSDP2 (:class:`~..parallel.fsdp.ShardedStages`), tied parameters' summed over their holders — and the
 optimizer step that follows (:class:`~.post_validation.PipelineOptimizer`: clipped, post-validated), settled
-by a hook at the start of the next step, before anything reads a parameter.
+by a start entry of the next step, before anything reads a parameter.  The reductions are actions of
+the lowered program the executor runs (``docs/communication.md``, "What the executor runs").
 :meth:`Pipeline.optimizer_step`, ``synchronize`` and ``optimizer_stats`` delegate to it.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ...schedule.ir import Kind, Op
+from ...schedule.ir import Op
 from .. import PipelineError
 from ..construct.resolve import Resolution
 from ..execute.executor import Executor, Hook
@@ -26,7 +26,6 @@ from ..parallel.data_parallel import (
     GradientAverager,
     ParallelLayout,
     chunk_parameters,
-    first_forward,
     last_gradient_ops,
 )
 from ..parallel.fsdp import ShardedStages
@@ -44,8 +43,9 @@ logger = logging.getLogger(__name__)
 class StepOptimization:
     """The reductions and the optimizer step of ``layout``'s pipeline rank (see the module docstring).
 
-    Construction installs the executor's hooks: the settle at the start of each step, then the
-    reductions after each chunk's last gradient op.
+    Construction adds the settle as a start entry of each step and binds the executor's lowered
+    communication actions (:meth:`~..execute.executor.Executor.communicate`): the replicas'
+    all-reduces (:class:`GradientAverager`) or FSDP2's unshards and reduce-scatters (:class:`ShardedStages`).
     """
 
     def __init__(
@@ -68,16 +68,20 @@ class StepOptimization:
         self._optimizer = chain_optimizer(
             resolution, layout, device, post_validation, wait, tied, sharded=chained, replicated=whole
         )
-        program = resolution.schedule.programs[self.rank]
         # The pending step is settled before the next step reads any parameter: at its very start,
         # since the vocabulary embedding's lookups precede the first forward.  (Every rank's first
         # forward waits for its input anyway, so settling earlier costs nothing.)
         executor.add_start_hook(Hook("optimizer settle", self.settle))
-        self._averager = None
-        if sharded is not None:  # then all-gathered (FSDP2), reduce-scattered chunk by chunk
-            install_sharded_reduction(executor, program, sharded)
-        else:
-            self._averager = install_averager(executor, program, layout, wait)
+        self._averager: GradientAverager | None = None
+        if sharded is not None:  # the lowered program's unshards and reduce-scatters, through FSDP2
+            if sharded.layered:
+                executor.add_start_hook(Hook("FSDP step start", sharded.begin_step))
+            executor.communicate(sharded)
+        elif layout.grid.dp > 1:  # the lowered program's all-reduces, chunk by chunk
+            self._averager = gradient_averager(
+                executor, resolution.schedule.programs[self.rank], layout, wait
+            )
+            executor.communicate(self._averager)
 
     @property
     def stats(self) -> OptimizerStats:
@@ -123,8 +127,8 @@ class StepOptimization:
             logger.info("rank %d: the optimistic optimizer step was rolled back", self.rank)
 
     def run(self, program: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Run ``program`` (the executor's step, whose hooks start the reductions), then finish them:
-        the replicas' average (or FSDP2's reshard) and the tied parameters' sums."""
+        """Run ``program`` (the executor's step, whose lowered actions reduce the gradients), then
+        finish: what is still unsharded resharded (FSDP2) and the tied parameters' sums."""
         try:
             losses = program()
         except BaseException:
@@ -135,7 +139,7 @@ class StepOptimization:
             raise
         if self._averager is not None:
             self._averager.finish()
-        if self._sharded is not None:  # every chunk was reduced and resharded by its hook
+        if self._sharded is not None:  # every chunk was reduced and resharded by its action
             self._sharded.reshard()
         for tie in self._tied:
             tie.sum_gradients(self._wait)
@@ -174,36 +178,10 @@ def chain_optimizer(
     )
 
 
-def install_averager(
+def gradient_averager(
     executor: Executor, program: Sequence[Op], layout: ParallelLayout, wait: Callable[..., Any]
-) -> GradientAverager | None:
-    """With data parallelism, the averager of the replicas' gradients, each chunk's all-reduce
-    started by a hook after its last gradient op; None with one replica."""
-    if layout.grid.dp == 1:
-        return None
-    last_ops = last_gradient_ops(program)
-    chunks = chunk_parameters(executor.stages, last_ops)
-    averager = GradientAverager(chunks, layout.dp_group, layout.grid.dp, wait=wait)
-    for stage, position in last_ops.items():  # a chunk's gradients are final after this op
-        start = functools.partial(averager.start, stage)
-        executor.add_hook(position, Hook(f"all-reduce start (stage {stage})", start), after=True)
-    return averager
-
-
-def install_sharded_reduction(executor: Executor, program: Sequence[Op], sharded: ShardedStages) -> None:
-    """``data_parallel="fsdp"``: once a step, every chunk unsharded before the first forward (after
-    the optimizer settle hook, added earlier) — or, with layered units, the units a W reads gathered
-    around each W op — and reduce-scattered by FSDP2 after its last gradient op."""
-    if not sharded.layered:
-        executor.add_hook(first_forward(program), Hook("FSDP unshard", sharded.unshard))
-    else:
-        executor.add_start_hook(Hook("FSDP step start", sharded.begin_step))
-    for position, op in enumerate(program):
-        if op.kind is Kind.W and sharded.weight_readers(op.stage):
-            gather = functools.partial(sharded.gather_for_w, op.stage)
-            release = functools.partial(sharded.release_after_w, op.stage)
-            executor.add_hook(position, Hook(f"FSDP unshard for W (stage {op.stage})", gather))
-            executor.add_hook(position, Hook(f"FSDP reshard after W (stage {op.stage})", release), after=True)
-    for stage, position in last_gradient_ops(program).items():
-        reduce = functools.partial(sharded.reduce, stage)
-        executor.add_hook(position, Hook(f"FSDP reduce-scatter (stage {stage})", reduce), after=True)
+) -> GradientAverager:
+    """The averager of the replicas' gradients of this rank's chunks (a parameter shared by two
+    chunks goes to the one reduced last); it binds the lowered program's all-reduce actions."""
+    chunks = chunk_parameters(executor.stages, last_gradient_ops(program))
+    return GradientAverager(chunks, layout.dp_group, layout.grid.dp, wait=wait)

@@ -3,15 +3,16 @@
 ``p`` pipeline ranks with ``data_parallel = D`` span ``p·D`` ranks (group rank
 ``dp_index · p + pipeline_rank``); the data-parallel group of pipeline rank ``r`` holds the same
 chunks in every replica.  As soon as a chunk's last gradient op has run, its gradients are
-all-reduced asynchronously over that group (a hook of the executor), overlapping the rest of the
-step; the step waits at its end and divides by ``D``.  :func:`build_layout` creates the layout's groups from
-the grid, on a mesh or not, with local synchronisation (:mod:`.groups`).
+all-reduced asynchronously over that group (the lowered program's ``issue all_reduce``), overlapping
+the rest of the step; its ``wait`` at the step's end divides by ``D``.  :func:`build_layout`
+creates the layout's groups from the grid, on a mesh or not, with local synchronisation (:mod:`.groups`).
 
 Why the groups are created that way: ``docs/runtime.md``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +25,7 @@ from torch import nn
 from ...schedule.grid import Grid
 from ...schedule.grid import pipeline_size_of as pipeline_size_of  # where resolve reads it
 from ...schedule.ir import Kind, Op
+from ...schedule.lowering import CommKind, Issue, Wait
 from .. import PipelineError
 from ..tensors import local_value
 from .groups import local_group
@@ -134,8 +136,9 @@ class GradientAverager:
     """Averages each chunk's gradients over the data-parallel group, chunk by chunk, asynchronously.
 
     ``chunks`` maps a stage index to its parameters.  :meth:`start` flattens the stage's existing
-    gradients (one buffer per dtype) and posts a non-blocking sum; :meth:`finish` waits for every
-    posted sum, divides by the group size and writes the averages back into ``.grad``.
+    gradients (one buffer per dtype) and posts a non-blocking sum; :meth:`wait` waits for a stage's
+    sums, divides by the group size and writes the averages back into ``.grad``.  As a
+    :class:`~..execute.program.Communication` it binds a lowered program's all-reduce actions.
     Parameters whose ``.grad`` is None are left alone (they are None on every replica alike).
     """
 
@@ -150,7 +153,25 @@ class GradientAverager:
         self.group = group
         self.size = size
         self._wait = wait or (lambda work, what: work.wait())
-        self._inflight: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self._inflight: dict[int, list[tuple[Any, torch.Tensor, list[torch.Tensor]]]] = {}
+
+    def comm_handler(self, action: Issue | Wait) -> Callable[[], None] | None:
+        """A lowered program's bucket all-reduce (one bucket per chunk): its issue starts it
+        (:meth:`start`), its wait waits for it (:meth:`wait`); nothing else is the averager's."""
+        comm = action.comm
+        if comm.kind is not CommKind.ALL_REDUCE:
+            return None
+        if comm.index != 0:
+            raise PipelineError(
+                f"the lowered program all-reduces {comm}, but the replicated runtime reduces one bucket "
+                "per chunk: lower with FSDPOptions(bucket_bytes=0)"
+            )
+        work = self.start if isinstance(action, Issue) else self.wait
+        return functools.partial(work, comm.stage)
+
+    def compute_handler(self, op: Op, handler: Callable[[Any, int], None]) -> Callable[[Any, int], None]:
+        """Ops run as they are."""
+        return handler
 
     @torch.no_grad()
     def start(self, stage: int) -> None:
@@ -163,17 +184,21 @@ class GradientAverager:
         for grads in by_dtype.values():
             flat = torch.cat([grad.reshape(-1) for grad in grads])
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._inflight.append((work, flat, grads))
+            self._inflight.setdefault(stage, []).append((work, flat, grads))
 
     @torch.no_grad()
-    def finish(self) -> None:
-        """Wait for the posted reductions and store the averaged gradients in place."""
-        inflight, self._inflight = self._inflight, []
-        for work, flat, grads in inflight:
+    def wait(self, stage: int) -> None:
+        """Wait for ``stage``'s posted reductions and store its averaged gradients in place."""
+        for work, flat, grads in self._inflight.pop(stage, ()):
             self._wait(work, "the data-parallel gradient average")
             flat.div_(self.size)
             for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
                 grad.copy_(piece.view_as(grad))
+
+    def finish(self) -> None:
+        """Wait for every reduction still posted (the program's waits took the others)."""
+        for stage in list(self._inflight):
+            self.wait(stage)
 
     def discard(self) -> None:
         """Forget the posted reductions after a failed step."""

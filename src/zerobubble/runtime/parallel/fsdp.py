@@ -25,6 +25,7 @@ FSDP2 averages over the group, as the replicated path does.  Derivation: ``docs/
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -32,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...schedule.ir import Kind, Op
+from ...schedule.lowering import CommKind, Issue, Wait
 from ...schedule.modelplan.layout import SHARDINGS
 from ...schedule.sharding import ONCE_PER_STEP, FSDPOptions
 from .. import PipelineError
@@ -125,6 +128,7 @@ class ShardedStages:
         self._readers: dict[int, list[Any]] = {}  # stage index -> the units its W reads
         self._source = layout.grid.global_rank(layout.grid.pipeline_rank, 0)
         self._unsharded: set[int] = set()
+        self._pending: dict[int, Any] = {}  # stage -> its all-gather's handle, issued not yet waited
         self._params: list[Any] = []  # the layered units' FSDPParams
         self.in_step = False  # between begin_step and the step's end (reshard)
 
@@ -175,6 +179,52 @@ class ShardedStages:
         """A training step starts: resharded layered units keep their unsharded parameters registered
         (:func:`_keep_split_view`) until :meth:`reshard` at the step's end."""
         self.in_step = self.layered
+
+    def comm_handler(self, action: Issue | Wait) -> Callable[[], None] | None:
+        """A lowered program's FSDP action on this rank (:class:`~..execute.program.Communication`).
+
+        Chunk units (the default): ``issue unshard`` starts the chunk's all-gather, ``wait unshard``
+        waits for it, ``issue reduce_scatter`` reduce-scatters and reshards the chunk (its reshard and
+        the reduction's wait are FSDP2's, inside).  Layered units: FSDP2's per-module hooks gather and
+        reshard them inside the ops; the chunk's units are reduce-scattered together by the root's
+        callback, at the issue of its unit 0 (the last reduced; every unit's gradients are final by
+        then: the op ran whole at its first part).
+        """
+        comm = action.comm
+        if comm.kind is CommKind.REDUCE_SCATTER and isinstance(action, Issue):
+            return functools.partial(self.reduce, comm.stage) if comm.index == 0 else None
+        if comm.kind is not CommKind.UNSHARD or self.layered:
+            return None
+        work = self.issue_unshard if isinstance(action, Issue) else self.wait_unshard
+        return functools.partial(work, comm.stage)
+
+    def compute_handler(self, op: Op, handler: Callable[[Any, int], None]) -> Callable[[Any, int], None]:
+        """A W op of a chunk whose W reads gathered units (:meth:`weight_readers`): gathered before it,
+        released after (FSDP2's hooks do not run in W); any other op as it is."""
+        if op.kind is not Kind.W or not self.weight_readers(op.stage):
+            return handler
+        gather = functools.partial(self.gather_for_w, op.stage)
+        release = functools.partial(self.release_after_w, op.stage)
+
+        def gathered(state: Any, microbatch: int) -> None:
+            gather()
+            handler(state, microbatch)
+            release()
+
+        return gathered
+
+    def issue_unshard(self, stage: int) -> None:
+        """Chunk units: start chunk ``stage``'s all-gather (no-op when it is whole)."""
+        if stage not in self._unsharded:
+            self._quiet(self.units[stage])
+            self._pending[stage] = self.units[stage].unshard(async_op=True)
+            self._unsharded.add(stage)
+
+    def wait_unshard(self, stage: int) -> None:
+        """Chunk units: wait for chunk ``stage``'s all-gather (:meth:`issue_unshard`)."""
+        handle = self._pending.pop(stage, None)
+        if handle is not None:
+            handle.wait()
 
     def unshard(self) -> None:
         """Once-per-step layout: all-gather every chunk (before the first forward or an evaluation);
@@ -244,6 +294,7 @@ class ShardedStages:
             self.reshard()
         except Exception:  # the failure that stopped the step is the one to report
             self._unsharded.clear()
+        self._pending.clear()
 
     def _quiet(self, unit: Any) -> None:
         """During a step: FSDP2's own backward hooks reduce nothing (B runs before W); layered units

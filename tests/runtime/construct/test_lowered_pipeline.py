@@ -1,0 +1,109 @@
+"""A Pipeline lowers its schedule at construction, validates it, and its executor runs that program.
+
+Two gloo ranks as two data-parallel replicas of a one-rank zb-v pipeline (two chunks: two all-reduces):
+``pipe.lowered`` is the validated lowering, the executor's entries are the rank's lowered actions minus
+the filtered ones, a recorded step's trace draws the all-reduces in a ``rank 0 comm`` lane; and a
+lowering whose replicas issue their all-reduces in different orders (monkeypatched) raises the same
+clear PipelineError on both ranks before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from _dist import rich_batch, rich_layers, run_ranks, token_loss
+
+from zerobubble.runtime import PipelineError
+from zerobubble.runtime.construct import lowering
+from zerobubble.runtime.execute.program import CommAction
+from zerobubble.runtime.launch import init_distributed
+from zerobubble.runtime.observe.trace import build_timeline, measured_chrome_trace
+from zerobubble.schedule.lowering import CommKind, Compute, Issue, Wait
+
+
+def _pipeline():
+    from zerobubble import Pipeline
+
+    return Pipeline(
+        rich_layers(seed=0), schedule="zb-v", microbatches=4, loss_fn=token_loss, data_parallel=2, trace=True
+    )
+
+
+def _swapped_lower(*args, **kwargs):
+    """The real lowering, but replica 1 issues its two all-reduces in the other order."""
+    lowered = lowering_lower(*args, **kwargs)
+    program = list(lowered.programs[0])
+    at = [i for i, a in enumerate(program) if isinstance(a, Issue) and a.comm.kind is CommKind.ALL_REDUCE]
+    program[at[0]], program[at[1]] = program[at[1]], program[at[0]]
+    return dataclasses.replace(lowered, replica_programs={(1, 0): tuple(program)})
+
+
+lowering_lower = lowering.lower
+
+
+def worker() -> dict:
+    torch.set_num_threads(1)
+    init_distributed(backend="gloo", timeout=60)
+    torch.manual_seed(0)
+    pipe = _pipeline()
+    inputs, targets = rich_batch(8, seed=1)
+    for _ in range(2):
+        pipe.step(inputs, targets)
+    program = pipe.lowered.program_of(pipe.rank, pipe.layout.grid.dp_index)
+    expected = [
+        str(a.op) if isinstance(a, Compute) else str(a)
+        for a in program
+        if (isinstance(a, Compute) and a.first)
+        or (isinstance(a, (Issue, Wait)) and a.comm.kind is CommKind.ALL_REDUCE)
+    ]
+    # the compute ops and the communication actions (the start entries, e.g. the settle, aside)
+    entries = [e[0] for e in pipe._executor.program if e[2] is not None or isinstance(e[0], CommAction)]
+    got = [e.name if isinstance(e, CommAction) else str(e) for e in entries]
+    steps = pipe.recorder.seconds()
+    timeline = build_timeline(pipe.schedule, [steps[-1]])
+    trace = json.loads(measured_chrome_trace(timeline))
+    lowering.lower = _swapped_lower
+    try:
+        _pipeline()
+        refused = "no error"
+    except PipelineError as error:
+        refused = str(error)
+    finally:
+        lowering.lower = lowering_lower
+    return {
+        "same": got == expected,
+        "got": got,
+        "expected": expected,
+        "lanes": sorted({e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}),
+        "comm": sorted({e["name"] for e in trace["traceEvents"] if e.get("cat") == "comm"}),
+        "refused": refused,
+    }
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict]:
+    return run_ranks(worker, 2)
+
+
+@pytest.mark.multiprocess
+def test_the_executor_runs_the_lowered_program_of_its_rank(outcomes):
+    for r in outcomes:
+        assert r["same"], (r["got"], r["expected"])
+        assert sum(name.startswith("issue all_reduce") for name in r["got"]) == 2
+
+
+@pytest.mark.multiprocess
+def test_the_trace_draws_the_communication_in_a_lane_of_its_own(outcomes):
+    for r in outcomes:
+        assert "rank 0 comm" in r["lanes"], r["lanes"]
+        assert {name.split("(")[0] for name in r["comm"]} == {"issue all_reduce", "wait all_reduce"}
+
+
+@pytest.mark.multiprocess
+def test_a_lowering_whose_replicas_disagree_is_refused_on_every_rank_before_anything_runs(outcomes):
+    for r in outcomes:
+        assert "failed its check before the first step" in r["refused"], r["refused"]
+        assert "all_reduce" in r["refused"] and "order" in r["refused"], r["refused"]
