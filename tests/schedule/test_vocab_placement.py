@@ -14,6 +14,7 @@ from zerobubble.schedule.vocab import (
     head_costs,
     partition_reference,
     refined_policies,
+    work_bound,
 )
 
 #: (hidden, heads, layers, vocabulary, ranks), as ``zerobubble bench vocab --published`` has them.
@@ -41,8 +42,13 @@ REACHED = [(shape, name) for shape in PUBLISHED for name in ("1f1b", "zb-h1", "z
 def test_the_placement_reaches_its_partition_reference(shape, name):
     costs, p = published_costs(shape)
     schedule = build_schedule(name, p, 4 * p, costs, vocab_parallel=True)
-    ratio = partition_reference(name, p, 4 * p, costs) / simulate(schedule, costs).iteration_time
+    timeline = simulate(schedule, costs)
+    ratio = partition_reference(name, p, 4 * p, costs) / timeline.iteration_time
     assert ratio >= 0.98, (shape, name, ratio)
+    assert work_bound(name, p, 4 * p, costs) <= timeline.iteration_time  # a true lower bound
+    assert all(
+        peak <= limit * (1 + 1e-9) for peak, limit in zip(timeline.peak_memory, timeline.costs.memory_limit)
+    )
 
 
 @settings(max_examples=25, deadline=None)

@@ -83,11 +83,11 @@ def default_policies(microbatches: int) -> tuple[VocabPolicy, ...]:
 
 def refined_policies(policy: VocabPolicy) -> tuple[VocabPolicy, ...]:
     """``policy``'s T placement and warm-up with zero to two forwards ahead and patience 0, ½ or 1
-    (the second round of :func:`add_vocab_ops`, around the first round's choice)."""
+    (also ¾ for a ``by_memory`` policy; the second round of :func:`add_vocab_ops`)"""
     return tuple(
         VocabPolicy(policy.outstanding, policy.eager, ahead, patience, policy.deeper, policy.by_memory)
         for ahead in (0, 1, 2)
-        for patience in (0.0, 0.5, 0.75, 1.0)
+        for patience in ((0.0, 0.5, 0.75, 1.0) if policy.by_memory else (0.0, 0.5, 1.0))
         if ahead or patience
     )
 
@@ -125,6 +125,8 @@ def _placements(
 ) -> list[tuple[Timeline, Schedule, VocabPolicy]]:
     """Every candidate placement of :func:`add_vocab_ops`, simulated, with its policy."""
     rounds = [policies] if policies else [default_policies(schedule.microbatches), None]
+    if all(math.isinf(limit) for limit in stage_costs.memory_limit):  # by_memory is the bound alone
+        rounds = [tuple(p for p in tried if not p.by_memory) if tried else tried for tried in rounds]
     scored: list[tuple[Timeline, Schedule, VocabPolicy]] = []
     for tried in rounds:
         if tried is None:  # refine around the best of each warm-up depth, and the memory-bound ones
@@ -442,6 +444,19 @@ def partition_reference(
     return simulate(built, folded).iteration_time
 
 
+def work_bound(
+    name: str, stages: int, microbatches: int, costs: CostModel, *, chunks: int | None = None
+) -> float:
+    """A true lower bound on the iteration time of schedule ``name`` with a vocabulary-parallel head:
+    the busiest rank's compute, its stages' F, B, W and its shard's S and T for every microbatch
+    (a rank's span holds all its work; no transfer, warm-up or memory limit is counted)."""
+    from .builders import build_schedule, get_spec  # the builders import this module's placement
+
+    probe = build_schedule(name, stages, microbatches, chunks=chunks, validate=False)
+    resolved = get_spec(name).resolve_costs(costs, stages).resolve(probe.placement)
+    return max(resolved.rank_work(r, microbatches, vocab=True) for r in range(probe.num_ranks))
+
+
 @dataclass(frozen=True)
 class HeadCosts:
     """The output layer's costs (time in FLOPs / ``flops_per_time_unit``, memory in bytes), plain
@@ -535,4 +550,5 @@ __all__ = [
     "place_vocab_ops",
     "refined_policies",
     "vocab_budgets",
+    "work_bound",
 ]
