@@ -41,13 +41,17 @@ class VocabPolicy:
     for it instead of starting the op (every shard's S is on the last stage's critical path); and
     ``deeper``: every rank's forwards moved that many backwards earlier in its program (a warm-up
     that many microbatches deeper, as the paper's vocabulary-parallel schedules have: the last
-    stage's backward then waits for the reduction behind a forward, not in idle time)."""
+    stage's backward then waits for the reduction behind a forward, not in idle time); and
+    ``by_memory``: a rank may hold more than ``outstanding`` while its memory limit allows it (the
+    S's logits plus the most its own ops will still hold stay within the limit), so T fills the
+    cool-down's idle time instead of the steady state's (only bounds with a finite limit)."""
 
     outstanding: int
     eager: bool
     lookahead: int = 0
     patience: float = 0.0
     deeper: int = 0
+    by_memory: bool = False
 
     def describe(self) -> str:
         """The policy in words, for ``meta["vocab"]``."""
@@ -55,7 +59,8 @@ class VocabPolicy:
         wait = f", waits up to {self.patience:g}× an op for its S" if self.patience else ""
         deeper = f", warm-up {self.deeper} deeper" if self.deeper else ""
         placing = "eager" if self.eager else "idle-filling"
-        return f"{placing} T, at most {self.outstanding} outstanding{deeper}{ahead}{wait}"
+        more = " (more where memory allows)" if self.by_memory else ""
+        return f"{placing} T, at most {self.outstanding} outstanding{more}{deeper}{ahead}{wait}"
 
 
 #: How many of a rank's next program entries :class:`VocabPolicy.lookahead` looks through for a forward.
@@ -68,20 +73,21 @@ def default_policies(microbatches: int) -> tuple[VocabPolicy, ...]:
     lookahead nor patience."""
     bounds = sorted({min(b, microbatches) for b in (1, 2, 4, microbatches)})
     return tuple(
-        VocabPolicy(bound, eager, deeper=deeper)
+        VocabPolicy(bound, eager, deeper=deeper, by_memory=by_memory)
         for deeper in (0, 1)
         for bound in bounds
-        for eager in (False, True)
+        for eager, by_memory in ((False, False), (True, False), (False, True))
+        if not by_memory or bound == 1
     )
 
 
 def refined_policies(policy: VocabPolicy) -> tuple[VocabPolicy, ...]:
     """``policy``'s T placement and warm-up with zero to two forwards ahead and patience 0, ½ or 1
-    (the second round of :func:`add_vocab_ops`, around the first round's choice)."""
+    (also ¾ for a ``by_memory`` policy; the second round of :func:`add_vocab_ops`)"""
     return tuple(
-        VocabPolicy(policy.outstanding, policy.eager, ahead, patience, policy.deeper)
+        VocabPolicy(policy.outstanding, policy.eager, ahead, patience, policy.deeper, policy.by_memory)
         for ahead in (0, 1, 2)
-        for patience in (0.0, 0.5, 1.0)
+        for patience in ((0.0, 0.5, 0.75, 1.0) if policy.by_memory else (0.0, 0.5, 1.0))
         if ahead or patience
     )
 
@@ -105,13 +111,28 @@ def add_vocab_ops(
     """
     if schedule.vocab_shards:
         raise ScheduleError(f"schedule {schedule.name!r} already has vocabulary ops (S, T)")
-    stage_costs = resolve_costs_for(schedule, costs)
+    scored = _placements(schedule, resolve_costs_for(schedule, costs), policies)
+    if not scored:
+        raise ScheduleError(
+            f"none of the vocabulary policies {[p.describe() for p in policies or ()]} can place the "
+            f"S and T ops into schedule {schedule.name!r} (each deeper warm-up deadlocks it)"
+        )
+    return _chosen(scored, bool(_cramped(scored)))
+
+
+def _placements(
+    schedule: Schedule, stage_costs: StageCosts, policies: tuple[VocabPolicy, ...] | None
+) -> list[tuple[Timeline, Schedule, VocabPolicy]]:
+    """Every candidate placement of :func:`add_vocab_ops`, simulated, with its policy."""
     rounds = [policies] if policies else [default_policies(schedule.microbatches), None]
+    if all(math.isinf(limit) for limit in stage_costs.memory_limit):  # by_memory is the bound alone
+        rounds = [tuple(p for p in tried if not p.by_memory) if tried else tried for tried in rounds]
     scored: list[tuple[Timeline, Schedule, VocabPolicy]] = []
     for tried in rounds:
-        if tried is None:  # refine around the best of each warm-up depth
+        if tried is None:  # refine around the best of each warm-up depth, and the memory-bound ones
             depths = sorted({policy.deeper for _, _, policy in scored})
             leaders = [_choose([e for e in scored if e[2].deeper == d])[2] for d in depths]
+            leaders += [e[2] for e in scored if e[2].by_memory and e[2] not in leaders]
             tried = tuple(q for policy in leaders for q in refined_policies(policy))
         for policy in tried:
             try:
@@ -121,11 +142,27 @@ def add_vocab_ops(
                     raise
                 continue  # this schedule's order cannot take a deeper warm-up
             scored.append((simulate(candidate, stage_costs), candidate, policy))
-    best, placed, _ = _choose(scored)
-    cramped = any(
-        policy.deeper and not _within(timeline) and timeline.iteration_time < best.iteration_time * 0.99
-        for timeline, _, policy in scored
+    return scored
+
+
+#: How many of the deeper warm-ups that do not fit :func:`place_vocab_ops` retries on a smaller base.
+CRAMPED_RETRIES = 4
+
+
+def _cramped(scored: Sequence[tuple[Timeline, Schedule, VocabPolicy]]) -> tuple[VocabPolicy, ...]:
+    """The deeper warm-ups 1 % faster than the chosen placement that do not fit its memory limit,
+    fastest first (at most :data:`CRAMPED_RETRIES`)."""
+    best = _choose(scored)[0]
+    faster = sorted(
+        (timeline.iteration_time, i)
+        for i, (timeline, _, policy) in enumerate(scored)
+        if policy.deeper and not _within(timeline) and timeline.iteration_time < best.iteration_time * 0.99
     )
+    return tuple(scored[i][2] for _, i in faster[:CRAMPED_RETRIES])
+
+
+def _chosen(scored: Sequence[tuple[Timeline, Schedule, VocabPolicy]], cramped: bool) -> Schedule:
+    placed = _choose(scored)[1]
     meta = {**placed.meta, "vocab": {**placed.meta["vocab"], "cramped": cramped}}
     return Schedule(placed.name, placed.placement, placed.microbatches, placed.programs, meta)
 
@@ -133,15 +170,18 @@ def add_vocab_ops(
 def place_vocab_ops(build: Callable[[CostModel], Schedule], base: CostModel, final: CostModel) -> Schedule:
     """The schedule ``build(base)`` with its vocabulary ops placed under ``final`` (what
     ``build_schedule(..., vocab_parallel=True)`` runs).  When a deeper warm-up would be faster but
-    does not fit ``base``'s memory limit (``meta["vocab"]["cramped"]``), the schedule is also built
-    under that limit less one and two microbatches of the largest stage's activations, and the
-    fastest placement within ``final``'s limit is kept (``meta["vocab"]["base_held_less"]`` says by how
-    much that base's limit was lowered): a base that holds a little less leaves room
-    for the deeper warm-up that hides the reduction (``docs/schedulers.md``, "Vocabulary parallelism").
+    does not fit ``base``'s memory limit (:func:`_cramped`), the schedule is also built under that
+    limit less one and two microbatches of the largest stage's activations, those warm-ups are placed
+    into it, and the fastest placement within ``final``'s limit is kept
+    (``meta["vocab"]["base_held_less"]`` says by how much that base's limit was lowered): a base that
+    holds a little less leaves room for the deeper warm-up that hides the reduction
+    (``docs/schedulers.md``, "Vocabulary parallelism").
     """
-    placed = add_vocab_ops(build(base), final)
-    name = placed.name
-    if base.memory_limit is None or not placed.meta["vocab"]["cramped"]:
+    built = build(base)
+    scored = _placements(built, resolve_costs_for(built, final), None)
+    cramped = _cramped(scored)
+    placed, name = _chosen(scored, bool(cramped)), built.name
+    if base.memory_limit is None or not cramped:
         return placed
     stage_costs = resolve_costs_for(placed, final)
     best = (simulate(placed, stage_costs), placed)
@@ -152,7 +192,7 @@ def place_vocab_ops(build: Callable[[CostModel], Schedule], base: CostModel, fin
         if min(reduced) <= 0:
             break
         try:
-            candidate = add_vocab_ops(build(base.with_memory_limit(reduced)), final)
+            candidate = add_vocab_ops(build(base.with_memory_limit(reduced)), final, policies=cramped)
         except ScheduleError:
             continue  # the builder cannot fit its schedule in so little memory
         timeline = simulate(candidate, stage_costs)
@@ -239,20 +279,41 @@ class _Interleaving:
         self.next_s, self.next_t, self.early = [0] * p, [0] * p, [0] * p
         self.done: dict[tuple[Kind, int, int], float] = {}
         self.programs: list[list[Op]] = [[] for _ in range(p)]
+        self.level = [0.0] * p  # each rank's activation memory now, the vocabulary's included
 
-    def candidates(self, rank: int) -> list[Op]:
-        """The ops ``rank`` may run next, highest priority first."""
+    def fits(self, rank: int, op: Op) -> bool:
+        """Whether ``op`` on ``rank`` keeps its memory within the limit (always, but ``by_memory``)."""
+        if not self.policy.by_memory:
+            return True
+        return within_limit(self.level[rank] + self.costs.memory_delta(op), self.costs.memory_limit[rank])
+
+    def candidates(self, rank: int, now: float) -> list[Op]:
+        """The ops ``rank`` may run next, highest priority first.  Past ``outstanding`` held S's
+        (``by_memory``: and past the memory limit), T runs first; ``by_memory`` holds an S more,
+        and runs an own op, only where the memory limit allows it."""
         m, policy = self.schedule.microbatches, self.policy
         s, t = self.next_s[rank], self.next_t[rank]
-        vocab_s = [Op(Kind.S, rank, s)] if s < m and s - t < policy.outstanding else []
+        vocab_s = Op(Kind.S, rank, s)
+        holdable = s - t < policy.outstanding or (policy.by_memory and self.fits(rank, vocab_s))
+        vocab_ss = [vocab_s] if s < m and holdable else []
         vocab_t = [Op(Kind.T, rank, t)] if t < s else []
         queue = self.queues[rank]
         own = [queue[0]] if queue else []
         if self.early[rank] < policy.lookahead:
             window = itertools.islice(queue, 1, 1 + LOOKAHEAD_WINDOW)
             own += [next((op for op in window if op.kind is Kind.F), own[0])] if own else []
-        forced = bool(vocab_t) and s - t >= policy.outstanding
-        return vocab_s + (vocab_t + own if policy.eager or forced else own + vocab_t)
+        crowded = [op for op in own if not self.fits(rank, op)]
+        forced = bool(vocab_t) and (bool(crowded) or (not holdable and self.s_due(rank, now, own)))
+        own = [op for op in own if op not in crowded] if vocab_t else own
+        return vocab_ss + (vocab_t + own if policy.eager or forced else own + vocab_t)
+
+    def s_due(self, rank: int, now: float, own: list[Op]) -> bool:
+        """Whether ``rank``'s next S (held back by the bound) gets its input before the rank's next
+        own op would end: its T then runs first, so the S is not delayed behind that op.  Without
+        ``by_memory``, T runs first whenever the bound holds S back."""
+        if not self.policy.by_memory or not own or self.next_s[rank] >= self.schedule.microbatches:
+            return True
+        return self.ready_time(Op(Kind.S, rank, self.next_s[rank])) <= now + self.costs.duration(own[0])
 
     def ready_time(self, op: Op) -> float:
         """When ``op``'s inputs are all there (inf while one of them is not placed yet)."""
@@ -280,6 +341,7 @@ class _Interleaving:
         else:  # a forward run ahead of its place
             self.queues[rank].remove(op)
             self.early[rank] += 1
+        self.level[rank] += self.costs.memory_delta(op)
         return end
 
 
@@ -316,7 +378,7 @@ def _interleave(schedule: Schedule, costs: StageCosts, policy: VocabPolicy) -> S
     deferred: set[tuple[int, float]] = set()
     while heap:
         now, _, rank = heapq.heappop(heap)
-        options = state.candidates(rank)
+        options = state.candidates(rank, now)
         if not options:
             continue  # this rank is done
         ready = [state.ready_time(op) for op in options]
@@ -380,6 +442,19 @@ def partition_reference(
     )
     built = build_schedule(name, stages, microbatches, folded, chunks=chunks, validate=False)
     return simulate(built, folded).iteration_time
+
+
+def work_bound(
+    name: str, stages: int, microbatches: int, costs: CostModel, *, chunks: int | None = None
+) -> float:
+    """A true lower bound on the iteration time of schedule ``name`` with a vocabulary-parallel head:
+    the busiest rank's compute, its stages' F, B, W and its shard's S and T for every microbatch
+    (a rank's span holds all its work; no transfer, warm-up or memory limit is counted)."""
+    from .builders import build_schedule, get_spec  # the builders import this module's placement
+
+    probe = build_schedule(name, stages, microbatches, chunks=chunks, validate=False)
+    resolved = get_spec(name).resolve_costs(costs, stages).resolve(probe.placement)
+    return max(resolved.rank_work(r, microbatches, vocab=True) for r in range(probe.num_ranks))
 
 
 @dataclass(frozen=True)
@@ -461,6 +536,7 @@ def head_costs(
 
 
 __all__ = [
+    "CRAMPED_RETRIES",
     "MEMORY_SLACK",
     "RESERVED_MICROBATCHES",
     "TIME_TOLERANCE",
@@ -474,4 +550,5 @@ __all__ = [
     "place_vocab_ops",
     "refined_policies",
     "vocab_budgets",
+    "work_bound",
 ]

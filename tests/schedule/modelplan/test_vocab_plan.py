@@ -60,3 +60,24 @@ def test_a_budget_that_only_the_vocab_parallel_head_fits():
 def test_an_unknown_head_layout_is_refused():
     with pytest.raises(ScheduleError, match="unknown head layout 'sharded'"):
         plan(_profile(1.0), 2, 4, head="sharded")
+
+
+def test_the_head_costs_are_the_measured_head_layers():
+    """S and T are the profile's measured output layer cut in p shards: a head measured 40x slower
+    makes S and T 40x longer and turns the plan from the plain head to the vocabulary-parallel one."""
+    fast, slow = _profile(0.3, blocks=7), _profile(12.0, blocks=7)
+    plans = {
+        k: plan(prof, 4, 8, schedules=["1f1b"], head="both") for k, prof in (("fast", fast), ("slow", slow))
+    }
+    for name, profile in (("fast", fast), ("slow", slow)):
+        head = profile.layers[-1]
+        vocab = next(c for c in plans[name].candidates if c.vocab_parallel and c.timeline is not None)
+        assert vocab.timeline is not None
+        costs = vocab.timeline.costs
+        assert costs.vocab_s == pytest.approx([(head.forward + head.backward_input) / 4] * 4)
+        assert costs.vocab_t == pytest.approx([head.backward_weight / 4] * 4)
+        assert "head measured: F+B" in plans[name].reason
+    assert plans["fast"].winner.vocab_parallel is False and plans["slow"].winner.vocab_parallel is True
+    assert (
+        f"S {2 * 12.0 / 4 * 1e3:.3f} ms and T {12.0 / 4 * 1e3:.3f} ms per shard of 4" in plans["slow"].reason
+    )

@@ -87,6 +87,7 @@ def plan(
         reason += "; " + searches[0].memory_text(winner)
     if cores is not None and cores < ranks:
         reason += f"; {ranks} ranks predicted on {cores} shared cores"
+    reason += "".join("; " + s.head_text() for s in searches if isinstance(s, _VocabSearch))
     return Plan(
         winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known
     )
@@ -403,6 +404,16 @@ class _VocabSearch(_Search):
             vocab_mem=head.activation_bytes / p,
             # the hidden states broadcast, the gradient parts (twice their width) gathered
             vocab_comm=self.profile.transfer_time(3 * self.profile.layers[-1].output_bytes),
+        )
+
+    def head_text(self) -> str:
+        """Where the vocabulary ops' costs come from: the profile's measured output layer."""
+        head, p, blocks = self.head, self.ranks, self.profile.layers
+        share = head.work / (math.fsum(layer.work for layer in blocks) / len(blocks))
+        f_b, w = head.forward + head.backward_input, head.backward_weight
+        return (
+            f"head measured: F+B {f_b * 1e3:.3f} ms, W {w * 1e3:.3f} ms ({share:.2f}x a mean layer's "
+            f"work), so S {f_b / p * 1e3:.3f} ms and T {w / p * 1e3:.3f} ms per shard of {p}"
         )
 
     def _build(self, name: str, costs: CostModel, chunks: int) -> Schedule:
