@@ -8,6 +8,11 @@ raises :class:`PoolCallFailed` with every failing rank's traceback.  A call that
 raises too, with every rank's Python stacks at the deadline (``faulthandler``, so a rank stuck in a
 collective still says where); the stuck ranks are killed and the next call starts fresh ones, so
 hypothesis can go on shrinking to the smallest case that hangs.
+
+The ranks are also restarted every :data:`CALLS_PER_START` calls: each Pipeline's process groups
+live as long as its process (``docs/runtime.md``, "Process groups"), and an idle gloo group still
+costs a little CPU, so a long-lived rank that built 150 Pipelines (about 3,000 threads) slowed every
+later call by ten times and more on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from zerobubble.runtime.launch import init_distributed, launch, start_context
 
 #: seconds between a call's deadline and the ranks' own stack dump, so the dump is written first
 DUMP_AHEAD = 3.0
+#: calls a set of ranks serves before the pool replaces it (module docstring)
+CALLS_PER_START = 20
 
 
 class PoolCallFailed(RuntimeError):
@@ -76,6 +83,7 @@ class RankPool:
         self._pids: dict[int, int] = {}
         self._ended: BaseException | None = None
         self._closed = False
+        self._calls = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -88,8 +96,11 @@ class RankPool:
 
     def call(self, fn: Any, argument: Any, *, timeout: float = 120.0) -> list[Any]:
         """``fn(argument)`` on every rank; the per-rank results in rank order."""
+        if not self._closed and self._calls >= CALLS_PER_START:
+            self._stop()
         if self._closed:
             self._start()
+        self._calls += 1
         for inbox in self._inboxes:
             inbox.put((fn, argument, timeout))
         deadline = time.monotonic() + timeout
@@ -129,12 +140,16 @@ class RankPool:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def close(self) -> None:
-        """Stop the ranks (they leave their loop) and wait a little for them."""
+    def _stop(self) -> None:
+        """Let the ranks leave their loop, and wait a little for them."""
         if not self._closed:
             self._closed = True
             for inbox in self._inboxes:
                 inbox.put(None)
             if self._thread is not None:
                 self._thread.join(timeout=30)
+
+    def close(self) -> None:
+        """Stop the ranks for good."""
+        self._stop()
         self._dump_folder.cleanup()
