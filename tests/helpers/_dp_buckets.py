@@ -50,3 +50,20 @@ def posted_buckets(case: Case) -> dict[str, list[int]]:
     dist.barrier()
     posted = [size for size in spy.sizes if size > 1]  # the mean loss's average is one element
     return {"posted": posted, "expected": expected}
+
+
+def mismatched_buckets(case: Case) -> str:
+    """``case``'s Pipeline with another bucket size on rank 0 than on its peers: the error this rank
+    raises ("accepted" if none)."""
+    from dataclasses import replace
+
+    from zerobubble.runtime import PipelineError
+
+    mine = replace(case, bucket_bytes=1.0 if dist.get_rank() == 0 else case.bucket_bytes)
+    try:
+        _pipeline(mine, build_model(mine))
+    except PipelineError as error:
+        return str(error)
+    finally:
+        dist.barrier()
+    return "accepted"

@@ -5,7 +5,8 @@
   sizes and bucket sizes), a tied parameter in the chunk reduced last (one process).
 * The request takes a bucket size with replicas and refuses it with FSDP or beside FSDP's fields.
 * On four gloo ranks (two pipelines of two, replicated): the all-reduces posted over the
-  data-parallel group are the lowered buckets, in order and size; and training stays exact against
+  data-parallel group are the lowered buckets, in order and size; ranks passing other bucket sizes
+  are refused on every rank before anything runs; and training stays exact against
   the unsharded model over three clipped, post-validated steps: per-layer buckets under zb-h1's B/W
   split with tied ends, two-block buckets under zb-v with tied vocabulary-parallel ends, and a mesh's
   replicate dimension under 1f1b (the drawn cases: tests/runtime/test_training_equivalence.py).
@@ -14,9 +15,10 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
-from _dp_buckets import posted_buckets
+from _dp_buckets import mismatched_buckets, posted_buckets
 from _training_equivalence import Case, train_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -136,7 +138,8 @@ def outcomes():
     try:
         posts = pool.call(posted_buckets, PER_LAYER, timeout=120)
         trained = {name: pool.call(train_case, case, timeout=120) for name, case in EXACT.items()}
-        yield posts, trained
+        refused = pool.call(mismatched_buckets, replace(PER_LAYER, bucket_bytes=2000.0), timeout=120)
+        yield posts, trained, refused
     finally:
         pool.close()
 
@@ -156,3 +159,9 @@ def test_bucketed_replicas_train_like_one_process(outcomes, name):
         for what in ("loss", "grads", "params"):
             assert result[what] <= TOLERANCE, f"rank {rank}: {what} off by {result[what]:.3g} in {name}"
     assert {r["steps"] for r in results} == {EXACT[name].steps}
+
+
+@pytest.mark.multiprocess
+def test_ranks_passing_other_bucket_sizes_are_refused_on_every_rank(outcomes):
+    for rank, message in enumerate(outcomes[2]):
+        assert "differs from rank 0 in its fsdp" in message and "bucket_bytes=1.0" in message, (rank, message)
