@@ -64,6 +64,8 @@ class Case:
     # data_parallel="fsdp" only: FSDPOptions(units, reshard_after_forward, reshard_after_backward,
     # prefetch); None: the once-per-step chunk
     fsdp: tuple[str | int, bool, bool | None, int] | None = None
+    # replicated layouts only: FSDPOptions(bucket_bytes=...), the all-reduce's bucket size; None: one a chunk
+    bucket_bytes: float | None = None
 
 
 class Block(nn.Module):
@@ -248,8 +250,14 @@ def parallelize(layer: nn.Module, mesh: Any) -> nn.Module:
 
 def _layout_options(case: Case) -> dict[str, Any]:
     """The Pipeline's layout arguments of ``case.layout`` (collective: meshes and sub-groups)."""
+    if case.bucket_bytes is not None:
+        from zerobubble import FSDPOptions
+
+        bucketed = {"fsdp": FSDPOptions(bucket_bytes=case.bucket_bytes)}
+    else:
+        bucketed = {}
     if case.layout == "replicas":
-        return {"data_parallel": 2}
+        return {"data_parallel": 2, **bucketed}
     if case.layout == "groups":
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
         return {"group": groups[dist.get_rank() // 2]}
@@ -260,7 +268,7 @@ def _layout_options(case: Case) -> dict[str, Any]:
     second = "tp" if case.layout == "mesh-tp" else "dp"
     names = {"pp": "pipe", second: "inner"} if case.renamed_dims else {"pp": "pp", second: second}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=(names[second], names["pp"]))
-    options: dict[str, Any] = {"mesh": mesh}
+    options: dict[str, Any] = {"mesh": mesh, **bucketed}
     if case.renamed_dims:
         options["mesh_dims"] = names
     if case.layout == "mesh-tp":

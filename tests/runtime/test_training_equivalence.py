@@ -4,12 +4,12 @@ Hypothesis draws a configuration (``_training_equivalence.Case``): the schedule 
 plain or vocabulary-parallel ends, tied or not, activation checkpointing, SGD with momentum, Adam or
 AdamW, clipping that triggers or not, post-validation on or off, the loop's order, and on four ranks
 the layout (a pipeline of 4, two replicas, a ``DeviceMesh`` with replicated or FSDP2 data
-parallelism).  Each example trains for three optimizer steps on a long-lived pool of gloo ranks
-beside the unsharded model trained in one process with ``clip_grad_norm_`` + ``step``, in float64:
-every loss, every gradient before each step and every parameter after the last (settled) must agree
-to 1e-10 relative (a tensor whose norm has vanished below 1e-6, a saturated block's gradient, in
-absolute terms), 1e-8 with compiled layers (inductor's kernels round differently).  Autocast stays
-off (float64 is the point).
+parallelism; the replicated ones with a drawn all-reduce bucket size).  Each example trains for
+three optimizer steps on a long-lived pool of gloo ranks beside the unsharded model trained in one
+process with ``clip_grad_norm_`` + ``step``, in float64: every loss, every gradient before each step
+and every parameter after the last (settled) must agree to 1e-10 relative (a tensor whose norm has
+vanished below 1e-6, a saturated block's gradient, in absolute terms), 1e-8 with compiled layers
+(inductor's kernels round differently).  Autocast stays off (float64 is the point).
 
 The quick profile draws 12 examples on two ranks and 3 on four (after the explicit ones: the issue's
 report and its variants); CI's profile 150 and 40; the long one 1,000 and 300.
@@ -102,6 +102,11 @@ def _fsdp_options() -> st.SearchStrategy[tuple | None]:
     return st.none() | resharded
 
 
+#: ``fsdp=FSDPOptions(bucket_bytes=...)`` of a replicated layout: one bucket a chunk, a layer a bucket
+#: (1 byte), about one or two blocks a bucket (a block holds 1,728 bytes in float64)
+BUCKET_BYTES = st.sampled_from((None, 1.0, 2000.0, 4000.0))
+
+
 def cases(world_size: int) -> st.SearchStrategy[Case]:
     """Configurations that ``world_size`` ranks can run (the Pipeline refuses the rest)."""
 
@@ -130,6 +135,7 @@ def cases(world_size: int) -> st.SearchStrategy[Case]:
             verify=data(st.sampled_from((True, "strict", False))), check_calls=data(st.booleans()),
             renamed_dims=data(st.booleans()) if layout.startswith("mesh") else False,
             fsdp=data(_fsdp_options()) if layout == "mesh-fsdp" else None,
+            bucket_bytes=data(BUCKET_BYTES) if layout in ("replicas", "mesh-replicate") else None,
         )  # fmt: skip
 
     return draw()

@@ -42,7 +42,7 @@ from .execute.executor import Executor, StageState
 from .failures import PeerFailure, PeerMonitor
 from .observe.recorder import OpRecorder, as_recorder
 from .optim.post_validation import OptimizerStats
-from .optim.step import StepOptimization
+from .optim.step import StepOptimization, averager_of
 from .parallel.consistency import CallCheck, broadcast_replicas
 from .parallel.data_parallel import build_layout
 from .parallel.fsdp import ShardedStages
@@ -234,9 +234,9 @@ class Pipeline:
     def _build_facets(self, resolution: Resolution) -> None:
         """The objects the facade forwards to: the optimizer step's and the state dicts'."""
         self._optimization = StepOptimization(
-            resolution=resolution, layout=self.layout, device=self.device,
+            resolution=resolution, layout=self.layout, device=self.device, executor=self._executor,
             post_validation=self._request.post_validation, wait=self._monitor.wait, tied=self._tied,
-            sharded=self._sharded, executor=self._executor,
+            reductions=self._sharded or averager_of(self._executor, self.lowered, self.layout, self._monitor),
         )  # fmt: skip
         self._state = PipelineState(
             module=self.module, ends=self._executor.ends, layout=self.layout, calls=self._calls,

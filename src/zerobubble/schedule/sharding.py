@@ -5,7 +5,8 @@ The data-parallel *mode* (none, replicated, FSDP, HSDP) is the :class:`~.grid.Gr
 unit's gathered parameters are freed, how many units are gathered ahead, and the replicated
 all-reduce's bucket size.  Every consumer reads this one record (``docs/architecture.md``):
 
-* the runtime: ``Pipeline(..., data_parallel="fsdp", fsdp=FSDPOptions(...))`` makes FSDP2 units;
+* the runtime: ``Pipeline(..., data_parallel="fsdp", fsdp=FSDPOptions(...))`` makes FSDP2 units,
+  ``Pipeline(..., data_parallel=2, fsdp=FSDPOptions(bucket_bytes=...))`` all-reduces in buckets;
 * the lowering: ``lower(schedule, options, grid=grid, ...)`` places unshard, reshard,
   reduce-scatter and all-reduce per unit or bucket; its chooser simulates candidate records;
 * the planner: ``Grid.comm`` holds the record its closed form scores (``plan --cluster``).
@@ -33,7 +34,8 @@ class FSDPOptions:
     after each forward, gathering it again when next read; ``reshard_after_backward`` (None: the
     same as ``reshard_after_forward``) the same after each gradient op, else a unit stays whole to
     its reduce-scatter.  ``prefetch``: units gathered ahead (0: none).  ``bucket_bytes``: the
-    replicated all-reduce's buckets (0: one per chunk; the lowering and planner read it).
+    replicated all-reduce's buckets (0: one per chunk; the lowering, the planner and the runtime's
+    replicas read it).
     :data:`ONCE_PER_STEP` (``fsdp=None``) is one unit per chunk, gathered once a step and kept.
     Bad values raise :class:`~zerobubble.errors.OptionsError`.
     """

@@ -33,7 +33,7 @@ from zerobubble.runtime.observe.trace import (
     transfer_latencies,
     write_trace,
 )
-from zerobubble.runtime.parallel.data_parallel import chunk_parameters, first_forward, last_gradient_ops
+from zerobubble.runtime.parallel.data_parallel import bucket_parameters, first_forward, last_gradient_ops
 from zerobubble.runtime.wgrad import WeightGradStore
 from zerobubble.schedule import CostModel, Kind, ScheduleError, build_schedule, parse_memory_limit, simulate
 from zerobubble.schedule.channels import MessageKey
@@ -130,8 +130,8 @@ def test_a_shared_parameter_is_reduced_with_the_chunk_reduced_last():
         0: StageState(0, nn.Sequential(shared, nn.Linear(2, 2)), WeightGradStore(), True, False, "a"),
         1: StageState(1, nn.Sequential(nn.Linear(2, 2), shared), WeightGradStore(), False, True, "b"),
     }
-    chunks = chunk_parameters(stages, {0: 9, 1: 4})  # stage 0 reduced last
-    ids = {stage: {id(p) for p in params} for stage, params in chunks.items()}
+    chunks = {stage: buckets[0] for stage, buckets in bucket_parameters(stages, {0: 9, 1: 4}).items()}
+    ids = {stage: {id(p) for p in params} for stage, params in chunks.items()}  # stage 0 reduced last
     assert {id(shared.weight), id(shared.bias)} <= ids[0] and not ids[0] & ids[1]
     assert len(chunks[0]) == 4 and len(chunks[1]) == 2
 

@@ -256,7 +256,7 @@ def test_a_per_layer_checkpoint_loads_into_per_chunk_units(outcomes):
 @pytest.mark.parametrize(
     ("fsdp", "data_parallel", "message"),
     [
-        (FSDPOptions(), "replicate", 'fsdp=FSDPOptions(...) says how data_parallel="fsdp" or "hsdp" shards'),
+        (FSDPOptions(), "replicate", 'says how data_parallel="fsdp" or "hsdp" shards, but data_parallel='),
         ({"units": "layer"}, "fsdp", "fsdp={'units': 'layer'}: pass FSDPOptions("),
         (FSDPOptions(bucket_bytes=25e6), "fsdp", "fsdp=FSDPOptions(bucket_bytes=25000000.0): buckets are"),
     ],
@@ -274,6 +274,10 @@ def test_fsdp_options_are_checked_when_the_request_is_made(fsdp, data_parallel, 
         ({"units": True}, "FSDPOptions(units=True)"),
         ({"reshard_after_forward": 1}, "FSDPOptions(reshard_after_forward=1): True or False"),
         ({"prefetch": -1}, "FSDPOptions(prefetch=-1): the number of units gathered ahead"),
+        ({"bucket_bytes": -1}, "FSDPOptions(bucket_bytes=-1): a byte count, 0 or more"),
+        ({"bucket_bytes": "25MB"}, "FSDPOptions(bucket_bytes='25MB'): a byte count"),
+        ({"bucket_bytes": float("nan")}, "FSDPOptions(bucket_bytes=nan): a byte count"),
+        ({"bucket_bytes": True}, "FSDPOptions(bucket_bytes=True): a byte count"),
     ],
 )
 def test_bad_fsdp_options_are_refused(options, message):

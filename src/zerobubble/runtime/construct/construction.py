@@ -130,4 +130,5 @@ def agreed_resolution(
         verify=request.verify,
         check_calls=bool(request.check_calls),
         sharding=world.grid.sharding,
+        fsdp=request.fsdp,
     )

@@ -31,6 +31,7 @@ from ..parallel.fsdp import check_sharding, check_ties
 from .staging import checked_loss_fn, default_costs, named_layers, partition_bounds, resolve_schedule
 
 if TYPE_CHECKING:
+    from ...schedule.sharding import FSDPOptions
     from .request import PipelineRequest
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -143,15 +144,17 @@ def agree_on(
     verify: bool | str = True,
     check_calls: bool = True,
     sharding: str | None = None,
+    fsdp: FSDPOptions | None = None,
 ) -> tuple[Resolution, Agreement]:
     """``attempt()``'s resolution, once every rank of ``group`` agrees on it (collective).
 
     The ranks exchange fingerprints of their layers, schedule, cut points, ties, ``data_parallel``,
-    ``sharding`` and ``check_calls`` (:func:`~..parallel.consistency.agree`; ``seed`` as there).  ``sharding``
-    is checked here (:func:`~..parallel.fsdp.check_sharding`, and no parameter tied across chunks with
-    ``"fsdp"``), so a wrong value raises the same way on every rank.  A rank whose arguments
-    are wrong (``attempt`` or ``verify`` raised) still joins the exchange, so its peers raise naming
-    it instead of waiting for it; it raises its own :class:`PipelineError`.
+    ``sharding``, ``fsdp`` (the units or buckets the lowering cuts) and ``check_calls``
+    (:func:`~..parallel.consistency.agree`; ``seed`` as there).  ``sharding`` is checked here
+    (:func:`~..parallel.fsdp.check_sharding`, and no parameter tied across chunks with ``"fsdp"``),
+    so a wrong value raises the same way on every rank.  A rank whose arguments are wrong
+    (``attempt`` or ``verify`` raised) still joins the exchange, so its peers raise naming it
+    instead of waiting for it; it raises its own :class:`PipelineError`.
     """
     problem, mine, resolution = None, None, None
     try:
@@ -168,6 +171,7 @@ def agree_on(
             resolution.ties,
             check_calls=check_calls,
             sharding=sharding,
+            fsdp=fsdp,
         )
     except PipelineError as error:
         problem = error

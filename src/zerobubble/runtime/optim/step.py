@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...schedule.ir import Op
+from ...schedule.lowering import LoweredSchedule
 from .. import PipelineError
 from ..construct.resolve import Resolution
 from ..execute.executor import Executor, Hook
@@ -25,7 +25,7 @@ from ..parallel.consistency import TiedParameter
 from ..parallel.data_parallel import (
     GradientAverager,
     ParallelLayout,
-    chunk_parameters,
+    bucket_parameters,
     last_gradient_ops,
 )
 from ..parallel.fsdp import ShardedStages
@@ -44,8 +44,9 @@ class StepOptimization:
     """The reductions and the optimizer step of ``layout``'s pipeline rank (see the module docstring).
 
     Construction adds the settle as a start entry of each step and binds the executor's lowered
-    communication actions (:meth:`~..execute.executor.Executor.communicate`): the replicas'
-    all-reduces (:class:`GradientAverager`) or FSDP2's unshards and reduce-scatters (:class:`ShardedStages`).
+    communication actions (:meth:`~..execute.executor.Executor.communicate`) to ``reductions``: the
+    replicas' bucket all-reduces (:class:`GradientAverager`, :func:`gradient_averager`) or FSDP2's
+    unshards and reduce-scatters (:class:`ShardedStages`).
     """
 
     def __init__(
@@ -57,10 +58,11 @@ class StepOptimization:
         post_validation: bool,
         wait: Callable[..., Any],
         tied: Sequence[Any],
-        sharded: ShardedStages | None,
+        reductions: ShardedStages | GradientAverager | None,
         executor: Executor,
     ):
         self.layout, self.rank = layout, layout.grid.pipeline_rank
+        sharded = reductions if isinstance(reductions, ShardedStages) else None
         self._wait, self._tied, self._sharded = wait, list(tied), sharded
         self._placeholder: torch.optim.Optimizer | None = None
         chained = sharded is not None
@@ -72,16 +74,11 @@ class StepOptimization:
         # since the vocabulary embedding's lookups precede the first forward.  (Every rank's first
         # forward waits for its input anyway, so settling earlier costs nothing.)
         executor.add_start_hook(Hook("optimizer settle", self.settle))
-        self._averager: GradientAverager | None = None
-        if sharded is not None:  # the lowered program's unshards and reduce-scatters, through FSDP2
-            if sharded.layered:
-                executor.add_start_hook(Hook("FSDP step start", sharded.begin_step))
-            executor.communicate(sharded)
-        elif layout.grid.dp > 1:  # the lowered program's all-reduces, chunk by chunk
-            self._averager = gradient_averager(
-                executor, resolution.schedule.programs[self.rank], layout, wait
-            )
-            executor.communicate(self._averager)
+        self._averager = reductions if isinstance(reductions, GradientAverager) else None
+        if sharded is not None and sharded.layered:
+            executor.add_start_hook(Hook("FSDP step start", sharded.begin_step))
+        if reductions is not None:  # the lowered program's all-reduces, or unshards and reduce-scatters
+            executor.communicate(reductions)
 
     @property
     def stats(self) -> OptimizerStats:
@@ -178,10 +175,15 @@ def chain_optimizer(
     )
 
 
-def gradient_averager(
-    executor: Executor, program: Sequence[Op], layout: ParallelLayout, wait: Callable[..., Any]
-) -> GradientAverager:
-    """The averager of the replicas' gradients of this rank's chunks (a parameter shared by two
-    chunks goes to the one reduced last); it binds the lowered program's all-reduce actions."""
-    chunks = chunk_parameters(executor.stages, last_gradient_ops(program))
-    return GradientAverager(chunks, layout.dp_group, layout.grid.dp, wait=wait)
+def averager_of(
+    executor: Executor, lowered: LoweredSchedule, layout: ParallelLayout, monitor: Any
+) -> GradientAverager | None:
+    """The averager of the replicas' gradients of this rank's chunks, in the buckets of ``lowered``
+    (:func:`~..parallel.data_parallel.bucket_parameters`), to bind the lowered program's all-reduce
+    actions, waited through ``monitor`` (the peer monitor); None unless the replicas are several and
+    not sharded."""
+    if layout.grid.dp == 1 or lowered.data_parallel != "replicate":
+        return None
+    program = lowered.source.programs[layout.grid.pipeline_rank]
+    buckets = bucket_parameters(executor.stages, last_gradient_ops(program), lowered.part_layers)
+    return GradientAverager(buckets, layout.dp_group, layout.grid.dp, wait=monitor.wait)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...schedule.ir import Schedule
+from ...schedule.sharding import ONCE_PER_STEP
 from .. import PipelineError
 from ..tensors import local_value
 
@@ -61,6 +62,7 @@ def fingerprint(
     *,
     check_calls: bool = True,
     sharding: str | None = None,
+    fsdp: Any = None,
 ) -> dict[str, Any]:
     """The items every rank must agree on, in the order they are compared."""
     programs = hashlib.blake2b(repr(schedule.programs).encode(), digest_size=8).hexdigest()
@@ -80,6 +82,8 @@ def fingerprint(
         "schedule programs": programs,
         "data_parallel": data_parallel,
         "sharding": sharding,
+        # FSDP's units or the replicas' all-reduce buckets: every rank lowers the same program
+        "fsdp": repr(ONCE_PER_STEP if fsdp is None else fsdp),
         "check_calls": check_calls,
     }
 

@@ -3,8 +3,9 @@
 ``p`` pipeline ranks with ``data_parallel = D`` span ``p·D`` ranks (group rank
 ``dp_index · p + pipeline_rank``); the data-parallel group of pipeline rank ``r`` holds the same
 chunks in every replica.  As soon as a chunk's last gradient op has run, its gradients are
-all-reduced asynchronously over that group (the lowered program's ``issue all_reduce``), overlapping
-the rest of the step; its ``wait`` at the step's end divides by ``D``.  :func:`build_layout`
+all-reduced asynchronously over that group, one bucket at a time (the lowered program's ``issue
+all_reduce(bucket s.k)``; the buckets the lowering cut by ``FSDPOptions.bucket_bytes``, one per chunk
+by default), overlapping the rest of the step; each ``wait`` divides by ``D``.  :func:`build_layout`
 creates the layout's groups from the grid, on a mesh or not, with local synchronisation (:mod:`.groups`).
 
 Why the groups are created that way: ``docs/runtime.md``.
@@ -13,6 +14,7 @@ Why the groups are created that way: ``docs/runtime.md``.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -133,63 +135,67 @@ def last_gradient_ops(program: Sequence[Op]) -> dict[int, int]:
 
 
 class GradientAverager:
-    """Averages each chunk's gradients over the data-parallel group, chunk by chunk, asynchronously.
+    """Averages each chunk's gradients over the data-parallel group, bucket by bucket, asynchronously.
 
-    ``chunks`` maps a stage index to its parameters.  :meth:`start` flattens the stage's existing
-    gradients (one buffer per dtype) and posts a non-blocking sum; :meth:`wait` waits for a stage's
-    sums, divides by the group size and writes the averages back into ``.grad``.  As a
+    ``buckets`` maps a stage index to its buckets' parameters, in the lowered program's bucket order
+    (:func:`bucket_parameters`; one bucket per chunk without a bucket size).  :meth:`start` flattens
+    a bucket's existing gradients (one buffer per dtype) and posts a non-blocking sum; :meth:`wait`
+    waits for it, divides by the group size and writes the averages back into ``.grad``.  As a
     :class:`~..execute.program.Communication` it binds a lowered program's all-reduce actions.
     Parameters whose ``.grad`` is None are left alone (they are None on every replica alike).
     """
 
     def __init__(
         self,
-        chunks: Mapping[int, Sequence[nn.Parameter]],
+        buckets: Mapping[int, Sequence[Sequence[nn.Parameter]]],
         group: Any,
         size: int,
         wait: Callable[[Any, str], None] | None = None,
     ):
-        self.chunks = {stage: list(params) for stage, params in chunks.items()}
+        self.buckets = {stage: [list(params) for params in parts] for stage, parts in buckets.items()}
         self.group = group
         self.size = size
         self._wait = wait or (lambda work, what: work.wait())
-        self._inflight: dict[int, list[tuple[Any, torch.Tensor, list[torch.Tensor]]]] = {}
+        self._inflight: dict[tuple[int, int], list[tuple[Any, torch.Tensor, list[torch.Tensor]]]] = {}
 
     def comm_handler(self, action: Issue | Wait) -> Callable[[], None] | None:
-        """A lowered program's bucket all-reduce (one bucket per chunk): its issue starts it
-        (:meth:`start`), its wait waits for it (:meth:`wait`); nothing else is the averager's."""
+        """A lowered program's bucket all-reduce: its issue starts it (:meth:`start`), its wait waits
+        for it (:meth:`wait`); nothing else is the averager's."""
         comm = action.comm
         if comm.kind is not CommKind.ALL_REDUCE:
             return None
-        if comm.index != 0:
+        held = len(self.buckets.get(comm.stage, ()))
+        if not 0 <= comm.index < held:
             raise PipelineError(
-                f"the lowered program all-reduces {comm}, but the replicated runtime reduces one bucket "
-                "per chunk: lower with FSDPOptions(bucket_bytes=0)"
+                f"the lowered program all-reduces {comm}, but this rank cut stage {comm.stage}'s "
+                f"gradients into {held} bucket(s): the program is not the one the averager was made "
+                "from (a bug: report it)"
             )
         work = self.start if isinstance(action, Issue) else self.wait
-        return functools.partial(work, comm.stage)
+        return functools.partial(work, comm.stage, comm.index)
 
     def compute_handler(self, op: Op, handler: Callable[[Any, int], None]) -> Callable[[Any, int], None]:
         """Ops run as they are."""
         return handler
 
     @torch.no_grad()
-    def start(self, stage: int) -> None:
-        """Post the all-reduce of ``stage``'s gradients (call once its last gradient op has run)."""
+    def start(self, stage: int, bucket: int = 0) -> None:
+        """Post the all-reduce of a bucket of ``stage``'s gradients (call once its last gradient op has
+        run; every replica posts the same buckets in the same order)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for param in self.chunks[stage]:
+        for param in self.buckets[stage][bucket]:
             if param.grad is not None:  # a DTensor (tensor parallelism): its shard, the same on every replica
                 grad = local_value(param.grad)
                 by_dtype.setdefault(grad.dtype, []).append(grad)
         for grads in by_dtype.values():
             flat = torch.cat([grad.reshape(-1) for grad in grads])
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._inflight.setdefault(stage, []).append((work, flat, grads))
+            self._inflight.setdefault((stage, bucket), []).append((work, flat, grads))
 
     @torch.no_grad()
-    def wait(self, stage: int) -> None:
-        """Wait for ``stage``'s posted reductions and store its averaged gradients in place."""
-        for work, flat, grads in self._inflight.pop(stage, ()):
+    def wait(self, stage: int, bucket: int = 0) -> None:
+        """Wait for a posted bucket of ``stage`` and store its averaged gradients in place."""
+        for work, flat, grads in self._inflight.pop((stage, bucket), ()):
             self._wait(work, "the data-parallel gradient average")
             flat.div_(self.size)
             for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
@@ -197,8 +203,8 @@ class GradientAverager:
 
     def finish(self) -> None:
         """Wait for every reduction still posted (the program's waits took the others)."""
-        for stage in list(self._inflight):
-            self.wait(stage)
+        for stage, bucket in list(self._inflight):
+            self.wait(stage, bucket)
 
     def discard(self) -> None:
         """Forget the posted reductions after a failed step."""
@@ -216,17 +222,40 @@ def first_forward(program: Sequence[Op]) -> int:
     raise PipelineError("a rank's program has no forward op")
 
 
-def chunk_parameters(stages: Mapping[int, Any], last_ops: Mapping[int, int]) -> dict[int, list[nn.Parameter]]:
-    """Each stage's parameters, a parameter shared by two stages going to the one reduced last."""
+def bucket_parameters(
+    stages: Mapping[int, Any], last_ops: Mapping[int, int], parts: Sequence[Sequence[int]] | None = None
+) -> dict[int, list[list[nn.Parameter]]]:
+    """Each stage's parameters cut into its all-reduce buckets: bucket ``k`` holds those of the
+    layers of the lowered program's part ``k`` (``parts[stage]``: the layer counts, in layer order,
+    :attr:`~...schedule.lowering.LoweredSchedule.part_layers`; None: one bucket per stage).
+
+    A parameter shared by two stages goes to the one reduced last (its gradient is final only
+    after that stage's last gradient op), and within it to the bucket of the first layer holding it.
+    """
     seen: set[int] = set()
-    chunks: dict[int, list[nn.Parameter]] = {}
+
+    def unseen(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+        fresh = []
+        for module in modules:
+            for param in module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    fresh.append(param)
+        return fresh
+
+    buckets: dict[int, list[list[nn.Parameter]]] = {}
     for stage in sorted(last_ops, key=last_ops.__getitem__, reverse=True):
-        chunks[stage] = []
-        for param in stages[stage].module.parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                chunks[stage].append(param)
-    return chunks
+        module = stages[stage].module
+        layers = list(getattr(module, "layers", module.children())) or [module]
+        counts = [len(layers)] if parts is None or len(layers) == 1 else list(parts[stage])
+        if sum(counts) != len(layers):
+            raise PipelineError(
+                f"stage {stage} holds {len(layers)} layers but its lowered buckets cut {sum(counts)}: "
+                "the lowering was made from other layers (a bug: report it)"
+            )
+        ends = list(itertools.accumulate(counts))
+        buckets[stage] = [unseen(layers[start:stop]) for start, stop in zip([0, *ends[:-1]], ends)]
+    return buckets
 
 
 def mean_loss(

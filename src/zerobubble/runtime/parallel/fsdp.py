@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -48,23 +49,30 @@ sharded during W (``docs/runtime.md``, "FSDP2 units")."""
 
 
 def check_fsdp_options(fsdp: Any, data_parallel: Any) -> None:
-    """``fsdp`` is None or an :class:`FSDPOptions` (the schedule layer's record, checked when made)
-    given with ``data_parallel="fsdp"``/``"hsdp"``, without the replicated all-reduce's buckets."""
+    """``fsdp`` is None or an :class:`FSDPOptions` (the schedule layer's record, checked when made):
+    with ``data_parallel="fsdp"``/``"hsdp"`` without the replicated all-reduce's buckets; with
+    replicas (a count, ``"replicate"``, or a mesh's) only its ``bucket_bytes`` applies, so the FSDP
+    fields must be those of ``FSDPOptions()`` (with a bucket size) or of :data:`ONCE_PER_STEP`."""
     if fsdp is None:
         return
     if not isinstance(fsdp, FSDPOptions):
         raise PipelineError(
-            f"fsdp={fsdp!r}: pass FSDPOptions(units=..., reshard_after_forward=..., prefetch=...) or None"
+            f"fsdp={fsdp!r}: pass FSDPOptions(units=..., reshard_after_forward=..., prefetch=..., "
+            "bucket_bytes=...) or None"
         )
-    if data_parallel not in ("fsdp", "hsdp"):
+    if data_parallel in ("fsdp", "hsdp"):
+        if fsdp.bucket_bytes:
+            raise PipelineError(
+                f"fsdp=FSDPOptions(bucket_bytes={fsdp.bucket_bytes!r}): buckets are the replicated "
+                "all-reduce's; FSDP reduce-scatters per unit: drop it"
+            )
+        return
+    unbucketed = replace(fsdp, bucket_bytes=0.0)
+    if unbucketed != ONCE_PER_STEP and not (fsdp.bucket_bytes and unbucketed == FSDPOptions()):
         raise PipelineError(
-            f'fsdp=FSDPOptions(...) says how data_parallel="fsdp" or "hsdp" shards, but data_parallel='
-            f'{data_parallel!r}: pass data_parallel="fsdp" (or "hsdp") with a mesh, or drop fsdp='
-        )
-    if fsdp.bucket_bytes:
-        raise PipelineError(
-            f"fsdp=FSDPOptions(bucket_bytes={fsdp.bucket_bytes!r}): buckets are the replicated "
-            "all-reduce's (the lowering's and the planner's); FSDP reduce-scatters per unit: drop it"
+            f'fsdp={fsdp!r} says how data_parallel="fsdp" or "hsdp" shards, but data_parallel='
+            f"{data_parallel!r} replicates, where only the all-reduce's buckets apply: pass "
+            'FSDPOptions(bucket_bytes=...) alone, or data_parallel="fsdp" (or "hsdp") with a mesh'
         )
 
 

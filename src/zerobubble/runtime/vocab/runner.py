@@ -195,7 +195,7 @@ class VocabRunner(ModelEnds):
             if self._training:
                 self._embedding_backward()
         if self._replicas is not None and self._training:
-            if 1 in self._replicas.chunks:
+            if 1 in self._replicas.buckets:
                 self._replicas.start(1)
             self._replicas.finish()
 
@@ -288,7 +288,7 @@ class VocabRunner(ModelEnds):
         shard.logits = torch.empty(0)
         self._release(j)
         self._t_done += 1
-        if self._t_done == self.microbatches and self._replicas is not None and 0 in self._replicas.chunks:
+        if self._t_done == self.microbatches and self._replicas is not None and 0 in self._replicas.buckets:
             self._replicas.start(0)  # the head's gradient is final: its average travels meanwhile
 
     def input_grad(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,9 +457,9 @@ def _replica_averager(
     tied = head is not None and embedding is not None and head.weight is embedding.weight
     chunks = {}
     if head is not None and not tied:
-        chunks[0] = [head.weight]
+        chunks[0] = [[head.weight]]
     if embedding is not None:
-        chunks[1] = [embedding.weight]  # a tied weight's gradient is final after the embedding's end
+        chunks[1] = [[embedding.weight]]  # a tied weight's gradient is final after the embedding's end
     return GradientAverager(chunks, layout.dp_group, grid.dp, wait=wait)
 
 
