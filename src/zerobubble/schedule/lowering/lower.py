@@ -9,7 +9,8 @@ places, per rank (``docs/communication.md`` says why each goes where it goes):
 * an FSDP unit's unshard ``prefetch`` parts before the first part that reads it, waited just before
   that part; its reshard after its last gradient part, and, with ``reshard_after_forward`` (and
   ``reshard_after_backward``), after each forward (gradient) read it is not read again soon after;
-* a unit's reduce-scatter, or a bucket's all-reduce, right after its last gradient part;
+* a unit's reduce-scatter, or a bucket's all-reduce, right after its last gradient part (after
+  that op's send);
 * the output layer's broadcast after the last stage's forward (posted by the other ranks one op
   ahead of their S) and its reduction after each S, waited before T and the last backward;
 * at the end the waits of the sends and the reductions, then the optimizer step.
@@ -215,7 +216,9 @@ class _RankLowering:
                 last[(part.op.stage, part.part)] = i
         for (stage, index), i in sorted(last.items(), key=lambda item: item[1]):
             reduction = Comm(kind, stage, index)
-            self.after[i].insert(0, Issue(reduction))  # ahead of the unit's reshard
+            slot = self.after[i]  # after the op's send (the next rank waits for it), ahead of the reshard
+            sends = sum(1 for a in slot if isinstance(a, Issue) and a.comm.kind is CommKind.SEND)
+            slot.insert(sends, Issue(reduction))
             self.finals.append(reduction)
 
 
