@@ -4,8 +4,9 @@ Every op of stage ``s`` runs as the parts of ``s`` (its FSDP units or all-reduce
 without data parallelism), forwards in layer order, backwards in reverse.  Around the parts the pass
 places, per rank (``docs/communication.md`` says why each goes where it goes):
 
-* a send right after the op that produces the message; its receive posted one op ahead of the
-  consumer (in the sender's order on each channel), waited just before the consumer;
+* a send right after the op that produces the message; its receive posted when the channel's
+  receive two before it is waited for (the first two at the start, at the latest one op ahead of
+  the consumer, in the sender's order on each channel), waited just before the consumer;
 * an FSDP unit's unshard ``prefetch`` parts before the first part that reads it, waited just before
   that part; its reshard after its last gradient part, and, with ``reshard_after_forward`` (and
   ``reshard_after_backward``), after each forward (gradient) read it is not read again soon after;
@@ -40,6 +41,10 @@ from .actions import (
     send,
 )
 from .layout import StageBytes, stage_parts
+
+#: How many receives of a channel are posted ahead of the one being waited for (the runtime's
+#: measured look-ahead: ``docs/runtime.md``).
+RECEIVES_AHEAD = 2
 
 
 def lower(
@@ -133,9 +138,16 @@ class _RankLowering:
                 self._post_receives(channel_messages(schedule, src, self.rank), consumers)
 
     def _post_receives(self, messages: list, consumers: dict[object, int]) -> None:
-        """Post each receive one op ahead of its consumer, never after a later-sent message's post
-        (a channel is FIFO: the receiver posts in the sender's order)."""
+        """Post each receive of a channel once the one :data:`RECEIVES_AHEAD` before it is waited for
+        (the first ones at the start), at the latest one op ahead of its consumer, and never after
+        a later-sent message's post (a channel is FIFO: the receiver posts in the sender's order).
+        A receive posted early lets the transfer start as soon as the message is sent (gloo and
+        NCCL move the bytes once both sides are posted); the look-ahead bounds the buffers posted."""
         posts = [max(consumers[key] - 1, 0) for key in messages]
+        for k in range(RECEIVES_AHEAD, len(posts)):
+            posts[k] = min(posts[k], consumers[messages[k - RECEIVES_AHEAD]])
+        for k in range(min(RECEIVES_AHEAD, len(posts))):
+            posts[k] = 0
         for k in range(len(posts) - 2, -1, -1):
             posts[k] = min(posts[k], posts[k + 1])
         for key, at in zip(messages, posts):
