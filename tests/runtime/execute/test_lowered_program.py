@@ -1,9 +1,10 @@
-"""The executor runs the lowered program: its entries are the rank's lowered actions minus the filtered ones.
+"""The executor runs the lowered program: its entries are the rank's lowered actions minus the unbound ones.
 
 Generated schedules and data-parallel modes: the compiled entries, in order, are the compute ops (one
-per op, at its first part) and the communication actions a :class:`Communication` binds; nothing
-else.  The sends and receives stay inside the F/B handlers (:mod:`zerobubble.runtime.execute.comm`):
-the lowered order of each channel's sends and receives is the order ``Comm`` posts them in.
+per op, at its first part), every send's and receive's ``issue``/``wait`` (bound by
+:class:`~zerobubble.runtime.execute.transfers.Transfers`), and the communication actions a
+:class:`Communication` binds; nothing else.  A forward-only step runs the forwards and the
+activations' transfers only.
 """
 
 from __future__ import annotations
@@ -11,22 +12,24 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import LocalComm
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.execute.executor import Executor, StageState
-from zerobubble.runtime.execute.program import CommAction, NoCommunication
+from zerobubble.runtime.execute.program import CommAction, NoCommunication, forward_entries
+from zerobubble.runtime.execute.transfers import forward_transfer
 from zerobubble.runtime.wgrad import WeightGradStore
-from zerobubble.schedule import build_schedule
-from zerobubble.schedule.channels import channel_messages, receiving_stage, sending_stage
+from zerobubble.schedule import REGISTRY, Kind, Op, ScheduleError, build_schedule
+from zerobubble.schedule.channels import receiving_stage, sending_stage
+from zerobubble.schedule.compare import SLOW_SCHEDULES
 from zerobubble.schedule.grid import Grid
 from zerobubble.schedule.lowering import CommKind, Compute, Issue, StageBytes, Wait, lower
-from zerobubble.schedule.lowering.lower import compute_ops
 from zerobubble.schedule.sharding import FSDPOptions
 
 SCHEDULES = ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b"]
+REGISTRY_SCHEDULES = sorted(name for name in REGISTRY if name not in SLOW_SCHEDULES)
 MODES = {
     "none": (Grid(), None),
     "replicate": (Grid(dp=2), None),
@@ -34,6 +37,7 @@ MODES = {
     "fsdp-layer": (Grid(dp=2, sharding="fsdp"), FSDPOptions(units="layer", prefetch=1)),
 }
 BOUND = (CommKind.ALL_REDUCE, CommKind.UNSHARD, CommKind.REDUCE_SCATTER)
+TRANSFERS = (CommKind.SEND, CommKind.RECV)
 
 
 class Binder(NoCommunication):
@@ -61,9 +65,18 @@ def _executor(schedule, rank: int) -> Executor:
 
 def _lowered(name: str, ranks: int, microbatches: int, mode: str):
     schedule = build_schedule(name, ranks, microbatches * ranks)  # interleaved: a multiple of the ranks
+    return schedule, _lower(schedule, mode)
+
+
+def _lower(schedule, mode: str):
     grid, options = MODES[mode]
     model = StageBytes.uniform(schedule.num_stages, 3, 100.0)
-    return schedule, lower(schedule, options, grid=grid, model=model)
+    return lower(schedule, options, grid=grid, model=model)
+
+
+def _names(program) -> list:
+    """Each entry as its op, or its communication action's name."""
+    return [entry[0].name if isinstance(entry[0], CommAction) else entry[0] for entry in program]
 
 
 @given(
@@ -82,18 +95,55 @@ def test_the_executor_program_is_the_lowered_program_minus_what_nobody_binds(nam
             action.op if isinstance(action, Compute) else str(action)
             for action in lowered.program_of(rank)
             if (isinstance(action, Compute) and action.first)
-            or (isinstance(action, (Issue, Wait)) and action.comm.kind in BOUND)
+            or (isinstance(action, (Issue, Wait)) and action.comm.kind in (*BOUND, *TRANSFERS))
         ]
-        got = [
-            entry[0] if not isinstance(entry[0], CommAction) else entry[0].name for entry in executor.program
-        ]
-        assert got == expected
+        assert _names(executor.program) == expected
         assert [e[0] for e in executor.program if not isinstance(e[0], CommAction)] == list(
             schedule.programs[rank]
         )
-        # unbound, the communication costs no entry: the plain program, op for op
+        # without data-parallel binding, the ops and the transfers only
         executor.communicate(NoCommunication())
-        assert [entry[0] for entry in executor.program] == list(schedule.programs[rank])
+        assert all(
+            entry[0].lowered.comm.kind in TRANSFERS
+            for entry in executor.program
+            if isinstance(entry[0], CommAction)
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(REGISTRY_SCHEDULES), ranks=st.integers(2, 4), microbatches=st.integers(1, 5))
+def test_the_program_holds_every_send_and_receive_exactly_as_lowered(name, ranks, microbatches):
+    """Every registry schedule: the executor's program is the lowered program's compute ops and
+    send/recv actions, in the lowered order — each receive posted and waited, each send issued and
+    waited where the lowering placed it — and by default (no ``follow``) it is that same program."""
+    try:
+        schedule = build_schedule(name, ranks, microbatches * ranks)
+    except ScheduleError:
+        return  # the builder refuses this (p, m)
+    lowered = _lower(schedule, "none")
+    rank_of = schedule.placement.rank_of
+    for rank in range(ranks):
+        program = lowered.program_of(rank)
+        expected = [
+            a.op if isinstance(a, Compute) else str(a)
+            for a in program
+            if isinstance(a, Compute) or (isinstance(a, (Issue, Wait)) and a.comm.kind in TRANSFERS)
+        ]
+        executor = _executor(schedule, rank)
+        assert _names(executor.program) == expected, "the default program is the lowered one"
+        executor.follow(program)
+        assert _names(executor.program) == expected
+        for entry in executor.program:
+            if isinstance(entry[0], CommAction):  # no local hand-over is a transfer
+                message = entry[0].lowered.comm.message
+                assert rank_of(sending_stage(message)) != rank_of(receiving_stage(message))
+        # a forward-only step runs the forwards and the activations' transfers only
+        forward = forward_entries(executor.program, {Kind.F}, forward_transfer)
+        assert _names(forward) == [
+            x
+            for x in expected
+            if (isinstance(x, Op) and x.kind is Kind.F) or (isinstance(x, str) and "(act " in x)
+        ]
 
 
 def test_a_program_of_other_compute_ops_is_refused():
@@ -101,33 +151,6 @@ def test_a_program_of_other_compute_ops_is_refused():
     executor = _executor(schedule, 0)
     with pytest.raises(PipelineError, match="other compute ops"):
         executor.follow(lowered.program_of(1))
-
-
-@given(name=st.sampled_from(SCHEDULES), ranks=st.integers(2, 4), microbatches=st.integers(2, 6))
-def test_each_channels_lowered_sends_and_receives_are_in_the_order_comm_posts_them(name, ranks, microbatches):
-    schedule, lowered = _lowered(name, ranks, microbatches, "none")
-    rank_of, S = schedule.placement.rank_of, schedule.num_stages
-    for src in range(ranks):
-        for dst in range(ranks):
-            if src == dst:
-                continue
-            channel = channel_messages(schedule, src, dst)  # Comm posts the receives of (src, dst) so
-            sends = [
-                a.comm.message
-                for a in lowered.program_of(src)
-                if isinstance(a, Issue)
-                and a.comm.kind is CommKind.SEND
-                and rank_of(receiving_stage(a.comm.message)) == dst
-            ]
-            receives = [
-                a.comm.message
-                for a in lowered.program_of(dst)
-                if isinstance(a, Issue)
-                and a.comm.kind is CommKind.RECV
-                and rank_of(sending_stage(a.comm.message)) == src
-            ]
-            assert sends == receives == list(channel), (src, dst, S)
-    assert compute_ops(lowered.program_of(0)) == list(schedule.programs[0])
 
 
 def test_a_step_runs_the_bound_actions_where_the_lowered_program_places_them():

@@ -123,12 +123,14 @@ def test_write_trace_files_and_chrome_events(recorded, trace_dir):
     with open(os.path.join(trace_dir, "zb-v", "trace.json")) as handle:
         trace = json.load(handle)
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    ops = [e for e in complete if e.get("cat") not in ("wait", "runtime")]
+    ops = [e for e in complete if e.get("cat") not in ("wait", "runtime", "comm")]
     assert len(ops) == sum(len(p) for p in build_schedule("zb-v", 2, 4, costs=default_costs()).programs)
     for event in complete:
         assert {"ph", "ts", "dur", "pid", "tid", "name"} <= set(event)
         assert event["dur"] >= 0 and event["ts"] >= 0
     assert any(e.get("cat") == "wait" for e in complete), "transfer waits are in the trace"
+    lanes = {e["tid"] for e in complete if e.get("cat") == "comm" and e["name"].startswith("issue send")}
+    assert lanes == {2, 3}, "each rank's sends are in its comm lane"
     settles = [e["tid"] for e in complete if e.get("cat") == "runtime" and e["name"] == "optimizer settle"]
     assert sorted(settles) == [0, 1], "each rank's optimizer settle is in the trace"
     assert os.path.getsize(os.path.join(trace_dir, "zb-v", "timeline.png")) > 1000

@@ -5,8 +5,11 @@ carry them all, one per direction of travel), so a channel is a FIFO: the receiv
 the sender's program order, which the schedule layer predicts
 (:mod:`~zerobubble.schedule.channels`), so no tags are needed and an early receive never blocks the
 other direction.  A message is the tuple of tensors crossing one stage boundary for
-one microbatch (a :class:`~zerobubble.schedule.channels.MessageKey`).  The first step sends shape
-headers; afterwards shapes are cached and receives are posted ahead so transfers overlap compute.
+one microbatch (a :class:`~zerobubble.schedule.channels.MessageKey`).  The executor's program says
+when (:mod:`.transfers`): :meth:`Comm.send`, :meth:`Comm.post`, :meth:`Comm.recv` and
+:meth:`Comm.wait_send` are the work of the lowered ``issue``/``wait`` of each send and receive.  The
+first step sends shape headers; afterwards shapes are cached and a receive is posted where the
+lowering issues it, so the transfer overlaps compute.
 Every wait goes through a :class:`~..failures.PeerMonitor`: it ends at completion, at a peer's error
 notice or at the timeout — never a hang.
 
@@ -104,7 +107,6 @@ class Comm:
         device: torch.device,
         timeout: float,
         static_shapes: bool = True,
-        lookahead: int = 2,
         monitor: PeerMonitor | None = None,
     ):
         self.rank = dist.get_rank(group)
@@ -112,7 +114,6 @@ class Comm:
         self.device = device
         self.timeout = timeout
         self.static_shapes = static_shapes
-        self.lookahead = lookahead
         self.recorder: Recorder | None = None
         self._groups = self._connect(directed_pairs(schedule), group)
         self._handshake(sorted(self._groups))
@@ -190,7 +191,7 @@ class Comm:
     # -- one step ------------------------------------------------------------------------------
 
     def start_step(self, first: bool, forward_only: bool = False) -> None:
-        """Prepare the channels for a step; post the first receives when shapes are known.
+        """Prepare the channels for a step.
 
         A ``forward_only`` step (evaluation) carries only the activations, each with its header,
         and does not touch the shapes cached for training.
@@ -204,9 +205,6 @@ class Comm:
         }
         self._posted.clear()
         self._proven = dict.fromkeys(self._incoming, 0)
-        if not self._headers:
-            for src in self._queues:
-                self._post(src, self.lookahead)
 
     def finish_step(self) -> None:
         """Wait until every send of the step has left; check every message was received."""
@@ -218,6 +216,13 @@ class Comm:
         unread = [key for queue in self._queues.values() for key in queue] + list(self._posted)
         if unread:
             raise PipelineError(f"rank {self.rank}: messages {unread[:4]} were never consumed this step")
+
+    def wait_send(self, key: MessageKey) -> None:
+        """Wait until the send of message ``key`` is over (at once when it was already released)."""
+        entry = self._sends.pop(key, None)
+        if entry is not None:
+            for work in entry[0]:
+                self._wait(work, "a send to finish")
 
     def _wait_sends(self) -> None:
         for works, _ in self._sends.values():
@@ -298,6 +303,15 @@ class Comm:
 
     # -- receiving -------------------------------------------------------------------------------
 
+    def post(self, key: MessageKey) -> None:
+        """Post the receive of message ``key`` (and of any earlier message of its channel not yet
+        posted: a channel is FIFO); returns at once.  A step with shape headers posts nothing here:
+        a message's header must arrive before its buffers can be made, so its receive is posted,
+        header first, when it is waited for (:meth:`recv`) — never blocking ahead of the consumer.
+        """
+        if not self._headers:
+            self._post_through(key, self._source[key])
+
     def recv(self, key: MessageKey) -> tuple[torch.Tensor, ...]:
         """The tensors of message ``key``, waiting for them if needed (up to the timeout)."""
         if self._profiling:
@@ -307,13 +321,8 @@ class Comm:
 
     def _recv(self, key: MessageKey) -> tuple[torch.Tensor, ...]:
         src = self._source[key]
-        while key not in self._posted:
-            if not self._queues[src]:
-                raise PipelineError(f"rank {self.rank}: message {key} from rank {src} was already consumed")
-            self._post(src, 1)
+        self._post_through(key, src)
         pending = self._posted.pop(key)
-        if not self._headers:  # keep `lookahead` receives posted: the next ones are in flight while we wait
-            self._post(src, self.lookahead - self._posted_ahead(src))
         recorder = self.recorder
         if recorder is None:
             for work in pending.works:
@@ -327,8 +336,12 @@ class Comm:
         self._release_delivered(src, key)
         return tuple(pending.tensors)
 
-    def _posted_ahead(self, src: int) -> int:
-        return sum(1 for key in self._posted if self._source[key] == src)
+    def _post_through(self, key: MessageKey, src: int) -> None:
+        """Post the receives of ``src``'s channel up to message ``key`` (none when it is posted)."""
+        while key not in self._posted:
+            if not self._queues[src]:
+                raise PipelineError(f"rank {self.rank}: message {key} from rank {src} was already consumed")
+            self._post(src, 1)
 
     def _post(self, src: int, count: int) -> None:
         queue = self._queues[src]

@@ -2,8 +2,9 @@
 
 ``Pipeline(..., emulate=costs)`` runs the real executor, real processes and real transfers of real
 (small) tensors, but each op lasts exactly what ``costs`` (a :class:`CostModel`, **in milliseconds**
-by default; ``unit`` = seconds per cost unit) says: the op receives its inputs, runs the small real
-computation, waits until ``duration`` has passed since its inputs arrived, then sends its outputs.
+by default; ``unit`` = seconds per cost unit) says: the op takes its inputs (received by the wait
+entry before it), runs the small real computation, waits until ``duration`` has passed since then,
+and leaves its outputs for the send entry after it.
 Comparing the measured iteration time with ``simulate(schedule, costs)`` then isolates the runtime's
 own overhead (dispatch, transfers, clock), and pipelines of 4–8 ranks can be measured on a machine
 with 2 cores, since waiting ranks do not compute.

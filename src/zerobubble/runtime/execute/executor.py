@@ -3,10 +3,12 @@
 The program is compiled once into a list of ``(op or hook, handler, stage, microbatch)`` entries
 (the ``handlers`` dispatch table, as in DeepSpeed's pipeline engine), so an op costs one call.
 Runtime actions that are not ops of the schedule — the optimizer settle, the vocabulary embedding's
-lookups, a chunk's data-parallel all-reduce — are :class:`Hook` entries of the same list
-(:meth:`Executor.add_hook`, :meth:`Executor.add_start_hook`), so they survive a recompile and show in
-traces.  Each handler is a receive, a compute and a send, exposed separately so an emulation
-(:mod:`.emulate`) can reuse the transfers.  F keeps what B needs, B keeps only what the deferred W
+lookups — are :class:`Hook` entries of the same list (:meth:`Executor.add_hook`,
+:meth:`Executor.add_start_hook`), and the lowered program's communication (a message's send and
+receive, a chunk's all-reduce) are entries bound by a :class:`~.program.Communication`
+(:mod:`.transfers`), so they survive a recompile and show in traces.  Each handler takes its inputs
+from the mailbox, computes and leaves its outputs there, exposed separately so an emulation
+(:mod:`.emulate`) can reuse them.  F keeps what B needs, B keeps only what the deferred W
 needs (the stage's :class:`WeightGradStore`), W frees the rest.  Each forward draws from
 its own RNG stream (:func:`forward_seed`); a failure is reported to the peers before it propagates.
 While a torch profiler records, each entry runs in a ``record_function`` range (:mod:`..observe.ranges`);
@@ -45,8 +47,10 @@ from .program import (
     ProgramEntry,
     checked_actions,
     comm_entries,
+    forward_entries,
     plain_actions,
 )
+from .transfers import Mailbox, Transfers, forward_transfer, outgoing
 
 _MISMATCH_WORDS = ("shape", "size", "dtype", "mat1", "mat2", "Expected", "expected", "must match")
 
@@ -54,9 +58,7 @@ _MISMATCH_WORDS = ("shape", "size", "dtype", "mat1", "mat2", "Expected", "expect
 class StageState:
     """One virtual stage held by this rank: its module, its W store and its in-flight microbatches."""
 
-    __slots__ = (
-        "first", "guard", "index", "last", "module", "name", "next_local", "prev_local", "saved", "store",
-    )  # fmt: skip
+    __slots__ = ("first", "guard", "index", "last", "module", "name", "saved", "store")
 
     def __init__(
         self, index: int, module: nn.Module, store: WeightGradStore, first: bool, last: bool, name: str
@@ -64,8 +66,6 @@ class StageState:
         self.index, self.module, self.store, self.name = index, module, store, name
         self.first, self.last = first, last
         self.saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
-        self.next_local = False
-        self.prev_local = False
         self.guard: SplitGuard | None = None  # checks the split before F (.wgrad.verify), or None
 
 
@@ -95,10 +95,9 @@ class Executor:
         self.loss_fn = loss_fn
         self.recorder: Recorder | None = None
         self._placement = schedule.placement
-        for index, state in stages.items():
-            state.next_local = index + 1 in stages
-            state.prev_local = index - 1 in stages
-        self._handoff: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
+        # the messages produced and not yet taken (by the consumer, or by their send's entry)
+        self._handoff: Mailbox = {}
+        self._transfers = Transfers(comm, self._handoff, schedule.placement, rank)
         self._inputs: Sequence[tuple[torch.Tensor, ...]] = ()
         self._targets: Sequence[Any] = ()
         self._losses: list[torch.Tensor] = []
@@ -130,8 +129,9 @@ class Executor:
     def compile(self) -> None:
         """Bind every action of this rank's program to its handler and place the hooks around the ops.
 
-        The program is the lowered one (:meth:`follow`), else the schedule's ops; a compute op is
-        one entry at its first part, a communication action one entry where :attr:`communication`
+        The program is the lowered one (:meth:`follow`; by default the schedule's own, without data
+        parallelism); a compute op is one entry at its first part, a send's or receive's action one
+        entry (:mod:`.transfers`), another communication action one where :attr:`communication`
         binds it (:mod:`.program`).  Call again after changing ``handlers``; the hooks are kept.
         """
         program: list[ProgramEntry] = [(hook, hook.run, None, 0) for hook in self._start]
@@ -143,9 +143,10 @@ class Executor:
             )
             program.append((start, start.run, None, 0))
         own_kinds, communication, position = ends.op_handlers(), self.communication, 0
+        binders = (self._transfers, communication)
         for action in self._actions:
             if not isinstance(action, Compute):
-                program += comm_entries(action, communication)
+                program += comm_entries(action, binders)
                 continue
             if not action.first:  # the op ran whole at its first part
                 continue
@@ -214,8 +215,7 @@ class Executor:
             else:
                 self._run_recorded(recorder, self.program)
             entry = None
-            self.ends.finish_step()
-            self.comm.finish_step()
+            self._finish_step()
         except BaseException as error:
             self._report(error, entry[0] if entry is not None else None)
             self._abort()
@@ -247,18 +247,16 @@ class Executor:
             self.comm.start_step(first=True, forward_only=True)
             ends.begin_step(inputs, targets, 1.0 / self.schedule.microbatches, training=False)
             profiling, kinds = ranges.profiling(), {Kind.F, *ends.forward_kinds}
-            for op, handler, state, microbatch in self.program:
-                if isinstance(op, Op) and op.kind in kinds:  # hooks: training-only
-                    if profiling:
-                        with record_function(ranges.op_range(op)):
-                            handler(state, microbatch)
-                    else:
+            for op, handler, state, microbatch in forward_entries(self.program, kinds, forward_transfer):
+                if profiling:
+                    with record_function(_range_name(op)):
                         handler(state, microbatch)
+                else:
+                    handler(state, microbatch)
             op = None
             for j, loss in ends.forward_losses():  # the losses the ends computed on this rank
                 self._record_loss(loss, j)
-            ends.finish_step()
-            self.comm.finish_step()
+            self._finish_step()
         except BaseException as error:
             self._report(error, op)
             self._abort()
@@ -267,6 +265,18 @@ class Executor:
             self._inputs = self._targets = self._kwargs = ()
             self._keep = True
         return self._losses
+
+    def _finish_step(self) -> None:
+        """The ends' and the channels' step end; every message produced was taken (else the program
+        lacks a send or a consumer: raises)."""
+        self.ends.finish_step()
+        self.comm.finish_step()
+        if self._handoff:
+            raise PipelineError(
+                f"rank {self.rank}: messages {list(self._handoff)[:4]} were produced but neither sent "
+                "nor consumed this step — the program lacks their send: run the lowered program "
+                "(Executor.follow(lowering.lower(schedule, ...).program_of(rank)))"
+            )
 
     def _begin_call(self, kwargs: Sequence[Mapping[str, Any]], keep_outputs: bool) -> None:
         self._kwargs, self.loss_microbatches = kwargs, []
@@ -319,8 +329,7 @@ class Executor:
             return cached[1]
         ranged: list[ProgramEntry] = []
         for op, handler, state, microbatch in self.program:
-            name = ranges.hook_range(op.name) if isinstance(op, Hook) else ranges.op_range(op)
-            ranged.append((op, _in_range(name, handler), state, microbatch))
+            ranged.append((op, _in_range(_range_name(op), handler), state, microbatch))
         self._profiled = (self.program, ranged)
         return ranged
 
@@ -355,7 +364,8 @@ class Executor:
     # -- the pieces of a handler ---------------------------------------------------------------------
 
     def receive_forward(self, state: StageState, j: int) -> tuple[torch.Tensor, ...]:
-        """The inputs of F(state, j): the batch, a local hand-over or a received message."""
+        """The inputs of F(state, j): the batch, or the message in the mailbox (a local hand-over
+        or one received by its wait entry)."""
         return self._stage_inputs(state, j)
 
     def compute_forward(
@@ -406,9 +416,12 @@ class Executor:
             torch.cuda.set_rng_state(saved[1])
 
     def send_forward(self, state: StageState, j: int, outputs: tuple[torch.Tensor, ...]) -> None:
-        """Pass F's outputs to the next stage (nothing to pass from the last stage)."""
+        """Leave F's outputs for the next stage in the mailbox (the last stage passes nothing); a
+        send entry takes them to another rank."""
         if not state.last:
-            self._pass_on(state, MessageKey(ACTIVATIONS, state.index, j), _detached(state, outputs), True)
+            self._handoff[MessageKey(ACTIVATIONS, state.index, j)] = outgoing(
+                state.index, state.name, outputs
+            )
 
     def receive_backward(self, state: StageState, j: int) -> tuple[torch.Tensor, ...] | None:
         """The gradient of the stage's outputs for microbatch ``j`` (None on the last stage: the loss)."""
@@ -418,8 +431,7 @@ class Executor:
             grad, loss = self.ends.output_grads(j)
             self._record_loss(loss, j)
             return (grad.to(state.saved[j][1][0].dtype),)
-        key = MessageKey(GRADIENTS, state.index, j)
-        return self._handoff.pop(key) if state.next_local else self.comm.recv(key)
+        return self._take(MessageKey(GRADIENTS, state.index, j))
 
     def compute_backward(
         self, state: StageState, j: int, received: tuple[torch.Tensor, ...] | None, defer: bool
@@ -444,17 +456,16 @@ class Executor:
         return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in _floating(inputs))
 
     def send_backward(self, state: StageState, j: int, input_grads: tuple[torch.Tensor, ...]) -> None:
-        """Pass B's input gradients to the previous stage (nothing to pass from the first stage)."""
+        """Leave B's input gradients for the previous stage in the mailbox (none from the first stage)."""
         if not state.first:
-            self._pass_on(state, MessageKey(GRADIENTS, state.index - 1, j), input_grads, False)
+            self._handoff[MessageKey(GRADIENTS, state.index - 1, j)] = input_grads
 
     # -- helpers -----------------------------------------------------------------------------------
 
     def _stage_inputs(self, state: StageState, j: int) -> tuple[torch.Tensor, ...]:
         if state.first:
             return self.ends.first_inputs(j, self._inputs[j])
-        key = MessageKey(ACTIVATIONS, state.index - 1, j)
-        received = self._handoff.pop(key) if state.prev_local else self.comm.recv(key)
+        received = self._take(MessageKey(ACTIVATIONS, state.index - 1, j))
         return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in received)
 
     def _loss(self, state: StageState, outputs: tuple[torch.Tensor, ...], j: int) -> torch.Tensor:
@@ -475,15 +486,15 @@ class Executor:
         self._losses.append(_own_storage(loss.detach()))
         self.loss_microbatches.append(j)
 
-    def _pass_on(
-        self, state: StageState, key: MessageKey, tensors: tuple[torch.Tensor, ...], forward: bool
-    ) -> None:
-        local = state.next_local if forward else state.prev_local
-        if local:
-            self._handoff[key] = tensors
-        else:
-            neighbour = state.index + 1 if forward else state.index - 1
-            self.comm.send(key, self._placement.rank_of(neighbour), tensors)
+    def _take(self, key: MessageKey) -> tuple[torch.Tensor, ...]:
+        """The tensors of message ``key``: handed over on this rank, or received by its wait entry."""
+        try:
+            return self._handoff.pop(key)
+        except KeyError:
+            raise PipelineError(
+                f"rank {self.rank}: message {key} is needed but was neither handed over nor received "
+                "— the program lacks its receive's wait before the consumer (run the lowered program)"
+            ) from None
 
     def _forward_failure(
         self, state: StageState, j: int, inputs: tuple, error: Exception, kwargs: Mapping[str, Any]
@@ -503,6 +514,10 @@ class Executor:
         if any(word in str(error) for word in _MISMATCH_WORDS):  # only then is the hand-over suspect
             message += f" — check that the outputs of stage {previous} match what stage {state.index} expects"
         return message
+
+
+def _range_name(op: Op | Hook) -> str:
+    return ranges.hook_range(op.name) if isinstance(op, Hook) else ranges.op_range(op)
 
 
 def _in_range(name: str, handler: Callable[[Any, int], None]) -> Callable[[Any, int], None]:
@@ -560,26 +575,6 @@ def _detach_value(value: Any) -> Any:
 
 def _floating(tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point()]
-
-
-def _detached(state: StageState, outputs: tuple) -> tuple[torch.Tensor, ...]:
-    """The stage's outputs cut from its graph; only tensors can cross a stage boundary."""
-    for position, value in enumerate(outputs):
-        if isinstance(value, Mapping):
-            layer = state.name.rpartition("..")[2].removeprefix("layers ")
-            raise PipelineError(
-                f"stage {state.index} ({state.name}) returns a {type(value).__name__} with keys "
-                f"{sorted(map(str, value))} as output {position} (from its last layer, {layer}); only "
-                "tensors can pass between stages — make layer "
-                f"{layer} return a tuple of tensors (e.g. tuple(out[k] for k in sorted(out))) that the next "
-                "layer takes positionally, or keep the layers exchanging the dict in one stage (partition=)"
-            )
-        if not isinstance(value, torch.Tensor):
-            raise PipelineError(
-                f"stage {state.index} ({state.name}) returns a {type(value).__name__} as output {position}; "
-                "only tensors can pass between stages — return tensors only (encode other values as tensors)"
-            )
-    return tuple(t.detach() for t in outputs)
 
 
 def forward_seed(seed: int, step: int, stage: int, microbatch: int) -> int:

@@ -4,12 +4,14 @@ Every op of stage ``s`` runs as the parts of ``s`` (its FSDP units or all-reduce
 without data parallelism), forwards in layer order, backwards in reverse.  Around the parts the pass
 places, per rank (``docs/communication.md`` says why each goes where it goes):
 
-* a send right after the op that produces the message; its receive posted one op ahead of the
-  consumer (in the sender's order on each channel), waited just before the consumer;
+* a send right after the op that produces the message; its receive posted when the channel's
+  receive two before it is waited for (the first two at the start, at the latest one op ahead of
+  the consumer, in the sender's order on each channel), waited just before the consumer;
 * an FSDP unit's unshard ``prefetch`` parts before the first part that reads it, waited just before
   that part; its reshard after its last gradient part, and, with ``reshard_after_forward`` (and
   ``reshard_after_backward``), after each forward (gradient) read it is not read again soon after;
-* a unit's reduce-scatter, or a bucket's all-reduce, right after its last gradient part;
+* a unit's reduce-scatter, or a bucket's all-reduce, right after its last gradient part (after
+  that op's send);
 * the output layer's broadcast after the last stage's forward (posted by the other ranks one op
   ahead of their S) and its reduction after each S, waited before T and the last backward;
 * at the end the waits of the sends and the reductions, then the optimizer step.
@@ -39,6 +41,10 @@ from .actions import (
     send,
 )
 from .layout import StageBytes, stage_parts
+
+#: How many receives of a channel are posted ahead of the one being waited for (the runtime's
+#: measured look-ahead: ``docs/runtime.md``).
+RECEIVES_AHEAD = 2
 
 
 def lower(
@@ -132,9 +138,16 @@ class _RankLowering:
                 self._post_receives(channel_messages(schedule, src, self.rank), consumers)
 
     def _post_receives(self, messages: list, consumers: dict[object, int]) -> None:
-        """Post each receive one op ahead of its consumer, never after a later-sent message's post
-        (a channel is FIFO: the receiver posts in the sender's order)."""
+        """Post each receive of a channel once the one :data:`RECEIVES_AHEAD` before it is waited for
+        (the first ones at the start), at the latest one op ahead of its consumer, and never after
+        a later-sent message's post (a channel is FIFO: the receiver posts in the sender's order).
+        A receive posted early lets the transfer start as soon as the message is sent (gloo and
+        NCCL move the bytes once both sides are posted); the look-ahead bounds the buffers posted."""
         posts = [max(consumers[key] - 1, 0) for key in messages]
+        for k in range(RECEIVES_AHEAD, len(posts)):
+            posts[k] = min(posts[k], consumers[messages[k - RECEIVES_AHEAD]])
+        for k in range(min(RECEIVES_AHEAD, len(posts))):
+            posts[k] = 0
         for k in range(len(posts) - 2, -1, -1):
             posts[k] = min(posts[k], posts[k + 1])
         for key, at in zip(messages, posts):
@@ -215,7 +228,9 @@ class _RankLowering:
                 last[(part.op.stage, part.part)] = i
         for (stage, index), i in sorted(last.items(), key=lambda item: item[1]):
             reduction = Comm(kind, stage, index)
-            self.after[i].insert(0, Issue(reduction))  # ahead of the unit's reshard
+            slot = self.after[i]  # after the op's send (the next rank waits for it), ahead of the reshard
+            sends = sum(1 for a in slot if isinstance(a, Issue) and a.comm.kind is CommKind.SEND)
+            slot.insert(sends, Issue(reduction))
             self.finals.append(reduction)
 
 
