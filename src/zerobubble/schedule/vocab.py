@@ -111,6 +111,11 @@ def add_vocab_ops(
     """
     if schedule.vocab_shards:
         raise ScheduleError(f"schedule {schedule.name!r} already has vocabulary ops (S, T)")
+    if schedule.overlapped:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} has overlapped F&B pairs; a vocabulary-parallel head is not "
+            "placed into them yet: run it with a plain head"
+        )
     scored = _placements(schedule, resolve_costs_for(schedule, costs), policies)
     if not scored:
         raise ScheduleError(

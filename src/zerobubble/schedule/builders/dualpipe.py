@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..costs import CostModel
-from ..ir import B, BW, F, Op, Placement, Schedule, ScheduleError, W
+from ..ir import BW, B, F, Op, Placement, Schedule, ScheduleError, W
 
 
 class _RankProgram:
