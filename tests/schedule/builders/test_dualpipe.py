@@ -107,7 +107,7 @@ def test_mutations_are_caught():
     rank = schedule.placement.rank_of(forward.stage)
     program = list(schedule.programs[rank])
     i = program.index(forward)
-    swapped = program[:i] + [program[i + 1], program[i]] + program[i + 2 :]
+    swapped = [*program[:i], program[i + 1], program[i], *program[i + 2 :]]
     programs = [swapped if r == rank else list(p) for r, p in enumerate(schedule.programs)]
     with pytest.raises(ValidationError, match="adjacent"):  # the backward now comes first
         validate_schedule(_with(schedule, programs))
@@ -116,7 +116,8 @@ def test_mutations_are_caught():
     twice = [*schedule.overlapped, (schedule.overlapped[1][0], schedule.overlapped[0][1])]
     with pytest.raises(ValidationError):
         validate_schedule(_with(schedule, overlapped=twice))
-    dropped = [p if r != rank else [op for op in p if op != backward] for r, p in enumerate(schedule.programs)]
+    programs = schedule.programs
+    dropped = [p if r != rank else [op for op in p if op != backward] for r, p in enumerate(programs)]
     with pytest.raises(ValidationError):
         validate_schedule(_with(schedule, dropped))
     with pytest.raises(ScheduleError, match="cannot read overlapped pair"):
@@ -126,7 +127,7 @@ def test_mutations_are_caught():
 def test_a_pair_whose_backward_needs_its_forward_is_refused():
     schedule = build_schedule("1f1b", 1, 2)  # F0.0 BW0.0 F0.1 BW0.1 on one rank
     paired = _with(schedule, overlapped=[(F(0, 0), BW(0, 0))])
-    with pytest.raises(ValidationError, match="needs F0.0"):
+    with pytest.raises(ValidationError, match=r"needs F0\.0"):
         validate_schedule(paired)
 
 
