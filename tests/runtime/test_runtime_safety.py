@@ -15,7 +15,8 @@ from zerobubble.schedule import REGISTRY
 
 pytestmark = pytest.mark.multiprocess
 
-SCHEDULES = [name for name in REGISTRY if name != "zb-ilp"]
+# dualpipe-v: not runnable yet (overlapped F&B pairs)
+SCHEDULES = [name for name in REGISTRY if name not in ("zb-ilp", "dualpipe-v")]
 
 
 def _seconds(message: str) -> float:

@@ -22,7 +22,8 @@ from zerobubble.schedule.channels import (
     sent_message,
 )
 
-RUNTIME_SCHEDULES = [name for name in REGISTRY if name != "zb-ilp"]
+# dualpipe-v: not runnable yet (overlapped F&B pairs)
+RUNTIME_SCHEDULES = [name for name in REGISTRY if name not in ("zb-ilp", "dualpipe-v")]
 
 
 def test_message_key_fields_and_words():

@@ -10,6 +10,11 @@ A vocabulary-parallel output layer (S and T ops, one vocabulary shard per rank) 
 per shard: ``vocab_s`` and ``vocab_t`` the times of S and T, ``vocab_mem`` the memory S keeps until
 T, ``vocab_comm`` the latency of its collectives (the hidden states' broadcast, the reduction).
 
+A mixture-of-experts stage adds ``a2a``: the expert all-to-all time (dispatch plus combine) of one
+F and, as much again, of one B.  It is exposed: F takes ``f + a2a`` and B ``b + a2a``, except in an
+overlapped F&B pair, where each half's all-to-all hides behind the other's compute (docs/schedulers.md,
+"DualPipeV"); the *ideal* counts compute only.
+
 Every number may be a scalar or a per-stage list: a list of length ``p`` is per rank-stage (divided
 among that rank's chunks), a list of length ``S = p*v`` is per virtual stage and used as it is.
 :meth:`CostModel.resolve` turns a model into per-virtual-stage tuples for a given placement.
@@ -69,6 +74,7 @@ class CostModel:
     vocab_t: PerStage = 0.0
     vocab_comm: PerStage = 0.0
     vocab_mem: PerStage = 0.0
+    a2a: PerStage = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -127,10 +133,12 @@ class CostModel:
             raise ScheduleError(
                 f"memory limit has {len(limit)} values; give one number or {p} (one per rank)"
             )
+        a2a = per_stage("a2a", True)
         return StageCosts(
             placement=placement,
-            f=per_stage("f", True),
-            b=per_stage("b", True),
+            # the all-to-all is part of an op's time unless hidden (StageCosts.pair_duration)
+            f=tuple(f + a for f, a in zip(per_stage("f", True), a2a)),
+            b=tuple(b + a for b, a in zip(per_stage("b", True), a2a)),
             w=per_stage("w", True),
             comm=per_stage("comm", False),
             mem_b=per_stage("mem_b", True),
@@ -140,6 +148,7 @@ class CostModel:
             vocab_t=self._per_shard("vocab_t", p),
             vocab_comm=self._per_shard("vocab_comm", p),
             vocab_mem=self._per_shard("vocab_mem", p),
+            a2a=a2a,
         )
 
     def _per_shard(self, name: str, p: int) -> tuple[float, ...]:
@@ -151,11 +160,12 @@ class CostModel:
         raise ScheduleError(f"cost {name!r} has {len(value)} values; give one number or {p} (one per shard)")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form (``a2a`` only when set, so files of dense models read as before)."""
         return {
             item.name: (list(value) if isinstance(value, tuple) else value)
             for item in fields(self)
             for value in [getattr(self, item.name)]
+            if item.name != "a2a" or value != 0.0
         }
 
     @classmethod
@@ -170,7 +180,10 @@ class CostModel:
 
 @dataclass(frozen=True)
 class StageCosts:
-    """A :class:`CostModel` resolved to per-virtual-stage tuples for one placement."""
+    """A :class:`CostModel` resolved to per-virtual-stage tuples for one placement.
+
+    ``f`` and ``b`` are the times F and B take alone, their expert all-to-all ``a2a`` included.
+    """
 
     placement: Placement
     f: tuple[float, ...]
@@ -184,6 +197,7 @@ class StageCosts:
     vocab_t: tuple[float, ...] = ()
     vocab_comm: tuple[float, ...] = ()
     vocab_mem: tuple[float, ...] = ()
+    a2a: tuple[float, ...] = ()
     _durations: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -191,6 +205,8 @@ class StageCosts:
         for name in VOCAB_COST_FIELDS:
             if not getattr(self, name):
                 object.__setattr__(self, name, (0.0,) * p)
+        if not self.a2a:
+            object.__setattr__(self, "a2a", (0.0,) * self.placement.num_stages)
         durations = {
             Kind.F: self.f,
             Kind.B: self.b,
@@ -204,6 +220,15 @@ class StageCosts:
     def duration(self, op: Op) -> float:
         """How long ``op`` computes."""
         return self._durations[op.kind][op.stage]
+
+    def pair_duration(self, forward: Op, backward: Op) -> float:
+        """How long an overlapped F&B pair computes: its two halves' compute runs one after the
+        other on the device, their all-to-alls one after the other on the expert link, each half's
+        all-to-all during the other's compute; so the pair takes the longer of the two sums
+        (docs/schedulers.md, "DualPipeV").  Without all-to-all time it is the halves' sum."""
+        a2a = self.a2a[forward.stage] + self.a2a[backward.stage]
+        compute = self.duration(forward) + self.duration(backward) - a2a
+        return compute if a2a == 0.0 else max(compute, a2a)
 
     def memory_delta(self, op: Op) -> float:
         """Change of a rank's activation memory when ``op`` runs (F allocates, B/W/BW release)."""
@@ -228,6 +253,13 @@ class StageCosts:
         if vocab:
             work += self.vocab_s[rank] + self.vocab_t[rank]
         return microbatches * work
+
+    def rank_compute(self, rank: int, microbatches: int, *, vocab: bool = False) -> float:
+        """:meth:`rank_work` without the all-to-all time: what no schedule, however much it hides,
+        can undercut (the simulator's ideal)."""
+        work = self.rank_work(rank, microbatches, vocab=vocab)
+        exposed = sum(self.a2a[s] for s in self.placement.stages_of(rank))
+        return work if exposed == 0.0 else work - 2 * microbatches * exposed
 
     @property
     def memory_unit(self) -> float:

@@ -36,6 +36,7 @@ ROLES = {
     "dp_replicate": "HSDP's rows, each holding the same shards",
     "dp_shard": "HSDP's (or FSDP2's) shards within a row",
     "tp": "tensor parallelism: ranks inside a stage, running parallelize's layers",
+    "ep": "expert parallelism: ranks inside a stage whose experts trade tokens by all-to-all",
 }
 """The roles a mesh dimension plays, by their default dimension name.  Every dimension that is not
 the pipeline's nor a data-parallel one lives inside a stage (``tp``, or any the user adds)."""
@@ -192,6 +193,13 @@ class Grid:
         if mode is None:
             mode = f"HSDP, {self.dp // self.shard} rows × {self.shard} shards"
         return f"dp {self.dp} ({mode}) × tp {self.tp}"
+
+    @property
+    def ep(self) -> int:
+        """The size of the mesh's expert-parallel dimension (1 without one): with ``ep > 1`` the
+        lowering gives every F and B its all-to-all on the rank's ``ep`` link."""
+        name = self.dim("ep")
+        return dict(self.dims).get(name, 1) if name is not None else 1
 
     def dim(self, role: str) -> str | None:
         """The name of the mesh dimension playing ``role`` (None: no mesh, or none plays it)."""

@@ -11,6 +11,7 @@ This module is pure Python (no torch) so planners, CI jobs and notebooks can use
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -237,6 +238,11 @@ class Schedule:
     ``programs[r]`` is what rank ``r`` executes, in order.  ``meta`` carries builder details worth
     keeping (the memory limit it planned for, the variant a search chose); it must be JSON-ready.
     Builders may pass any sequences of ops; the schedule keeps frozen tuples.
+
+    ``overlapped`` lists the *overlapped F&B pairs* (DualPipe's F&B): each ``(forward, backward)``
+    names an F and a B or BW of another microbatch or stage, adjacent in one rank's program in that
+    order, that run as one unit, each hiding the other's expert all-to-all (docs/schedulers.md,
+    "DualPipeV").  Empty for every other schedule.
     """
 
     name: str
@@ -244,6 +250,7 @@ class Schedule:
     microbatches: int
     programs: tuple[tuple[Op, ...], ...]
     meta: Mapping[str, Any]
+    overlapped: tuple[tuple[Op, Op], ...]
 
     def __init__(
         self,
@@ -252,6 +259,7 @@ class Schedule:
         microbatches: int,
         programs: Sequence[Sequence[Op]],
         meta: Mapping[str, Any] | None = None,
+        overlapped: Iterable[tuple[Op, Op]] = (),
     ) -> None:
         # A frozen dataclass with its own __init__: the constructor takes lists, the object holds tuples.
         object.__setattr__(self, "name", name)
@@ -259,6 +267,7 @@ class Schedule:
         object.__setattr__(self, "microbatches", microbatches)
         object.__setattr__(self, "programs", tuple(tuple(program) for program in programs))
         object.__setattr__(self, "meta", dict(meta or {}))
+        object.__setattr__(self, "overlapped", tuple((first, second) for first, second in overlapped))
         # read by every simulation and validation: found once, not per read
         has_vocab = any(op.kind is Kind.S or op.kind is Kind.T for program in self.programs for op in program)
         object.__setattr__(self, "_vocab_shards", placement.num_ranks if has_vocab else 0)
@@ -300,6 +309,30 @@ class Schedule:
         """True when the schedule uses separate B and W ops (so the runtime must defer W)."""
         return any(op.kind is Kind.W for program in self.programs for op in program)
 
+    def pair_starts(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the program positions ``i`` whose op and op ``i + 1`` form an overlapped pair
+        (:attr:`overlapped`); raises :class:`ScheduleError` for a pair that is not two adjacent ops,
+        forward first, of one rank's program, or an op in two pairs."""
+        if not self.overlapped:
+            return ((),) * self.num_ranks
+        where = {op: (rank, i) for rank, program in enumerate(self.programs) for i, op in enumerate(program)}
+        starts: list[list[int]] = [[] for _ in self.programs]
+        for first, second in self.overlapped:
+            if first.kind is not Kind.F or not second.computes_input_grad:
+                raise ScheduleError(f"overlapped pair {first}&{second}: an F and then a B or BW are paired")
+            rank, i = where.get(first, (-1, -1))
+            if rank < 0 or where.get(second) != (rank, i + 1):
+                raise ScheduleError(
+                    f"overlapped pair {first}&{second}: the two must be adjacent in one rank's program, "
+                    f"{first} first"
+                )
+            starts[rank].append(i)
+        for rank, positions in enumerate(starts):
+            positions.sort()
+            if any(b - a < 2 for a, b in itertools.pairwise(positions)):
+                raise ScheduleError(f"rank {rank}: an op belongs to two overlapped pairs")
+        return tuple(map(tuple, starts))
+
     def ops(self) -> Iterator[tuple[int, Op]]:
         """Every ``(rank, op)`` in rank order, then program order."""
         for rank, program in enumerate(self.programs):
@@ -308,7 +341,7 @@ class Schedule:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; ops are written as their strings (``"F0.3"``)."""
-        return {
+        data = {
             "format": "zerobubble-schedule/1",
             "name": self.name,
             "microbatches": self.microbatches,
@@ -316,6 +349,9 @@ class Schedule:
             "programs": [[str(op) for op in program] for program in self.programs],
             "meta": dict(self.meta),
         }
+        if self.overlapped:  # written only when present: other schedules' files stay as they were
+            data["overlapped"] = [f"{first}&{second}" for first, second in self.overlapped]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
@@ -327,6 +363,7 @@ class Schedule:
                 microbatches=int(data["microbatches"]),
                 programs=tuple(tuple(Op.parse(text) for text in program) for program in data["programs"]),
                 meta=dict(data.get("meta", {})),
+                overlapped=tuple(_parse_pair(text) for text in data.get("overlapped", ())),
             )
         except KeyError as missing:
             raise ScheduleError(f"schedule JSON lacks the field {missing}") from None
@@ -345,11 +382,23 @@ class Schedule:
         return cls.from_dict(data)
 
     def format_programs(self) -> str:
-        """One line per rank listing its ops, for reading in a terminal."""
-        return "\n".join(
-            f"rank {rank}: " + " ".join(str(op) for op in program)
-            for rank, program in enumerate(self.programs)
-        )
+        """One line per rank listing its ops, for reading in a terminal (an overlapped pair as
+        ``F0.3&BW7.1``)."""
+        lines = []
+        for rank, (program, starts) in enumerate(zip(self.programs, self.pair_starts())):
+            words = [str(op) for op in program]
+            for i in reversed(starts):
+                words[i : i + 2] = [f"{words[i]}&{words[i + 1]}"]
+            lines.append(f"rank {rank}: " + " ".join(words))
+        return "\n".join(lines)
+
+
+def _parse_pair(text: str) -> tuple[Op, Op]:
+    """An overlapped pair from its string form ``"F0.3&BW7.1"``."""
+    first, sep, second = str(text).partition("&")
+    if not sep:
+        raise ScheduleError(f"cannot read overlapped pair {text!r}: expected <F op>&<B or BW op>")
+    return Op.parse(first), Op.parse(second)
 
 
 def dependencies(op: Op, num_stages: int, vocab_shards: int = 0) -> tuple[tuple[Kind, int, int], ...]:

@@ -107,6 +107,11 @@ def polish_schedule(
             "model: polish the schedule before placing them (build_schedule(..., polish_seconds=, "
             "vocab_parallel=True) does)"
         )
+    if schedule.overlapped:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} has overlapped F&B pairs, which the polish does not model; "
+            "use it as built"
+        )
     resolved = resolve_costs_for(schedule, costs)
     deadline = time.monotonic() + seconds
     with collector_paused():

@@ -149,6 +149,7 @@ def render_text(timeline: Any, width: int | None = None) -> str:
     lines = []
     for rank, program in enumerate(schedule.programs):
         row = _text_row(schedule, program, spans[rank], columns, numbered)
+        row = _text_pairs(row, schedule, rank, spans[rank], numbered)
         lines.append(f"rank {rank:>{label_width}} |{row}|")
     indent = " " * (len("rank ") + label_width + 2)
     end_label = f"{t1 - t0:.4g}"
@@ -195,9 +196,37 @@ def _text_row(
     return "".join(cells[:columns])
 
 
+def _text_pairs(
+    row: str, schedule: Schedule, rank: int, spans: Sequence[tuple[int, int]], numbered: bool
+) -> str:
+    """``row`` with each overlapped F&B pair of ``rank`` (one span for both ops) redrawn as its two
+    letters joined by ``&``, the forward's first (``F3&x1``, or ``FF&xx`` without numbers)."""
+    if not schedule.overlapped:
+        return row
+    cells = list(row)
+    program, placement = schedule.programs[rank], schedule.placement
+    for i in schedule.pair_starts()[rank]:
+        c0, c1 = spans[i]
+        if c1 - c0 < 3:
+            continue
+        words = []
+        for op in program[i : i + 2]:
+            letter = _LETTERS[op.kind]
+            words.append(letter.lower() if placement.chunk_index(op.stage) > 0 else letter)
+        if numbered:
+            text = f"{words[0]}{program[i].microbatch}&{words[1]}{program[i + 1].microbatch}"
+        else:
+            half = (c1 - c0 - 1) // 2
+            text = words[0] * half + "&" + words[1] * (c1 - c0 - 1 - half)
+        cells[c0:c1] = text[: c1 - c0].ljust(c1 - c0)[: len(cells) - c0]
+    return "".join(cells)
+
+
 def _text_legend(schedule: Schedule) -> str:
     kinds = _kinds_present(schedule)
     parts = [f"{_LETTERS[kind]} {_KIND_NAMES[kind]}" for kind in kinds]
+    if schedule.overlapped:
+        parts.append("F&X an overlapped F&B pair")
     if schedule.chunks > 1:
         parts.append("lower case: a rank's later chunks")
     parts.append(". idle")
@@ -372,13 +401,16 @@ def _draw_timeline(axes: Axes, timeline: Any, t0: float, extent: float) -> None:
         (kind, c): _shade(colour, c, chunks) for kind, colour in _COLOURS.items() for c in range(chunks)
     }
     chunk_of = [schedule.placement.chunk_index(s) for s in range(schedule.num_stages)]
-    for rank, program in enumerate(schedule.programs):
-        for op, start, end in zip(program, timeline.start[rank], timeline.end[rank]):
+    half = _ROW_FILL / 2
+    heights = []  # each box's half height: an overlapped pair's two ops share the row, F on top
+    for rank, (program, paired) in enumerate(zip(schedule.programs, _paired_positions(schedule))):
+        for i, (op, start, end) in enumerate(zip(program, timeline.start[rank], timeline.end[rank])):
             fill = palette[(op.kind, 0 if op.is_vocab else chunk_of[op.stage])]
-            boxes.append((start - t0, end - t0, rank))
+            shift = -half / 2 if i in paired else half / 2 if i - 1 in paired else None
+            boxes.append((start - t0, end - t0, rank + (shift or 0.0)))
+            heights.append(half if shift is None else half / 2)
             fills.append(fill)
             cells.append((op.microbatch, fill))
-    half = _ROW_FILL / 2
     own_end = time_bounds(timeline)[1] - t0
     background = [
         [(0, r - half), (own_end, r - half), (own_end, r + half), (0, r + half)] for r in range(ranks)
@@ -387,11 +419,9 @@ def _draw_timeline(axes: Axes, timeline: Any, t0: float, extent: float) -> None:
     if boxes:
         spans = np.asarray(boxes, dtype=float)
         x0, x1, y = spans[:, 0], spans[:, 1], spans[:, 2]
+        h = np.asarray(heights, dtype=float)
         verts = np.stack(
-            [
-                np.column_stack(corner)
-                for corner in ((x0, y - half), (x1, y - half), (x1, y + half), (x0, y + half))
-            ],
+            [np.column_stack(corner) for corner in ((x0, y - h), (x1, y - h), (x1, y + h), (x0, y + h))],
             axis=1,
         )
         pixels_per_unit = _axes_width_px(axes) / extent
@@ -410,6 +440,11 @@ def _draw_timeline(axes: Axes, timeline: Any, t0: float, extent: float) -> None:
     axes.set_xlim(0, extent)
     axes.set_ylim(ranks - 0.5, -0.5)
     _style_axes(axes, ranks)
+
+
+def _paired_positions(schedule: Schedule) -> list[frozenset[int]]:
+    """Per rank, the program positions that start an overlapped F&B pair."""
+    return [frozenset(starts) for starts in schedule.pair_starts()]
 
 
 def _figure_of(axes: Axes) -> Figure:

@@ -27,6 +27,7 @@ from ..errors import DeadlockError
 from .costs import CostModel, StageCosts
 from .gcpause import collector_paused
 from .ir import Kind, Op, Schedule, ScheduleError, dependencies
+from .pairs import expand_times, fuse_pairs, op_positions
 
 _ROLE = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.S: 3, Kind.T: 4}
 _PRODUCES = {Kind.F: (0,), Kind.B: (1,), Kind.W: (2,), Kind.BW: (1, 2), Kind.S: (3,), Kind.T: (4,)}
@@ -85,8 +86,8 @@ class SpanMetrics:
 
     @property
     def busy(self) -> tuple[float, ...]:
-        """Compute time of each rank."""
-        return tuple(sum(e - s for s, e in zip(starts, ends)) for starts, ends in zip(self.start, self.end))
+        """Compute time of each rank (an overlapped pair's two ops share one span, counted once)."""
+        return tuple(_busy(starts, ends) for starts, ends in zip(self.start, self.end))
 
     @property
     def makespan(self) -> float:
@@ -160,7 +161,7 @@ class Timeline(SpanMetrics):
     def ideal(self) -> float:
         """Compute time of the busiest rank: no schedule's iteration is shorter."""
         m, vocab = self.schedule.microbatches, self.schedule.vocab_shards > 0
-        return max(self.costs.rank_work(r, m, vocab=vocab) for r in range(self.num_ranks))
+        return max(self.costs.rank_compute(r, m, vocab=vocab) for r in range(self.num_ranks))
 
     @property
     def peak_memory_mb(self) -> tuple[float, ...]:
@@ -186,6 +187,13 @@ class Timeline(SpanMetrics):
             "busy": list(self.busy),
             "idle": list(self.idle),
         }
+
+
+def _busy(starts: tuple[float, ...], ends: tuple[float, ...]) -> float:
+    # one rank runs one op at a time, so two consecutive ops with one span of positive length are
+    # the halves of an overlapped pair
+    spans = list(zip(starts, ends))
+    return sum(e - s for k, (s, e) in enumerate(spans) if k == 0 or spans[k - 1] != (s, e) or e == s)
 
 
 def _bubble(ideal: float, period: float) -> float:
@@ -342,8 +350,7 @@ def timed_dependencies(
 def _run(
     schedule: Schedule, costs: StageCosts, encoded: EncodedPrograms
 ) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
-    compiled = _compile(schedule, costs, encoded)
-    microbatch_of = encoded.microbatches
+    compiled, microbatch_of, firsts = _slots(schedule, costs, encoded)
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
     done = [-1.0] * (_ROLES * S * m)
     # waiting[key]: the ranks blocked on that key (a list, not a dict: indexing beats hashing here)
@@ -389,7 +396,30 @@ def _run(
                     runnable.extend(woken)
             i += 1
         position[rank], clock[rank] = i, now
-    if any(position[r] < len(compiled[r]) for r in range(p)):
+    return _finish(schedule, compiled, firsts, position, starts, ends)
+
+
+def _slots(
+    schedule: Schedule, costs: StageCosts, encoded: EncodedPrograms
+) -> tuple[list[list[tuple[float, tuple, tuple]]], tuple[list[int], ...], tuple | None]:
+    """The compiled programs and their microbatches, each overlapped F&B pair fused into one slot
+    (:mod:`.pairs`); the op index each slot starts at, or None when the schedule has no pairs."""
+    compiled = _compile(schedule, costs, encoded)
+    if not schedule.overlapped:
+        return compiled, encoded.microbatches, None
+    return fuse_pairs(schedule, costs, compiled, encoded.microbatches)
+
+
+def _finish(
+    schedule: Schedule, compiled: list, firsts: tuple | None, position: list[int], starts: list, ends: list
+) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+    """The per-op start and end times of a run over slots, or the deadlock that stopped it."""
+    stuck = any(position[r] < len(compiled[r]) for r in range(schedule.num_ranks))
+    if firsts is not None:
+        if stuck:
+            raise _deadlock(schedule, op_positions(position, firsts, schedule))
+        return expand_times(starts, firsts, schedule), expand_times(ends, firsts, schedule)
+    if stuck:
         raise _deadlock(schedule, position)
     return tuple(map(tuple, starts)), tuple(map(tuple, ends))
 
@@ -402,11 +432,10 @@ def _run_shared(
     own speed.  Dependencies and transfer delays are those of :func:`_run`; with ``cores`` at least
     the number of ranks the two agree.  One event per op start or end, each costing ``O(p)``.
     """
-    run = _SharedRun(schedule, _compile(schedule, costs, encoded), encoded.microbatches, cores)
+    compiled, microbatch_of, firsts = _slots(schedule, costs, encoded)
+    run = _SharedRun(schedule, compiled, microbatch_of, cores)
     run.run()
-    if any(run.position[r] < len(run.compiled[r]) for r in range(run.p)):
-        raise _deadlock(schedule, run.position)
-    return tuple(map(tuple, run.starts)), tuple(map(tuple, run.ends))
+    return _finish(schedule, compiled, firsts, run.position, run.starts, run.ends)
 
 
 class _SharedRun:
@@ -503,11 +532,18 @@ def _deadlock(schedule: Schedule, position: list[int]) -> DeadlockError:
     where = {op: rank for rank, op in schedule.ops()}
     executed = {op for rank, program in enumerate(schedule.programs) for op in program[: position[rank]]}
     waits: dict[int, tuple[Op, Op]] = {}
+    paired = [set(starts) for starts in schedule.pair_starts()]
     for rank, program in enumerate(schedule.programs):
         if position[rank] >= len(program):
             continue
-        head = program[position[rank]]
-        for role, stage, mb in dependencies(head, schedule.num_stages, schedule.vocab_shards):
+        at = position[rank]
+        heads = program[at : at + (2 if at in paired[rank] else 1)]  # a pair waits for both halves
+        needs = [
+            (head, dep)
+            for head in heads
+            for dep in dependencies(head, schedule.num_stages, schedule.vocab_shards)
+        ]
+        for head, (role, stage, mb) in needs:
             candidates = [Op(role, stage, mb)] + ([Op(Kind.BW, stage, mb)] if role is Kind.B else [])
             if not any(c in executed for c in candidates):
                 waits[rank] = (head, next((c for c in candidates if c in where), candidates[0]))

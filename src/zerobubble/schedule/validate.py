@@ -16,7 +16,7 @@ from collections import Counter
 from ..errors import ValidationError
 from .costs import CostModel, StageCosts, within_limit
 from .gcpause import collector_paused
-from .ir import Kind, Op, Schedule
+from .ir import Kind, Op, Schedule, ScheduleError, dependencies
 from .simulate import (
     KIND_CODE,
     KIND_OF_CODE,
@@ -40,6 +40,8 @@ def validate_schedule(schedule: Schedule, costs: CostModel | StageCosts | None =
 def _validate(schedule: Schedule, costs: CostModel | StageCosts | None) -> Timeline:
     table = _OpTable(schedule)  # placement: every op's stage, microbatch and rank
     table.check_complete()
+    if schedule.overlapped:
+        _check_pairs(schedule)
     try:
         timeline = simulate_encoded(schedule, resolve_costs_for(schedule, costs), table.encoded)
     except DeadlockError as error:
@@ -248,6 +250,28 @@ def _check_backwards(rank: int, stage: int, j: int, table: _OpTable) -> None:
             rank,
             missing,
         )
+
+
+def _check_pairs(schedule: Schedule) -> None:
+    """Every overlapped F&B pair is an F and then a B or BW, adjacent on one rank, each op in one
+    pair at most, and neither half needs the other (both start at once)."""
+    where = {op: rank for rank, op in schedule.ops()}
+    for forward, backward in schedule.overlapped:
+        rank = where.get(forward, where.get(backward))
+        if rank is None:
+            raise ValidationError(f"overlapped pair {forward}&{backward}: neither op is in any program")
+        needed = dependencies(backward, schedule.num_stages, schedule.vocab_shards)
+        if (Kind.F, forward.stage, forward.microbatch) in needed:
+            raise ValidationError(
+                f"rank {rank}: overlapped pair {forward}&{backward}: {backward} needs {forward}, but the "
+                "two halves of a pair start together; pair a backward with another microbatch's forward",
+                rank,
+                backward,
+            )
+    try:
+        schedule.pair_starts()
+    except ScheduleError as error:  # the message names the pair (or the rank)
+        raise ValidationError(str(error)) from None
 
 
 def _check_memory(timeline: Timeline) -> None:

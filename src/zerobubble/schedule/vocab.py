@@ -111,6 +111,7 @@ def add_vocab_ops(
     """
     if schedule.vocab_shards:
         raise ScheduleError(f"schedule {schedule.name!r} already has vocabulary ops (S, T)")
+    _refuse_pairs(schedule)
     scored = _placements(schedule, resolve_costs_for(schedule, costs), policies)
     if not scored:
         raise ScheduleError(
@@ -167,6 +168,14 @@ def _chosen(scored: Sequence[tuple[Timeline, Schedule, VocabPolicy]], cramped: b
     return Schedule(placed.name, placed.placement, placed.microbatches, placed.programs, meta)
 
 
+def _refuse_pairs(schedule: Schedule) -> None:
+    if schedule.overlapped:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} has overlapped F&B pairs; a vocabulary-parallel head is not "
+            "placed into them yet: run it with a plain head"
+        )
+
+
 def place_vocab_ops(build: Callable[[CostModel], Schedule], base: CostModel, final: CostModel) -> Schedule:
     """The schedule ``build(base)`` with its vocabulary ops placed under ``final`` (what
     ``build_schedule(..., vocab_parallel=True)`` runs).  When a deeper warm-up would be faster but
@@ -178,6 +187,7 @@ def place_vocab_ops(build: Callable[[CostModel], Schedule], base: CostModel, fin
     (``docs/schedulers.md``, "Vocabulary parallelism").
     """
     built = build(base)
+    _refuse_pairs(built)
     scored = _placements(built, resolve_costs_for(built, final), None)
     cramped = _cramped(scored)
     placed, name = _chosen(scored, bool(cramped)), built.name

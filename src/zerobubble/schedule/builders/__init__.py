@@ -115,6 +115,12 @@ _SPECS = (
         chunks=2,
     ),
     BuilderSpec(
+        "dualpipe-v",
+        "DualPipeV: V-shape, overlapped F&B pairs hide the expert all-to-all; m ≥ 2p",
+        "dualpipe",
+        chunks=2,
+    ),
+    BuilderSpec(
         "zb-ilp",
         "optimal schedule from the paper's integer program (HiGHS), warm-started by zb-auto",
         "zb_ilp",
@@ -244,7 +250,9 @@ def build_schedule(
     def build(under: CostModel) -> Schedule:
         built = spec.load()(stages, microbatches, under, v, **{**spec.options, **options})
         if built.name != name:
-            built = Schedule(name, built.placement, built.microbatches, built.programs, built.meta)
+            built = Schedule(
+                name, built.placement, built.microbatches, built.programs, built.meta, built.overlapped
+            )
         if polish_seconds is not None:
             from ..polish import polish_schedule
 

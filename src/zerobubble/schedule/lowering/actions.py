@@ -31,13 +31,15 @@ class CommKind(str, enum.Enum):
     ALL_REDUCE = "all_reduce"
     VOCAB_BROADCAST = "vocab_broadcast"
     VOCAB_REDUCE = "vocab_reduce"
+    ALL_TO_ALL = "all_to_all"
 
     def __str__(self) -> str:
         return self.value
 
 
 #: The group each kind runs in: ``pp`` (a point-to-point channel between pipeline ranks), ``dp`` (the
-#: data-parallel replicas of one pipeline rank) and ``vocab`` (every pipeline rank: the output layer).
+#: data-parallel replicas of one pipeline rank), ``vocab`` (every pipeline rank: the output layer) and
+#: ``ep`` (a stage's expert-parallel ranks: an F's or a B's token dispatch and combine).
 GROUP_OF = {
     CommKind.SEND: "pp",
     CommKind.RECV: "pp",
@@ -47,6 +49,7 @@ GROUP_OF = {
     CommKind.ALL_REDUCE: "dp",
     CommKind.VOCAB_BROADCAST: "vocab",
     CommKind.VOCAB_REDUCE: "vocab",
+    CommKind.ALL_TO_ALL: "ep",
 }
 
 #: The kinds that reduce gradients (each unit or bucket exactly once per step).
@@ -60,7 +63,8 @@ class Comm:
     ``stage`` and ``index`` say what it moves: the unit ``(stage, index)`` for unshard, reshard and
     reduce-scatter, the bucket ``(stage, index)`` for an all-reduce, the message's boundary and
     direction (:data:`~..channels.ACTIVATIONS` 0, gradients 1) for send and recv, the shard's rank
-    for the vocabulary ops (-1: all of them); ``microbatch`` is the message's or the vocabulary
+    for the vocabulary ops (-1: all of them), the op's stage and 0 (F) or 1 (B, BW) for an
+    all-to-all; ``microbatch`` is the message's or the vocabulary
     op's microbatch (-1 otherwise) and ``round`` counts the unshards (and reshards) of one unit:
     a unit resharded after its forwards is unsharded again before its backwards.
     """
@@ -73,7 +77,7 @@ class Comm:
 
     @property
     def group(self) -> str:
-        """``pp``, ``dp`` or ``vocab`` (:data:`GROUP_OF`)."""
+        """``pp``, ``dp``, ``vocab`` or ``ep`` (:data:`GROUP_OF`)."""
         return GROUP_OF[self.kind]
 
     @property
@@ -96,6 +100,8 @@ class Comm:
         kind = self.kind.value
         if self.kind in (CommKind.SEND, CommKind.RECV):
             return f"{kind}({self.message.describe()})"
+        if self.kind is CommKind.ALL_TO_ALL:
+            return f"{kind}({'B' if self.index else 'F'}{self.stage}.{self.microbatch})"
         if self.kind in (CommKind.VOCAB_BROADCAST, CommKind.VOCAB_REDUCE):
             return f"{kind}(mb {self.microbatch})"
         what = "bucket" if self.kind is CommKind.ALL_REDUCE else "unit"

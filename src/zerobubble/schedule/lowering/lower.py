@@ -14,6 +14,9 @@ places, per rank (``docs/communication.md`` says why each goes where it goes):
   that op's send);
 * the output layer's broadcast after the last stage's forward (posted by the other ranks one op
   ahead of their S) and its reduction after each S, waited before T and the last backward;
+* on a grid with an ``ep`` dimension, every F's and B's expert all-to-all right after it, waited at
+  once (its layer needs it), or, for the halves of an overlapped F&B pair, behind the other half's
+  compute (the backward's behind the next pair's forward), before the op's sends;
 * at the end the waits of the sends and the reductions, then the optimizer step.
 """
 
@@ -67,7 +70,7 @@ def lower(
         raise ScheduleError(f"lower: options must be an FSDPOptions record, got {options!r}")
     layers, params, grads = stage_parts(schedule.num_stages, model, options, grid.dp_mode)
     programs = tuple(
-        _RankLowering(schedule, options, grid.dp_mode, layers, rank).program()
+        _RankLowering(schedule, options, grid.dp_mode, layers, rank, grid.ep).program()
         for rank in range(schedule.num_ranks)
     )
     return LoweredSchedule(schedule, options, programs, layers, params, grads, grid)
@@ -83,6 +86,7 @@ class _RankLowering:
     mode: str  # the grid's dp_mode
     layers: tuple[tuple[int, ...], ...]
     rank: int
+    grid_ep: int = 1
     parts: list[Compute] = field(default_factory=list)
     first_part: list[int] = field(default_factory=list)  # op index -> its first part's index
     before: defaultdict[int, list[Action]] = field(default_factory=lambda: defaultdict(list))
@@ -95,6 +99,8 @@ class _RankLowering:
         self._place_messages()
         if self.schedule.vocab_shards:
             self._place_vocab()
+        if self.grid_ep > 1:
+            self._place_experts()
         if self.mode == "fsdp":
             self._place_units()
         if self.mode != "none":
@@ -177,6 +183,29 @@ class _RankLowering:
             if (op.kind is Kind.T or last_backward) and reduction not in waited:
                 waited.add(reduction)  # the last stage's rank: before the first of T and the backward
                 self.before[self.first_part[index]].append(Wait(reduction))
+
+    def _place_experts(self) -> None:
+        """Each F's and B's (BW's) all-to-all on the rank's ``ep`` link, issued after the op; its
+        wait and the op's sends come at once after an unpaired op, after the other half of a pair
+        (a pair's backward: after the next pair's forward, when one follows at once)."""
+        program = self.schedule.programs[self.rank]
+        starts = set(self.schedule.pair_starts()[self.rank])
+        carried: list[Action] = []  # held back for after the next op's compute
+        for index, op in enumerate(program):
+            if not (op.kind is Kind.F or op.computes_input_grad):
+                continue
+            a2a = Comm(CommKind.ALL_TO_ALL, op.stage, 0 if op.kind is Kind.F else 1, op.microbatch)
+            after = self.after[self._last_part(index)]
+            sends = [a for a in after if isinstance(a, Issue) and a.comm.kind is CommKind.SEND]
+            rest = [a for a in after if a not in sends]
+            placed: list[Action] = [Issue(a2a), *carried]
+            carried = []
+            held: list[Action] = [Wait(a2a), *sends]
+            if index in starts or (index - 1 in starts and index + 1 in starts):
+                carried = held  # a pair's forward; a pair's backward with a pair next
+            else:
+                placed += held
+            after[:] = placed + rest
 
     def _readers(self) -> dict[tuple[int, int], list[int]]:
         """Each unit ``(stage, part)`` of the rank: the indices of the parts that read it."""

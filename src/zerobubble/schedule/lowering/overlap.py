@@ -7,8 +7,9 @@ gates it has issued it (the sender of a message; the last stage's rank for the h
 broadcast; every rank for the output layer's reduction; the rank itself for its data-parallel
 collectives, its replicas running the same program at the same times) and once the op before it
 on each of its links is over: a link carries one op at a time, in issue order (a channel per pair
-of ranks, ``dp`` per rank, one per vocabulary communicator).  Durations: a message's hop time
-(``CostModel.comm``), ``vocab_comm`` per member, the data-parallel ones from
+of ranks, ``dp`` and ``ep`` per rank, one per vocabulary communicator).  Durations: a message's hop
+time (``CostModel.comm``), ``vocab_comm`` per member, an all-to-all's ``CostModel.a2a`` (on a grid
+with ``ep``, whose compute parts then leave it out), the data-parallel ones from
 :class:`~.collectives.CollectiveCosts`.  ``docs/communication.md`` gives the model and its limits.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from ...errors import LoweredDeadlock, ScheduleError
 from ..costs import CostModel, StageCosts
 from ..gcpause import collector_paused
+from ..ir import Kind
 from ..simulate import resolve_costs_for
 from .actions import Comm, CommKind, Compute, Issue, LoweredSchedule, Step, Wait, send
 from .collectives import CollectiveCosts
@@ -64,7 +66,10 @@ class _Run:
         self.position = [0] * self.p
         self.starts: list[list[float]] = [[] for _ in range(self.p)]
         self.ends: list[list[float]] = [[] for _ in range(self.p)]
-        self.exposed: list[dict[str, float]] = [{"pp": 0.0, "dp": 0.0, "vocab": 0.0} for _ in range(self.p)]
+        # on an ep grid the all-to-all is a communication op of its own, not part of the compute
+        self.a2a_apart = lowered.grid.ep > 1
+        groups = ("pp", "dp", "vocab", "ep") if self.a2a_apart else ("pp", "dp", "vocab")
+        self.exposed: list[dict[str, float]] = [dict.fromkeys(groups, 0.0) for _ in range(self.p)]
         self.span_start = [float("inf")] * self.p
         self.runnable = list(range(self.p))
 
@@ -76,6 +81,8 @@ class _Run:
             key: tuple = ("pp", comm.message)
         elif comm.group == "vocab":
             key = ("vocab", comm)
+        elif kind is CommKind.ALL_TO_ALL:
+            key = ("ep", rank, comm)
         else:
             key = ("dp", rank, comm)
         found = self.transfers.get(key)
@@ -97,6 +104,9 @@ class _Run:
             vocab = self.costs.vocab_comm
             links = tuple((r, "vocab-reduce") for r in range(self.p))
             made = _Transfer(comm, frozenset(range(self.p)), links, vocab.__getitem__)
+        elif kind is CommKind.ALL_TO_ALL:
+            seconds = self.costs.a2a[comm.stage]
+            made = _Transfer(comm, frozenset({rank}), ((rank, "ep"),), lambda _: seconds)
         else:
             seconds = self.collectives.time(kind, self._volume(comm))
             made = _Transfer(comm, frozenset({rank}), ((rank, "dp"),), lambda _: seconds)
@@ -110,6 +120,8 @@ class _Run:
     def part_time(self, part: Compute) -> float:
         op = part.op
         duration = self.costs.duration(op)
+        if self.a2a_apart and (op.kind is Kind.F or op.computes_input_grad):
+            duration -= self.costs.a2a[op.stage]
         if part.parts == 1:
             return duration
         layers = self.lowered.part_layers[op.stage]

@@ -18,7 +18,7 @@ from ...errors import ScheduleError
 from .actions import Comm, CommKind, Compute
 from .spans import CommTimeline
 
-LANES = ("pp", "dp", "vocab")
+LANES = ("pp", "dp", "vocab", "ep")
 
 #: One letter per communication kind in the text picture.
 COMM_LETTER = {
@@ -29,6 +29,7 @@ COMM_LETTER = {
     CommKind.ALL_REDUCE: "a",
     CommKind.VOCAB_BROADCAST: "h",
     CommKind.VOCAB_REDUCE: "v",
+    CommKind.ALL_TO_ALL: "e",
 }
 
 _COLOUR = {
@@ -41,6 +42,7 @@ _COLOUR = {
     "pp": "#9c755f",
     "dp": "#e15759",
     "vocab": "#af7aa1",
+    "ep": "#f28e2b",
 }
 
 
@@ -71,7 +73,7 @@ def _comm_entry(comm: Comm, start: float, end: float) -> tuple[str, str, float, 
 def render_comm_text(timeline: CommTimeline, width: int = 100) -> str:
     """Text lanes over ``width`` columns: ops by their kind's letter, communication by
     :data:`COMM_LETTER` (``g`` gather, ``r`` reduce-scatter, ``a`` all-reduce, ``>`` send, ``h``/``v``
-    the output layer's broadcast and reduction); ``.`` is idle."""
+    the output layer's broadcast and reduction, ``e`` an expert all-to-all); ``.`` is idle."""
     if width < 10:
         raise ScheduleError(f"width must be at least 10 columns, got {width}")
     t0 = min(timeline.span_start)
