@@ -545,16 +545,16 @@ def vocab_parallel_parts(layers: list[nn.Module], family: str) -> VocabParallelP
     """The :class:`VocabParallelParts` of an adapter's ``layers`` (``family`` names it in errors):
     the token embedding taken out of the first layer, the head's projection out of the last."""
     first, last = layers[0], layers[-1]
-    if not isinstance(first, (RotaryEmbedding, GPT2Embedding, OPTEmbedding)) or not isinstance(last, LMHead):
-        raise ValueError(
-            f"the {family} layers ({type(first).__name__} … {type(last).__name__}) are not cut with "
-            "this module's embedding layers and LMHead: vocab_parallel needs them"
-        )
     if hasattr(last, "router_aux_loss_coef"):
         raise ValueError(
             f"the {family} head adds the router's load-balancing loss (config.output_router_logits): "
             "the vocabulary-parallel head computes the cross-entropy alone; set "
             "model.config.output_router_logits = False, or cut without vocab_parallel"
+        )
+    if not isinstance(first, (RotaryEmbedding, GPT2Embedding, OPTEmbedding)) or not isinstance(last, LMHead):
+        raise ValueError(
+            f"the {family} layers ({type(first).__name__} … {type(last).__name__}) are not cut with "
+            "this module's embedding layers and LMHead: vocab_parallel needs them"
         )
     tokens, embedded = first.without_tokens()
     embedding = _vocab_embedding(tokens, family)
