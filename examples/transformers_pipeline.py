@@ -38,7 +38,10 @@ FAMILY_OPTIONS = {
     # mixture of experts: 4 experts, top 2, with the router's load-balancing loss
     "mixtral": lambda width: {"num_local_experts": 4, **MOE},
     "qwen2_moe": lambda width: {
-        "num_experts": 4, "moe_intermediate_size": width, "shared_expert_intermediate_size": width, **MOE
+        "num_experts": 4,
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": width,
+        **MOE,
     },
     "qwen3_moe": lambda width: {"num_experts": 4, "moe_intermediate_size": width, **MOE},
 }

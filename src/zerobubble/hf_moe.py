@@ -23,13 +23,19 @@ from torch import nn
 
 from .hf import LMHead, RotaryDecoderLayer, RotaryEmbedding, _sliding_layers
 
-__all__ = ["RouterAuxDecoderLayer", "RouterAuxEmbedding", "RouterAuxHead", "moe_layers", "router_statistics"]
+__all__ = [
+    "RouterAuxDecoderLayer",
+    "RouterAuxEmbedding",
+    "RouterAuxHead",
+    "moe_layers",
+    "router_statistics",
+]
 
 
 def _router(block: nn.Module) -> nn.Module | None:
     """The block's top-k router (``mlp.gate`` of a sparse block), None for a dense block (Qwen-MoE's
     ``mlp_only_layers`` and ``decoder_sparse_step`` leave some blocks dense)."""
-    mlp = getattr(block, "mlp", None)
+    mlp: Any = getattr(block, "mlp", None)
     return mlp.gate if hasattr(mlp, "experts") else None
 
 
@@ -90,17 +96,19 @@ class RouterAuxDecoderLayer(RotaryDecoderLayer):
         position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         router = _router(self.layer)
+        keywords = {"attention_mask": attention_mask, "position_ids": position_ids}
         if router is None:
-            return (*super().forward(hidden, cos, sin, attention_mask=attention_mask, position_ids=position_ids), stats)
+            return (*super().forward(hidden, cos, sin, **keywords), stats)
         logits: list[torch.Tensor] = []
         # the router's logits as the model records them (its OutputRecorder reads output 0); a hook
         # for this call only, so the model's modules keep no trace of the cut
         handle = router.register_forward_hook(lambda _module, _args, output: logits.append(output[0]))
         try:
-            outputs = super().forward(hidden, cos, sin, attention_mask=attention_mask, position_ids=position_ids)
+            outputs = super().forward(hidden, cos, sin, **keywords)
         finally:
             handle.remove()
-        return (*outputs, stats + router_statistics(logits[-1], self.top_k, self.experts, attention_mask))
+        added = router_statistics(logits[-1], self.top_k, self.experts, attention_mask)
+        return (*outputs, stats + added)
 
 
 class RouterAuxHead(LMHead):
@@ -136,16 +144,16 @@ def moe_layers(model: Any) -> list[nn.Module]:
     """``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or ``Qwen3MoeForCausalLM`` →
     ``[embedding, decoder layer 0, …, decoder layer n−1, head]``, carrying the router statistics
     when ``config.output_router_logits`` and ``config.router_aux_loss_coef`` ask for the auxiliary
-    loss (the head then returns ``(logits, aux term)``: train with :func:`zerobubble.hf.with_router_aux_loss`)."""
+    loss (the head then returns ``(logits, aux term)``: :func:`zerobubble.hf.with_router_aux_loss`)."""
     inner, config = model.model, model.config
     embedding = RotaryEmbedding(inner.embed_tokens, inner.rotary_emb)
-    sliding = _sliding_layers(config)
+    pairs = list(zip(inner.layers, _sliding_layers(config)))
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     if not getattr(config, "output_router_logits", False) or coef == 0.0:
-        blocks = [RotaryDecoderLayer(block, config, sliding=window) for block, window in zip(inner.layers, sliding)]
+        blocks = [RotaryDecoderLayer(block, config, sliding=window) for block, window in pairs]
         return [embedding, *blocks, LMHead(inner.norm, model.lm_head)]
     experts = _experts(config)
-    blocks = [RouterAuxDecoderLayer(block, config, sliding=window) for block, window in zip(inner.layers, sliding)]
+    blocks = [RouterAuxDecoderLayer(block, config, sliding=window) for block, window in pairs]
     sparse = sum(_router(block) is not None for block in inner.layers)
     head = RouterAuxHead(inner.norm, model.lm_head, experts=experts, sparse_blocks=sparse, coef=coef)
     return [RouterAuxEmbedding(embedding, experts), *blocks, head]

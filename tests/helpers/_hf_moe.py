@@ -34,7 +34,9 @@ def batch(layout: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return tokens, shift_labels(labels), kwargs
 
 
-def reference_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, kwargs: dict) -> torch.Tensor:
+def reference_loss(
+    model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, kwargs: dict
+) -> torch.Tensor:
     """What the Pipeline's step computes, from the model itself: the cross-entropy plus
     ``router_aux_loss_coef · aux_loss`` (the model's own auxiliary loss, as its ``forward`` adds it)
     of each microbatch, averaged.  Without the auxiliary loss, the mean over the whole batch at once

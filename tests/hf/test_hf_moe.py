@@ -70,7 +70,7 @@ def test_the_aux_loss_of_the_microbatches_is_not_the_whole_batchs():
     """Why the Pipeline matches the mean of the microbatches' losses (docs/transformers.md): the
     auxiliary loss multiplies counts by probabilities summed over the batch it is given."""
     model = moe_model("mixtral", aux=True)
-    tokens, targets, _ = batch("whole", seed=3)
+    tokens, _, _ = batch("whole", seed=3)
     whole = model(tokens, use_cache=False).aux_loss
     parts = torch.stack([model(part, use_cache=False).aux_loss for part in tokens.chunk(4)]).mean()
     assert abs(whole - parts) > 1e-3 * whole
@@ -141,7 +141,8 @@ def _experts_module(case):
         num_experts=case["experts"], num_experts_per_tok=case["top_k"],
     )  # fmt: skip
     config._experts_implementation = case["implementation"]
-    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), _EXPERTS[family][1])
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = getattr(modeling, _EXPERTS[family][1])
     experts = cls(config).to(case["dtype"])
     with torch.no_grad():
         for param in experts.parameters():
