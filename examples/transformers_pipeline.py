@@ -2,7 +2,7 @@
 
     python examples/transformers_pipeline.py                      # GPT-2, 2 local CPU ranks, zb-v
     python examples/transformers_pipeline.py --model llama --schedule zb-h1 --steps 30
-    python examples/transformers_pipeline.py --model gemma2     # or qwen2, qwen3, mistral, phi3, opt, …
+    python examples/transformers_pipeline.py --model gemma2     # or qwen2, mixtral, qwen3_moe, opt, …
     torchrun --nproc-per-node 4 examples/transformers_pipeline.py --model llama   # your launcher
 
 A small randomly initialised model (nothing is downloaded) learns a Markov chain's next token.  The
@@ -22,11 +22,12 @@ import os
 import torch
 
 import zerobubble
-from zerobubble.hf import ADAPTERS, pipeline_layers
+from zerobubble.hf import ADAPTERS, pipeline_layers, with_router_aux_loss
 from zerobubble.runtime.launch import launch, under_launcher
 from zerobubble_demo.models import MarkovCorpus, lm_loss
 
 HEADS = 4
+MOE = {"num_experts_per_tok": 2, "output_router_logits": True}
 
 #: Options a family's config needs on top of the common sizes (per-head width, OPT's own names).
 FAMILY_OPTIONS = {
@@ -34,6 +35,15 @@ FAMILY_OPTIONS = {
     "gemma2": lambda width: {"head_dim": width // HEADS, "query_pre_attn_scalar": width // HEADS},
     "qwen3": lambda width: {"head_dim": width // HEADS},
     "opt": lambda width: {"ffn_dim": 4 * width, "word_embed_proj_dim": width},
+    # mixture of experts: 4 experts, top 2, with the router's load-balancing loss
+    "mixtral": lambda width: {"num_local_experts": 4, **MOE},
+    "qwen2_moe": lambda width: {
+        "num_experts": 4,
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": width,
+        **MOE,
+    },
+    "qwen3_moe": lambda width: {"num_experts": 4, "moe_intermediate_size": width, **MOE},
 }
 
 
@@ -61,7 +71,7 @@ def train(args: argparse.Namespace) -> None:
         layers,
         schedule=args.schedule,
         microbatches=args.microbatches,
-        loss_fn=lm_loss,
+        loss_fn=with_router_aux_loss(lm_loss),  # adds a MoE model's router aux loss, if asked for
         trace=bool(args.trace),
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)

@@ -54,9 +54,11 @@ __all__ = [
     "gpt2_layers",
     "gpt_neox_layers",
     "llama_layers",
+    "moe_layers",
     "opt_layers",
     "pipeline_layers",
     "vocab_parallel_parts",
+    "with_router_aux_loss",
 ]
 
 #: The section of the docs on writing an adapter for another architecture.
@@ -392,10 +394,10 @@ def gpt2_layers(model: Any) -> list[nn.Module]:
 def _sliding_layers(config: Any) -> list[bool]:
     """Which decoder blocks attend through a sliding window, as the family's ``forward`` decides."""
     count, family = config.num_hidden_layers, config.model_type
-    if family in ("mistral", "phi3"):  # one mask for all blocks: windowed when a window is set
+    if family in ("mistral", "phi3", "mixtral", "qwen3_moe"):  # one mask for all: windowed if set
         return [getattr(config, "sliding_window", None) is not None] * count
     types = getattr(config, "layer_types", None)
-    if family in ("qwen2", "qwen3", "gemma2") and types is not None:
+    if family in ("qwen2", "qwen3", "gemma2", "qwen2_moe") and types is not None:
         return [kind == "sliding_attention" for kind in types[:count]]
     return [False] * count
 
@@ -442,6 +444,27 @@ def falcon_layers(model: Any) -> list[nn.Module]:
     return [embedding, *blocks, LMHead(inner.ln_f, model.lm_head)]
 
 
+def moe_layers(model: Any) -> list[nn.Module]:
+    """Mixtral, Qwen2-MoE, Qwen3-MoE → ``[embedding, decoder layers, head]``; a model asking for its
+    load-balancing loss gets a head returning ``(logits, aux term)`` (:func:`with_router_aux_loss`)."""
+    from .hf_moe import moe_layers as cut  # it builds on this module's layers
+
+    return cut(model)
+
+
+def with_router_aux_loss(loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+    """``loss_fn`` for a cut whose head returns ``(logits, aux term)`` (a mixture-of-experts model
+    asking for its load-balancing loss): ``loss_fn(logits, targets) + aux term``, as the model adds
+    it to its loss; any other output goes to ``loss_fn`` unchanged."""
+
+    def loss(output: Any, targets: Any) -> torch.Tensor:
+        if isinstance(output, tuple) and len(output) == 2 and output[1].dim() == 0:
+            return loss_fn(output[0], targets) + output[1]
+        return loss_fn(output, targets)
+
+    return loss
+
+
 #: ``config.model_type`` → the adapter cutting that family's causal LM.
 ADAPTERS: dict[str, Callable[[Any], list[nn.Module]]] = {
     "gpt2": gpt2_layers,
@@ -455,6 +478,9 @@ ADAPTERS: dict[str, Callable[[Any], list[nn.Module]]] = {
     "gpt_neox": gpt_neox_layers,
     "opt": opt_layers,
     "falcon": falcon_layers,
+    "mixtral": moe_layers,
+    "qwen2_moe": moe_layers,
+    "qwen3_moe": moe_layers,
 }
 
 
@@ -519,6 +545,12 @@ def vocab_parallel_parts(layers: list[nn.Module], family: str) -> VocabParallelP
     """The :class:`VocabParallelParts` of an adapter's ``layers`` (``family`` names it in errors):
     the token embedding taken out of the first layer, the head's projection out of the last."""
     first, last = layers[0], layers[-1]
+    if hasattr(last, "router_aux_loss_coef"):
+        raise ValueError(
+            f"the {family} head adds the router's load-balancing loss (config.output_router_logits): "
+            "the vocabulary-parallel head computes the cross-entropy alone; set "
+            "model.config.output_router_logits = False, or cut without vocab_parallel"
+        )
     if not isinstance(first, (RotaryEmbedding, GPT2Embedding, OPTEmbedding)) or not isinstance(last, LMHead):
         raise ValueError(
             f"the {family} layers ({type(first).__name__} … {type(last).__name__}) are not cut with "

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("model", ["gpt2", "llama", "gemma2"])
+@pytest.mark.parametrize("model", ["gpt2", "llama", "gemma2", "mixtral"])
 def test_transformers_pipeline_example_trains(model, tmp_path):
     pytest.importorskip("transformers")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}

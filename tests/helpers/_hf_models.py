@@ -22,6 +22,8 @@ _ROTARY = {**_SIZES, **_IDS, "hidden_size": 32, "num_attention_heads": 4, "inter
 _GQA = {**_ROTARY, "num_key_value_heads": 2}
 _SLIDING_QWEN = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}
 _PLAIN = {**_SIZES, **_IDS, "hidden_size": 32, "num_attention_heads": 4}
+_MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.25}  # the aux loss: only where asked for
+_QWEN_MOE = {**_GQA, **_MOE, "num_experts": 4, "moe_intermediate_size": 16}
 
 #: family → (config class, its options).
 _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -48,6 +50,13 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         {**_PLAIN, "ffn_dim": 64, "word_embed_proj_dim": 16, "dropout": 0.0},
     ),
     "falcon": ("FalconConfig", _PLAIN),
+    "mixtral": ("MixtralConfig", {**_GQA, **_MOE, "num_local_experts": 4, "sliding_window": WINDOW}),
+    # a shared expert and its gate; block 1 dense (mlp_only_layers), block 0 windowed
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {**_QWEN_MOE, **_SLIDING_QWEN, "shared_expert_intermediate_size": 24, "mlp_only_layers": [1]},
+    ),
+    "qwen3_moe": ("Qwen3MoeConfig", {**_QWEN_MOE, "head_dim": 8, "norm_topk_prob": True}),
     "falcon-alibi": ("FalconConfig", {**_PLAIN, "alibi": True}),
     "gpt2": (
         "GPT2Config",
@@ -69,14 +78,23 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 FAMILIES = {family: ("eager",) if family == "gemma2" else ("eager", "sdpa") for family in _CONFIGS}
 
 
-def tiny_model(family: str, attn: str = "eager", seed: int = 0) -> nn.Module:
-    """A random tiny causal LM of ``family`` with attention implementation ``attn``, float32."""
+#: The mixture-of-experts families (fused 3-D expert weights, top-k routers).
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def tiny_model(
+    family: str, attn: str = "eager", seed: int = 0, *, experts: str = "eager", **options: Any
+) -> nn.Module:
+    """A random tiny causal LM of ``family`` with attention implementation ``attn``, float32;
+    ``experts`` is a mixture-of-experts model's ``experts_implementation`` (``"eager"`` runs in
+    float64 too, ``"grouped_mm"`` in float32 and bfloat16), ``options`` override its config."""
     import transformers
 
-    name, options = _CONFIGS[family]
-    config = getattr(transformers, name)(**options)
+    name, defaults = _CONFIGS[family]
+    config = getattr(transformers, name)(**{**defaults, **options})
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    chosen = {"experts_implementation": experts} if family in MOE else {}
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, **chosen)
 
 
 def run_layers(layers: list[nn.Module], tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:

@@ -37,14 +37,20 @@ def _norm_classes() -> dict[str, type[nn.Module]]:
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
     from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeRMSNorm
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
     return {
         "llama": LlamaRMSNorm,
         "mistral": MistralRMSNorm,
         "qwen2": Qwen2RMSNorm,
         "phi3": Phi3RMSNorm,
+        "mixtral": MixtralRMSNorm,
+        "qwen2_moe": Qwen2MoeRMSNorm,
+        "qwen3_moe": Qwen3MoeRMSNorm,
         "gemma": GemmaRMSNorm,
         "torch": nn.RMSNorm,
     }

@@ -444,6 +444,9 @@ _TRANSFORMERS_RMS_NORMS = {
         ("qwen2", "Qwen2"),
         ("qwen3", "Qwen3"),
         ("phi3", "Phi3"),
+        ("mixtral", "Mixtral"),
+        ("qwen2_moe", "Qwen2Moe"),
+        ("qwen3_moe", "Qwen3Moe"),
     ],
     "gemma": [("gemma", "Gemma"), ("gemma2", "Gemma2")],
 }
