@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ...schedule import CostModel, Schedule
+    from ..execute.pairs import OverlapHook
     from ..vocab.layers import VocabParallelEmbedding, VocabParallelHead
     from ..wgrad import FastPaths
     from .resolve import LossFn
@@ -72,6 +73,7 @@ class PipelineRequest:
     head: VocabParallelHead | None = None
     embedding: VocabParallelEmbedding | None = None
     fsdp: FSDPOptions | None = None
+    overlap: OverlapHook | None = None
 
     def __post_init__(self) -> None:
         # today's order of the checks, each with its message (tests/runtime/construct/test_request.py)
