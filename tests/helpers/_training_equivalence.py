@@ -334,8 +334,8 @@ def _pipeline(case: Case, model: dict[str, Any]) -> Any:
         model["layers"], loss_fn=None if case.vocab_parallel else plain_loss, head=model["head"],
         embedding=model["embedding"], post_validation=case.post_validation,
         static_shapes=case.static_shapes, timeout=300 if case.compile else 60, seed=case.seed,
-        trace=case.trace,
-        verify=case.verify, check_calls=case.check_calls, compile=case.compile, overlap=OVERLAPS[case.overlap],
+        trace=case.trace, overlap=OVERLAPS[case.overlap],
+        verify=case.verify, check_calls=case.check_calls, compile=case.compile,
         **_schedule_options(case), **_layout_options(case),
     )  # fmt: skip
 

@@ -200,8 +200,10 @@ ISSUE_CASE = Case("zb-h1", 4, 4, True, True, False, "sgd", 0.3, 0.5, True, "zero
 @example(case=Case("zb-h1", 4, 4, True, True, False, "adamw", 0.05, 0.05, True, "zero-first"))
 @example(case=Case("zb-v", 3, 5, True, False, True, "sgd", 0.3, 0.05, True, "zero-after"))
 @example(case=Case("1f1b", 2, 4, False, True, False, "adam", 0.05, 0.05, True, "zero-first"))
-@example(case=Case("dualpipe-v", 4, 6, False, True, True, "adamw", 0.05, 0.05, True, "zero-after", trace=True))
-@example(case=Case("dualpipe-v", 5, 7, False, False, False, "sgd", 0.3, 0.5, True, "zero-first", overlap="reversed"))
+@example(case=Case("dualpipe-v", 4, 6, False, True, True, "adamw", 0.05, 0.05, True, "zero-after",
+                   trace=True))  # fmt: skip
+@example(case=Case("dualpipe-v", 5, 7, False, False, False, "sgd", 0.3, 0.5, True, "zero-first",
+                   overlap="reversed"))  # fmt: skip
 @_settings(EXAMPLES[2])
 def test_two_ranks_train_like_one_process(two_ranks, case):
     _check(two_ranks, case)
