@@ -160,7 +160,7 @@ class Executor:
             program += [(hook, hook.run, None, 0) for hook in self._after.get(position, ())]
             position += 1
         # an overlapped F&B pair: one entry running both ops and the actions between (.pairs)
-        self.program = fold_pairs(program, self.schedule, self.rank, self._pieces, self._pair_context)
+        self.program = fold_pairs(program, self)
 
     def follow(self, program: Sequence[Action]) -> None:
         """Run ``program``, this rank's lowered program of the schedule (``schedule/lowering``), from
@@ -364,20 +364,6 @@ class Executor:
     def _run_backward(self, state: StageState, j: int, defer: bool) -> None:
         grads = self.receive_backward(state, j)
         self.send_backward(state, j, self.compute_backward(state, j, grads, defer))
-
-    def _pieces(self, op: Op) -> tuple[Callable, ...]:
-        """The (receive, compute, send) pieces of ``op``'s handler, for a half of an overlapped pair."""
-        if op.kind is Kind.F:
-            return self.receive_forward, self.compute_forward, self.send_forward
-        defer = op.kind is Kind.B
-        return (
-            self.receive_backward,
-            lambda s, j, grads: self.compute_backward(s, j, grads, defer),
-            self.send_backward,
-        )
-
-    def _pair_context(self) -> tuple[OverlapHook | None, Recorder | None]:
-        return self.overlap, self.recorder
 
     # -- the pieces of a handler ---------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.autograd.profiler import record_function
 
-from ...schedule.ir import Op, Schedule
+from ...schedule.ir import Kind, Op
 from ...schedule.lowering import CommKind, Issue
 from .. import PipelineError
 from ..observe import ranges
@@ -162,19 +162,30 @@ class OverlappedPair(Hook):
                 recorder.op(half.op, half.span[0], half.span[1])
 
 
-def fold_pairs(
-    program: list[ProgramEntry],
-    schedule: Schedule,
-    rank: int,
-    pieces: Callable[[Op], tuple],
-    context: Callable[[], tuple[OverlapHook | None, Any]],
-) -> list[ProgramEntry]:
-    """``program`` with the entries from each pair's F op to its B op folded into one
-    :class:`OverlappedPair` entry; ``pieces(op)`` are the executor's (receive, compute, send) of
-    ``op``, ``context()`` the overlap hook and the recorder in force."""
+def fold_pairs(program: list[ProgramEntry], executor: Any) -> list[ProgramEntry]:
+    """``program`` (``executor``'s, compiled) with the entries from each pair's F op to its B op
+    folded into one :class:`OverlappedPair` entry, run with ``executor``'s pieces of a handler and
+    its ``overlap`` hook and recorder of the moment."""
+    schedule, rank = executor.schedule, executor.rank
     forwards = {schedule.programs[rank][i] for i in schedule.pair_starts()[rank]}
     if not forwards:
         return program
+
+    def context() -> tuple[OverlapHook | None, Any]:
+        return executor.overlap, executor.recorder
+
+    def pieces(op: Op) -> tuple:
+        """The (receive, compute, send) pieces of ``op``'s handler."""
+        if op.kind is Kind.F:
+            return executor.receive_forward, executor.compute_forward, executor.send_forward
+        defer = op.kind is Kind.B
+        compute = executor.compute_backward
+        return (
+            executor.receive_backward,
+            lambda s, j, grads: compute(s, j, grads, defer),
+            executor.send_backward,
+        )
+
     folded: list[ProgramEntry] = []
     i = 0
     while i < len(program):
@@ -195,8 +206,10 @@ def _pair_entry(
     between = span[1:-1]
     tail = [e for e in between if isinstance(e[0], CommAction) and _forward_action(e[0])]
     head = [e for e in between if not (isinstance(e[0], CommAction) and _forward_action(e[0]))]
-    forward = PairHalf(span[0], tail, pieces(span[0][0]), forward=True)
-    backward = PairHalf(span[-1], head, pieces(span[-1][0]), forward=False)
+    first, last = span[0][0], span[-1][0]
+    assert isinstance(first, Op) and isinstance(last, Op)
+    forward = PairHalf(span[0], tail, pieces(first), forward=True)
+    backward = PairHalf(span[-1], head, pieces(last), forward=False)
     pair = OverlappedPair(forward, backward, tuple(span), context)
     return (pair, pair.run, None, 0)
 
