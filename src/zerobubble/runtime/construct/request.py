@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ...schedule import CostModel, Schedule
-    from ..execute.pairs import OverlapHook
     from ..vocab.layers import VocabParallelEmbedding, VocabParallelHead
     from ..wgrad import FastPaths
     from .resolve import LossFn
@@ -73,7 +72,7 @@ class PipelineRequest:
     head: VocabParallelHead | None = None
     embedding: VocabParallelEmbedding | None = None
     fsdp: FSDPOptions | None = None
-    overlap: OverlapHook | None = None
+    overlap: Callable[[Any], None] | None = None  # runs each overlapped F&B pair (execute/pairs.py)
 
     def __post_init__(self) -> None:
         # today's order of the checks, each with its message (tests/runtime/construct/test_request.py)
