@@ -12,7 +12,7 @@ backward, whose input was posted ahead and arrives while the forward computes: t
 A user's own overlap is a hook ``overlap(pair)`` (``Pipeline(overlap=...)``) that runs both halves
 (:class:`PairHalf`) itself, in any order or phase by phase; its contract is ``docs/runtime.md``,
 "Overlapped F&B pairs".  A recorder sees both halves as ops (in program order, each its own
-interval) and the pair as an event; under a torch profiler each half runs in its op range.
+interval) and the pair as an event; under a torch profiler a half run whole is in its op range.
 """
 
 from __future__ import annotations
