@@ -25,8 +25,7 @@ VOCAB, WIDTH, SEQ = 11, 8, 3
 
 #: Every registry schedule the runtime tests run; zb-ilp is left out because solving its integer program
 #: on every rank of every case would dominate the suite (its schedules are validated in test_ilp.py).
-# dualpipe-v: not runnable yet (overlapped F&B pairs)
-RUNTIME_SCHEDULES = [name for name in REGISTRY if name not in ("zb-ilp", "dualpipe-v")]
+RUNTIME_SCHEDULES = [name for name in REGISTRY if name != "zb-ilp"]
 
 
 class LocalComm:

@@ -66,6 +66,7 @@ class Case:
     fsdp: tuple[str | int, bool, bool | None, int] | None = None
     # replicated layouts only: FSDPOptions(bucket_bytes=...), the all-reduce's bucket size; None: one a chunk
     bucket_bytes: float | None = None
+    overlap: str | None = None  # dualpipe-v only: a user's run of each overlapped F&B pair (OVERLAPS)
 
 
 class Block(nn.Module):
@@ -111,6 +112,27 @@ class Head(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(hidden), self.weight)
+
+
+def _reversed(pair: Any) -> None:
+    """An overlap hook running the backward half first."""
+    pair.backward()
+    pair.forward()
+
+
+def _phases(pair: Any) -> None:
+    """An overlap hook interleaving the halves' phases: both receive, F computes, B computes, both send."""
+    forward, backward = pair.forward, pair.backward
+    backward.receive()
+    forward.receive()
+    forward.compute()
+    backward.compute()
+    backward.send()
+    forward.send()
+
+
+#: ``Pipeline(overlap=...)`` by name: the default run of each pair, or a user's hook
+OVERLAPS = {None: None, "reversed": _reversed, "phases": _phases}
 
 
 def plain_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -312,7 +334,7 @@ def _pipeline(case: Case, model: dict[str, Any]) -> Any:
         model["layers"], loss_fn=None if case.vocab_parallel else plain_loss, head=model["head"],
         embedding=model["embedding"], post_validation=case.post_validation,
         static_shapes=case.static_shapes, timeout=300 if case.compile else 60, seed=case.seed,
-        trace=case.trace,
+        trace=case.trace, overlap=OVERLAPS[case.overlap],
         verify=case.verify, check_calls=case.check_calls, compile=case.compile,
         **_schedule_options(case), **_layout_options(case),
     )  # fmt: skip

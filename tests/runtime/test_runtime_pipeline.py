@@ -11,10 +11,13 @@ import pytest
 import torch
 from _dist import RUNTIME_SCHEDULES, gradient_cases, rich_layers, run_ranks
 
+from zerobubble.schedule import REGISTRY
+
 pytestmark = pytest.mark.multiprocess
 
 TOLERANCE = 1e-5
 MICROBATCHES = {2: (2, 5), 4: (4, 8)}
+DUALPIPE_MICROBATCHES = {2: (4, 5), 4: (8, 9)}  # dualpipe-v needs 2·ranks
 EXTRA_CASES = {  # (schedule, microbatches, chunks, partition) beyond the defaults
     2: [
         ("object:zb-h1", 4, None, None),
@@ -30,7 +33,7 @@ EXTRA_CASES = {  # (schedule, microbatches, chunks, partition) beyond the defaul
 def _cases(world: int) -> list[tuple]:
     cases = []
     for name in RUNTIME_SCHEDULES:
-        counts = MICROBATCHES[world]
+        counts = (DUALPIPE_MICROBATCHES if name == "dualpipe-v" else MICROBATCHES)[world]
         if world == 4 and name != "interleaved-1f1b":
             counts = counts[:1]
         cases += [(name, m, None, None) for m in counts if not (name == "interleaved-1f1b" and m % world)]
@@ -85,8 +88,10 @@ def _ids(case: tuple) -> str:
 
 def _planned(world: int) -> list[tuple]:
     """The cases a test is generated for: every registry name but zb-ilp, plus the extra cases."""
-    counts = MICROBATCHES[world]
-    return [(name, counts[0], None, None) for name in RUNTIME_SCHEDULES] + EXTRA_CASES[world]
+    counts = {
+        name: (DUALPIPE_MICROBATCHES if name == "dualpipe-v" else MICROBATCHES)[world] for name in REGISTRY
+    }
+    return [(name, counts[name][0], None, None) for name in RUNTIME_SCHEDULES] + EXTRA_CASES[world]
 
 
 @pytest.mark.parametrize("case", _planned(2), ids=_ids)

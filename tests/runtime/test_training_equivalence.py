@@ -32,6 +32,7 @@ from _training_equivalence import (
     LAYOUTS,
     LOOPS,
     OPTIMIZERS,
+    OVERLAPS,
     Case,
     parallelize,
     refusal,
@@ -49,9 +50,9 @@ TOLERANCE = 1e-10
 #: inductor's own float64 kernels round their reductions differently from eager ATen's (the reference
 #: runs eager): measured up to 4e-10 relative on a gradient after three Adam steps
 COMPILED_TOLERANCE = 1e-8
-# zb-ilp: a solver per example; dualpipe-v: not runnable yet
-SCHEDULES = sorted(name for name in REGISTRY if name not in ("zb-ilp", "dualpipe-v"))
-V_SHAPED = ("zb-v", "v-half", "v-min")
+# zb-ilp: a solver per example
+SCHEDULES = sorted(name for name in REGISTRY if name != "zb-ilp")
+V_SHAPED = ("zb-v", "v-half", "v-min", "dualpipe-v")
 EXAMPLES = {"quick": {2: 12, 4: 3}, "ci": {2: 150, 4: 40}, "long": {2: 1000, 4: 300}}[profile()]
 #: pytest-timeout's bound for one property test (all its examples): CI's profile takes about 50 s each
 LIMIT = pytest.mark.timeout({"quick": 300, "ci": 900, "long": 7200}[profile()])
@@ -62,7 +63,7 @@ DRAWN = frozenset(
         "layers", "schedule", "microbatches", "chunks", "partition", "costs", "loss_fn", "head",
         "embedding", "post_validation", "data_parallel", "mesh", "mesh_dims", "group", "parallelize", "fsdp",
         "static_shapes", "seed", "timeout", "trace", "emulate", "verify", "check_calls",
-        "memory_limit", "example", "calibrate",
+        "memory_limit", "example", "calibrate", "overlap",
     }
 )  # fmt: skip
 #: The arguments the draw leaves out, each with the reason and where it is checked instead.
@@ -86,8 +87,13 @@ def _schedule_choice(data: st.DrawFn, stages: int) -> dict:
     chunks = data(st.sampled_from((None, 3))) if schedule == "interleaved-1f1b" else None
     step = stages if schedule == "interleaved-1f1b" else 1
     microbatches = data(st.integers(1, 3).map(lambda k: k * step if step > 1 else k + 1))
+    if schedule == "dualpipe-v":  # it needs 2·ranks microbatches; a user's overlap hook or none
+        microbatches = 2 * stages + data(st.integers(0, 1))
+        overlap = data(st.sampled_from(sorted(OVERLAPS, key=str)))
     blocks = 3 * stages + data(st.integers(0, 1))  # room for two or three chunks a rank
     choice = {"schedule": schedule, "chunks": chunks, "microbatches": microbatches, "blocks": blocks}
+    if schedule == "dualpipe-v":
+        choice["overlap"] = overlap
     if schedule == "auto":  # it picks the schedule, chunks and cuts itself
         choice.update(memory_limit=data(st.sampled_from((None, "1GiB"))), calibrate=data(st.integers(0, 2)))
         return choice
@@ -119,6 +125,7 @@ def cases(world_size: int) -> st.SearchStrategy[Case]:
         # refused: tensor parallelism; and the planner weighs a vocabulary-parallel head on one replica only
         replicas = layout not in ("pp", "groups")
         allowed = layout != "mesh-tp" and not (replicas and choice["schedule"] == "auto")
+        allowed = allowed and choice["schedule"] != "dualpipe-v"  # no vocabulary ops in a pair (refused)
         vocab_parallel = data(st.booleans()) if allowed else False
         cuts = choice.pop("cuts", None)
         layers = choice["blocks"] + (0 if vocab_parallel else 2)
@@ -193,6 +200,10 @@ ISSUE_CASE = Case("zb-h1", 4, 4, True, True, False, "sgd", 0.3, 0.5, True, "zero
 @example(case=Case("zb-h1", 4, 4, True, True, False, "adamw", 0.05, 0.05, True, "zero-first"))
 @example(case=Case("zb-v", 3, 5, True, False, True, "sgd", 0.3, 0.05, True, "zero-after"))
 @example(case=Case("1f1b", 2, 4, False, True, False, "adam", 0.05, 0.05, True, "zero-first"))
+@example(case=Case("dualpipe-v", 4, 6, False, True, True, "adamw", 0.05, 0.05, True, "zero-after",
+                   trace=True))  # fmt: skip
+@example(case=Case("dualpipe-v", 5, 7, False, False, False, "sgd", 0.3, 0.5, True, "zero-first",
+                   overlap="reversed"))  # fmt: skip
 @_settings(EXAMPLES[2])
 def test_two_ranks_train_like_one_process(two_ranks, case):
     _check(two_ranks, case)
@@ -204,6 +215,10 @@ def test_two_ranks_train_like_one_process(two_ranks, case):
 @example(case=Case("zb-v", 4, 8, True, True, False, "adamw", 0.05, 0.05, True, "zero-after"))
 @example(case=Case("zb-h1", 4, 4, False, False, False, "sgd", 0.3, 0.05, True, "zero-first", "mesh-fsdp"))
 @example(case=Case("1f1b", 2, 5, False, False, True, "adam", 0.05, 0.5, True, "zero-after", "replicas"))
+@example(case=Case("dualpipe-v", 4, 6, False, True, False, "sgd", 0.3, 0.05, False, "zero-first", "replicas",
+                   overlap="phases", emulate=True))  # fmt: skip
+@example(case=Case("dualpipe-v", 8, 8, False, False, False, "adam", 0.05, 0.5, True, "zero-after",
+                   fsdp=None, overlap="phases"))  # fmt: skip
 @_settings(EXAMPLES[4])
 def test_four_ranks_train_like_one_process(four_ranks, case):
     _check(four_ranks, case)

@@ -22,8 +22,7 @@ from zerobubble.schedule.channels import (
     sent_message,
 )
 
-# dualpipe-v: not runnable yet (overlapped F&B pairs)
-RUNTIME_SCHEDULES = [name for name in REGISTRY if name not in ("zb-ilp", "dualpipe-v")]
+RUNTIME_SCHEDULES = [name for name in REGISTRY if name != "zb-ilp"]
 
 
 def test_message_key_fields_and_words():

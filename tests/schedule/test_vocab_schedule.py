@@ -22,7 +22,7 @@ from zerobubble.schedule import (
 from zerobubble.schedule.builders import get_spec
 from zerobubble.schedule.vocab import RESERVED_MICROBATCHES, add_vocab_ops, head_costs, vocab_budgets
 
-# dualpipe-v: not runnable yet (overlapped F&B pairs)
+# dualpipe-v: its pairs take no vocabulary ops (refused: tests/runtime/execute/test_pairs.py)
 SCHEDULES = [name for name in REGISTRY if name not in ("zb-ilp", "dualpipe-v")]
 
 

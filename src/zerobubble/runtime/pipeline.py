@@ -82,8 +82,8 @@ class Pipeline:
     model's names (:mod:`.pipeline_state`).  ``trace`` records the last steps' ops, ``emulate``
     stretches each op to a modelled duration; ``fast_paths`` adds split rules, ``verify`` sets the
     split guard, ``check_calls=False`` skips the per-call comparison, ``seed`` roots the forwards'
-    RNG streams, ``static_shapes`` lets receives be posted ahead.  Every argument after ``layers``
-    is keyword-only.
+    RNG streams, ``static_shapes`` lets receives be posted ahead, ``overlap(pair)`` runs each
+    overlapped F&B pair (:mod:`.execute.pairs`).  Every argument after ``layers`` is keyword-only.
 
     Construction records the arguments as one checked :class:`~.construct.request.PipelineRequest`
     (:attr:`request`), resolves it into one :class:`~.resolve.Resolution` every rank agrees
@@ -124,6 +124,7 @@ class Pipeline:
         head: VocabParallelHead | None = None,
         embedding: VocabParallelEmbedding | None = None,
         fsdp: FSDPOptions | None = None,
+        overlap: Callable[[Any], None] | None = None,
     ):
         # checked as it is made: a wrong argument raises here, on every rank, before any collective
         request = PipelineRequest(
@@ -131,7 +132,7 @@ class Pipeline:
             partition=partition, group=group, costs=costs, timeout=timeout, static_shapes=static_shapes,
             trace=trace, emulate=emulate, data_parallel=data_parallel, mesh=mesh, mesh_dims=mesh_dims,
             post_validation=post_validation, seed=seed, fast_paths=fast_paths, memory_limit=memory_limit,
-            example=example, calibrate=calibrate, verify=verify, check_calls=check_calls,
+            example=example, calibrate=calibrate, verify=verify, check_calls=check_calls, overlap=overlap,
             parallelize=parallelize, compile=compile, head=head, embedding=embedding, fsdp=fsdp,
         )  # fmt: skip
         self._request = request
@@ -221,6 +222,7 @@ class Pipeline:
             self.schedule, self.rank, stages, comm, resolution.loss_fn, self._agreement.seed,
             ends=self._vocab_runner(),
         )  # fmt: skip
+        self._executor.overlap = self._request.overlap  # a user's run of each overlapped F&B pair
         self._executor.follow(self.lowered.program_of(self.rank, self.layout.grid.dp_index))
         self._first, self._last = 0 in stages, self.schedule.num_stages - 1 in stages
         head, embedding = self._vocab_layers
@@ -481,10 +483,9 @@ class Pipeline:
         return self.module.named_parameters()
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's entries of the unpipelined model's ``state_dict()``, under the same names
-        (:meth:`.pipeline_state.PipelineState.state_dict`): disjoint dicts whose union is the unpipelined
-        model's, but for the vocabulary-parallel weights, on every rank as DTensor shards of its rows
-        (:mod:`.vocab_state`, for DCP).  Settles a pending optimizer step first (collective)."""
+        """This rank's entries of the unpipelined model's ``state_dict()``, same names: disjoint dicts
+        whose union is the unpipelined model's, but for the vocabulary-parallel weights, on every rank
+        as DTensor shards of its rows (for DCP).  Settles a pending optimizer step first (collective)."""
         self.synchronize()
         return self._state.state_dict()
 
@@ -502,10 +503,9 @@ class Pipeline:
         return self._state.load_state_dict(state_dict, strict)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer | None, flatten: bool = False) -> dict:
-        """``optimizer``'s state keyed by this rank's parameter names, as torch's
-        ``get_optimizer_state_dict`` keys the unpipelined model's; ``flatten=True`` gives torch's flat
-        form, the one to save with DCP when the layout may change (``docs/guide.md``, Checkpoints);
-        vocabulary rows' state as DTensor shards.  Settles a pending optimizer step first (collective)."""
+        """``optimizer``'s state keyed by this rank's parameter names, as torch's ``get_optimizer_state_dict``
+        keys the unpipelined model's; ``flatten=True``: torch's flat form, to save with DCP when the layout
+        may change (``docs/guide.md``); vocabulary rows as DTensor shards.  Settles first (collective)."""
         self.synchronize()
         return self._state.optimizer_state_dict(optimizer, flatten)
 

@@ -37,7 +37,7 @@ def test_the_pipelines_keywords_are_the_requests_fields_with_their_defaults():
     assert [p.name for p in pipeline] == [f.name for f in dataclasses.fields(PipelineRequest)]
     assert [p.default for p in pipeline] == [p.default for p in record]
     assert [p.annotation for p in pipeline] == [p.annotation for p in record]
-    assert len(pipeline) == 28  # the layers and 27 options
+    assert len(pipeline) == 29  # the layers and 28 options
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in pipeline[1:])
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from zerobubble.runtime import PipelineError
 from zerobubble.runtime.execute.executor import Executor, StageState
+from zerobubble.runtime.execute.pairs import expand_pairs
 from zerobubble.runtime.execute.program import CommAction, NoCommunication, forward_entries
 from zerobubble.runtime.execute.transfers import forward_transfer
 from zerobubble.runtime.wgrad import WeightGradStore
@@ -28,8 +29,9 @@ from zerobubble.schedule.grid import Grid
 from zerobubble.schedule.lowering import CommKind, Compute, Issue, StageBytes, Wait, lower
 from zerobubble.schedule.sharding import FSDPOptions
 
-SCHEDULES = ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b"]
-REGISTRY_SCHEDULES = sorted(name for name in REGISTRY if name not in SLOW_SCHEDULES)
+SCHEDULES = ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b", "dualpipe-v"]
+# dualpipe-v (slow for the planner, not here): each overlapped pair's entries are folded into one
+REGISTRY_SCHEDULES = sorted({*(name for name in REGISTRY if name not in SLOW_SCHEDULES), "dualpipe-v"})
 MODES = {
     "none": (Grid(), None),
     "replicate": (Grid(dp=2), None),
@@ -75,8 +77,10 @@ def _lower(schedule, mode: str):
 
 
 def _names(program) -> list:
-    """Each entry as its op, or its communication action's name."""
-    return [entry[0].name if isinstance(entry[0], CommAction) else entry[0] for entry in program]
+    """Each entry as its op, or its communication action's name (a pair's: those it folded)."""
+    return [
+        entry[0].name if isinstance(entry[0], CommAction) else entry[0] for entry in expand_pairs(program)
+    ]
 
 
 @given(
@@ -98,14 +102,14 @@ def test_the_executor_program_is_the_lowered_program_minus_what_nobody_binds(nam
             or (isinstance(action, (Issue, Wait)) and action.comm.kind in (*BOUND, *TRANSFERS))
         ]
         assert _names(executor.program) == expected
-        assert [e[0] for e in executor.program if not isinstance(e[0], CommAction)] == list(
+        assert [e[0] for e in expand_pairs(executor.program) if not isinstance(e[0], CommAction)] == list(
             schedule.programs[rank]
         )
         # without data-parallel binding, the ops and the transfers only
         executor.communicate(NoCommunication())
         assert all(
             entry[0].lowered.comm.kind in TRANSFERS
-            for entry in executor.program
+            for entry in expand_pairs(executor.program)
             if isinstance(entry[0], CommAction)
         )
 
@@ -133,12 +137,12 @@ def test_the_program_holds_every_send_and_receive_exactly_as_lowered(name, ranks
         assert _names(executor.program) == expected, "the default program is the lowered one"
         executor.follow(program)
         assert _names(executor.program) == expected
-        for entry in executor.program:
+        for entry in expand_pairs(executor.program):
             if isinstance(entry[0], CommAction):  # no local hand-over is a transfer
                 message = entry[0].lowered.comm.message
                 assert rank_of(sending_stage(message)) != rank_of(receiving_stage(message))
         # a forward-only step runs the forwards and the activations' transfers only
-        forward = forward_entries(executor.program, {Kind.F}, forward_transfer)
+        forward = forward_entries(expand_pairs(executor.program), {Kind.F}, forward_transfer)
         assert _names(forward) == [
             x
             for x in expected

@@ -16,7 +16,12 @@ pytestmark = pytest.mark.multiprocess
 TOLERANCE = 1e-10
 
 TWO_RANKS = [
-    *({"schedule": name, "microbatches": 4, "vocab": 13, "steps": 2} for name in RUNTIME_SCHEDULES),
+    # dualpipe-v takes no vocabulary-parallel head (refused: tests/runtime/execute/test_pairs.py)
+    *(
+        {"schedule": name, "microbatches": 4, "vocab": 13, "steps": 2}
+        for name in RUNTIME_SCHEDULES
+        if name != "dualpipe-v"
+    ),
     {
         "schedule": "zb-v",
         "microbatches": 4,

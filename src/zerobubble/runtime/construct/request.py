@@ -72,6 +72,7 @@ class PipelineRequest:
     head: VocabParallelHead | None = None
     embedding: VocabParallelEmbedding | None = None
     fsdp: FSDPOptions | None = None
+    overlap: Callable[[Any], None] | None = None  # runs each overlapped F&B pair (execute/pairs.py)
 
     def __post_init__(self) -> None:
         # today's order of the checks, each with its message (tests/runtime/construct/test_request.py)

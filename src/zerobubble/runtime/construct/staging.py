@@ -161,12 +161,6 @@ def resolve_schedule(
                 f"schedule {built.name!r} needs {built.num_ranks} ranks but the process group has {world}; "
                 f"start {built.num_ranks} ranks or build the schedule for {world}"
             )
-        if built.overlapped:  # the executor runs no overlapped F&B pair yet
-            raise PipelineError(
-                f"schedule {built.name!r} has overlapped F&B pairs, which the runtime does not run yet "
-                "(not yet runnable): simulate or show it ('zerobubble simulate', 'zerobubble show'), or "
-                "train with zb-v"
-            )
         return built, validate_schedule(built, costs)
     except ScheduleError as error:
         raise PipelineError(

@@ -40,6 +40,7 @@ from ..wgrad import WeightGradStore
 from ..wgrad.verify import SplitGuard
 from .comm import Comm
 from .ends import ModelEnds
+from .pairs import OverlapHook, expand_pairs, fold_pairs
 from .program import (
     Communication,
     Hook,
@@ -119,6 +120,7 @@ class Executor:
         self._after: dict[int, list[Hook]] = {}
         self._actions: tuple[Action, ...] = plain_actions(schedule, rank)  # or the lowered (follow)
         self.communication: Communication = NoCommunication()
+        self.overlap: OverlapHook | None = None  # runs each overlapped F&B pair's halves (.pairs)
         self.compile()
         self._steps = 0
         self.seed = seed
@@ -157,7 +159,8 @@ class Executor:
             program.append((op, handler, state, op.microbatch))
             program += [(hook, hook.run, None, 0) for hook in self._after.get(position, ())]
             position += 1
-        self.program = program
+        # an overlapped F&B pair: one entry running both ops and the actions between (.pairs)
+        self.program = fold_pairs(program, self)
 
     def follow(self, program: Sequence[Action]) -> None:
         """Run ``program``, this rank's lowered program of the schedule (``schedule/lowering``), from
@@ -247,7 +250,8 @@ class Executor:
             self.comm.start_step(first=True, forward_only=True)
             ends.begin_step(inputs, targets, 1.0 / self.schedule.microbatches, training=False)
             profiling, kinds = ranges.profiling(), {Kind.F, *ends.forward_kinds}
-            for op, handler, state, microbatch in forward_entries(self.program, kinds, forward_transfer):
+            entries = forward_entries(expand_pairs(self.program), kinds, forward_transfer)
+            for op, handler, state, microbatch in entries:
                 if profiling:
                     with record_function(_range_name(op)):
                         handler(state, microbatch)
