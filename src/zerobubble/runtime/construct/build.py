@@ -43,6 +43,7 @@ def place_stages(
     device: torch.device,
     module: nn.Module,
     shard: ShardFn | None = None,
+    experts: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[dict[int, StageState], dict[int, SplitGuard]]:
     """Cut the layers into chunks and keep rank ``rank``'s, registered in ``module`` under their
     original names: ``(stages, guards)`` by stage index.  Each stage's split gets a guard
@@ -52,7 +53,9 @@ def place_stages(
     The request's ``parallelize(layer, mesh)`` (tensor parallelism) replaces each layer once it is
     on ``device`` and before its backward is split (:func:`parallelized`).  ``shard(stage,
     stage_module)`` (``data_parallel="fsdp"``: :class:`~..parallel.fsdp.ShardedStages`) runs on each
-    chunk before its backward is split, so that the split sees the parameters the forwards will use."""
+    chunk before its backward is split, so that the split sees the parameters the forwards will use;
+    so does ``experts(layer)`` (expert parallelism, :func:`~..parallel.experts.shard_experts`) on
+    each layer."""
     parallelize, mesh, verify = request.parallelize, request.mesh, request.verify
     schedule, named, bounds = resolution.schedule, resolution.layers, resolution.bounds
     stages, guards = {}, {}
@@ -61,6 +64,8 @@ def place_stages(
             (name, parallelized(name, layer.to(device), parallelize, mesh))
             for name, layer in named[bounds[index] : bounds[index + 1]]
         ]
+        if experts is not None:
+            chunk = [(name, experts(layer)) for name, layer in chunk]
         for name, layer in chunk:
             module.add_module(name, layer)
         layers = [layer for _, layer in chunk]
