@@ -54,13 +54,14 @@ def _my_rows(mesh: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[to
     return tokens[index * rows : (index + 1) * rows], targets[index * rows : (index + 1) * rows]
 
 
-def _train(pipe: Any, reference: nn.Module, mesh: Any, steps: range) -> tuple[list[float], list[str]]:
-    """``steps`` clipped AdamW steps of ``pipe`` and ``reference``: the loss errors, the split
-    guard's warnings."""
+def _train(
+    pipe: Any, reference: nn.Module, mesh: Any, steps: range, optimizers: tuple[Any, Any]
+) -> tuple[list[float], list[str]]:
+    """``steps`` clipped steps of ``pipe`` and ``reference`` with their ``optimizers``: the loss
+    errors, the split guard's warnings."""
     from zerobubble.runtime.wgrad import SplitMismatchWarning
 
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.01)
-    expected_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    optimizer, expected_optimizer = optimizers
     losses: list[float] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SplitMismatchWarning)
@@ -93,27 +94,54 @@ def _parameter_errors(pipe: Any, reference: nn.Module) -> dict[str, float]:
     return errors
 
 
+class _Exchanges:
+    """Counts the experts' all-to-all exchanges (dispatch, combine and their backwards)."""
+
+    def __init__(self) -> None:
+        from zerobubble.runtime.parallel import experts
+
+        self.count, self._module, self._original = 0, experts, experts._exchange
+
+        def counted(*args: Any) -> torch.Tensor:
+            self.count += 1
+            return self._original(*args)
+
+        experts._exchange = counted
+
+    def close(self) -> None:
+        self._module._exchange = self._original
+
+
 def trained_cases(cases: list[tuple[str, str, bool]]) -> dict:
-    """For each ``(family, schedule, aux)``: three clipped AdamW steps on the (pp 2, ep 2) mesh."""
+    """For each ``(family, schedule, aux)``: three clipped AdamW steps on the (pp 2, ep 2) mesh, and
+    the exchanges of the last one against one dispatch and one combine per F and per B."""
     from zerobubble.runtime.launch import init_distributed
+    from zerobubble.runtime.parallel.experts import ExpertParallelExperts
 
     init_distributed(backend="gloo", timeout=60)
     torch.set_num_threads(1)
     mesh = _mesh((2, 2), ("pp", "ep"))
     out: dict = {}
+    exchanges = _Exchanges()
     for family, schedule, aux in cases:
         model = moe_model(family, aux)
         reference = copy.deepcopy(model)
         pipe = _pipeline(model, schedule, mesh, aux)
-        losses, mismatches = _train(pipe, reference, mesh, range(3))
+        optimizers = tuple(torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pipe, reference))
+        losses, mismatches = _train(pipe, reference, mesh, range(2), optimizers)  # the split guard's runs too
+        exchanges.count = 0
+        last, more = _train(pipe, reference, mesh, range(2, 3), optimizers)
+        blocks = sum(isinstance(m, ExpertParallelExperts) for m in pipe.module.modules())
         experts = [name for name, p in pipe.named_parameters() if hasattr(p, "full_tensor")]
         out[f"{family} {schedule} {'aux' if aux else 'no-aux'}"] = {
-            "losses": losses,
+            "losses": losses + last,
             "params": _parameter_errors(pipe, reference),
-            "mismatches": mismatches,
+            "mismatches": mismatches + more,
+            "exchanges": (exchanges.count, 4 * blocks * EP_MICROBATCHES),
             "experts": experts,
             "report": [(r.type, r.path, r.verified) for r in pipe.split_report() if "Experts" in r.type],
         }
+    exchanges.close()
     return out
 
 

@@ -68,6 +68,8 @@ def test_pp2_ep2_trains_like_the_model_on_the_whole_batch(case, results):
         assert m["mismatches"] == [], "the split guard found no mismatch"
         assert m["experts"] and all("experts" in name for name in m["experts"])  # DTensors
         assert bool(m["report"]) == (schedule != "1f1b")  # zb-v: the experts' W deferred
+        sent, expected = m["exchanges"]
+        assert sent == expected, "one dispatch and one combine per F and per B: W sends nothing"
         assert all(path == "generic" and verified for _, path, verified in m["report"])
 
 
