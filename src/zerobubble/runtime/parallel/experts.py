@@ -46,11 +46,18 @@ _FUSED = ("gate_up_proj", "down_proj")
 _PLAIN_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
 
 
+def _weight(module: nn.Module, name: str) -> Any:
+    """``module``'s own parameter ``name`` (None: it has none)."""
+    return module._parameters.get(name)
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """Whether ``module`` is a fused experts module of transformers (module docstring)."""
-    params = module._parameters
     return (
-        all(isinstance(params.get(name), torch.Tensor) and params[name].dim() == 3 for name in _FUSED)
+        all(
+            isinstance(_weight(module, name), torch.Tensor) and _weight(module, name).dim() == 3
+            for name in _FUSED
+        )
         and hasattr(module, "act_fn")
         and not isinstance(module, ExpertParallelExperts)
     )
@@ -69,7 +76,7 @@ def check_expert_layers(layers: Iterable[nn.Module], ep: int) -> None:
             'Mixtral, Qwen2-MoE and Qwen3-MoE cuts): drop the "ep" dimension, or name it "dp"'
         )
     for module in found:
-        experts = module._parameters["gate_up_proj"].shape[0]
+        experts = _weight(module, "gate_up_proj").shape[0]
         if experts % ep:
             raise PipelineError(
                 f'{type(module).__name__} holds {experts} experts, which the "ep" dimension of {ep} '
@@ -137,13 +144,13 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        self.num_experts = int(experts._parameters["gate_up_proj"].shape[0])
-        self.act_fn = experts.act_fn
+        self.num_experts = int(_weight(experts, "gate_up_proj").shape[0])
+        self.act_fn: Callable[[torch.Tensor], torch.Tensor] = getattr(experts, "act_fn")  # noqa: B009
         self.mesh, self.group = mesh, mesh.get_group()
         self.ranks = dist.get_world_size(self.group)
         self.local_experts = self.num_experts // self.ranks
         for name in _FUSED:  # the mesh's first rank's values, scattered (every replica starts alike)
-            whole = experts._parameters[name].detach()
+            whole = _weight(experts, name).detach()
             self.register_parameter(name, nn.Parameter(distribute_tensor(whole, mesh, [Shard(0)])))
 
     def forward(
@@ -173,7 +180,7 @@ class ExpertParallelExperts(nn.Module):
     def _local_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each local expert's feed-forward on its rows (``rows`` as received: by source rank, then
         by local expert), in the received order."""
-        gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
+        gate_up, down = (_weight(self, name).to_local() for name in _FUSED)  # this rank's experts
         expert_of = torch.arange(self.local_experts, device=rows.device).repeat(self.ranks)
         expert_of = expert_of.repeat_interleave(counts.reshape(-1))
         by_expert = torch.argsort(expert_of, stable=True)
