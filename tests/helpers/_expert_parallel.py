@@ -45,12 +45,10 @@ def _pipeline(model: nn.Module, schedule: str, mesh: Any, aux: bool) -> Any:
     )  # fmt: skip
 
 
-def _my_rows(mesh: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This replica's share of the batch (its ``"ep"`` or ``"dp"`` coordinate's)."""
-    names = list(mesh.mesh_dim_names)
-    axis = names.index("ep" if "ep" in names else "dp")
-    index, size = mesh.get_coordinate()[axis], mesh.size(axis)
-    rows = len(tokens) // size
+def _my_rows(pipe: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This replica's share of the batch (replica ``dp_index`` of ``dp · ep``)."""
+    index, replicas = pipe.layout.dp_index, pipe.layout.grid.replicas
+    rows = len(tokens) // replicas
     return tokens[index * rows : (index + 1) * rows], targets[index * rows : (index + 1) * rows]
 
 
@@ -72,7 +70,7 @@ def _train(
             torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
             expected_optimizer.step()
             expected_optimizer.zero_grad()
-            loss = pipe.step(*_my_rows(mesh, tokens, targets))
+            loss = pipe.step(*_my_rows(pipe, tokens, targets))
             pipe.optimizer_step(optimizer, max_norm=MAX_NORM)
             optimizer.zero_grad()
             if loss is not None:
@@ -192,7 +190,7 @@ def _resumed(pipe: Any, mesh: Any, directory: str, expected: dict, expected_loss
     loaded = pipe.load_state_dict(state["model"])
     missing = pipe.load_optimizer_state_dict(optimizer, state["optim"])
     tokens, targets, _ = batch("whole", seed=10 + SAVED_AT)
-    loss = pipe.step(*_my_rows(mesh, tokens, targets))
+    loss = pipe.step(*_my_rows(pipe, tokens, targets))
     pipe.optimizer_step(optimizer, max_norm=MAX_NORM)
     return {
         "loss": None if loss is None else abs(loss.item() - expected_loss) / expected_loss,
@@ -266,7 +264,7 @@ def _train_steps(pipe: Any, optimizer: Any, mesh: Any, steps: range) -> tuple[li
         warnings.simplefilter("always", SplitMismatchWarning)
         for step in steps:
             tokens, targets, _ = batch("whole", seed=10 + step)
-            loss = pipe.step(*_my_rows(mesh, tokens, targets))
+            loss = pipe.step(*_my_rows(pipe, tokens, targets))
             pipe.optimizer_step(optimizer, max_norm=MAX_NORM)
             optimizer.zero_grad()
             losses.append(None if loss is None else loss.item())
@@ -306,8 +304,20 @@ def refused_cases() -> dict[str, str]:
     return out
 
 
+def dp_ep_case() -> dict:
+    """Mixtral without the aux loss on (pp 1, dp 2, ep 2): four replicas of 2 rows each, the experts
+    sharded over ep and their gradients reduced over dp; three steps against the whole batch."""
+    mesh = _mesh((1, 2, 2), ("pp", "dp", "ep"))
+    model = moe_model("mixtral", aux=False)
+    reference = copy.deepcopy(model)
+    pipe = _pipeline(model, "1f1b", mesh, aux=False)
+    optimizers = tuple(torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pipe, reference))
+    losses, _ = _train(pipe, reference, mesh, range(3), optimizers)
+    return {"losses": losses, "params": _parameter_errors(pipe, reference), "replica": pipe.layout.dp_index}
+
+
 def all_cases(root: str, trained: list[tuple[str, str, bool]]) -> dict:
     """Everything the test asks of one spawn of four ranks."""
-    out = {"trained": trained_cases(trained), "refused": refused_cases()}
+    out = {"trained": trained_cases(trained), "refused": refused_cases(), "dp ep": dp_ep_case()}
     out["checkpoints"] = checkpoint_cases(root)
     return out

@@ -5,7 +5,8 @@ routed tokens cross it by all-to-all.  The MoE families (Mixtral, Qwen2-MoE with
 expert, Qwen3-MoE), with 1F1B and ZB-V (the experts' weights B/W-split), with the router's aux loss
 and without, train like the model in one process on the whole batch (float64, three clipped AdamW
 steps) and the split guard finds no mismatch; DCP checkpoints go from (pp 2, ep 2) to (pp 2, dp 2)
-and to the unpipelined cut and back; wrong layouts are refused on every rank.  One spawn serves all.
+and to the unpipelined cut and back; (pp 1, dp 2, ep 2) reduces the experts over dp only; wrong
+layouts are refused on every rank.  One spawn serves all.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def test_pp2_ep2_trains_like_the_model_on_the_whole_batch(case, results):
         sent, expected = m["exchanges"]
         assert sent == expected, "one dispatch and one combine per F and per B: W sends nothing"
         assert all(path == "generic" and verified for _, path, verified in m["report"])
+
+
+@pytest.mark.multiprocess
+def test_pp1_dp2_ep2_reduces_the_experts_over_dp_only(results):
+    assert sorted(r["dp ep"]["replica"] for r in results) == [0, 1, 2, 3]  # four shards of the batch
+    for r in results:
+        assert len(r["dp ep"]["losses"]) == 3 and max(r["dp ep"]["losses"]) <= 1e-12
+        assert max(r["dp ep"]["params"].values()) <= 1e-10
 
 
 @pytest.mark.multiprocess
