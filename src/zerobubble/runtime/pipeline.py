@@ -43,8 +43,9 @@ from .failures import PeerFailure, PeerMonitor
 from .observe.recorder import OpRecorder, as_recorder
 from .optim.post_validation import OptimizerStats
 from .optim.step import StepOptimization, averager_of
-from .parallel.consistency import CallCheck, broadcast_replicas
+from .parallel.consistency import CallCheck
 from .parallel.data_parallel import build_layout
+from .parallel.experts import broadcast_replicas, expert_sharding
 from .parallel.fsdp import ShardedStages
 from .parallel.groups import local_group
 from .parallel.mesh import data_mesh
@@ -196,20 +197,20 @@ class Pipeline:
         replica 0's values (collective); returns the chunks by stage index."""
         self.module = nn.Module()
         # data_parallel="fsdp"/"hsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
-        mesh = self._request.mesh
+        mesh, options = self._request.mesh, self._request.fsdp
         dp_mesh = data_mesh(mesh, self.layout.grid) if mesh is not None else None
-        options = self._request.fsdp
         self._sharded = ShardedStages(self.layout, self.device, dp_mesh, options) if self.sharding else None
         shard = self._sharded.shard if self._sharded is not None else None
+        experts = expert_sharding(self.layout.grid, mesh)  # expert parallelism: the "ep" dimension's shards
         stages, self._guards = place_stages(
-            resolution, self._request, rank=self.rank, device=self.device, module=self.module, shard=shard
-        )
+            resolution, self._request, rank=self.rank, device=self.device, module=self.module, shard=shard,
+            experts=experts)  # fmt: skip
         if self._sharded is not None:
             self._sharded.placed({stage: guard.deferral for stage, guard in self._guards.items()})
         self.stages = tuple(sorted(stages))
         self._tied = tie_parameters(resolution, self.rank, self.layout, self.module, self._monitor.wait)
-        if self.layout.grid.dp > 1 and self._sharded is None:  # replicas start from replica 0's
-            broadcast_replicas(self.module, self.layout.dp_group, self.layout.grid.global_rank(self.rank, 0))
+        if self.layout.grid.replicas > 1 and self._sharded is None:  # replicas start from replica 0's
+            broadcast_replicas(self.module, self.layout, self.rank)
         return stages
 
     def _build_executor(self, resolution: Resolution, stages: dict[int, StageState]) -> None:

@@ -1,7 +1,8 @@
 """The device layout, as one torch-free record: a :class:`Grid`.
 
-A Pipeline runs on ``pp × dp × tp`` ranks: ``pp`` pipeline ranks, ``dp`` data-parallel replicas
-(HSDP: rows × ``dp_shard``), ``tp`` ranks inside each stage.  A :class:`Grid` holds those sizes, how
+A Pipeline runs on ``pp × dp × ep × tp`` ranks: ``pp`` pipeline ranks, ``dp`` data-parallel replicas
+(HSDP: rows × ``dp_shard``), ``ep`` expert-parallel ranks (replicas too, holding disjoint experts),
+``tp`` ranks inside each stage.  A :class:`Grid` holds those sizes, how
 the replicas hold the parameters (``sharding``), which dimension of a ``DeviceMesh`` plays each role
 (:data:`ROLES`), this rank's place once known (pipeline rank, replica, the ranks of the grid) and the
 links the planner times collectives with.  Who reads it (``docs/architecture.md``):
@@ -36,10 +37,12 @@ ROLES = {
     "dp_replicate": "HSDP's rows, each holding the same shards",
     "dp_shard": "HSDP's (or FSDP2's) shards within a row",
     "tp": "tensor parallelism: ranks inside a stage, running parallelize's layers",
-    "ep": "expert parallelism: ranks inside a stage whose experts trade tokens by all-to-all",
+    "ep": "expert parallelism: replicas, each with its own batch, holding disjoint experts",
 }
 """The roles a mesh dimension plays, by their default dimension name.  Every dimension that is not
-the pipeline's nor a data-parallel one lives inside a stage (``tp``, or any the user adds)."""
+the pipeline's, a data-parallel one nor the expert-parallel one lives inside a stage (``tp``, or any
+the user adds).  The ``ep`` ranks are replicas of the pipeline (``Grid.replicas``): each runs its own
+batch shard, the experts' tokens cross them by all-to-all, every other parameter is replicated."""
 
 DATA_ROLES = ("dp", "dp_replicate", "dp_shard")
 """The data-parallel roles: one ``dp`` dimension, or HSDP's ``dp_replicate × dp_shard`` pair."""
@@ -75,7 +78,7 @@ class Link:
 
 @dataclass(frozen=True)
 class Grid:
-    """The ``pp × dp × tp`` ranks of a Pipeline, and this rank's place among them (module docstring).
+    """The ``pp × dp × ep × tp`` ranks of a Pipeline, and this rank's place among them (module docstring).
 
     ``dp`` counts every data-parallel replica (HSDP: rows × ``dp_shard``); ``sharding`` is None
     (replicated), ``"fsdp"`` (sharded over all ``dp``) or ``"hsdp"`` (sharded over ``dp_shard``,
@@ -149,7 +152,8 @@ class Grid:
         replicas = math.prod(sizes[name] for name in data)
         sharding = _sharding_of(data_parallel, role_dims, list(dim_names), replicas)
         shard = role_dims["dp_shard"]
-        inside = [size for name, size in sizes.items() if name != role_dims["pp"] and name not in data]
+        outside = {role_dims["pp"], role_dims["ep"], *data}
+        inside = [size for name, size in sizes.items() if name not in outside]
         return cls(
             dp=replicas,
             tp=math.prod(inside),
@@ -164,8 +168,14 @@ class Grid:
 
     @property
     def size(self) -> int:
-        """Every rank of the grid: ``pp · dp · tp``."""
-        return self.pp * self.dp * self.tp
+        """Every rank of the grid: ``pp · dp · ep · tp``."""
+        return self.pp * self.replicas * self.tp
+
+    @property
+    def replicas(self) -> int:
+        """The pipeline replicas, each running its own share of the batch: ``dp · ep`` (the
+        expert-parallel ranks are replicas whose experts differ, :data:`ROLES`)."""
+        return self.dp * self.ep
 
     @property
     def shard(self) -> int:
@@ -185,19 +195,21 @@ class Grid:
     @property
     def trivial(self) -> bool:
         """One rank per stage: nothing to change."""
-        return self.dp == 1 and self.tp == 1
+        return self.replicas == 1 and self.tp == 1
 
     def describe(self) -> str:
         """``dp 4 (HSDP, 2 rows × 2 shards) × tp 2``."""
         mode = {None: "replicated", "fsdp": "FSDP2"}.get(self.sharding)
         if mode is None:
             mode = f"HSDP, {self.dp // self.shard} rows × {self.shard} shards"
-        return f"dp {self.dp} ({mode}) × tp {self.tp}"
+        experts = f" × ep {self.ep}" if self.ep > 1 else ""
+        return f"dp {self.dp} ({mode}){experts} × tp {self.tp}"
 
     @property
     def ep(self) -> int:
         """The size of the mesh's expert-parallel dimension (1 without one): with ``ep > 1`` the
-        lowering gives every F and B its all-to-all on the rank's ``ep`` link."""
+        lowering gives every F and B its all-to-all on the rank's ``ep`` link, and the runtime shards
+        the experts over it (``docs/runtime.md``, "Expert parallelism")."""
         name = self.dim("ep")
         return dict(self.dims).get(name, 1) if name is not None else 1
 
@@ -210,6 +222,13 @@ class Grid:
         """The data-parallel dimensions, outermost first: ``(dp,)``, ``(dp_replicate, dp_shard)``
         (either alone when the mesh has only one of them), or none."""
         return _data_dims(dict(self.roles))
+
+    @property
+    def replica_dims(self) -> tuple[str, ...]:
+        """The dimensions the pipeline replicas run along, outermost first: :attr:`data_dims`, then
+        the expert-parallel one (the replica index is row-major over them)."""
+        ep = self.dim("ep")
+        return self.data_dims + ((ep,) if ep is not None else ())
 
     def stage_grid(self, *, parallelized: bool) -> Grid:
         """What the planner plans each stage on: the replicas and how they hold the parameters, and
@@ -234,7 +253,7 @@ class Grid:
         :attr:`dims`: its pipeline along the ``pp`` dimension, its replicas along the data-parallel
         ones (replica index row-major over them), at its own coordinates on every other dimension.
         Pipeline rank ``r`` is the ``r``-th lowest global rank along the pipeline dimension (the rank
-        order of the mesh's own pipeline group)."""
+        order of the mesh's own pipeline group); the expert-parallel ranks are replicas too."""
         names, shape = [name for name, _ in self.dims], [size for _, size in self.dims]
         strides = [math.prod(shape[axis + 1 :]) for axis in range(len(shape))]
 
@@ -242,7 +261,7 @@ class Grid:
             return int(ranks[sum(i * stride for i, stride in zip(index, strides))])
 
         pp_axis = names.index(str(self.dim("pp")))
-        data_axes = [names.index(name) for name in self.data_dims]
+        data_axes = [names.index(name) for name in self.replica_dims]
 
         def line(data_index: tuple[int, ...]) -> list[int]:
             index = list(coordinate)
@@ -278,7 +297,7 @@ class Grid:
         rank = self.everyone[group_rank] if self.everyone else group_rank
         if rank in self.labels:
             return f"rank {rank} ({self.labels[rank]})"
-        if self.dp == 1:
+        if self.replicas == 1:
             return f"rank {rank}"
         replica, pipeline_rank = divmod(self.span.index(rank), self.pp)
         return f"rank {rank} (pipeline rank {pipeline_rank} of replica {replica})"

@@ -43,22 +43,23 @@ def place_stages(
     device: torch.device,
     module: nn.Module,
     shard: ShardFn | None = None,
+    experts: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[dict[int, StageState], dict[int, SplitGuard]]:
     """Cut the layers into chunks and keep rank ``rank``'s, registered in ``module`` under their
     original names: ``(stages, guards)`` by stage index.  Each stage's split gets a guard
     (:mod:`..wgrad.verify`), checking it unless the request's ``verify`` is False; the request's
     ``fast_paths`` join the split's rules.
 
-    The request's ``parallelize(layer, mesh)`` (tensor parallelism) replaces each layer once it is
-    on ``device`` and before its backward is split (:func:`parallelized`).  ``shard(stage,
-    stage_module)`` (``data_parallel="fsdp"``: :class:`~..parallel.fsdp.ShardedStages`) runs on each
-    chunk before its backward is split, so that the split sees the parameters the forwards will use."""
+    ``parallelize(layer, mesh)`` (tensor parallelism) and ``experts(layer)`` (expert parallelism)
+    replace each layer on ``device`` before its backward is split (:func:`parallelized`); so does
+    ``shard(stage, stage_module)`` (``data_parallel="fsdp"``: :class:`~..parallel.fsdp.ShardedStages`)
+    each chunk, so that the split sees the parameters the forwards will use."""
     parallelize, mesh, verify = request.parallelize, request.mesh, request.verify
     schedule, named, bounds = resolution.schedule, resolution.layers, resolution.bounds
     stages, guards = {}, {}
     for index in schedule.placement.stages_of(rank):
         chunk = [
-            (name, parallelized(name, layer.to(device), parallelize, mesh))
+            (name, parallelized(name, layer.to(device), parallelize, mesh, experts))
             for name, layer in named[bounds[index] : bounds[index + 1]]
         ]
         for name, layer in chunk:
@@ -110,14 +111,21 @@ def _check_local_ties(resolution: Resolution, held: set[int], module: nn.Module)
 
 
 def parallelized(
-    name: str, layer: nn.Module, parallelize: Callable[[nn.Module, Any], nn.Module] | None, mesh: Any
+    name: str,
+    layer: nn.Module,
+    parallelize: Callable[[nn.Module, Any], nn.Module] | None,
+    mesh: Any,
+    experts: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
     """``parallelize(layer, mesh)`` (``layer`` itself without a hook), checked: an ``nn.Module``
     whose parameter names are the layer's own (checkpoints, ties and the consistency check use them).
+    ``experts(layer)`` first shards its experts in place (:func:`~..parallel.experts.shard_experts`).
 
     Its parameters may be ``DTensor``s (tensor parallelism): the split computes their gradients as
     ``DTensor``s with the placements plain autograd gives them (``docs/guide.md``).
     """
+    if experts is not None:
+        layer = experts(layer)
     if parallelize is None:
         return layer
     names = [n for n, _ in layer.named_parameters(remove_duplicate=False)]

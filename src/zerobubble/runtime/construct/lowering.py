@@ -11,6 +11,8 @@ replicas' collectives in different orders, a receive posted out of order) raises
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...errors import ScheduleError
 from ...schedule.grid import Grid
 from ...schedule.lowering import LoweredSchedule, StageBytes, lower, validate_lowered
@@ -40,6 +42,9 @@ def lowered_pipeline(resolution: Resolution, grid: Grid, fsdp: FSDPOptions | Non
     """``resolution``'s schedule lowered under ``grid`` and ``fsdp`` and validated (module docstring);
     raises :class:`PipelineError` saying what the check found."""
     schedule = resolution.schedule
+    # the expert-parallel ranks are replicas: every parameter but the experts' is averaged over them
+    # too, in the buckets the lowering places for the data-parallel replicas (..parallel.experts)
+    grid = replace(grid, dp=grid.replicas) if grid.ep > 1 else grid
     try:
         lowered = lower(schedule, fsdp or ONCE_PER_STEP, grid=grid, model=stage_bytes(resolution))
         validate_lowered(lowered)

@@ -349,7 +349,7 @@ def write_trace(
     costs = measured_costs(timelines)
     predicted = simulate(measured.schedule, costs)
     folder = Path(directory)
-    if layout is not None and layout.grid.dp > 1:
+    if layout is not None and layout.grid.replicas > 1:
         folder = folder / f"replica{layout.grid.dp_index}"
     folder.mkdir(parents=True, exist_ok=True)
     files = {

@@ -28,6 +28,7 @@ from ..parallel.data_parallel import (
     bucket_parameters,
     last_gradient_ops,
 )
+from ..parallel.experts import expert_parameters
 from ..parallel.fsdp import ShardedStages
 from .post_validation import (
     OptimizerStats,
@@ -99,7 +100,7 @@ class StepOptimization:
             if self._placeholder is None:
                 self._placeholder = torch.optim.SGD([torch.zeros(0, requires_grad=True)], lr=0.0)
             optimizer = self._placeholder
-        replicas = [self.layout.grid.global_rank(self.rank, d) for d in range(self.layout.grid.dp)]
+        replicas = [self.layout.grid.global_rank(self.rank, d) for d in range(self.layout.grid.replicas)]
         check_sharded_optimizer(optimizer, replicas)
         if unscale is not None:
             unscale_gradients(parameters, float(unscale))
@@ -181,9 +182,13 @@ def averager_of(
     """The averager of the replicas' gradients of this rank's chunks, in the buckets of ``lowered``
     (:func:`~..parallel.data_parallel.bucket_parameters`), to bind the lowered program's all-reduce
     actions, waited through ``monitor`` (the peer monitor); None unless the replicas are several and
-    not sharded."""
-    if layout.grid.dp == 1 or lowered.data_parallel != "replicate":
+    not sharded.  The experts of expert parallelism are reduced over the ranks holding them only."""
+    if layout.grid.replicas == 1 or lowered.data_parallel != "replicate":
         return None
     program = lowered.source.programs[layout.grid.pipeline_rank]
     buckets = bucket_parameters(executor.stages, last_gradient_ops(program), lowered.part_layers)
-    return GradientAverager(buckets, layout.dp_group, layout.grid.dp, wait=monitor.wait)
+    experts = expert_parameters(stage.module for stage in executor.stages.values())
+    return GradientAverager(
+        buckets, layout.dp_group, layout.grid.replicas, wait=monitor.wait,
+        experts=experts, expert_group=layout.expert_group,
+    )  # fmt: skip

@@ -192,13 +192,18 @@ class TiedParameter:
         grad.copy_(total)
 
 
-def broadcast_replicas(module: nn.Module, group: Any, source: int) -> None:
+def broadcast_replicas(
+    module: nn.Module, group: Any, source: int, *, skip: Sequence[torch.Tensor] = ()
+) -> None:
     """Copy replica 0's parameters and buffers to the other data-parallel replicas (as DDP does);
-    of a DTensor (tensor parallelism), its shard, which each replica holds at the same coordinates."""
+    of a DTensor (tensor parallelism), its shard, which each replica holds at the same coordinates.
+    ``skip``: parameters the replicas do not share (expert parallelism's experts)."""
+    skipped = {id(tensor) for tensor in skip}
     with torch.no_grad():
         works = [
             dist.broadcast(local_value(tensor), src=source, group=group, async_op=True)
             for tensor in [*module.parameters(), *module.buffers()]
+            if id(tensor) not in skipped
         ]
         for work in works:
             work.wait()

@@ -5,7 +5,9 @@
 chunks in every replica.  As soon as a chunk's last gradient op has run, its gradients are
 all-reduced asynchronously over that group, one bucket at a time (the lowered program's ``issue
 all_reduce(bucket s.k)``; the buckets the lowering cut by ``FSDPOptions.bucket_bytes``, one per chunk
-by default), overlapping the rest of the step; each ``wait`` divides by ``D``.  :func:`build_layout`
+by default), overlapping the rest of the step; each ``wait`` divides by ``D``.  The expert-parallel
+ranks are replicas too (``D = dp · ep``): their experts' gradients are not reduced over ``ep``, only
+divided (:mod:`.experts`).  :func:`build_layout`
 creates the layout's groups from the grid, on a mesh or not, with local synchronisation (:mod:`.groups`).
 
 Why the groups are created that way: ``docs/runtime.md``.
@@ -45,7 +47,9 @@ class ParallelLayout:
     replica's ranks reserved for the optimizer's small messages and ``ties_group`` one for the sums
     of tied parameters (neither is used by the pipeline's transfers).  ``mesh`` is the user's mesh,
     if any.  ``shard_group`` is the part of ``dp_group`` a sharded parameter is cut over: all of it,
-    but under HSDP only this rank's ``dp_shard`` row (the rows hold equal copies).
+    but under HSDP only this rank's ``dp_shard`` row (the rows hold equal copies).  With an ``"ep"``
+    dimension, ``ep_group`` is its group (the experts' all-to-all) and ``expert_group`` the group of
+    the ranks holding the same experts (the mesh's ``"dp"``; None without one).
     """
 
     grid: Grid
@@ -56,6 +60,8 @@ class ParallelLayout:
     ties_group: Any = None
     mesh: Any = None
     shard_group: Any = None
+    ep_group: Any = None
+    expert_group: Any = None
 
     @property
     def pipeline_rank(self) -> int:
@@ -88,7 +94,7 @@ def build_layout(grid: Grid, *, group: Any, mesh: Any, timeout: float) -> Parall
     if mesh is not None:
         pipeline_group = mesh.get_group(grid.dim("pp"))
     else:
-        pipeline_group = local_group(replica, timeout=setup) if grid.dp > 1 else group
+        pipeline_group = local_group(replica, timeout=setup) if grid.replicas > 1 else group
     dp_group = _data_group(grid, mesh, setup)
     if mesh is not None:
         shard_dim = grid.dim("dp_shard") or grid.dim("dp")
@@ -104,17 +110,19 @@ def build_layout(grid: Grid, *, group: Any, mesh: Any, timeout: float) -> Parall
         ties_group=local_group(replica, timeout=setup),
         mesh=mesh,
         shard_group=shard_group,
+        ep_group=mesh.get_group(grid.dim("ep")) if grid.ep > 1 else None,
+        expert_group=mesh.get_group(grid.data_dims[0]) if grid.ep > 1 and grid.dp > 1 else None,
     )
 
 
 def _data_group(grid: Grid, mesh: Any, setup: timedelta) -> Any:
     """The group of every replica's pipeline rank of this rank (None: one replica): a mesh's one
-    data-parallel dimension's, else a group of that column created by its members."""
-    if grid.dp == 1:
+    replica dimension's (data- or expert-parallel), else a group of that column created by its members."""
+    if grid.replicas == 1:
         return None
-    if mesh is not None and len(grid.data_dims) == 1:
-        return mesh.get_group(grid.data_dims[0])
-    column = [grid.global_rank(grid.pipeline_rank, d) for d in range(grid.dp)]
+    if mesh is not None and len(grid.replica_dims) == 1:
+        return mesh.get_group(grid.replica_dims[0])
+    column = [grid.global_rank(grid.pipeline_rank, d) for d in range(grid.replicas)]
     return local_group(column, timeout=setup)
 
 
@@ -143,6 +151,8 @@ class GradientAverager:
     waits for it, divides by the group size and writes the averages back into ``.grad``.  As a
     :class:`~..execute.program.Communication` it binds a lowered program's all-reduce actions.
     Parameters whose ``.grad`` is None are left alone (they are None on every replica alike).
+    ``experts`` (expert parallelism, :mod:`.experts`) are reduced over ``expert_group`` instead (the
+    replicas holding the same experts; None: over none) and divided by ``size`` all the same.
     """
 
     def __init__(
@@ -151,10 +161,14 @@ class GradientAverager:
         group: Any,
         size: int,
         wait: Callable[[Any, str], None] | None = None,
+        *,
+        experts: Sequence[nn.Parameter] = (),
+        expert_group: Any = None,
     ):
         self.buckets = {stage: [list(params) for params in parts] for stage, parts in buckets.items()}
         self.group = group
         self.size = size
+        self._experts, self._expert_group = frozenset(id(p) for p in experts), expert_group
         self._wait = wait or (lambda work, what: work.wait())
         self._inflight: dict[tuple[int, int], list[tuple[Any, torch.Tensor, list[torch.Tensor]]]] = {}
 
@@ -182,21 +196,23 @@ class GradientAverager:
     def start(self, stage: int, bucket: int = 0) -> None:
         """Post the all-reduce of a bucket of ``stage``'s gradients (call once its last gradient op has
         run; every replica posts the same buckets in the same order)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        by_group: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = {}
         for param in self.buckets[stage][bucket]:
             if param.grad is not None:  # a DTensor (tensor parallelism): its shard, the same on every replica
                 grad = local_value(param.grad)
-                by_dtype.setdefault(grad.dtype, []).append(grad)
-        for grads in by_dtype.values():
+                by_group.setdefault((id(param) in self._experts, grad.dtype), []).append(grad)
+        for (expert, _), grads in by_group.items():
             flat = torch.cat([grad.reshape(-1) for grad in grads])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            group = self._expert_group if expert else self.group
+            work = None if group is None else dist.all_reduce(flat, group=group, async_op=True)
             self._inflight.setdefault((stage, bucket), []).append((work, flat, grads))
 
     @torch.no_grad()
     def wait(self, stage: int, bucket: int = 0) -> None:
         """Wait for a posted bucket of ``stage`` and store its averaged gradients in place."""
         for work, flat, grads in self._inflight.pop((stage, bucket), ()):
-            self._wait(work, "the data-parallel gradient average")
+            if work is not None:  # None: an expert-parallel rank's own experts, nothing to reduce
+                self._wait(work, "the data-parallel gradient average")
             flat.div_(self.size)
             for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
                 grad.copy_(piece.view_as(grad))
@@ -265,8 +281,8 @@ def mean_loss(
     replicas (an all-reduce over the data-parallel group, waited on with ``wait``)."""
     stacked = torch.stack(list(losses))  # float64 stays float64; lower precisions average in float32
     mean = stacked.to(torch.promote_types(stacked.dtype, torch.float32)).mean()
-    if layout.grid.dp > 1:
+    if layout.grid.replicas > 1:
         work = dist.all_reduce(mean, group=layout.dp_group, async_op=True)
         wait(work, "the data-parallel loss average")
-        mean /= layout.grid.dp
+        mean /= layout.grid.replicas
     return mean

@@ -3,10 +3,11 @@
 The mesh's ``"pp"`` dimension carries the pipeline (its stages, in rank order along it); the
 data-parallel replicas run along the optional ``"dp"`` dimension (replicated or FSDP2-sharded), or
 along the pair ``"dp_replicate"`` × ``"dp_shard"`` (HSDP: sharded within a row, replicated across
-rows, torchtitan's names); every other dimension (``"tp"``, or any the user adds) lives *inside* a
-stage: each coordinate along them runs its own copy of the pipeline grid, with the stages' layers
-parallelised over it by ``parallelize``.  The role names are configurable
-(``mesh_dims={"pp": "pipe", "dp": "data"}``).
+rows, torchtitan's names); the optional ``"ep"`` dimension holds replicas too, each with its own
+batch shard, whose experts are disjoint (:mod:`.experts`); every other dimension (``"tp"``, or any
+the user adds) lives *inside* a stage: each coordinate along them runs its own copy of the pipeline
+grid, with the stages' layers parallelised over it by ``parallelize``.  The role names are
+configurable (``mesh_dims={"pp": "pipe", "dp": "data"}``).
 
 Which dimension does what is checked on the mesh's names and sizes alone (the grid's
 :func:`~...schedule.grid.mesh_roles`); :func:`grid_of_mesh` places this rank on it.  The pipeline
@@ -43,6 +44,7 @@ def grid_of_mesh(mesh: Any, roles: Mapping[str, str] | None, data_parallel: int 
     grid = Grid.of_mesh(
         names, [int(size) for size in mesh.mesh.shape], roles=roles, data_parallel=data_parallel
     )
+    _check_expert_grid(grid)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise PipelineError(f"rank {dist.get_rank()} is not in the mesh passed as mesh=")
@@ -66,3 +68,26 @@ def data_mesh(mesh: Any, grid: Grid) -> Any:
     if not data:
         return None
     return mesh[data[0]] if len(data) == 1 else mesh[data]
+
+
+def _check_expert_grid(grid: Grid) -> None:
+    """What expert parallelism runs with today: replicated data parallelism along one ``"dp"``
+    dimension at most, and no dimension inside a stage (its experts would need both shardings)."""
+    if grid.ep == 1:
+        return
+    if grid.sharding is not None:
+        raise PipelineError(
+            f'an "ep" dimension with data_parallel={grid.sharding!r}: expert parallelism runs with '
+            'replicated data parallelism only; pass data_parallel="replicate" (the default)'
+        )
+    if len(grid.data_dims) > 1:
+        raise PipelineError(
+            f'an "ep" dimension with the data-parallel dimensions {list(grid.data_dims)}: expert '
+            'parallelism runs beside one "dp" dimension at most'
+        )
+    if grid.tp > 1:
+        inside = [name for name, _ in grid.dims if name not in (grid.dim("pp"), *grid.replica_dims)]
+        raise PipelineError(
+            f'an "ep" dimension with the dimensions {inside} inside a stage: expert parallelism does '
+            "not combine with tensor parallelism yet; build the mesh of pp, dp and ep only"
+        )

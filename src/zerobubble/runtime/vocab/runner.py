@@ -405,6 +405,12 @@ def check_vocab_grid(head: Any, embedding: Any, grid: Any) -> None:
             f"mesh puts {grid.tp} ranks inside each stage ({grid.describe()}), which they do not "
             "support; keep only the pipeline and data-parallel dimensions"
         )
+    if (head is not None or embedding is not None) and grid.ep > 1:
+        raise PipelineError(
+            f'the vocabulary-parallel head and embedding with an "ep" dimension ({grid.describe()}): '
+            "expert parallelism does not run with them yet; cut the model without vocab_parallel "
+            '(pipeline_layers(model)) or drop the "ep" dimension'
+        )
 
 
 def place_vocab(

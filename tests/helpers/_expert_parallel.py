@@ -1,0 +1,323 @@
+"""The 4-rank worker of tests/runtime/parallel/test_expert_parallel.py: mixture-of-experts models on a
+(pp 2, ep 2) mesh trained against the model in one process on the whole batch, in float64; their
+checkpoints saved with DCP and loaded into other layouts; the refusals.
+
+Each ``ep`` rank runs its half of the batch (2 microbatches of 2 rows); the reference runs the same
+4 microbatches in one process.  Module-level so that spawned ranks can import it.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from _hf_moe import batch, moe_model, reference_loss
+from torch import nn
+
+EP_MICROBATCHES = 2  # per ep rank: the reference's 4 microbatches of 2 rows, split over the ep ranks
+MAX_NORM = 0.05  # small enough to clip every step
+
+
+def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300))
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _pipeline(model: nn.Module, schedule: str, mesh: Any, aux: bool) -> Any:
+    from _hf_models import lm_loss
+
+    from zerobubble import Pipeline
+    from zerobubble.hf import pipeline_layers, with_router_aux_loss
+
+    loss = with_router_aux_loss(lm_loss) if aux else lm_loss
+    return Pipeline(
+        pipeline_layers(model), schedule=schedule, microbatches=EP_MICROBATCHES, loss_fn=loss,
+        timeout=60, mesh=mesh,
+    )  # fmt: skip
+
+
+def _my_rows(pipe: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This replica's share of the batch (replica ``dp_index`` of ``dp · ep``)."""
+    index, replicas = pipe.layout.dp_index, pipe.layout.grid.replicas
+    rows = len(tokens) // replicas
+    return tokens[index * rows : (index + 1) * rows], targets[index * rows : (index + 1) * rows]
+
+
+def _train(
+    pipe: Any, reference: nn.Module, mesh: Any, steps: range, optimizers: tuple[Any, Any]
+) -> tuple[list[float], list[str]]:
+    """``steps`` clipped steps of ``pipe`` and ``reference`` with their ``optimizers``: the loss
+    errors, the split guard's warnings."""
+    from zerobubble.runtime.wgrad import SplitMismatchWarning
+
+    optimizer, expected_optimizer = optimizers
+    losses: list[float] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SplitMismatchWarning)
+        for step in steps:
+            tokens, targets, _ = batch("whole", seed=10 + step)
+            expected = reference_loss(reference, tokens, targets, {})
+            expected.backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+            expected_optimizer.step()
+            expected_optimizer.zero_grad()
+            loss = pipe.step(*_my_rows(pipe, tokens, targets))
+            pipe.optimizer_step(optimizer, max_norm=MAX_NORM)
+            optimizer.zero_grad()
+            if loss is not None:
+                losses.append(abs(loss.item() - expected.item()) / expected.item())
+        pipe.synchronize()
+    mismatches = [str(w.message) for w in caught if issubclass(w.category, SplitMismatchWarning)]
+    return losses, mismatches
+
+
+def _parameter_errors(pipe: Any, reference: nn.Module) -> dict[str, float]:
+    """Each of this rank's parameters against the reference's (an expert DTensor's full tensor)."""
+    from zerobubble.hf import pipeline_layers
+
+    params = dict(nn.Sequential(*pipeline_layers(reference)).named_parameters())  # the Pipeline's names
+    errors = {}
+    for name, param in pipe.named_parameters():
+        value = param.full_tensor() if hasattr(param, "full_tensor") else param
+        errors[name] = _relative(value, params[name])
+    return errors
+
+
+class _Exchanges:
+    """Counts the experts' all-to-all exchanges (dispatch, combine and their backwards)."""
+
+    def __init__(self) -> None:
+        from zerobubble.runtime.parallel import experts
+
+        self.count, self._module, self._original = 0, experts, experts._exchange
+
+        def counted(*args: Any) -> torch.Tensor:
+            self.count += 1
+            return self._original(*args)
+
+        experts._exchange = counted
+
+    def close(self) -> None:
+        self._module._exchange = self._original
+
+
+def trained_cases(cases: list[tuple[str, str, bool]]) -> dict:
+    """For each ``(family, schedule, aux)``: three clipped AdamW steps on the (pp 2, ep 2) mesh, and
+    the exchanges of the last one against one dispatch and one combine per F and per B."""
+    from zerobubble.runtime.launch import init_distributed
+    from zerobubble.runtime.parallel.experts import ExpertParallelExperts
+
+    init_distributed(backend="gloo", timeout=60)
+    torch.set_num_threads(1)
+    mesh = _mesh((2, 2), ("pp", "ep"))
+    out: dict = {}
+    exchanges = _Exchanges()
+    for family, schedule, aux in cases:
+        model = moe_model(family, aux)
+        reference = copy.deepcopy(model)
+        pipe = _pipeline(model, schedule, mesh, aux)
+        optimizers = tuple(torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pipe, reference))
+        losses, mismatches = _train(pipe, reference, mesh, range(2), optimizers)  # the split guard's runs too
+        exchanges.count = 0
+        last, more = _train(pipe, reference, mesh, range(2, 3), optimizers)
+        blocks = sum(isinstance(m, ExpertParallelExperts) for m in pipe.module.modules())
+        experts = [name for name, p in pipe.named_parameters() if hasattr(p, "full_tensor")]
+        out[f"{family} {schedule} {'aux' if aux else 'no-aux'}"] = {
+            "losses": losses + last,
+            "params": _parameter_errors(pipe, reference),
+            "mismatches": mismatches + more,
+            "exchanges": (exchanges.count, 4 * blocks * EP_MICROBATCHES),
+            "experts": experts,
+            "report": [(r.type, r.path, r.verified) for r in pipe.split_report() if "Experts" in r.type],
+        }
+    exchanges.close()
+    return out
+
+
+# -- checkpoints across layouts ------------------------------------------------------------------------
+
+SAVED_AT = 2  # steps before the checkpoint; every layout then takes step SAVED_AT
+
+
+def _distance(state: dict, expected: dict) -> float:
+    if set(state) != set(expected):
+        return float("inf")
+    return max(_relative(state[k].double(), expected[k].double()) for k in expected)
+
+
+def _reference_run(family: str) -> tuple[dict, dict, nn.Module, torch.optim.Optimizer, float]:
+    """The uninterrupted run on the whole batch: the cut's state after SAVED_AT steps and after one
+    more, the model and optimizer at the checkpoint, the loss of step SAVED_AT."""
+    from zerobubble.hf import pipeline_layers
+
+    model = moe_model(family, aux=True)
+    whole = nn.Sequential(*pipeline_layers(model))  # the Pipeline's names
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    states, loss = [], 0.0
+    for step in range(SAVED_AT + 1):
+        if step == SAVED_AT:
+            states.append({k: v.detach().clone() for k, v in whole.state_dict().items()})
+            saved = copy.deepcopy(model)
+            saved_optimizer = torch.optim.AdamW(saved.parameters(), lr=0.01)
+            saved_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        tokens, targets, _ = batch("whole", seed=10 + step)
+        expected = reference_loss(model, tokens, targets, {})
+        expected.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = expected.item()
+    states.append({k: v.detach().clone() for k, v in whole.state_dict().items()})
+    return states[0], states[1], saved, saved_optimizer, loss
+
+
+def _resumed(pipe: Any, mesh: Any, directory: str, expected: dict, expected_loss: float) -> dict:
+    """Load ``directory`` into ``pipe`` (DCP), take step SAVED_AT, compare with the reference."""
+    import torch.distributed.checkpoint as dcp
+
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    state = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(optimizer, flatten=True)}
+    dcp.load(state, checkpoint_id=directory)
+    loaded = pipe.load_state_dict(state["model"])
+    missing = pipe.load_optimizer_state_dict(optimizer, state["optim"])
+    tokens, targets, _ = batch("whole", seed=10 + SAVED_AT)
+    loss = pipe.step(*_my_rows(pipe, tokens, targets))
+    pipe.optimizer_step(optimizer, max_norm=MAX_NORM)
+    return {
+        "loss": None if loss is None else abs(loss.item() - expected_loss) / expected_loss,
+        "params": _distance(pipe.full_state_dict(), expected),
+        "strict": (list(loaded.missing_keys), list(loaded.unexpected_keys), missing),
+    }
+
+
+def checkpoint_cases(root: str) -> dict:
+    """Mixtral with its aux loss: SAVED_AT steps of zb-v on (pp 2, ep 2) saved with DCP, loaded into
+    1f1b on (pp 2, dp 2), into the unpipelined cut (torch's get/set_state_dict, rank 0), and the
+    unpipelined cut's checkpoint loaded into (pp 2, ep 2); each takes the next step."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    from zerobubble.hf import pipeline_layers
+    from zerobubble.runtime.launch import init_distributed
+
+    init_distributed(backend="gloo", timeout=60)
+    torch.set_num_threads(1)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    saved, saved_plain = str(Path(root) / "ep"), str(Path(root) / "plain")
+    at_save, after, model, model_optimizer, last_loss = _reference_run("mixtral")
+    ep_mesh, dp_mesh = _mesh((2, 2), ("pp", "ep")), _mesh((2, 2), ("pp", "dp"))
+    out: dict = {}
+
+    pipe = _pipeline(moe_model("mixtral", aux=True), "zb-v", ep_mesh, True)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    _, out["mismatches"] = _train_steps(pipe, optimizer, ep_mesh, range(SAVED_AT))
+    state = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(optimizer, flatten=True)}
+    experts = {k: v for k, v in state["model"].items() if "experts" in k}
+    out["expert entries"] = {k: (str(v.placements), tuple(v.to_local().shape)) for k, v in experts.items()}
+    out["full tensors"] = max(_relative(v.full_tensor(), at_save[k]) for k, v in experts.items())
+    out["optimizer DTensors"] = sum(hasattr(v, "placements") for v in state["optim"].values())
+    dcp.save(state, checkpoint_id=saved)
+    if dist.get_rank() == 0:
+        whole = nn.Sequential(*pipeline_layers(model))
+        model_state, optim_state = get_state_dict(whole, model_optimizer, options=flat)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=saved_plain, no_dist=True)
+    del pipe, optimizer, state
+    dist.barrier()
+
+    pipe = _pipeline(moe_model("mixtral", aux=True), "1f1b", dp_mesh, True)
+    out["1f1b pp2 dp2 from ep"] = _resumed(pipe, dp_mesh, saved, after, last_loss)
+    del pipe
+    if dist.get_rank() == 0:
+        plain = moe_model("mixtral", aux=True)
+        whole = nn.Sequential(*pipeline_layers(plain))
+        plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=0.01)
+        model_state, optim_state = get_state_dict(whole, plain_optimizer, options=flat)
+        loaded = {"model": model_state, "optim": optim_state}
+        dcp.load(loaded, checkpoint_id=saved, no_dist=True)
+        model_state, optim_state = loaded["model"], loaded["optim"]
+        set_state_dict(
+            whole, plain_optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=flat
+        )
+        out["unpipelined from ep"] = _distance(whole.state_dict(), at_save)
+    dist.barrier()
+    pipe = _pipeline(moe_model("mixtral", aux=True), "zb-v", ep_mesh, True)
+    out["zb-v pp2 ep2 from unpipelined"] = _resumed(pipe, ep_mesh, saved_plain, after, last_loss)
+    return out
+
+
+def _train_steps(pipe: Any, optimizer: Any, mesh: Any, steps: range) -> tuple[list[float], list[str]]:
+    """``steps`` clipped steps of ``pipe`` alone: its losses, the split guard's warnings."""
+    from zerobubble.runtime.wgrad import SplitMismatchWarning
+
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SplitMismatchWarning)
+        for step in steps:
+            tokens, targets, _ = batch("whole", seed=10 + step)
+            loss = pipe.step(*_my_rows(pipe, tokens, targets))
+            pipe.optimizer_step(optimizer, max_norm=MAX_NORM)
+            optimizer.zero_grad()
+            losses.append(None if loss is None else loss.item())
+        pipe.synchronize()
+    return losses, [str(w.message) for w in caught if issubclass(w.category, SplitMismatchWarning)]
+
+
+# -- refusals ----------------------------------------------------------------------------------------
+
+
+def refused_cases() -> dict[str, str]:
+    """What a (pp 2, ep 2) mesh refuses, by case: the PipelineError's message on this rank."""
+    from _hf_models import lm_loss, tiny_model
+
+    from zerobubble import Pipeline
+    from zerobubble.hf import pipeline_layers
+    from zerobubble.runtime import PipelineError
+
+    mesh = _mesh((2, 2), ("pp", "ep"))
+    dense = pipeline_layers(tiny_model("llama", "sdpa").double())
+    odd = pipeline_layers(tiny_model("mixtral", "sdpa", num_hidden_layers=2, num_local_experts=3).double())
+    vocab = pipeline_layers(moe_model("qwen3_moe", aux=False), vocab_parallel=True)
+    attempts = {
+        "dense": lambda: Pipeline(dense, schedule="1f1b", loss_fn=lm_loss, mesh=mesh, timeout=60),
+        "three experts": lambda: Pipeline(odd, schedule="1f1b", loss_fn=lm_loss, mesh=mesh, timeout=60),
+        "vocab parallel": lambda: Pipeline(
+            vocab.layers, schedule="1f1b", mesh=mesh, timeout=60, head=vocab.head, embedding=vocab.embedding
+        ),
+    }
+    out = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            out[name] = "built"
+        except PipelineError as error:
+            out[name] = str(error)
+    return out
+
+
+def dp_ep_case() -> dict:
+    """Mixtral without the aux loss on (pp 1, dp 2, ep 2): four replicas of 2 rows each, the experts
+    sharded over ep and their gradients reduced over dp; three steps against the whole batch."""
+    mesh = _mesh((1, 2, 2), ("pp", "dp", "ep"))
+    model = moe_model("mixtral", aux=False)
+    reference = copy.deepcopy(model)
+    pipe = _pipeline(model, "1f1b", mesh, aux=False)
+    optimizers = tuple(torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pipe, reference))
+    losses, _ = _train(pipe, reference, mesh, range(3), optimizers)
+    return {"losses": losses, "params": _parameter_errors(pipe, reference), "replica": pipe.layout.dp_index}
+
+
+def all_cases(root: str, trained: list[tuple[str, str, bool]]) -> dict:
+    """Everything the test asks of one spawn of four ranks."""
+    out = {"trained": trained_cases(trained), "refused": refused_cases(), "dp ep": dp_ep_case()}
+    out["checkpoints"] = checkpoint_cases(root)
+    return out
