@@ -415,7 +415,9 @@ def moe_reason(plan: Plan) -> str:
         return f"{text}; dualpipe-v not tried"
     if dualpipe.period is None or not dualpipe.fits:
         return f"{text}; dualpipe-v not chosen: {dualpipe.note or 'it does not fit'}"
-    share = hidden_share(dualpipe) or 0.0
+    share = hidden_share(dualpipe)
+    if share is None:
+        return f"{text}; no all-to-all for dualpipe-v to hide"
     if winner is dualpipe:
         other = next((c for c in fitting if c.schedule != "dualpipe-v"), None)
         if other is None or not other.period:
