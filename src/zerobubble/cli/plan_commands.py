@@ -52,29 +52,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_cluster(args: argparse.Namespace) -> int:
     """``plan --cluster``: every layout of the cluster planned from a model config (on paper)."""
-
     from ..schedule.modelplan.cluster import (
         DEFAULT_SCHEDULES,
         Cluster,
         ClusterSearch,
-        TransformerShape,
         best_layout_text,
         cluster_table,
         plan_cluster,
         render_cluster_option,
     )
-    from ..schedule.modelplan.moe import MOE_SCHEDULES, moe_reason, moe_shape, plan_moe_cluster
+    from ..schedule.modelplan.moe import MOE_SCHEDULES, moe_reason, plan_moe_cluster
 
     if not args.model or args.tokens_per_step is None:
         raise UsageError(
             "--cluster needs --model CONFIG.json (a Hugging Face config) and --tokens-per-step N"
         )
-    config = _model_config(args.model)
-    moe = moe_shape(
-        config, experts=args.moe_experts, top_k=args.moe_top_k, shared=args.moe_shared,
-        dense_layers=args.moe_dense_layers, ffn=args.moe_ffn,
-    )  # fmt: skip
-    shape = moe or TransformerShape.from_config(config)
+    shape, moe = _model_shape(args)
     if args.data_parallel == "hsdp":
         raise UsageError(
             "--cluster plans data parallelism replicated or with FSDP2 (--data-parallel replicate or fsdp); "
@@ -111,6 +104,20 @@ def _plan_cluster(args: argparse.Namespace) -> int:
     if args.output:
         print(f"wrote {args.output}")
     return 0
+
+
+def _model_shape(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The model ``--model`` names with the ``--moe-*`` values over it, and the same when it is a
+    mixture of experts (else None)."""
+    from ..schedule.modelplan.cluster import TransformerShape
+    from ..schedule.modelplan.moe import moe_shape
+
+    config = _model_config(args.model)
+    moe = moe_shape(
+        config, experts=args.moe_experts, top_k=args.moe_top_k, shared=args.moe_shared,
+        dense_layers=args.moe_dense_layers, ffn=args.moe_ffn,
+    )  # fmt: skip
+    return moe or TransformerShape.from_config(config), moe
 
 
 def _model_config(model: str) -> dict[str, Any]:
