@@ -45,6 +45,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(result.table())
     print(f"chosen: {result.reason}")
+    if any(layer.all_to_all > 0 for layer in profile.layers):
+        from ..schedule.modelplan.moe import moe_reason
+
+        print(f"experts: {moe_reason(result)}")
     if args.output:
         print(f"wrote {args.output}")
     return 0

@@ -196,3 +196,12 @@ def test_plan_cluster_of_a_moe_on_the_command_line(capsys, tmp_path):
     assert main([*argv, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["layouts"]
     assert {row["ep"] for row in rows} == {1, 2, 4}
+
+
+def test_plan_of_a_profile_with_all_to_all_says_what_dualpipe_v_hides(capsys, tmp_path):
+    path = tmp_path / "moe.json"
+    moe_layers(2, 1.0).save(path)
+    assert main(["plan", "--profile", str(path), "--ranks", "2", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "* dualpipe-v" in out and "dualpipe-v hides" in out
+    assert "experts: expert all-to-all 2.000 ms" in out
