@@ -45,6 +45,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(result.table())
     print(f"chosen: {result.reason}")
+    if any(layer.all_to_all > 0 for layer in profile.layers):
+        from ..schedule.modelplan.moe import moe_reason
+
+        print(f"experts: {moe_reason(result)}")
     if args.output:
         print(f"wrote {args.output}")
     return 0
@@ -52,43 +56,38 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_cluster(args: argparse.Namespace) -> int:
     """``plan --cluster``: every layout of the cluster planned from a model config (on paper)."""
-    from pathlib import Path
-
     from ..schedule.modelplan.cluster import (
         DEFAULT_SCHEDULES,
         Cluster,
         ClusterSearch,
-        TransformerShape,
         best_layout_text,
         cluster_table,
         plan_cluster,
         render_cluster_option,
     )
+    from ..schedule.modelplan.moe import MOE_SCHEDULES, moe_reason, plan_moe_cluster
 
     if not args.model or args.tokens_per_step is None:
         raise UsageError(
             "--cluster needs --model CONFIG.json (a Hugging Face config) and --tokens-per-step N"
         )
-    try:
-        shape = TransformerShape.from_config(json.loads(Path(args.model).read_text()))
-    except (OSError, json.JSONDecodeError) as error:
-        raise UsageError(f"cannot read the model config {args.model!r}: {error}") from None
+    shape, moe = _model_shape(args)
     if args.data_parallel == "hsdp":
         raise UsageError(
             "--cluster plans data parallelism replicated or with FSDP2 (--data-parallel replicate or fsdp); "
             "plan an HSDP layout with --profile and --mesh pp=…,dp_replicate=…,dp_shard=…"
         )
     cluster = Cluster.parse(args.cluster)
-    options = plan_cluster(
-        shape,
-        cluster,
-        args.tokens_per_step,
-        args.seq_len,
-        microbatch_size=args.microbatch_size,
-        recompute=args.recompute,
-        layouts=_cluster_grids(args, shape, cluster),
-        search=ClusterSearch(tuple(args.schedules.split(",")) if args.schedules else DEFAULT_SCHEDULES),
+    search = ClusterSearch(
+        tuple(args.schedules.split(",")) if args.schedules else MOE_SCHEDULES if moe else DEFAULT_SCHEDULES
     )
+    layouts = _cluster_grids(args, shape, cluster)
+    sizes = (args.tokens_per_step, args.seq_len)
+    run: dict[str, Any] = {"microbatch_size": args.microbatch_size, "recompute": args.recompute}
+    if moe:
+        options = plan_moe_cluster(moe, cluster, *sizes, search=search, layouts=layouts, **run)
+    else:
+        options = plan_cluster(shape, cluster, *sizes, search=search, layouts=layouts, **run)
     best = best_layout_text(options)  # raises when no layout fits
     if args.output:
         with writing(args.output):
@@ -98,13 +97,50 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         print(json.dumps({"parameters": shape.parameters, "cluster": cluster.assumptions(), "layouts": rows}))
         return 0
     size = f"{shape.parameters / 1e9:.2f}B parameters"
+    if moe:
+        size += f" ({moe.active_parameters / 1e9:.2f}B active: top-{moe.top_k} of {moe.experts} experts)"
     print(f"{size} on {cluster.size} GPUs ({args.tokens_per_step} tokens a step)")
     print(cluster.describe())
     print(cluster_table(options, args.top))
     print(best)
+    if moe and options[0].plan is not None:
+        print(f"experts: {moe_reason(options[0].plan)}")
     if args.output:
         print(f"wrote {args.output}")
     return 0
+
+
+def _model_shape(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The model ``--model`` names with the ``--moe-*`` values over it, and the same when it is a
+    mixture of experts (else None)."""
+    from ..schedule.modelplan.cluster import TransformerShape
+    from ..schedule.modelplan.moe import moe_shape
+
+    config = _model_config(args.model)
+    moe = moe_shape(
+        config, experts=args.moe_experts, top_k=args.moe_top_k, shared=args.moe_shared,
+        dense_layers=args.moe_dense_layers, ffn=args.moe_ffn,
+    )  # fmt: skip
+    return moe or TransformerShape.from_config(config), moe
+
+
+def _model_config(model: str) -> dict[str, Any]:
+    """``--model``: a preset's sizes (:data:`~..schedule.modelplan.moe.PRESETS`) or a config file's."""
+    from pathlib import Path
+
+    from ..schedule.modelplan.moe import PRESETS
+
+    if model in PRESETS:
+        return dict(PRESETS[model])
+    try:
+        config = json.loads(Path(model).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UsageError(
+            f"cannot read the model config {model!r}: {error} (or name a preset: {', '.join(PRESETS)})"
+        ) from None
+    if not isinstance(config, dict):
+        raise UsageError(f"the model config {model!r} is not a JSON object")
+    return config
 
 
 def _plan_published(args: argparse.Namespace) -> int:
@@ -205,7 +241,17 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="nodes=8,gpus=8,intra=300GB/s,inter=25GB/s[,flops=312e12,memory=80GiB,efficiency=0.713,"
         "hbm=2039GB/s,sms=108,latency=1e-5]",
     )
-    cluster.add_argument("--model", help="a Hugging Face config.json (its sizes)")
+    cluster.add_argument(
+        "--model", help="a Hugging Face config.json (its sizes), or mixtral-8x7b or deepseek-v3-like"
+    )
+    moe = parser.add_argument_group("a mixture of experts (with --cluster; over the config's own)")
+    moe.add_argument("--moe-experts", type=positive_int, help="routed experts of each MoE layer")
+    moe.add_argument("--moe-top-k", type=positive_int, help="experts each token is routed to")
+    moe.add_argument("--moe-shared", type=non_negative_int, help="shared experts every token runs")
+    moe.add_argument(
+        "--moe-dense-layers", type=non_negative_int, help="dense blocks before the first MoE block"
+    )
+    moe.add_argument("--moe-ffn", type=positive_int, help="an expert's FFN width (default: the MLP's)")
     cluster.add_argument("--tokens-per-step", type=positive_int, help="the global batch in tokens")
     cluster.add_argument("--seq-len", type=positive_int, default=4096, help="sequence length (default 4096)")
     cluster.add_argument(

@@ -350,6 +350,7 @@ class ClusterOption:
     memory: float = 0.0
     data_parallel: str = ""
     reason: str = ""
+    ep: int = 1  # a mixture of experts' expert-parallel size (.moe)
 
     def row(self) -> dict[str, Any]:
         """JSON-ready numbers."""
@@ -358,6 +359,7 @@ class ClusterOption:
             "pp": self.pp,
             "dp": self.dp,
             "tp": self.tp,
+            "ep": self.ep,
             "sharding": self.sharding or "replicate",
             "microbatches": self.microbatches,
             "schedule": winner.label if winner else None,
@@ -501,13 +503,15 @@ def cluster_table(options: Sequence[ClusterOption], top: int) -> str:
     header = (
         "  pp   dp   tp  sharding   m  schedule            step s  bubble  memory/GPU  tok/s/GPU   MFU   HFU"
     )
-    lines = [header]
+    experts = any(o.ep > 1 for o in options)  # a mixture of experts: its ep column
+    lines = [header.replace("   tp", "   tp   ep") if experts else header]
     for option in [o for o in options if o.plan is not None][:top]:
         assert option.plan is not None
         winner = option.plan.winner
         bubble = max(winner.bubble_rate or 0.0, 0.0)
+        ep = f" {option.ep:4d}" if experts else ""
         lines.append(
-            f"{option.pp:4d} {option.dp:4d} {option.tp:4d}  {option.sharding or 'replicate':9s}"
+            f"{option.pp:4d} {option.dp:4d} {option.tp:4d}{ep}  {option.sharding or 'replicate':9s}"
             f"{option.microbatches:4d}  {winner.label:16s} {option.step_time:8.3f}  {bubble:6.1%}"
             f"  {format_bytes(option.memory):>10s} {option.tokens_per_second:10.0f} {option.mfu:6.1%}"
             f" {option.hfu:5.1%}"
@@ -528,8 +532,9 @@ def best_layout_text(options: Sequence[ClusterOption]) -> str:
     best = fitting[0]
     assert best.plan is not None
     return (
-        f"best: pp {best.pp} × dp {best.dp} ({best.sharding or 'replicate'}) × tp {best.tp}, "
-        f"{best.plan.winner.label} with {best.microbatches} microbatches: {best.tokens_per_second:.0f} "
+        f"best: pp {best.pp} × dp {best.dp} ({best.sharding or 'replicate'}) × tp {best.tp}"
+        + (f" × ep {best.ep} (within dp)" if best.ep > 1 else "")
+        + f", {best.plan.winner.label} with {best.microbatches} microbatches: {best.tokens_per_second:.0f} "
         f"tokens/s per GPU, MFU {best.mfu:.1%} (HFU {best.hfu:.1%})\n"
         f"data parallel: {best.reason}"
     )

@@ -31,6 +31,8 @@ class LayerProfile:
     keeps until W (0 for a layer without deferred weight gradients); ``output_bytes`` what crosses a
     cut placed right after this layer.  ``backward_fused`` is the time of the fused backward (BW) that
     1F1B, GPipe and interleaved 1F1B run, 0 when not measured (then ``T_B + T_W`` stands for it).
+    ``all_to_all`` is a mixture-of-experts layer's expert all-to-all of one F, and as much again of
+    one B, outside ``T_F`` and ``T_B`` (:mod:`.moe`; ``CostModel.a2a``).
     """
 
     name: str
@@ -44,6 +46,7 @@ class LayerProfile:
     optimizer_bytes: float = 0.0
     output_bytes: float = 0.0
     backward_fused: float = 0.0
+    all_to_all: float = 0.0
 
     @property
     def fused(self) -> float:
@@ -52,8 +55,8 @@ class LayerProfile:
 
     @property
     def work(self) -> float:
-        """``T_F + T_B + T_W``: one microbatch's compute."""
-        return self.forward + self.backward_input + self.backward_weight
+        """``T_F + T_B + T_W``: one microbatch's compute, and its all-to-all where not hidden."""
+        return self.forward + self.backward_input + self.backward_weight + 2 * self.all_to_all
 
     @property
     def static_bytes(self) -> float:
@@ -160,8 +163,9 @@ def stage_costs(
     """Per-virtual-stage costs (seconds, bytes) of the partition ``cuts`` into ``stages`` chunks.
 
     Each stage's F, B, W and activation bytes are the sums over its layers; the transfer after
-    stage ``s`` carries the output of its last layer.  ``memory_limit`` is per rank, in bytes of
-    activations.  With ``fused`` (a schedule of BW ops) B is the measured fused backward and W is 0.
+    stage ``s`` carries the output of its last layer, its ``a2a`` the layers' all-to-all.
+    ``memory_limit`` is per rank, in bytes of activations.  With ``fused`` (a schedule of BW ops) B
+    is the measured fused backward and W is 0.
     """
     bounds = [0, *cuts, len(profile.layers)]
     groups = [profile.layers[bounds[s] : bounds[s + 1]] for s in range(stages)]
@@ -170,6 +174,7 @@ def stage_costs(
         return [math.fsum(getattr(layer, name) for layer in group) for group in groups]
 
     comm = [profile.transfer_time(group[-1].output_bytes) for group in groups[:-1]] + [0.0]
+    a2a = total("all_to_all")
     return CostModel(
         f=total("forward"),
         b=total("fused") if fused else total("backward_input"),
@@ -178,4 +183,5 @@ def stage_costs(
         mem_b=total("activation_bytes"),
         mem_w=[min(w, b) for w, b in zip(total("weight_input_bytes"), total("activation_bytes"))],
         memory_limit=list(memory_limit) if memory_limit is not None else None,
+        a2a=a2a if any(a2a) else 0.0,
     )

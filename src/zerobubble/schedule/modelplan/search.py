@@ -54,7 +54,7 @@ def plan(
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
     ``memory_limit`` is a byte budget per rank (``"24GiB"``, a number, ``"80%"`` of
-    ``device_memory``); ``schedules`` defaults to every registry schedule but the slow ILP;
+    ``device_memory``); ``schedules`` defaults to :func:`default_schedules`;
     ``interleaved_chunks`` are the chunk counts tried for interleaved 1F1B; ``optimizer`` selects the
     period minimised (``"post-validation"``: iteration time, ``"sync"``: makespan); ``refine`` bounds
     the simulator-guided moves of cut points of each candidate within 10 % of the best; a candidate
@@ -74,7 +74,7 @@ def plan(
     layout = layout or Grid()
     budget = parse_bytes(memory_limit, device_memory)
     _check_request(profile, ranks, microbatches, optimizer, head, layout, budget)
-    names = list(schedules) if schedules is not None else [n for n in REGISTRY if n not in SLOW_SCHEDULES]
+    names = list(schedules) if schedules is not None else default_schedules(profile)
     common = _SearchArgs(profile, ranks, microbatches, budget, optimizer, refine, cores)
     searches = _searches(common, layout, head, vocab_embedding)
     ordered = _ordered(_candidates(searches, names, interleaved_chunks))
@@ -91,6 +91,13 @@ def plan(
     return Plan(
         winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known
     )
+
+
+def default_schedules(profile: ModelProfile) -> list[str]:
+    """Every registry schedule but the slow ones; with ``dualpipe-v`` when the profile has an expert
+    all-to-all for its overlapped pairs to hide (:mod:`.moe`)."""
+    moe = any(layer.all_to_all > 0 for layer in profile.layers)
+    return [n for n in REGISTRY if n not in SLOW_SCHEDULES or (moe and n == "dualpipe-v")]
 
 
 def _check_request(
