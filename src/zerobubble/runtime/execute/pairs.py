@@ -11,15 +11,21 @@ backward, whose input was posted ahead and arrives while the forward computes: t
 
 A user's own overlap is a hook ``overlap(pair)`` (``Pipeline(overlap=...)``) that runs both halves
 (:class:`PairHalf`) itself, in any order or phase by phase; its contract is ``docs/runtime.md``,
-"Overlapped F&B pairs".  A recorder sees both halves as ops (in program order, each its own
-interval) and the pair as an event; under a torch profiler a half run whole is in its op range.
+"Overlapped F&B pairs".  ``overlap="threads"`` is the built-in one, :class:`ThreadedOverlap`: the
+forward half on a worker thread while the backward half runs on the caller's.  A recorder sees
+both halves as ops (in program order, each its own interval) and the pair as an event; under a
+torch profiler a half run whole is in its op range.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 from torch.autograd.profiler import record_function
 
 from ...schedule.ir import Kind, Op
@@ -160,6 +166,70 @@ class OverlappedPair(Hook):
         if recorder is not None:  # the halves in program order, each with its own interval
             for half in (forward, backward):
                 recorder.op(half.op, half.span[0], half.span[1])
+
+
+class ThreadedOverlap:
+    """The overlap hook ``overlap="threads"``: each pair's forward half on one worker thread (made
+    once, at the first pair) while its backward half runs on the calling thread, so that one half's
+    collectives are in flight while the other computes (torch's kernels and gloo's waits release the
+    GIL).  Exact because each half's transfers keep their channels' order (the forward's sends are
+    its own; the backward's waits and posts are on other channels) and its expert all-to-alls go over
+    their own group (forward's, backward's): ``docs/runtime.md``, "Overlapped F&B pairs"."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, pair: OverlappedPair) -> None:
+        grad_mode = torch.is_grad_enabled()  # thread-local: the worker takes the caller's
+        forward = self._worker().submit(_run_half, pair.forward, grad_mode)
+        try:
+            pair.backward()
+        except BaseException:
+            _settle(forward)  # the forward's own failure, if any, is the later one: the caller's first
+            raise
+        forward.result()  # the forward's failure, raised on the caller
+
+    def _worker(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerobubble-pair")
+            return self._pool
+
+    def close(self) -> None:
+        """End the worker thread (a later pair starts another)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def overlap_hook(overlap: OverlapHook | str | None) -> OverlapHook | None:
+    """The hook that ``Pipeline(overlap=...)`` asks for: a callable as it is, ``"threads"`` a new
+    :class:`ThreadedOverlap`, None the sequential run."""
+    check_overlap(overlap)
+    return ThreadedOverlap() if overlap == "threads" else overlap  # type: ignore[return-value]
+
+
+def check_overlap(overlap: Any) -> None:
+    """Refuse an ``overlap=`` that is not None, ``"threads"`` or a callable."""
+    if overlap is None or overlap == "threads" or callable(overlap):
+        return
+    raise PipelineError(
+        f'overlap={overlap!r}: pass None (the pair\'s halves one after the other), "threads" (the '
+        "forward half on a worker thread) or a callable overlap(pair) running both halves"
+    )
+
+
+def _run_half(half: PairHalf, grad_mode: bool) -> None:
+    with torch.set_grad_enabled(grad_mode):
+        half()
+
+
+def _settle(future: Future) -> None:
+    """Wait for ``future`` (each half's collectives end, at the latest at their timeout)."""
+    with contextlib.suppress(BaseException):  # the caller is raising its own error
+        future.result()
 
 
 def fold_pairs(program: list[ProgramEntry], executor: Any) -> list[ProgramEntry]:
