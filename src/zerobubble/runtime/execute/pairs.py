@@ -181,6 +181,10 @@ class ThreadedOverlap:
         self._lock = threading.Lock()
 
     def __call__(self, pair: OverlappedPair) -> None:
+        if pair.forward.op.stage == pair.backward.op.stage:  # one stage's W store: one at a time
+            pair.forward()
+            pair.backward()
+            return
         grad_mode = torch.is_grad_enabled()  # thread-local: the worker takes the caller's
         forward = self._worker().submit(_run_half, pair.forward, grad_mode)
         try:
