@@ -183,6 +183,20 @@ def test_threads_runs_the_forward_half_on_one_worker_and_raises_its_failure_on_t
     assert "the forward half failed" in repr(raised.value.__cause__)
 
 
+def test_threads_are_refused_where_both_halves_share_a_collective_group():
+    from zerobubble.runtime.execute.pairs import check_threaded_grid
+    from zerobubble.schedule.grid import Grid
+
+    check_threaded_grid("threads", Grid.of_mesh(("pp", "ep"), (2, 2)))  # ep: a group per half
+    check_threaded_grid(None, Grid.of_mesh(("pp", "tp"), (2, 2)))
+    for grid in (
+        Grid.of_mesh(("pp", "tp"), (2, 2)),
+        Grid.of_mesh(("pp", "dp"), (2, 2), data_parallel="fsdp"),
+    ):
+        with pytest.raises(PipelineError, match=r'overlap="threads" .* \(tensor-parallel or FSDP\)'):
+            check_threaded_grid("threads", grid)
+
+
 def test_an_unknown_overlap_is_refused_clearly():
     executor = _executor(build_schedule("dualpipe-v", 1, 2), 0, _model(0))
     with pytest.raises(PipelineError, match=r"overlap='thread': pass None .*\"threads\""):

@@ -53,7 +53,7 @@ class PairHalf:
         self.op: Op = entry[0]  # type: ignore[assignment]
         self._entry = entry
         self._surround = (tuple(surround), forward)  # the lowered actions: after F, before B
-        self._pieces = pieces  # (receive, compute, send) of the executor, each on (state, j[, value])
+        self._pieces = pieces  # (receive, compute, send[, checks]) of the executor, on (state, j[, value])
         self._phase = 0
         self._value: Any = None
         self._clock: Callable[[], Any] | None = None  # the recorder's, while one records
@@ -102,6 +102,12 @@ class PairHalf:
             _run(entries)
         self._phase = 3
         self._mark(1)
+
+    def checking(self) -> bool:
+        """Whether the forward (after :meth:`receive`) runs its stage's split-guard check (a path
+        not yet verified): plain and split passes, their backwards included, inside it."""
+        _, _, state, j = self._entry
+        return len(self._pieces) > 3 and self._pieces[3](state, j, self._value)
 
     @property
     def done(self) -> bool:
@@ -181,12 +187,17 @@ class ThreadedOverlap:
         self._lock = threading.Lock()
 
     def __call__(self, pair: OverlappedPair) -> None:
-        if pair.forward.op.stage == pair.backward.op.stage:  # one stage's W store: one at a time
-            pair.forward()
+        half = pair.forward
+        half.receive()  # from the mailbox: its waits ran before the pair
+        # one stage's W store serves one op at a time; the split guard's check of a new path runs
+        # plain and split backwards (the backward group's collectives) inside the forward
+        if half.op.stage == pair.backward.op.stage or half.checking():
+            half.compute()
+            half.send()
             pair.backward()
             return
         grad_mode = torch.is_grad_enabled()  # thread-local: the worker takes the caller's
-        forward = self._worker().submit(_run_half, pair.forward, grad_mode)
+        forward = self._worker().submit(_compute_and_send, half, grad_mode)
         try:
             pair.backward()
         except BaseException:
@@ -225,9 +236,23 @@ def check_overlap(overlap: Any) -> None:
     )
 
 
-def _run_half(half: PairHalf, grad_mode: bool) -> None:
+def check_threaded_grid(overlap: Any, grid: Any) -> None:
+    """Refuse ``overlap="threads"`` on a grid whose stages run collectives of their own in both
+    halves over one group (tensor parallelism, FSDP): their order would differ between ranks."""
+    if overlap != "threads" or (grid.tp == 1 and grid.sharding is None):
+        return
+    raise PipelineError(
+        f'overlap="threads" runs a pair\'s halves on two threads, but on this grid ({grid.describe()}) '
+        "both halves post collectives over one group (tensor-parallel or FSDP), in an order that would "
+        'differ between ranks: drop overlap="threads" (the halves then run one after the other) or '
+        "keep only the pipeline, replicated data-parallel and ep dimensions"
+    )
+
+
+def _compute_and_send(half: PairHalf, grad_mode: bool) -> None:
     with torch.set_grad_enabled(grad_mode):
-        half()
+        half.compute()
+        half.send()
 
 
 def _settle(future: Future) -> None:
@@ -248,10 +273,17 @@ def fold_pairs(program: list[ProgramEntry], executor: Any) -> list[ProgramEntry]
     def context() -> tuple[OverlapHook | None, Any]:
         return executor.overlap, executor.recorder
 
+    def checks(state: Any, j: int, inputs: tuple) -> bool:
+        guard = state.guard
+        if guard is None or not executor._keep:
+            return False
+        kwargs = executor._kwargs[j] if executor._kwargs else {}
+        return guard.signature(inputs, kwargs) not in guard.verified
+
     def pieces(op: Op) -> tuple:
-        """The (receive, compute, send) pieces of ``op``'s handler."""
+        """The (receive, compute, send[, split-guard check ahead]) pieces of ``op``'s handler."""
         if op.kind is Kind.F:
-            return executor.receive_forward, executor.compute_forward, executor.send_forward
+            return executor.receive_forward, executor.compute_forward, executor.send_forward, checks
         defer = op.kind is Kind.B
         compute = executor.compute_backward
         return (
