@@ -9,6 +9,7 @@ Each ``ep`` rank runs its half of the batch (2 microbatches of 2 rows); the refe
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from torch import nn
 EP_MICROBATCHES = 2  # per ep rank: the reference's 4 microbatches of 2 rows, split over the ep ranks
 #: dualpipe-v needs 2p microbatches a pipeline: 4 of one row each per ep rank (without the aux loss,
 #: whose reference is per microbatch of 2 rows)
-SCHEDULE_MICROBATCHES = {"dualpipe-v": 4}
+SCHEDULE_MICROBATCHES = {"dualpipe-v": 4, "dualpipe-v threads": 4}
 MAX_NORM = 0.05  # small enough to clip every step
 
 
@@ -46,9 +47,10 @@ def _pipeline(model: nn.Module, schedule: str, mesh: Any, aux: bool) -> Any:
     from zerobubble.hf import pipeline_layers, with_router_aux_loss
 
     loss = with_router_aux_loss(lm_loss) if aux else lm_loss
+    name, _, overlap = schedule.partition(" ")  # "dualpipe-v threads": overlap="threads"
     return Pipeline(
-        pipeline_layers(model), schedule=schedule, microbatches=_microbatches(schedule), loss_fn=loss,
-        timeout=60, mesh=mesh,
+        pipeline_layers(model), schedule=name, microbatches=_microbatches(schedule), loss_fn=loss,
+        timeout=60, mesh=mesh, overlap=overlap or None,
     )  # fmt: skip
 
 
@@ -106,9 +108,15 @@ class _Exchanges:
         from zerobubble.runtime.parallel import experts
 
         self.count, self._module, self._original = 0, experts, experts._exchange
+        self.groups: set[int] = set()  # the process groups the exchanges went over
+        self.threads: set[str] = set()  # the threads that ran them
+        lock = threading.Lock()  # overlap="threads" exchanges from two threads
 
         def counted(*args: Any) -> torch.Tensor:
-            self.count += 1
+            with lock:
+                self.count += 1
+                self.groups.add(id(args[-1]))
+                self.threads.add(threading.current_thread().name.split("_")[0])
             return self._original(*args)
 
         experts._exchange = counted
@@ -134,7 +142,7 @@ def trained_cases(cases: list[tuple[str, str, bool]]) -> dict:
         pipe = _pipeline(model, schedule, mesh, aux)
         optimizers = tuple(torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pipe, reference))
         losses, mismatches = _train(pipe, reference, mesh, range(2), optimizers)  # the split guard's runs too
-        exchanges.count = 0
+        exchanges.count, exchanges.groups, exchanges.threads = 0, set(), set()
         last, more = _train(pipe, reference, mesh, range(2, 3), optimizers)
         blocks = sum(isinstance(m, ExpertParallelExperts) for m in pipe.module.modules())
         experts = [name for name, p in pipe.named_parameters() if hasattr(p, "full_tensor")]
@@ -143,6 +151,8 @@ def trained_cases(cases: list[tuple[str, str, bool]]) -> dict:
             "params": _parameter_errors(pipe, reference),
             "mismatches": mismatches + more,
             "exchanges": (exchanges.count, 4 * blocks * _microbatches(schedule)),
+            "groups": len(exchanges.groups),
+            "threads": sorted(exchanges.threads),
             "experts": experts,
             "report": [(r.type, r.path, r.verified) for r in pipe.split_report() if "Experts" in r.type],
         }

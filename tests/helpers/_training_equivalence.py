@@ -132,7 +132,7 @@ def _phases(pair: Any) -> None:
 
 
 #: ``Pipeline(overlap=...)`` by name: the default run of each pair, or a user's hook
-OVERLAPS = {None: None, "reversed": _reversed, "phases": _phases}
+OVERLAPS = {None: None, "reversed": _reversed, "phases": _phases, "threads": "threads"}
 
 
 def plain_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -127,6 +127,8 @@ def cases(world_size: int) -> st.SearchStrategy[Case]:
         allowed = layout != "mesh-tp" and not (replicas and choice["schedule"] == "auto")
         allowed = allowed and choice["schedule"] != "dualpipe-v"  # no vocabulary ops in a pair (refused)
         vocab_parallel = data(st.booleans()) if allowed else False
+        if choice.get("overlap") == "threads" and layout in ("mesh-fsdp", "mesh-tp"):
+            choice["overlap"] = None  # refused: both halves' collectives on one group
         cuts = choice.pop("cuts", None)
         layers = choice["blocks"] + (0 if vocab_parallel else 2)
         if cuts is not None and data(st.booleans()):  # explicit cuts, else even ones
@@ -204,6 +206,8 @@ ISSUE_CASE = Case("zb-h1", 4, 4, True, True, False, "sgd", 0.3, 0.5, True, "zero
                    trace=True))  # fmt: skip
 @example(case=Case("dualpipe-v", 5, 7, False, False, False, "sgd", 0.3, 0.5, True, "zero-first",
                    overlap="reversed"))  # fmt: skip
+@example(case=Case("dualpipe-v", 4, 6, False, True, True, "adamw", 0.05, 0.05, True, "zero-after",
+                   overlap="threads"))  # fmt: skip
 @_settings(EXAMPLES[2])
 def test_two_ranks_train_like_one_process(two_ranks, case):
     _check(two_ranks, case)

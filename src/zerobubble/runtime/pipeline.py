@@ -83,8 +83,8 @@ class Pipeline:
     model's names (:mod:`.pipeline_state`).  ``trace`` records the last steps' ops, ``emulate``
     stretches each op to a modelled duration; ``fast_paths`` adds split rules, ``verify`` sets the
     split guard, ``check_calls=False`` skips the per-call comparison, ``seed`` roots the forwards'
-    RNG streams, ``static_shapes`` lets receives be posted ahead, ``overlap(pair)`` runs each
-    overlapped F&B pair (:mod:`.execute.pairs`).  Every argument after ``layers`` is keyword-only.
+    RNG streams, ``static_shapes`` lets receives be posted ahead, ``overlap`` runs each overlapped
+    F&B pair (:mod:`.execute.pairs`; ``"threads"``: two threads).  Arguments after ``layers``: keyword-only.
 
     Construction records the arguments as one checked :class:`~.construct.request.PipelineRequest`
     (:attr:`request`), resolves it into one :class:`~.resolve.Resolution` every rank agrees
@@ -125,7 +125,7 @@ class Pipeline:
         head: VocabParallelHead | None = None,
         embedding: VocabParallelEmbedding | None = None,
         fsdp: FSDPOptions | None = None,
-        overlap: Callable[[Any], None] | None = None,
+        overlap: Callable[[Any], None] | str | None = None,
     ):
         # checked as it is made: a wrong argument raises here, on every rank, before any collective
         request = PipelineRequest(
@@ -201,7 +201,7 @@ class Pipeline:
         dp_mesh = data_mesh(mesh, self.layout.grid) if mesh is not None else None
         self._sharded = ShardedStages(self.layout, self.device, dp_mesh, options) if self.sharding else None
         shard = self._sharded.shard if self._sharded is not None else None
-        experts = expert_sharding(self.layout.grid, mesh)  # expert parallelism: the "ep" dimension's shards
+        experts = expert_sharding(self.layout.grid, mesh, timeout=self.timeout)  # expert parallelism
         stages, self._guards = place_stages(
             resolution, self._request, rank=self.rank, device=self.device, module=self.module, shard=shard,
             experts=experts)  # fmt: skip

@@ -118,7 +118,9 @@ def _phases(pair) -> None:
     forward.send()
 
 
-@pytest.mark.parametrize("hook", [None, _reversed, _phases], ids=["program order", "reversed", "phases"])
+@pytest.mark.parametrize(
+    "hook", [None, _reversed, _phases, "threads"], ids=["program order", "reversed", "phases", "threads"]
+)
 def test_a_pair_gives_plain_autograds_gradients_over_several_steps_whichever_way_it_runs(hook):
     m, steps = 4, 3
     layers, reference = _model(0), _model(0)
@@ -157,6 +159,48 @@ def test_a_hook_that_breaks_the_contract_is_a_clear_error(hook, message):
     executor.overlap = hook
     with pytest.raises(PipelineError, match=message):
         executor.run_step(*_batch(0, 2))
+
+
+def test_threads_runs_the_forward_half_on_one_worker_and_raises_its_failure_on_the_caller():
+    import threading
+
+    executor = _executor(build_schedule("dualpipe-v", 1, 4), 0, _model(0))
+    executor.overlap = "threads"
+    seen: set[str] = set()
+    stage = executor.stages[1].module
+    stage.register_forward_hook(lambda *_: seen.add(threading.current_thread().name.split("_")[0]))
+    executor.run_step(*_batch(0, 4))
+    executor.run_step(*_batch(1, 4))
+    assert seen == {"MainThread", "zerobubble-pair"}, "pairs' forwards on one worker, made once"
+
+    def fail(*_):
+        if threading.current_thread().name.startswith("zerobubble-pair"):
+            raise ValueError("the forward half failed")
+
+    stage.register_forward_hook(fail)
+    with pytest.raises(PipelineError) as raised:
+        executor.run_step(*_batch(2, 4))
+    assert "the forward half failed" in repr(raised.value.__cause__)
+
+
+def test_threads_are_refused_where_both_halves_share_a_collective_group():
+    from zerobubble.runtime.execute.pairs import check_threaded_grid
+    from zerobubble.schedule.grid import Grid
+
+    check_threaded_grid("threads", Grid.of_mesh(("pp", "ep"), (2, 2)))  # ep: a group per half
+    check_threaded_grid(None, Grid.of_mesh(("pp", "tp"), (2, 2)))
+    for grid in (
+        Grid.of_mesh(("pp", "tp"), (2, 2)),
+        Grid.of_mesh(("pp", "dp"), (2, 2), data_parallel="fsdp"),
+    ):
+        with pytest.raises(PipelineError, match=r'overlap="threads" .* \(tensor-parallel or FSDP\)'):
+            check_threaded_grid("threads", grid)
+
+
+def test_an_unknown_overlap_is_refused_clearly():
+    executor = _executor(build_schedule("dualpipe-v", 1, 2), 0, _model(0))
+    with pytest.raises(PipelineError, match=r"overlap='thread': pass None .*\"threads\""):
+        executor.overlap = "thread"
 
 
 class Recorder:

@@ -3,10 +3,11 @@
 Each ``ep`` rank runs its half of the batch; the experts are sharded over ``ep`` as DTensors and the
 routed tokens cross it by all-to-all.  The MoE families (Mixtral, Qwen2-MoE with its shared
 expert, Qwen3-MoE), with 1F1B and ZB-V (the experts' weights B/W-split), with the router's aux loss
-and without, train like the model in one process on the whole batch (float64, three clipped AdamW
-steps) and the split guard finds no mismatch; DCP checkpoints go from (pp 2, ep 2) to (pp 2, dp 2)
-and to the unpipelined cut and back; (pp 1, dp 2, ep 2) reduces the experts over dp only; wrong
-layouts are refused on every rank.  One spawn serves all.
+and without, dualpipe-v also with ``overlap="threads"``, train like the model in one process on the
+whole batch (float64, three clipped AdamW steps) and the split guard finds no mismatch; DCP
+checkpoints go from (pp 2, ep 2) to (pp 2, dp 2) and to the unpipelined cut and back; (pp 1, dp 2,
+ep 2) reduces the experts over dp only; wrong layouts are refused on every rank.
+One spawn serves all.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ TRAINED = [
     ("qwen3_moe", "1f1b", False),
     ("qwen3_moe", "zb-v", True),
     ("mixtral", "dualpipe-v", False),
+    ("mixtral", "dualpipe-v threads", False),  # overlap="threads": each pair's halves on two threads
 ]
 
 
@@ -72,6 +74,9 @@ def test_pp2_ep2_trains_like_the_model_on_the_whole_batch(case, results):
         assert bool(m["report"]) == (schedule != "1f1b")  # zb-v, dualpipe-v: the experts' W deferred
         sent, expected = m["exchanges"]
         assert sent == expected, "one dispatch and one combine per F and per B: W sends nothing"
+        assert m["groups"] == 2, "a forward's exchanges over one group, a backward's over another"
+        threaded = schedule.endswith("threads")
+        assert m["threads"] == (["MainThread", "zerobubble-pair"] if threaded else ["MainThread"])
         assert all(path == "generic" and verified for _, path, verified in m["report"])
 
 

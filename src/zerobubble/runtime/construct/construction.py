@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ...schedule.grid import Grid
 from .. import PipelineError
+from ..execute.pairs import check_threaded_grid
 from ..launch import init_distributed, local_device
 from ..parallel.experts import check_expert_layers
 from ..parallel.groups import equalize_group_counts, local_group
@@ -63,6 +64,7 @@ def world_of(request: PipelineRequest) -> World:
         else _flat_grid(group, request.data_parallel)
     )
     check_expert_layers(request.layers, grid.ep)  # alike on every rank, before any collective
+    check_threaded_grid(request.overlap, grid)
     # local groups are named by each rank's group count: make the counts equal first (.groups)
     setup = timedelta(seconds=max(timeout, 60.0))
     equalize_group_counts(mesh_groups(mesh) if mesh is not None else [group], timeout=setup)

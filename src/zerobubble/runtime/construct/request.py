@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...schedule.sharding import FSDPOptions
 from .. import PipelineError
+from ..execute.pairs import check_overlap
 from ..launch import check_timeout
 from ..parallel.fsdp import check_fsdp_options
 from ..vocab.runner import check_vocab_request
@@ -72,7 +73,7 @@ class PipelineRequest:
     head: VocabParallelHead | None = None
     embedding: VocabParallelEmbedding | None = None
     fsdp: FSDPOptions | None = None
-    overlap: Callable[[Any], None] | None = None  # runs each overlapped F&B pair (execute/pairs.py)
+    overlap: Callable[[Any], None] | str | None = None  # runs each overlapped F&B pair (execute/pairs.py)
 
     def __post_init__(self) -> None:
         # today's order of the checks, each with its message (tests/runtime/construct/test_request.py)
@@ -89,6 +90,7 @@ class PipelineRequest:
         check_timeout(self.timeout)
         check_partition(self.schedule, self.partition)
         check_fsdp_options(self.fsdp, self.data_parallel)
+        check_overlap(self.overlap)
 
     @property
     def vocab_parallel(self) -> bool:

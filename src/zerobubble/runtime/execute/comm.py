@@ -19,6 +19,7 @@ Headers, look-ahead and forward-only steps: ``docs/runtime.md``.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -138,6 +139,9 @@ class Comm:
         self._queues: dict[int, deque[MessageKey]] = {}
         self._posted: dict[MessageKey, _Pending] = {}
         self._sends: dict[MessageKey, tuple[list, tuple[torch.Tensor, ...]]] = {}  # in sending order
+        # the sends are posted by an overlapped pair's forward half, on a worker thread, while the
+        # backward half's receives release them (execute/pairs.py, ThreadedOverlap)
+        self._sends_lock = threading.Lock()
         self._headers = True
         self._keep_shapes = True  # False in forward-only steps: evaluation shapes are not cached
         self._profiling = False  # a torch profiler records this step: transfers get ranges (.ranges)
@@ -219,16 +223,19 @@ class Comm:
 
     def wait_send(self, key: MessageKey) -> None:
         """Wait until the send of message ``key`` is over (at once when it was already released)."""
-        entry = self._sends.pop(key, None)
+        with self._sends_lock:
+            entry = self._sends.pop(key, None)
         if entry is not None:
             for work in entry[0]:
                 self._wait(work, "a send to finish")
 
     def _wait_sends(self) -> None:
-        for works, _ in self._sends.values():
+        with self._sends_lock:
+            sends = list(self._sends.values())
+            self._sends.clear()
+        for works, _ in sends:
             for work in works:
                 self._wait(work, "a send to finish")
-        self._sends.clear()
 
     def abort_step(self) -> None:
         """Forget the step's state after a failure (the pipeline is unusable afterwards)."""
@@ -260,8 +267,9 @@ class Comm:
             works = [dist.isend(t, peer, group=group) for t in tensors]
         except RuntimeError as error:
             raise self._failure(f"sending message {key} to rank {dst}", error) from error
-        self._release_sent()
-        self._sends[key] = (works, tensors)
+        with self._sends_lock:
+            self._release_sent()
+            self._sends[key] = (works, tensors)
 
     def _release_sent(self) -> None:
         """Drop the oldest sends whose works report completion (NCCL's do; gloo's only after a wait)."""
@@ -282,12 +290,14 @@ class Comm:
         if upto <= done:
             return
         self._proven[src] = upto
-        for arrived in messages[done:upto]:
-            for sent in self._proves.get(arrived, ()):
-                entry = self._sends.pop(sent, None)
-                if entry is not None:
-                    for work in entry[0]:
-                        self._wait(work, "a delivered send to finish")
+        with self._sends_lock:
+            proven = [
+                self._sends.pop(sent, None) for a in messages[done:upto] for sent in self._proves.get(a, ())
+            ]
+        for entry in proven:
+            if entry is not None:
+                for work in entry[0]:
+                    self._wait(work, "a delivered send to finish")
 
     def _check_shapes(self, key: MessageKey, tensors: tuple[torch.Tensor, ...]) -> None:
         expected = self._shapes.get((key.direction, key.boundary))

@@ -40,7 +40,7 @@ from ..wgrad import WeightGradStore
 from ..wgrad.verify import SplitGuard
 from .comm import Comm
 from .ends import ModelEnds
-from .pairs import OverlapHook, expand_pairs, fold_pairs
+from .pairs import OverlapHook, expand_pairs, fold_pairs, overlap_hook
 from .program import (
     Communication,
     Hook,
@@ -120,13 +120,22 @@ class Executor:
         self._after: dict[int, list[Hook]] = {}
         self._actions: tuple[Action, ...] = plain_actions(schedule, rank)  # or the lowered (follow)
         self.communication: Communication = NoCommunication()
-        self.overlap: OverlapHook | None = None  # runs each overlapped F&B pair's halves (.pairs)
+        self._overlap: OverlapHook | None = None  # runs each overlapped F&B pair's halves (.pairs)
         self.compile()
         self._steps = 0
         self.seed = seed
         self._keep = True  # False in forward-only steps: nothing is kept for a backward
         self._reported = False
         self._cuda = comm.device.type == "cuda"  # F ops then save and restore the CUDA RNG too
+
+    @property
+    def overlap(self) -> OverlapHook | None:
+        """How each overlapped F&B pair runs (:mod:`.pairs`): None in program order, or a hook."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, overlap: OverlapHook | str | None) -> None:
+        self._overlap = overlap_hook(overlap)  # "threads": a ThreadedOverlap, its worker made once
 
     def compile(self) -> None:
         """Bind every action of this rank's program to its handler and place the hooks around the ops.

@@ -11,15 +11,21 @@ backward, whose input was posted ahead and arrives while the forward computes: t
 
 A user's own overlap is a hook ``overlap(pair)`` (``Pipeline(overlap=...)``) that runs both halves
 (:class:`PairHalf`) itself, in any order or phase by phase; its contract is ``docs/runtime.md``,
-"Overlapped F&B pairs".  A recorder sees both halves as ops (in program order, each its own
-interval) and the pair as an event; under a torch profiler a half run whole is in its op range.
+"Overlapped F&B pairs".  ``overlap="threads"`` is the built-in one, :class:`ThreadedOverlap`: the
+forward half on a worker thread while the backward half runs on the caller's.  A recorder sees
+both halves as ops (in program order, each its own interval) and the pair as an event; under a
+torch profiler a half run whole is in its op range.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 from torch.autograd.profiler import record_function
 
 from ...schedule.ir import Kind, Op
@@ -47,7 +53,7 @@ class PairHalf:
         self.op: Op = entry[0]  # type: ignore[assignment]
         self._entry = entry
         self._surround = (tuple(surround), forward)  # the lowered actions: after F, before B
-        self._pieces = pieces  # (receive, compute, send) of the executor, each on (state, j[, value])
+        self._pieces = pieces  # (receive, compute, send[, checks]) of the executor, on (state, j[, value])
         self._phase = 0
         self._value: Any = None
         self._clock: Callable[[], Any] | None = None  # the recorder's, while one records
@@ -96,6 +102,12 @@ class PairHalf:
             _run(entries)
         self._phase = 3
         self._mark(1)
+
+    def checking(self) -> bool:
+        """Whether the forward (after :meth:`receive`) runs its stage's split-guard check (a path
+        not yet verified): plain and split passes, their backwards included, inside it."""
+        _, _, state, j = self._entry
+        return len(self._pieces) > 3 and self._pieces[3](state, j, self._value)
 
     @property
     def done(self) -> bool:
@@ -162,6 +174,93 @@ class OverlappedPair(Hook):
                 recorder.op(half.op, half.span[0], half.span[1])
 
 
+class ThreadedOverlap:
+    """The overlap hook ``overlap="threads"``: each pair's forward half on one worker thread (made
+    once, at the first pair) while its backward half runs on the calling thread, so that one half's
+    collectives are in flight while the other computes (torch's kernels and gloo's waits release the
+    GIL).  Exact because each half's transfers keep their channels' order (the forward's sends are
+    its own; the backward's waits and posts are on other channels) and its expert all-to-alls go over
+    their own group (forward's, backward's): ``docs/runtime.md``, "Overlapped F&B pairs"."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, pair: OverlappedPair) -> None:
+        half = pair.forward
+        half.receive()  # from the mailbox: its waits ran before the pair
+        # one stage's W store serves one op at a time; the split guard's check of a new path runs
+        # plain and split backwards (the backward group's collectives) inside the forward
+        if half.op.stage == pair.backward.op.stage or half.checking():
+            half.compute()
+            half.send()
+            pair.backward()
+            return
+        grad_mode = torch.is_grad_enabled()  # thread-local: the worker takes the caller's
+        forward = self._worker().submit(_compute_and_send, half, grad_mode)
+        try:
+            pair.backward()
+        except BaseException:
+            _settle(forward)  # the forward's own failure, if any, is the later one: the caller's first
+            raise
+        forward.result()  # the forward's failure, raised on the caller
+
+    def _worker(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerobubble-pair")
+            return self._pool
+
+    def close(self) -> None:
+        """End the worker thread (a later pair starts another)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def overlap_hook(overlap: OverlapHook | str | None) -> OverlapHook | None:
+    """The hook that ``Pipeline(overlap=...)`` asks for: a callable as it is, ``"threads"`` a new
+    :class:`ThreadedOverlap`, None the sequential run."""
+    check_overlap(overlap)
+    return ThreadedOverlap() if overlap == "threads" else overlap  # type: ignore[return-value]
+
+
+def check_overlap(overlap: Any) -> None:
+    """Refuse an ``overlap=`` that is not None, ``"threads"`` or a callable."""
+    if overlap is None or overlap == "threads" or callable(overlap):
+        return
+    raise PipelineError(
+        f'overlap={overlap!r}: pass None (the pair\'s halves one after the other), "threads" (the '
+        "forward half on a worker thread) or a callable overlap(pair) running both halves"
+    )
+
+
+def check_threaded_grid(overlap: Any, grid: Any) -> None:
+    """Refuse ``overlap="threads"`` on a grid whose stages run collectives of their own in both
+    halves over one group (tensor parallelism, FSDP): their order would differ between ranks."""
+    if overlap != "threads" or (grid.tp == 1 and grid.sharding is None):
+        return
+    raise PipelineError(
+        f'overlap="threads" runs a pair\'s halves on two threads, but on this grid ({grid.describe()}) '
+        "both halves post collectives over one group (tensor-parallel or FSDP), in an order that would "
+        'differ between ranks: drop overlap="threads" (the halves then run one after the other) or '
+        "keep only the pipeline, replicated data-parallel and ep dimensions"
+    )
+
+
+def _compute_and_send(half: PairHalf, grad_mode: bool) -> None:
+    with torch.set_grad_enabled(grad_mode):
+        half.compute()
+        half.send()
+
+
+def _settle(future: Future) -> None:
+    """Wait for ``future`` (each half's collectives end, at the latest at their timeout)."""
+    with contextlib.suppress(BaseException):  # the caller is raising its own error
+        future.result()
+
+
 def fold_pairs(program: list[ProgramEntry], executor: Any) -> list[ProgramEntry]:
     """``program`` (``executor``'s, compiled) with the entries from each pair's F op to its B op
     folded into one :class:`OverlappedPair` entry, run with ``executor``'s pieces of a handler and
@@ -174,10 +273,17 @@ def fold_pairs(program: list[ProgramEntry], executor: Any) -> list[ProgramEntry]
     def context() -> tuple[OverlapHook | None, Any]:
         return executor.overlap, executor.recorder
 
+    def checks(state: Any, j: int, inputs: tuple) -> bool:
+        guard = state.guard
+        if guard is None or not executor._keep:
+            return False
+        kwargs = executor._kwargs[j] if executor._kwargs else {}
+        return guard.signature(inputs, kwargs) not in guard.verified
+
     def pieces(op: Op) -> tuple:
-        """The (receive, compute, send) pieces of ``op``'s handler."""
+        """The (receive, compute, send[, split-guard check ahead]) pieces of ``op``'s handler."""
         if op.kind is Kind.F:
-            return executor.receive_forward, executor.compute_forward, executor.send_forward
+            return executor.receive_forward, executor.compute_forward, executor.send_forward, checks
         defer = op.kind is Kind.B
         compute = executor.compute_backward
         return (

@@ -20,6 +20,7 @@ Why and how it is exact, and what it costs: ``docs/runtime.md``, "Expert paralle
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from ...schedule.grid import Grid
 from .. import PipelineError
 from . import consistency
 from .data_parallel import ParallelLayout
+from .groups import local_group
 
 __all__ = [
     "ExpertParallelExperts",
@@ -92,23 +94,28 @@ def check_expert_layers(layers: Iterable[nn.Module], ep: int) -> None:
             )
 
 
-def shard_experts(layer: nn.Module, mesh: Any) -> nn.Module:
+def shard_experts(layer: nn.Module, mesh: Any, backward_group: Any = None) -> nn.Module:
     """``layer`` with each fused experts module replaced, in place, by an
-    :class:`ExpertParallelExperts` over the 1-D ``mesh`` (the parameter names stay)."""
+    :class:`ExpertParallelExperts` over the 1-D ``mesh`` (the parameter names stay); the exchanges
+    of autograd's backward go over ``backward_group`` (None: the mesh's group too)."""
     for parent in list(layer.modules()):
         for name, child in list(parent.named_children()):
             if is_fused_experts(child):
-                setattr(parent, name, ExpertParallelExperts(child, mesh))
+                setattr(parent, name, ExpertParallelExperts(child, mesh, backward_group))
     return layer
 
 
-def expert_sharding(grid: Grid, mesh: Any) -> Callable[[nn.Module], nn.Module] | None:
+def expert_sharding(grid: Grid, mesh: Any, *, timeout: float) -> Callable[[nn.Module], nn.Module] | None:
     """What each layer goes through on a grid with an ``"ep"`` dimension: :func:`shard_experts` over
-    it (None without one)."""
+    it (None without one).  Creates the ``ep`` ranks' backward group here, one on every rank of the
+    mesh whatever its layers hold (:mod:`.groups`): a backward's exchanges never share a group with
+    a forward's, so an overlapped pair may run its halves on two threads (:mod:`..execute.pairs`)."""
     if grid.ep == 1:
         return None
     ep_mesh = mesh[grid.dim("ep")]
-    return lambda layer: shard_experts(layer, ep_mesh)
+    ranks = dist.get_process_group_ranks(ep_mesh.get_group())
+    backward_group = local_group(ranks, timeout=timedelta(seconds=timeout))
+    return lambda layer: shard_experts(layer, ep_mesh, backward_group)
 
 
 def broadcast_replicas(module: nn.Module, layout: ParallelLayout, rank: int) -> None:
@@ -140,13 +147,17 @@ class ExpertParallelExperts(nn.Module):
     ``DTensor`` shards of ``gate_up_proj`` and ``down_proj``; called as the module it replaces,
     ``(hidden (N, H), top_k_index (N, k), top_k_weights (N, k)) → (N, H)`` (module docstring)."""
 
-    def __init__(self, experts: nn.Module, mesh: Any):
+    def __init__(self, experts: nn.Module, mesh: Any, backward_group: Any = None):
         super().__init__()
         from torch.distributed.tensor import Shard, distribute_tensor
 
         self.num_experts = int(_weight(experts, "gate_up_proj").shape[0])
         self.act_fn: Callable[[torch.Tensor], torch.Tensor] = getattr(experts, "act_fn")  # noqa: B009
         self.mesh, self.group = mesh, mesh.get_group()
+        # the exchanges run inside autograd's backward (the AllToAlls' backwards, and a forward it
+        # recomputes) go over their own group: the two halves of an overlapped pair then each keep
+        # one group's collectives in one order on every ep rank, whichever thread runs them
+        self.backward_group = backward_group if backward_group is not None else self.group
         self.ranks = dist.get_world_size(self.group)
         self.local_experts = self.num_experts // self.ranks
         for name in _FUSED:  # the mesh's first rank's values, scattered (every replica starts alike)
@@ -165,17 +176,24 @@ class ExpertParallelExperts(nn.Module):
         received = self._exchange_counts(sent)  # (ep, local): rank s's pairs for each local expert
         send_sizes = sent.view(self.ranks, self.local_experts).sum(1).tolist()
         receive_sizes = received.sum(1).tolist()
-        dispatched = AllToAll.apply(hidden_states[owners], send_sizes, receive_sizes, self.group)
+        groups = self._groups()
+        dispatched = AllToAll.apply(hidden_states[owners], send_sizes, receive_sizes, groups)
         computed = self._local_experts(dispatched, received)
-        combined = AllToAll.apply(computed, receive_sizes, send_sizes, self.group)
+        combined = AllToAll.apply(computed, receive_sizes, send_sizes, groups)
         weighted = combined * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add(0, owners, weighted.to(hidden_states.dtype))
 
     def _exchange_counts(self, sent: torch.Tensor) -> torch.Tensor:
         """Every rank's pair counts for this rank's experts, ``(ep, local experts)``."""
         received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent.contiguous(), group=self.group)
+        dist.all_to_all_single(received, sent.contiguous(), group=self._groups()[0])
         return received.view(self.ranks, self.local_experts)
+
+    def _groups(self) -> tuple[Any, Any]:
+        """(the group of this forward's exchanges, that of their backward): a forward autograd's
+        backward recomputes (activation checkpointing) runs in the backward, on its group."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        return (self.backward_group if in_backward else self.group), self.backward_group
 
     def _local_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each local expert's feed-forward on its rows (``rows`` as received: by source rank, then
@@ -194,14 +212,15 @@ class ExpertParallelExperts(nn.Module):
 
 class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits, differentiable: the backward sends the gradients
-    back along the same pairs (the reverse exchange)."""
+    back along the same pairs (the reverse exchange); ``groups``: (the forward's group, the
+    backward's)."""
 
     @staticmethod
     def forward(
-        ctx: Any, rows: torch.Tensor, send: Sequence[int], receive: Sequence[int], group: Any
+        ctx: Any, rows: torch.Tensor, send: Sequence[int], receive: Sequence[int], groups: tuple[Any, Any]
     ) -> torch.Tensor:
-        ctx.send, ctx.receive, ctx.group = send, receive, group
-        return _exchange(rows, send, receive, group)
+        ctx.send, ctx.receive, ctx.group = send, receive, groups[1]
+        return _exchange(rows, send, receive, groups[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
