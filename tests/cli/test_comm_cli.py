@@ -123,7 +123,7 @@ def test_choose_picks_the_library_choice_and_lists_the_candidates(capsys):
         REGISTRY["zb-v"].resolve_costs(costs, 4),
         grid,
         StageBytes.uniform(8, 4, 1.0),
-        memory_cap=12,
+        memory_cap=14,
     )
     assert report["choice"] == choice.reason and report["lowering"] == choice.options.describe()
     assert report["fits_memory_cap"] is True and max(report["peak_memory"]) <= 14
