@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from zerobubble.schedule.grid import Grid
 from zerobubble.schedule.modelplan import LayerProfile
-from zerobubble.schedule.modelplan.choices import describe_sharding
 from zerobubble.schedule.modelplan.cluster import (
     CALIBRATED_EFFICIENCY,
     ClusterSearch,
@@ -74,7 +73,7 @@ def test_torchtitan_llama3_70b_fits_with_per_layer_units_and_its_throughput_is_w
 def test_the_published_layouts_sharding_is_predicted_as_published():
     run = RUNS["torchtitan Llama 3 70B"]
     found = predict(run, DATA["cluster"], CALIBRATED_EFFICIENCY)
-    assert found.option.data_parallel == describe_sharding(run_grid(run))
+    assert found.option.data_parallel == run_grid(run).comm.describe(run_grid(run).dp_mode)
 
 
 # -- the memory model of FSDP units ------------------------------------------------------------------

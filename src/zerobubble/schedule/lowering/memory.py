@@ -5,8 +5,9 @@ A unit's parameters take its full bytes from the issue of its unshard (the gathe
 reshard, and ``1/shard`` of them otherwise; its gradients ``1/shard`` (the reduced shard) plus the
 rest of its full bytes from its first gradient part (the unsharded buffer microbatches accumulate
 into) to the issue of its reduce-scatter.  Replicated parameters and gradients (or none sharded) take
-their full bytes throughout.  Optimizer state is not the lowering's: the planner adds it.  Activations change as :meth:`~..costs.StageCosts.memory_delta` says, at the end
-of each op's last part.  Levels are taken in program order, which is the compute stream's time order.
+their full bytes throughout.  Optimizer state is not the lowering's: the planner adds it.
+Activations change as :meth:`~..costs.StageCosts.memory_delta` says, at the end of each op's last
+part.  Levels are taken in program order, which is the compute stream's time order.
 Activations are in the cost model's memory unit and parameters in the bytes of
 :class:`~.layout.StageBytes`: give ``mem_b`` in bytes to read ``total`` as bytes.
 """
