@@ -116,9 +116,10 @@ def test_fsdp_peak_counts_full_units_while_unsharded():
     schedule = build_schedule("1f1b", 2, 4)
     model = StageBytes.uniform(2, 2, 8.0)
     whole = lower(schedule, ONCE_PER_STEP, grid=Grid(dp=4, sharding="fsdp"), model=model)
-    assert simulate_lowered(whole).memory.parameters == (16.0, 16.0)  # both units whole at once
+    # both units whole at once, and both gradient buffers (the same bytes) until the reduce-scatter
+    assert simulate_lowered(whole).memory.parameters == (32.0, 32.0)
     resting = lower(schedule, ONCE_PER_STEP, grid=Grid(dp=4), model=model)
-    assert simulate_lowered(resting).memory.parameters == (16.0, 16.0)
+    assert simulate_lowered(resting).memory.parameters == (32.0, 32.0)  # replicated: always whole
 
 
 def test_exposed_collectives_lengthen_the_step_by_what_is_not_hidden():

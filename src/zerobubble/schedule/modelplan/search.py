@@ -9,7 +9,8 @@ the fastest partition does not fit the budget, a memory-capped partition is trie
 activations weighted by the microbatches it held at once in the simulation).  The result names the
 winner and keeps every alternative with its predicted time, bubble and peak bytes; when nothing fits,
 a :class:`~..ir.ScheduleError` names the rank, the bytes it needs and the budget.  With
-``head="both"`` every schedule is also tried with the output layer vocabulary-parallel.
+``head="both"`` every schedule is also tried with the output layer vocabulary-parallel.  On a grid
+with replicas the winner's communication is then chosen by the lowering (:mod:`.choices`).
 
 Pure Python; no torch.
 """
@@ -30,6 +31,7 @@ from ..partition import MemoryCap, even_partition, optimal_partition
 from ..simulate import Timeline, simulate
 from ..validate import validate_schedule
 from .amounts import format_bytes, parse_bytes
+from .choices import choose_comm
 from .layout import Grid
 from .profile import LayerProfile, ModelProfile, stage_costs
 from .result import Plan, PlanCandidate, one_f_one_b_period
@@ -88,9 +90,14 @@ def plan(
     if cores is not None and cores < ranks:
         reason += f"; {ranks} ranks predicted on {cores} shared cores"
     reason += "".join("; " + s.head_text() for s in searches if isinstance(s, _VocabSearch))
+    comm = None
+    if layout.dp > 1 and known:  # the replicas' communication, by the lowering's simulator
+        comm = choose_comm(layout, searches[0].profile, winner, budget=budget)
+        reason += f"; data parallel: {comm.reason}"
     return Plan(
-        winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known
-    )
+        winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known,
+        comm=comm,
+    )  # fmt: skip
 
 
 def _check_request(
