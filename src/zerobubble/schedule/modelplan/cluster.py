@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from ..ir import ScheduleError, check_positive
-from ..sharding import FSDPOptions
 from .amounts import format_bytes, parse_bytes
 from .choices import choose_comm, least_memory
 from .kernels import BlockShape, Device, block_seconds, head_seconds
@@ -463,15 +462,13 @@ def _option(setting: _Setting, grid: Grid) -> ClusterOption:
             interleaved_chunks=setting.search.interleaved_chunks,
             layout=layout,
             refine=setting.search.refine,
+            comm_candidates=None if setting.search.choose_sharding else [grid.comm],
         )
     except ScheduleError as error:
         return ClusterOption(pp, dp, tp, mode, per_replica, None, note=str(error))
-    own: list[FSDPOptions] | None = None if setting.search.choose_sharding else [grid.comm]
     comm = chosen.comm
-    if comm is None or own is not None:  # one replica, or the grid's own record
-        comm = choose_comm(
-            layout, layout.per_rank(staged), chosen.winner, budget=cluster.memory, candidates=own
-        )
+    if comm is None:  # one replica: nothing to choose, the lowering times the step all the same
+        comm = choose_comm(layout, layout.per_rank(staged), chosen.winner, budget=cluster.memory)
     step, peak = comm.timeline.iteration_time, max(comm.timeline.peak_memory)
     tokens = setting.sequences * setting.seq_len / step / cluster.size
     mfu = tokens * setting.shape.flops_per_token(setting.seq_len) / cluster.flops

@@ -28,6 +28,7 @@ from ..compare import OPTIMIZER_MODES, SLOW_SCHEDULES, iteration_period
 from ..costs import CostModel
 from ..ir import Kind, Schedule, ScheduleError
 from ..partition import MemoryCap, even_partition, optimal_partition
+from ..sharding import FSDPOptions
 from ..simulate import Timeline, simulate
 from ..validate import validate_schedule
 from .amounts import format_bytes, parse_bytes
@@ -52,6 +53,7 @@ def plan(
     head: str = "plain",
     vocab_embedding: bool = False,
     layout: Grid | None = None,
+    comm_candidates: Sequence[FSDPOptions] | None = None,
 ) -> Plan:
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
@@ -70,6 +72,8 @@ def plan(
     bytes are then spread over the ranks and the partition covers the layers between).  ``layout``
     places each stage on ``dp × tp`` ranks (:class:`~..grid.Grid`: tensor-parallel costs,
     sharded bytes, the step's data-parallel collectives); the budget is then per rank of that mesh.
+    With replicas (``layout.dp > 1``) the winner's communication is chosen among ``comm_candidates``
+    (default :func:`.choices.planner_candidates`) by the lowering's simulator (``Plan.comm``).
     Raises :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it
     needs and the budget.
     """
@@ -92,7 +96,8 @@ def plan(
     reason += "".join("; " + s.head_text() for s in searches if isinstance(s, _VocabSearch))
     comm = None
     if layout.dp > 1 and known:  # the replicas' communication, by the lowering's simulator
-        comm = choose_comm(layout, searches[0].profile, winner, budget=budget)
+        candidates = list(comm_candidates) if comm_candidates is not None else None
+        comm = choose_comm(layout, searches[0].profile, winner, budget=budget, candidates=candidates)
         reason += f"; data parallel: {comm.reason}"
     return Plan(
         winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known,
