@@ -66,6 +66,11 @@ def check_fsdp_options(fsdp: Any, data_parallel: Any) -> None:
             f"fsdp=FSDPOptions(bucket_bytes={fsdp.bucket_bytes!r}): buckets are the replicated "
             "all-reduce's (the lowering's and the planner's); FSDP reduce-scatters per unit: drop it"
         )
+    if fsdp.reduce_after_step:
+        raise PipelineError(
+            "fsdp=FSDPOptions(reduce_after_step=True) models Megatron-LM 2021's reduction after the "
+            "step for the lowering and the planner; FSDP2 reduce-scatters each unit when ready: drop it"
+        )
 
 
 def check_sharding(sharding: Any, data_parallel: int) -> str | None:

@@ -230,7 +230,10 @@ class _RankLowering:
                 last[(part.op.stage, part.part)] = i
         for (stage, index), i in sorted(last.items(), key=lambda item: item[1]):
             reduction = Comm(kind, stage, index)
-            self.after[i].insert(0, Issue(reduction))  # ahead of the unit's reshard
+            if self.options.reduce_after_step:  # after the last compute, in the order they are ready
+                self.before[len(self.parts)].append(Issue(reduction))
+            else:
+                self.after[i].insert(0, Issue(reduction))  # ahead of the unit's reshard
             self.finals.append(reduction)
 
 
