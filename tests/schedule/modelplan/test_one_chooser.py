@@ -47,6 +47,11 @@ def test_the_plan_carries_what_choose_options_picks(ranks, microbatches, dp, sha
         winner.built, winner.costs, grid, model, memory_cap=1e5, candidates=planner_candidates(grid),
         resident=optimizer,
     )  # fmt: skip
-    assert chosen.comm.options == expected.options and chosen.comm.reason == expected.reason
+    assert chosen.comm.options == expected.options
+    assert chosen.comm.timeline.iteration_time == expected.timeline.iteration_time
+    # the reason names the choice, its step and peak against the budget, and how many were simulated
+    words = expected.options.describe(grid.dp_mode)
+    assert chosen.comm.reason.startswith(f"{words}: step {expected.timeline.iteration_time:.3f} s")
+    assert f"of {len(expected.tried)} simulated" in chosen.comm.reason or "none of" in chosen.comm.reason
     assert chosen.comm.reason in chosen.reason
     assert chosen.to_dict()["data_parallel"]["lowering"] == expected.options.describe(grid.dp_mode)

@@ -103,10 +103,11 @@ def test_torchtitan_llama3_70b_fits_with_per_layer_units_and_its_throughput_is_w
     grid = Grid(dp=64, sharding="fsdp", pp=1)  # the published layout; the planner chooses the sharding
     (option,) = plan_cluster(shape, cluster, 524288, 8192, recompute=True, layouts=[grid], search=FAST)
     assert option.plan is not None and option.memory <= 80 * 2**30
-    assert option.data_parallel.startswith("FSDP") and "reshard after forward" in option.data_parallel
+    assert option.data_parallel.startswith("FSDP per-layer units, reshard after forward")
     assert 0.85 <= option.tokens_per_second / run["published"] <= 1.15
-    # a faster record kept whole does not fit: the chooser's reason names it and its peak
-    assert "but peaks at" in option.reason
+    # the chooser's reason: the choice, its step and peak against the GPU's memory, the runner-up
+    assert option.reason.startswith(option.data_parallel + ": step ")
+    assert "GiB of 80.00 GiB" in option.reason and "; next " in option.reason
     runtime = replace(run_grid(run), comm=ONCE_PER_STEP)
     own = plan_cluster(shape, cluster, 524288, 8192, recompute=True, layouts=[runtime], search=OWN)
     assert own[0].plan is not None and own[0].memory > 80 * 2**30

@@ -20,6 +20,7 @@ from dataclasses import replace
 from ..grid import Grid
 from ..lowering import CommChoice, StageBytes, candidate_options, choose_options
 from ..sharding import ONCE_PER_STEP, FSDPOptions
+from .amounts import format_bytes
 from .profile import ModelProfile
 from .result import PlanCandidate
 
@@ -71,7 +72,7 @@ def choose_comm(
         / (tp * shard)
         for rank in range(schedule.num_ranks)
     ]
-    return choose_options(
+    choice = choose_options(
         schedule,
         candidate.costs,
         grid,
@@ -80,3 +81,25 @@ def choose_comm(
         candidates=candidates or planner_candidates(grid),
         resident=optimizer,
     )
+    return replace(choice, reason=comm_reason(choice, budget, grid.dp_mode))
+
+
+def comm_reason(choice: CommChoice, budget: float | None, mode: str) -> str:
+    """Why ``choice`` won, in bytes and seconds: its simulated step and peak against ``budget``, the
+    next fastest that fits (what it lost by) and the fastest that does not fit (its peak)."""
+    step, peak = choice.timeline.iteration_time, max(choice.timeline.peak_memory)
+    cap = f" of {format_bytes(budget)}" if budget is not None else ""
+    text = f"{choice.options.describe(mode)}: step {step:.3f} s, peak {format_bytes(peak)}{cap}"
+    fits = [t for t in choice.tried if budget is None or t[2] <= budget * (1 + 1e-9)]
+    if budget is not None and peak > budget * (1 + 1e-9):
+        return text + f"; none of {len(choice.tried)} fits, this one peaks lowest"
+    text += f"; the fastest of {len(fits)} that fit, of {len(choice.tried)} simulated"
+    others = sorted((t for t in fits if t[0] != choice.options), key=lambda t: t[1])
+    if others:
+        options, time, held = others[0]
+        text += f"; next {options.describe(mode)}, {time - step:+.3f} s, {format_bytes(held)}"
+    faster = [t for t in choice.tried if t not in fits and t[1] < step]
+    if faster:
+        options, time, held = min(faster, key=lambda t: t[1])
+        text += f"; {options.describe(mode)} would take {time:.3f} s but peaks at {format_bytes(held)}"
+    return text
