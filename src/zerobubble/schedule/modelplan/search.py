@@ -27,6 +27,7 @@ from ..builders import REGISTRY, build_schedule, get_spec
 from ..compare import OPTIMIZER_MODES, SLOW_SCHEDULES, iteration_period
 from ..costs import CostModel
 from ..ir import Kind, Schedule, ScheduleError
+from ..lowering import CommChoice
 from ..partition import MemoryCap, even_partition, optimal_partition
 from ..sharding import FSDPOptions
 from ..simulate import Timeline, simulate
@@ -72,10 +73,8 @@ def plan(
     bytes are then spread over the ranks and the partition covers the layers between).  ``layout``
     places each stage on ``dp × tp`` ranks (:class:`~..grid.Grid`: tensor-parallel costs,
     sharded bytes, the step's data-parallel collectives); the budget is then per rank of that mesh.
-    With replicas (``layout.dp > 1``) the winner's communication is chosen among ``comm_candidates``
-    (default :func:`.choices.planner_candidates`) by the lowering's simulator (``Plan.comm``).
-    Raises :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it
-    needs and the budget.
+    With replicas the winner's communication is simulated and chosen (``Plan.comm``, :mod:`.choices`).
+    Raises :class:`ScheduleError` naming the rank, its bytes and the budget when nothing fits.
     """
     layout = layout or Grid()
     budget = parse_bytes(memory_limit, device_memory)
@@ -94,15 +93,27 @@ def plan(
     if cores is not None and cores < ranks:
         reason += f"; {ranks} ranks predicted on {cores} shared cores"
     reason += "".join("; " + s.head_text() for s in searches if isinstance(s, _VocabSearch))
-    comm = None
-    if layout.dp > 1 and known:  # the replicas' communication, by the lowering's simulator
-        candidates = list(comm_candidates) if comm_candidates is not None else None
-        comm = choose_comm(layout, searches[0].profile, winner, budget=budget, candidates=candidates)
-        reason += f"; data parallel: {comm.reason}"
+    comm = _data_parallel(layout, searches[0].profile, winner, budget, comm_candidates) if known else None
+    reason += f"; data parallel: {comm.reason}" if comm is not None else ""
     return Plan(
         winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known,
         comm=comm,
     )  # fmt: skip
+
+
+def _data_parallel(
+    layout: Grid,
+    profile: ModelProfile,
+    winner: PlanCandidate,
+    budget: float | None,
+    candidates: Sequence[FSDPOptions] | None,
+) -> CommChoice | None:
+    """The replicas' communication for ``winner``, chosen by the lowering's simulator; None
+    without replicas."""
+    if layout.dp == 1:
+        return None
+    tried = list(candidates) if candidates is not None else None
+    return choose_comm(layout, profile, winner, budget=budget, candidates=tried)
 
 
 def _check_request(
