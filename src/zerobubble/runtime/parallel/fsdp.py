@@ -74,6 +74,11 @@ def check_fsdp_options(fsdp: Any, data_parallel: Any) -> None:
             f"{data_parallel!r} replicates, where only the all-reduce's buckets apply: pass "
             'FSDPOptions(bucket_bytes=...) alone, or data_parallel="fsdp" (or "hsdp") with a mesh'
         )
+    if fsdp.reduce_after_step:
+        raise PipelineError(
+            "fsdp=FSDPOptions(reduce_after_step=True) models Megatron-LM 2021's reduction after the "
+            "step for the lowering and the planner; FSDP2 reduce-scatters each unit when ready: drop it"
+        )
 
 
 def check_sharding(sharding: Any, data_parallel: int) -> str | None:
