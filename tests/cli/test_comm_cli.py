@@ -61,9 +61,9 @@ def test_simulate_reports_the_lowered_step_as_the_library_times_it(capsys):
     assert report["iteration_time"] == pytest.approx(expected.iteration_time)
     assert report["exposed_dp"] == pytest.approx([e["dp"] for e in expected.exposed])
     assert report["peak_memory"] == pytest.approx(list(expected.peak_memory))
-    assert report["peak_memory"] == pytest.approx(
-        [a + p for a, p in zip(report["peak_activations"], report["peak_parameters"])]
-    )
+    # the sum's peak: at most the two peaks added (gradient buffers and activations peak apart)
+    for total, a, p in zip(report["peak_memory"], report["peak_activations"], report["peak_parameters"]):
+        assert max(a, p) <= total <= a + p + 1e-9
     # communication can only add to the compute-only step
     assert report["iteration_time"] > report["compute_only_time"] and max(report["exposed_dp"]) > 0
 
@@ -92,8 +92,9 @@ def test_sizes_and_link_are_read_with_units(capsys):
     assert report["setup"] == (
         "dp 4 (FSDP); 8 virtual stages × 2 layers of 1.04858e+06; dp link 0.5 + size / 1.04858e+06"
     )
-    # a rank's two stages of 2 MiB, per-chunk units kept whole until their last gradient op: both at once
-    assert report["peak_parameters"] == pytest.approx([4 * 2**20] * 4)
+    # a rank's two stages of 2 MiB, per-chunk units kept whole until their last gradient op: both at
+    # once, and both gradient buffers
+    assert report["peak_parameters"] == pytest.approx([8 * 2**20] * 4)
     assert report["peak_activations"] == pytest.approx([4 * 2**20] * 4)
 
 
@@ -113,7 +114,7 @@ def test_simulate_text_names_the_numbers(capsys):
 
 
 def test_choose_picks_the_library_choice_and_lists_the_candidates(capsys):
-    report = run_json(capsys, "simulate", *SETUP, *FSDP, "--choose", "--memory-cap", "12")
+    report = run_json(capsys, "simulate", *SETUP, *FSDP, "--choose", "--memory-cap", "14")
     costs = CostModel(f=1, b=1, w=1, comm=0, mem_b=1, mem_w=0)
     schedule = build_schedule("zb-v", 4, 8, costs)
     grid = Grid(dp=4, sharding="fsdp", dp_link=Link(0.0, 4.0), pp=4)
@@ -122,10 +123,10 @@ def test_choose_picks_the_library_choice_and_lists_the_candidates(capsys):
         REGISTRY["zb-v"].resolve_costs(costs, 4),
         grid,
         StageBytes.uniform(8, 4, 1.0),
-        memory_cap=12,
+        memory_cap=14,
     )
     assert report["choice"] == choice.reason and report["lowering"] == choice.options.describe()
-    assert report["fits_memory_cap"] is True and max(report["peak_memory"]) <= 12
+    assert report["fits_memory_cap"] is True and max(report["peak_memory"]) <= 14
     assert len(report["candidates"]) == len(choice.tried) == 18
     assert {"lowering", "iteration_time", "peak_memory"} == set(report["candidates"][0])
     tight = run_json(capsys, "simulate", *SETUP, *FSDP, "--choose", "--memory-cap", "1")

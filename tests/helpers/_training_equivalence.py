@@ -267,7 +267,8 @@ def parallelize(layer: nn.Module, mesh: Any) -> nn.Module:
 
     if not isinstance(layer, Block):
         return layer
-    return parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    tp = "tp" if "tp" in mesh.mesh_dim_names else "inner"  # the renamed dims' name (``renamed_dims``)
+    return parallelize_module(layer, mesh[tp], {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
 
 def _layout_options(case: Case) -> dict[str, Any]:

@@ -173,7 +173,9 @@ class _Watchdog:
         if verdict is None:
             return
         with self._lock:
-            if self._armed is not armed:  # that wait ended meanwhile: nothing to stop
+            # that wait ended meanwhile, or was already stopped and its caller (slow to be scheduled
+            # on a loaded machine) has not disarmed yet: nothing to stop
+            if self._armed is not armed or self._verdict is not None:
                 return
             self._verdict = verdict
             with contextlib.suppress(RuntimeError):  # gloo closes the channel; the caller raises

@@ -35,7 +35,9 @@ class FSDPOptions:
     same as ``reshard_after_forward``) the same after each gradient op, else a unit stays whole to
     its reduce-scatter.  ``prefetch``: units gathered ahead (0: none).  ``bucket_bytes``: the
     replicated all-reduce's buckets (0: one per chunk; the lowering, the planner and the runtime's
-    replicas read it).
+    replicas read it).  ``reduce_after_step``: every gradient reduction issued after the step's last
+    compute, not when its unit's or bucket's last gradient is ready (Megatron-LM 2021's DDP
+    all-reduced after the whole pipeline; the lowering and planner read it, the runtime refuses it).
     :data:`ONCE_PER_STEP` (``fsdp=None``) is one unit per chunk, gathered once a step and kept.
     Bad values raise :class:`~zerobubble.errors.OptionsError`.
     """
@@ -45,6 +47,7 @@ class FSDPOptions:
     reshard_after_backward: bool | None = None
     prefetch: int = 1
     bucket_bytes: float = 0.0
+    reduce_after_step: bool = False
 
     def __post_init__(self) -> None:
         units = self.units
@@ -65,6 +68,8 @@ class FSDPOptions:
         bucket = self.bucket_bytes
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not bucket >= 0:
             raise OptionsError(f"FSDPOptions(bucket_bytes={bucket!r}): a byte count, 0 or more")
+        if not isinstance(self.reduce_after_step, bool):
+            raise OptionsError(f"FSDPOptions(reduce_after_step={self.reduce_after_step!r}): True or False")
 
     @property
     def once_per_step(self) -> bool:
@@ -87,14 +92,17 @@ class FSDPOptions:
         ``"fsdp"``), for a plan's or a lowering's reason."""
         if mode == "replicate":
             size = "one bucket per chunk" if self.bucket_bytes <= 0 else f"{self.bucket_bytes:g}-byte buckets"
-            return f"replicated, all-reduce in {size}"
+            return f"replicated, all-reduce in {size}" + self._reduced_text()
         if mode != "fsdp":
             return "no data parallelism"
         unit = {"chunk": "per-chunk", "layer": "per-layer"}.get(str(self.units), f"{self.units}-layer")
         policy = (("forward", self.reshard_after_forward), ("backward", self.reshard_after_backward))
         after = [name for name, on in policy if on]
         keep = f"reshard after {' and '.join(after)}" if after else "kept whole until the last gradient op"
-        return f"FSDP {unit} units, {keep}, prefetch {self.prefetch}"
+        return f"FSDP {unit} units, {keep}, prefetch {self.prefetch}" + self._reduced_text()
+
+    def _reduced_text(self) -> str:
+        return ", reduced after the step" if self.reduce_after_step else ""
 
 
 ONCE_PER_STEP = FSDPOptions(units="chunk", reshard_after_forward=False, prefetch=1)

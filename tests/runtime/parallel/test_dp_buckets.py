@@ -102,6 +102,8 @@ def test_replicas_take_a_bucket_size(fsdp, data_parallel):
         (FSDPOptions(), "replicate", "replicates, where only the all-reduce's buckets apply"),
         (FSDPOptions(bucket_bytes=1e6), "hsdp", "buckets are the replicated all-reduce's"),
         (FSDPOptions(bucket_bytes=1e6), "fsdp", "FSDP reduce-scatters per unit: drop it"),
+        (FSDPOptions(units="layer", reduce_after_step=True), "fsdp", "reduce_after_step=True) models"),
+        (FSDPOptions(bucket_bytes=1e6, reduce_after_step=True), 2, "reduce_after_step=True) models"),
     ],
 )
 def test_a_bucket_size_where_it_cannot_apply_is_refused(fsdp, data_parallel, message):

@@ -1,6 +1,7 @@
 """The lowering pass and the overlapping simulator over registry schedules (hypothesis)."""
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from _lowering import any_options, built, fsdp_options, stage_bytes
@@ -116,9 +117,10 @@ def test_fsdp_peak_counts_full_units_while_unsharded():
     schedule = build_schedule("1f1b", 2, 4)
     model = StageBytes.uniform(2, 2, 8.0)
     whole = lower(schedule, ONCE_PER_STEP, grid=Grid(dp=4, sharding="fsdp"), model=model)
-    assert simulate_lowered(whole).memory.parameters == (16.0, 16.0)  # both units whole at once
+    # both units whole at once, and both gradient buffers (the same bytes) until the reduce-scatter
+    assert simulate_lowered(whole).memory.parameters == (32.0, 32.0)
     resting = lower(schedule, ONCE_PER_STEP, grid=Grid(dp=4), model=model)
-    assert simulate_lowered(resting).memory.parameters == (16.0, 16.0)
+    assert simulate_lowered(resting).memory.parameters == (32.0, 32.0)  # replicated: always whole
 
 
 def test_exposed_collectives_lengthen_the_step_by_what_is_not_hidden():
@@ -140,3 +142,23 @@ def test_options_that_do_not_fit_are_refused():
         lower(schedule, FSDPOptions(units="row"))
     with pytest.raises(ScheduleError, match="an FSDPOptions record"):
         lower(schedule, {"units": "layer"})  # type: ignore[arg-type]
+
+
+REDUCTIONS = (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)
+
+
+@settings(max_examples=10, deadline=None)
+@given(name=st.sampled_from(["1f1b", "interleaved-1f1b", "zb-h1"]), sharding=st.sampled_from([None, "fsdp"]))
+def test_reductions_after_the_step_follow_every_compute_and_never_shorten_it(name, sharding):
+    schedule = build_schedule(name, 2, 4)
+    grid = Grid(dp=4, sharding=sharding, dp_link=Link(0.5, 2.0))
+    model = StageBytes.uniform(schedule.num_stages, 2, 4.0)
+    when_ready = replace(ONCE_PER_STEP, units="layer") if sharding else ONCE_PER_STEP
+    after = replace(when_ready, reduce_after_step=True)
+    lowered = lower(schedule, after, grid=grid, model=model)
+    for program in lowered.programs:
+        last_compute = max(i for i, a in enumerate(program) if isinstance(a, Compute))
+        issues = [i for i, a in enumerate(program) if isinstance(a, Issue) and a.comm.kind in REDUCTIONS]
+        assert issues and min(issues) > last_compute
+    ready = simulate_lowered(lower(schedule, when_ready, grid=grid, model=model))
+    assert simulate_lowered(lowered).iteration_time >= ready.iteration_time - 1e-9

@@ -61,7 +61,9 @@ def test_closed_form_memory_matches_the_lowered_parameter_peak(
         units=units, reshard_after_forward=resharded, reshard_after_backward=True, prefetch=prefetch
     )
     grid = Grid(dp=shard, sharding="fsdp", comm=record)
-    lowered = lower(schedule, record, grid=grid, model=StageBytes(tuple(map(tuple, sizes))))
+    no_grads = tuple((0.0,) * layers for _ in sizes)  # as the layers above: parameters only
+    model = StageBytes(tuple(map(tuple, sizes)), no_grads)
+    lowered = lower(schedule, record, grid=grid, model=model)
     simulated = simulate_lowered(lowered).memory.parameters
     for rank in range(schedule.num_ranks):
         held = [layer(float(b)) for stage in schedule.placement.stages_of(rank) for b in sizes[stage]]

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from zerobubble.schedule.grid import Grid
 from zerobubble.schedule.modelplan import LayerProfile
-from zerobubble.schedule.modelplan.choices import describe_sharding
 from zerobubble.schedule.modelplan.cluster import (
     CALIBRATED_EFFICIENCY,
     ClusterSearch,
@@ -104,10 +103,11 @@ def test_torchtitan_llama3_70b_fits_with_per_layer_units_and_its_throughput_is_w
     grid = Grid(dp=64, sharding="fsdp", pp=1)  # the published layout; the planner chooses the sharding
     (option,) = plan_cluster(shape, cluster, 524288, 8192, recompute=True, layouts=[grid], search=FAST)
     assert option.plan is not None and option.memory <= 80 * 2**30
-    assert option.data_parallel.startswith("FSDP units of one layer, resharded after the forward")
+    assert option.data_parallel.startswith("FSDP per-layer units, reshard after forward")
     assert 0.85 <= option.tokens_per_second / run["published"] <= 1.15
-    # the chunk gathered once a step (the runtime's) does not fit: the reason says so
-    assert "do not fit" in option.reason
+    # the chooser's reason: the choice, its step and peak against the GPU's memory, the runner-up
+    assert option.reason.startswith(option.data_parallel + ": step ")
+    assert "GiB of 80.00 GiB" in option.reason and "; next " in option.reason
     runtime = replace(run_grid(run), comm=ONCE_PER_STEP)
     own = plan_cluster(shape, cluster, 524288, 8192, recompute=True, layouts=[runtime], search=OWN)
     assert own[0].plan is not None and own[0].memory > 80 * 2**30
@@ -116,7 +116,7 @@ def test_torchtitan_llama3_70b_fits_with_per_layer_units_and_its_throughput_is_w
 def test_the_published_layouts_sharding_is_predicted_as_published():
     run = RUNS["torchtitan Llama 3 70B"]
     found = predict(run, DATA["cluster"], CALIBRATED_EFFICIENCY)
-    assert found.option.data_parallel == describe_sharding(run_grid(run))
+    assert found.option.data_parallel == run_grid(run).comm.describe(run_grid(run).dp_mode)
 
 
 # -- the memory model of FSDP units ------------------------------------------------------------------

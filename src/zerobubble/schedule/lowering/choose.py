@@ -4,7 +4,7 @@ under a memory cap.
 For a built schedule, a :class:`~..grid.Grid` with data parallelism and the stages' per-layer bytes,
 :func:`choose_options` lowers and simulates every candidate of :func:`candidate_options` and keeps
 the fastest whose peak memory (activations plus parameters, :mod:`.memory`) fits the cap, with a
-one-line reason.  The planner (``modelplan``) does not call it yet: see ``docs/communication.md``.
+one-line reason.  The planner chooses with it too (``modelplan/choices.py``): one chooser.
 """
 
 from __future__ import annotations
@@ -74,10 +74,13 @@ def choose_options(
     memory_cap: float | None = None,
     collectives: CollectiveCosts | None = None,
     candidates: Sequence[FSDPOptions] | None = None,
+    resident: Sequence[float] = (),
 ) -> CommChoice:
     """The fastest candidate whose largest rank peak is at most ``memory_cap`` (in the unit shared
     by ``costs.mem_b`` and ``model``'s bytes); when none fits, the one with the lowest peak, and the
-    reason says so.  Ties go to the earlier candidate (the coarser, less communicating one)."""
+    reason says so.  Ties go to the earlier candidate (the coarser, less communicating one).
+    ``resident[r]``: bytes rank ``r`` holds whatever the lowering (the planner's optimizer state),
+    added to its peak."""
     tried = candidates or candidate_options(grid)
     if not tried:
         raise ScheduleError("choose_options needs at least one candidate")
@@ -87,14 +90,29 @@ def choose_options(
         lowered = lower(schedule, options, grid=grid, model=model)
         timeline = simulate_lowered(lowered, costs, collectives)
         scored.append((options, timeline))
+    if resident:
+        scored = [(options, _with_resident(t, resident)) for options, t in scored]
     table = tuple((options, t.iteration_time, max(t.peak_memory)) for options, t in scored)
-    fitting = [entry for entry in scored if memory_cap is None or max(entry[1].peak_memory) <= memory_cap]
+    fitting = [
+        entry
+        for entry in scored
+        if memory_cap is None or max(entry[1].peak_memory) <= memory_cap * (1 + 1e-9)
+    ]
     if fitting:
         options, timeline = min(fitting, key=lambda entry: entry[1].iteration_time)
     else:
         options, timeline = min(scored, key=lambda entry: max(entry[1].peak_memory))
     reason = _reason(options, timeline, scored, memory_cap, fits=bool(fitting), mode=grid.dp_mode)
     return CommChoice(options, timeline, reason, table)
+
+
+def _with_resident(timeline: CommTimeline, resident: Sequence[float]) -> CommTimeline:
+    """``timeline`` whose parameter and total peaks count ``resident[r]`` more bytes on rank ``r``."""
+    memory = timeline.memory
+    more = lambda peaks: tuple(p + r for p, r in zip(peaks, resident))  # noqa: E731
+    return replace(
+        timeline, memory=replace(memory, parameters=more(memory.parameters), total=more(memory.total))
+    )
 
 
 def _reason(

@@ -27,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ...errors import ScheduleError
-from ..channels import channel_messages, received_message, receiving_stage, sending_stage, sent_message
+from ..channels import MessageKey, received_message, receiving_stage, sending_stage, sent_message
 from ..grid import Grid
 from ..ir import Kind, Op, Schedule
 from ..sharding import ONCE_PER_STEP, FSDPOptions
@@ -69,11 +69,25 @@ def lower(
     if not isinstance(options, FSDPOptions):
         raise ScheduleError(f"lower: options must be an FSDPOptions record, got {options!r}")
     layers, params, grads = stage_parts(schedule.num_stages, model, options, grid.dp_mode)
+    channels = _channels(schedule)
     programs = tuple(
-        _RankLowering(schedule, options, grid.dp_mode, layers, rank, grid.ep).program()
+        _RankLowering(schedule, options, grid.dp_mode, layers, rank, channels, grid.ep).program()
         for rank in range(schedule.num_ranks)
     )
     return LoweredSchedule(schedule, options, programs, layers, params, grads, grid)
+
+
+def _channels(schedule: Schedule) -> dict[tuple[int, int], list[MessageKey]]:
+    """Every ``(src, dst)`` channel's messages in send order (as :func:`~..channels.channel_messages`),
+    read in one pass over the programs: per rank it would cost ranks × ops, minutes at pp 64."""
+    stages, rank_of = schedule.num_stages, schedule.placement.rank_of
+    channels: dict[tuple[int, int], list[MessageKey]] = defaultdict(list)
+    for src, program in enumerate(schedule.programs):
+        for op in program:
+            key = sent_message(op, stages)
+            if key is not None and rank_of(receiving_stage(key)) != src:
+                channels[(src, rank_of(receiving_stage(key)))].append(key)
+    return channels
 
 
 @dataclass
@@ -86,6 +100,7 @@ class _RankLowering:
     mode: str  # the grid's dp_mode
     layers: tuple[tuple[int, ...], ...]
     rank: int
+    channels: dict[tuple[int, int], list[MessageKey]]  # (src, dst) -> messages in send order
     grid_ep: int = 1
     parts: list[Compute] = field(default_factory=list)
     first_part: list[int] = field(default_factory=list)  # op index -> its first part's index
@@ -141,7 +156,7 @@ class _RankLowering:
                 self.before[self.first_part[index]].append(Wait(recv(got)))
         for src in range(schedule.num_ranks):
             if src != self.rank:
-                self._post_receives(channel_messages(schedule, src, self.rank), consumers)
+                self._post_receives(self.channels.get((src, self.rank), []), consumers)
 
     def _post_receives(self, messages: list, consumers: dict[object, int]) -> None:
         """Post each receive of a channel once the one :data:`RECEIVES_AHEAD` before it is waited for
@@ -257,9 +272,12 @@ class _RankLowering:
                 last[(part.op.stage, part.part)] = i
         for (stage, index), i in sorted(last.items(), key=lambda item: item[1]):
             reduction = Comm(kind, stage, index)
-            slot = self.after[i]  # after the op's send (the next rank waits for it), ahead of the reshard
-            sends = sum(1 for a in slot if isinstance(a, Issue) and a.comm.kind is CommKind.SEND)
-            slot.insert(sends, Issue(reduction))
+            if self.options.reduce_after_step:  # after the last compute, in the order they are ready
+                self.before[len(self.parts)].append(Issue(reduction))
+            else:  # after the op's send (the next rank waits for it), ahead of the unit's reshard
+                slot = self.after[i]
+                sends = sum(1 for a in slot if isinstance(a, Issue) and a.comm.kind is CommKind.SEND)
+                slot.insert(sends, Issue(reduction))
             self.finals.append(reduction)
 
 

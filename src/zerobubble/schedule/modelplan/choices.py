@@ -1,56 +1,37 @@
 """Which FSDP units, resharding, prefetch depth or all-reduce buckets a planned layout runs with.
 
-``plan --cluster`` plans each layout's schedule with the sharding that holds the least (FSDP units of
-one layer, resharded after the forward, no gather ahead; replicated: one all-reduce after the step),
-then scores every :func:`sharding_variants` of the layout on the winner's partition and simulated
-timeline: the bytes each rank holds (:meth:`~..grid.Grid.held_bytes` plus the timeline's peak
-activations) and the step (the simulated period with the variant's exposed collectives,
-:meth:`~..grid.Grid.step_seconds`).  :func:`choose_sharding` keeps the fastest that fits the memory,
-and :func:`sharding_reason` says which and why (``docs/auto-planning.md``, "A cluster on paper").
-Pure Python; no torch.
+The planner searches each layout's schedule with the sharding that holds the least
+(:func:`least_memory`: FSDP units of one layer, resharded after each pass, no gather ahead; or the
+replicated all-reduce once a step), scored by the closed form of :mod:`.sharding` (a fast
+pre-filter: no lowering per candidate).  Then :func:`choose_comm` chooses the winner's
+communication by the lowering's simulator, the one chooser of the project
+(:func:`~..lowering.choose_options`): the winner's schedule lowered with every
+:func:`~..lowering.candidate_options` record (per-layer bytes from the profile, the grid's links),
+simulated with communication overlapping compute, and the fastest whose peak (activations,
+parameters and gradients as the lowering holds them, plus the optimizer state) fits the budget
+kept, with the reason.  ``docs/auto-planning.md``, "One chooser".  Pure Python; no torch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ..grid import Grid
+from ..lowering import CommChoice, StageBytes, candidate_options, choose_options
 from ..sharding import ONCE_PER_STEP, FSDPOptions
 from .amounts import format_bytes
-from .profile import LayerProfile, ModelProfile
+from .profile import ModelProfile
 from .result import PlanCandidate
 
-UNIT_SIZES: tuple[str | int, ...] = ("layer", 2, 4, "chunk")
-"""The FSDP unit sizes tried: a layer, groups of 2 and 4 layers, the chunk."""
+UNIT_GROUPS = (2, 4)
+"""FSDP unit sizes tried besides a layer and the chunk: groups of 2 and 4 layers."""
 
 PREFETCH_DEPTHS = (0, 1, 2)
 """Gathers in flight ahead of the unit computing."""
 
 BUCKETS = (0.0, 25e6, 100e6)
-"""Replicated all-reduce buckets: after the step, DDP's 25 MB default, 100 MB."""
-
-
-def sharding_records(grid: Grid) -> list[FSDPOptions]:
-    """Every communication record tried on ``grid``: the runtime's chunk gathered once a step and
-    the FSDP units (size × reshard after the forward or not, always after the backward ×
-    prefetch), or the replicated all-reduce's buckets."""
-    if grid.dp == 1:
-        return [grid.comm]
-    if grid.shard == 1:
-        return [replace(ONCE_PER_STEP, bucket_bytes=size) for size in BUCKETS]
-    return [ONCE_PER_STEP] + [
-        FSDPOptions(units=unit, reshard_after_forward=forward, reshard_after_backward=True, prefetch=depth)
-        for unit in UNIT_SIZES
-        for forward in (True, False)
-        for depth in PREFETCH_DEPTHS
-    ]
-
-
-def sharding_variants(grid: Grid) -> list[Grid]:
-    """``grid`` with each of :func:`sharding_records` as its ``comm``."""
-    return [replace(grid, comm=record) for record in sharding_records(grid)]
+"""Replicated all-reduce buckets: one per chunk after its last gradient, DDP's 25 MB, 100 MB."""
 
 
 def least_memory(grid: Grid) -> Grid:
@@ -60,99 +41,65 @@ def least_memory(grid: Grid) -> Grid:
     return replace(grid, comm=FSDPOptions(units="layer", reshard_after_forward=True, prefetch=0))
 
 
-def describe_sharding(grid: Grid) -> str:
-    """``FSDP units of 1 layer, resharded after the forward, 1 gather ahead`` and the like."""
-    comm = grid.comm
-    if grid.dp == 1:
-        return "no data parallelism"
-    if grid.shard == 1:
-        if not comm.bucket_bytes:
-            return "gradients all-reduced once after the step"
-        return f"gradients all-reduced in {comm.bucket_bytes / 1e6:g} MB buckets during the backward"
-    if not comm.resharded:
-        return "each chunk gathered once a step (the runtime's)"
-    words = {"layer": "one layer", "1": "one layer", "chunk": "a chunk"}
-    unit = words.get(str(comm.units), f"{comm.units} layers")
-    kept = "resharded after the forward" if comm.reshard_after_forward else "kept whole until the backward"
-    ahead = f"{comm.prefetch} gather{'s' if comm.prefetch != 1 else ''} ahead"
-    return f"FSDP units of {unit}, {kept}, {ahead}"
+def planner_candidates(grid: Grid) -> list[FSDPOptions]:
+    """The records the planner tries on ``grid``: :func:`~..lowering.candidate_options` with the
+    unit groups, prefetch depths and buckets above."""
+    return candidate_options(grid, groups=UNIT_GROUPS, prefetch=PREFETCH_DEPTHS, bucket_bytes=BUCKETS)
 
 
-@dataclass(frozen=True)
-class ShardingScore:
-    """One variant on the planned candidate: its step (seconds), each rank's peak bytes, whether
-    every rank fits the budget."""
-
-    grid: Grid
-    step: float
-    peaks: tuple[float, ...]
-    fits: bool
-
-    @property
-    def peak(self) -> float:
-        """The busiest rank's bytes."""
-        return max(self.peaks)
-
-
-def rank_layers(profile: ModelProfile, candidate: PlanCandidate, ranks: int) -> list[list[LayerProfile]]:
-    """The layers of ``profile`` (one rank's share) each pipeline rank holds in ``candidate``."""
-    assert candidate.built is not None
-    bounds = [0, *candidate.partition, len(profile.layers)]
-    held: list[list[LayerProfile]] = [[] for _ in range(ranks)]
-    for stage, rank in enumerate(candidate.built.placement.stage_ranks):
-        held[rank].extend(profile.layers[bounds[stage] : bounds[stage + 1]])
-    return held
-
-
-def score_shardings(
-    planned: Grid,
+def choose_comm(
+    grid: Grid,
     profile: ModelProfile,
     candidate: PlanCandidate,
     *,
-    microbatches: int,
-    budget: float,
-    variants: Sequence[Grid] | None = None,
-) -> list[ShardingScore]:
-    """``variants`` (default: every :func:`sharding_variants` of ``planned``, the grid the candidate
-    was planned with) on ``candidate``'s partition and timeline, the fastest that fits first: of
-    those within 0.1 % of it, the one that holds the least."""
-    assert candidate.timeline is not None and candidate.period is not None
-    ranks = len(candidate.timeline.peak_memory)
-    held = rank_layers(planned.per_rank(profile), candidate, ranks)
-    chunks = candidate.chunks
+    budget: float | None,
+    candidates: list[FSDPOptions] | None = None,
+) -> CommChoice:
+    """The communication ``candidate`` (a planned winner on ``grid``, ``profile`` one rank's share,
+    :meth:`~..grid.Grid.per_rank`) runs with: :func:`~..lowering.choose_options` under ``budget``
+    over ``candidates`` (default :func:`planner_candidates`)."""
+    assert candidate.built is not None and candidate.costs is not None
+    schedule = candidate.built
+    bounds = [0, *candidate.partition, len(profile.layers)]
+    stages = [profile.layers[bounds[s] : bounds[s + 1]] for s in range(schedule.num_stages)]
+    tp, shard = grid.tp, grid.shard
+    model = StageBytes(
+        tuple(tuple(layer.parameter_bytes / tp for layer in stage) for stage in stages),
+        tuple(tuple(layer.gradient_bytes / tp for layer in stage) for stage in stages),
+    )
+    optimizer = [
+        math.fsum(layer.optimizer_bytes for s in schedule.placement.stages_of(rank) for layer in stages[s])
+        / (tp * shard)
+        for rank in range(schedule.num_ranks)
+    ]
+    choice = choose_options(
+        schedule,
+        candidate.costs,
+        grid,
+        model,
+        memory_cap=budget,
+        candidates=candidates or planner_candidates(grid),
+        resident=optimizer,
+    )
+    return replace(choice, reason=comm_reason(choice, budget, grid.dp_mode))
 
-    def collectives(grid: Grid) -> float:
-        return max(grid.step_seconds(layers, chunks, microbatches) for layers in held)
 
-    compute = candidate.period - collectives(planned)
-    scores = []
-    for grid in sharding_variants(planned) if variants is None else variants:
-        peaks = tuple(grid.held_bytes(layers) + a for layers, a in zip(held, candidate.timeline.peak_memory))
-        fits = all(peak <= budget * (1 + 1e-9) for peak in peaks)
-        scores.append(ShardingScore(grid, compute + collectives(grid), peaks, fits))
-    scores.sort(key=lambda s: (not s.fits, s.step, s.peak))
-    close = [s for s in scores if s.fits and s.step <= scores[0].step * (1 + 1e-3)]
-    if close:
-        first = min(close, key=lambda s: s.peak)
-        scores.remove(first)
-        scores.insert(0, first)
-    return scores
-
-
-def sharding_reason(scores: Sequence[ShardingScore], budget: float) -> str:
-    """Why the first of ``scores`` (:func:`score_shardings`'s order) was chosen over the others."""
-    best = scores[0]
-    text = f"{describe_sharding(best.grid)}: step {best.step:.3f} s, {format_bytes(best.peak)} a GPU"
-    others = [s for s in scores[1:] if s.fits]
+def comm_reason(choice: CommChoice, budget: float | None, mode: str) -> str:
+    """Why ``choice`` won, in bytes and seconds: its simulated step and peak against ``budget``, the
+    next fastest that fits (what it lost by) and the fastest that does not fit (its peak)."""
+    step, peak = choice.timeline.iteration_time, max(choice.timeline.peak_memory)
+    cap = f" of {format_bytes(budget)}" if budget is not None else ""
+    text = f"{choice.options.describe(mode)}: step {step:.3f} s, peak {format_bytes(peak)}{cap}"
+    fits = [t for t in choice.tried if budget is None or t[2] <= budget * (1 + 1e-9)]
+    if budget is not None and peak > budget * (1 + 1e-9):
+        return text + f"; none of {len(choice.tried)} fits, this one peaks lowest"
+    text += f"; the fastest of {len(fits)} that fit, of {len(choice.tried)} simulated"
+    others = sorted((t for t in fits if t[0] != choice.options), key=lambda t: t[1])
     if others:
-        text += f"; the next, {describe_sharding(others[0].grid)}, {others[0].step - best.step:+.3f} s"
-    over = [s for s in scores if not s.fits]
-    if over:
-        closest = min(over, key=lambda s: s.step)
-        if closest.step < best.step and not math.isclose(closest.step, best.step):
-            text += (
-                f"; {describe_sharding(closest.grid)} would be {best.step - closest.step:.3f} s faster but "
-                f"needs {format_bytes(closest.peak)} of {format_bytes(budget)}"
-            )
-        text += f"; {len(over)} of {len(scores)} do not fit"
+        options, time, held = others[0]
+        text += f"; next {options.describe(mode)}, {time - step:+.3f} s, {format_bytes(held)}"
+    faster = [t for t in choice.tried if t not in fits and t[1] < step]
+    if faster:
+        options, time, held = min(faster, key=lambda t: t[1])
+        text += f"; {options.describe(mode)} would take {time:.3f} s but peaks at {format_bytes(held)}"
     return text

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..ir import ScheduleError, check_positive
 from .amounts import format_bytes, parse_bytes
-from .choices import describe_sharding, least_memory, score_shardings, sharding_reason
+from .choices import choose_comm, least_memory
 from .kernels import BlockShape, Device, block_seconds, head_seconds
 from .layout import Grid, Link
 from .profile import LayerProfile, ModelProfile
@@ -464,22 +464,22 @@ def _option(setting: _Setting, grid: Grid) -> ClusterOption:
             interleaved_chunks=setting.search.interleaved_chunks,
             layout=layout,
             refine=setting.search.refine,
+            comm_candidates=None if setting.search.choose_sharding else [grid.comm],
         )
     except ScheduleError as error:
         return ClusterOption(pp, dp, tp, mode, per_replica, None, note=str(error))
-    own = None if setting.search.choose_sharding else [_with_sharding_of(layout, grid)]
-    scores = score_shardings(
-        layout, staged, chosen.winner, microbatches=per_replica, budget=cluster.memory, variants=own
-    )
-    best = scores[0]
-    tokens = setting.sequences * setting.seq_len / best.step / cluster.size
+    comm = chosen.comm
+    if comm is None:  # one replica: nothing to choose, the lowering times the step all the same
+        comm = choose_comm(layout, layout.per_rank(staged), chosen.winner, budget=cluster.memory)
+    step, peak = comm.timeline.iteration_time, max(comm.timeline.peak_memory)
+    tokens = setting.sequences * setting.seq_len / step / cluster.size
     mfu = tokens * setting.shape.flops_per_token(setting.seq_len) / cluster.flops
     # the FLOPs the GPUs run: with recomputation the forward twice (8 passes of the weights, not 6)
     hfu = mfu * (4 / 3 if setting.recompute else 1.0)
     return ClusterOption(
         pp, dp, tp, mode, per_replica, chosen, tokens, mfu, hfu,
-        step_time=best.step, memory=best.peak, data_parallel=describe_sharding(best.grid),
-        reason=sharding_reason(scores, cluster.memory),
+        step_time=step, memory=peak, data_parallel=comm.options.describe(layout.dp_mode),
+        reason=comm.reason,
     )  # fmt: skip
 
 
@@ -491,11 +491,6 @@ def _planned_grid(cluster: Cluster, grid: Grid) -> Grid:
     dp_link = Link(cluster.latency, cluster.intra if grid.size <= cluster.gpus else cluster.inter)
     timed = replace(grid, tp_link=tp_link, dp_link=dp_link, split_compute=False, tp_collectives=0)
     return least_memory(timed)
-
-
-def _with_sharding_of(layout: Grid, grid: Grid) -> Grid:
-    """``layout`` running ``grid``'s own communication record."""
-    return replace(layout, comm=grid.comm)
 
 
 def cluster_table(options: Sequence[ClusterOption], top: int) -> str:

@@ -91,17 +91,20 @@ def run_grid(run: Mapping[str, Any]) -> Grid:
 def run_comm(run: Mapping[str, Any]) -> FSDPOptions:
     """The published run's communication record: ``unit_layers`` 0 (or absent) is the chunk gathered
     once a step; N ≥ 1 FSDP units of N layers, resharded after each backward (and after each forward
-    with ``reshard_after_forward``); ``bucket_bytes`` the replicated all-reduce's buckets."""
+    with ``reshard_after_forward``); ``bucket_bytes`` the replicated all-reduce's buckets;
+    ``reduce_after_step`` every reduction after the step (Megatron-LM 2021's DDP)."""
     unit = int(run.get("unit_layers", 0))
     bucket = float(run.get("bucket_bytes", 0.0))
+    after = bool(run.get("reduce_after_step", False))
     if not unit:
-        return replace(ONCE_PER_STEP, bucket_bytes=bucket)
+        return replace(ONCE_PER_STEP, bucket_bytes=bucket, reduce_after_step=after)
     return FSDPOptions(
         units="layer" if unit == 1 else unit,
         reshard_after_forward=bool(run.get("reshard_after_forward", True)),
         reshard_after_backward=True,
         prefetch=int(run.get("prefetch", 1)),
         bucket_bytes=bucket,
+        reduce_after_step=after,
     )
 
 

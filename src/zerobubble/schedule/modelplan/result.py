@@ -11,12 +11,13 @@ Pure Python; no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..costs import CostModel
 from ..ir import Schedule
+from ..lowering import CommChoice
 from ..simulate import Timeline
 from .amounts import format_bytes
 from .profile import ModelProfile
@@ -68,6 +69,25 @@ class PlanCandidate:
         }
 
 
+def comm_dict(comm: CommChoice | None) -> dict[str, Any] | None:
+    """A chosen communication, JSON-ready: the record's fields, its words, its simulated step and
+    peak, the reason, and every candidate tried."""
+    if comm is None:
+        return None
+    mode = comm.timeline.lowered.grid.dp_mode
+    return {
+        "options": asdict(comm.options),
+        "lowering": comm.options.describe(mode),
+        "iteration_time": comm.timeline.iteration_time,
+        "peak_bytes": list(comm.timeline.peak_memory),
+        "reason": comm.reason,
+        "candidates": [
+            {"lowering": options.describe(mode), "iteration_time": time, "peak_bytes": peak}
+            for options, time, peak in comm.tried
+        ],
+    }
+
+
 @dataclass(frozen=True)
 class Plan:
     """The chosen schedule, chunk count and partition, with every alternative considered.
@@ -79,6 +99,8 @@ class Plan:
     measurements and the plan they would choose.  ``bytes_known`` is False when the profile held
     times only (:attr:`.profile.ModelProfile.bytes_known`): the candidates' ``peak_bytes`` are then
     placeholder units, and neither :meth:`table` nor :meth:`to_dict` reports them as bytes.
+    ``comm`` is the data-parallel communication chosen for the winner on a grid with replicas
+    (:func:`.choices.choose_comm`: its ``options``, simulated ``timeline``, ``reason``).
     """
 
     winner: PlanCandidate
@@ -91,6 +113,7 @@ class Plan:
     calibration: Calibration | None = None
     cores: int | None = None
     bytes_known: bool = True
+    comm: CommChoice | None = field(default=None, compare=False, repr=False)
 
     @property
     def schedule(self) -> Schedule:
@@ -138,6 +161,7 @@ class Plan:
             "cores": self.cores,
             "reason": self.reason,
             "calibration": self.calibration.to_dict() if self.calibration is not None else None,
+            "data_parallel": comm_dict(self.comm),
             "alternatives": alternatives,
         }
 

@@ -9,7 +9,8 @@ the fastest partition does not fit the budget, a memory-capped partition is trie
 activations weighted by the microbatches it held at once in the simulation).  The result names the
 winner and keeps every alternative with its predicted time, bubble and peak bytes; when nothing fits,
 a :class:`~..ir.ScheduleError` names the rank, the bytes it needs and the budget.  With
-``head="both"`` every schedule is also tried with the output layer vocabulary-parallel.
+``head="both"`` every schedule is also tried with the output layer vocabulary-parallel.  On a grid
+with replicas the winner's communication is then chosen by the lowering (:mod:`.choices`).
 
 Pure Python; no torch.
 """
@@ -26,10 +27,13 @@ from ..builders import REGISTRY, build_schedule, get_spec
 from ..compare import OPTIMIZER_MODES, SLOW_SCHEDULES, iteration_period
 from ..costs import CostModel
 from ..ir import Kind, Schedule, ScheduleError
+from ..lowering import CommChoice
 from ..partition import MemoryCap, even_partition, optimal_partition
+from ..sharding import FSDPOptions
 from ..simulate import Timeline, simulate
 from ..validate import validate_schedule
 from .amounts import format_bytes, parse_bytes
+from .choices import choose_comm
 from .layout import Grid
 from .profile import LayerProfile, ModelProfile, stage_costs
 from .result import Plan, PlanCandidate, one_f_one_b_period
@@ -50,6 +54,7 @@ def plan(
     head: str = "plain",
     vocab_embedding: bool = False,
     layout: Grid | None = None,
+    comm_candidates: Sequence[FSDPOptions] | None = None,
 ) -> Plan:
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
@@ -68,8 +73,8 @@ def plan(
     bytes are then spread over the ranks and the partition covers the layers between).  ``layout``
     places each stage on ``dp × tp`` ranks (:class:`~..grid.Grid`: tensor-parallel costs,
     sharded bytes, the step's data-parallel collectives); the budget is then per rank of that mesh.
-    Raises :class:`ScheduleError` when no candidate fits the budget, naming the rank, the bytes it
-    needs and the budget.
+    With replicas the winner's communication is simulated and chosen (``Plan.comm``, :mod:`.choices`).
+    Raises :class:`ScheduleError` naming the rank, its bytes and the budget when nothing fits.
     """
     layout = layout or Grid()
     budget = parse_bytes(memory_limit, device_memory)
@@ -88,9 +93,27 @@ def plan(
     if cores is not None and cores < ranks:
         reason += f"; {ranks} ranks predicted on {cores} shared cores"
     reason += "".join("; " + s.head_text() for s in searches if isinstance(s, _VocabSearch))
+    comm = _data_parallel(layout, searches[0].profile, winner, budget, comm_candidates) if known else None
+    reason += f"; data parallel: {comm.reason}" if comm is not None else ""
     return Plan(
-        winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known
-    )
+        winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known,
+        comm=comm,
+    )  # fmt: skip
+
+
+def _data_parallel(
+    layout: Grid,
+    profile: ModelProfile,
+    winner: PlanCandidate,
+    budget: float | None,
+    candidates: Sequence[FSDPOptions] | None,
+) -> CommChoice | None:
+    """The replicas' communication for ``winner``, chosen by the lowering's simulator; None
+    without replicas."""
+    if layout.dp == 1:
+        return None
+    tried = list(candidates) if candidates is not None else None
+    return choose_comm(layout, profile, winner, budget=budget, candidates=tried)
 
 
 def default_schedules(profile: ModelProfile) -> list[str]:
