@@ -59,11 +59,9 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         Cluster,
         ClusterSearch,
         TransformerShape,
-        best_layout_text,
-        cluster_table,
         plan_cluster,
-        render_cluster_option,
     )
+    from ..schedule.modelplan.cluster_text import best_layout_text, cluster_table, render_cluster_option
 
     if not args.model or args.tokens_per_step is None:
         raise UsageError(
@@ -87,7 +85,11 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         microbatch_size=args.microbatch_size,
         recompute=args.recompute,
         layouts=_cluster_grids(args, shape, cluster),
-        search=ClusterSearch(tuple(args.schedules.split(",")) if args.schedules else DEFAULT_SCHEDULES),
+        # the table shows the --top fastest: only those need simulating (--json lists every layout)
+        search=ClusterSearch(
+            tuple(args.schedules.split(",")) if args.schedules else DEFAULT_SCHEDULES,
+            keep=None if args.json else args.top,
+        ),
     )
     best = best_layout_text(options)  # raises when no layout fits
     if args.output:

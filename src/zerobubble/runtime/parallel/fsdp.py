@@ -63,7 +63,8 @@ def check_fsdp_options(fsdp: Any, data_parallel: Any) -> None:
     if fsdp.reduce_after_step:
         raise PipelineError(
             "fsdp=FSDPOptions(reduce_after_step=True) models Megatron-LM 2021's reduction after the "
-            "step for the lowering and the planner; the runtime reduces each unit or bucket when ready: drop it"
+            "step for the lowering and the planner; the runtime reduces each unit or bucket when ready: "
+            "drop it"
         )
     if data_parallel in ("fsdp", "hsdp"):
         if fsdp.bucket_bytes:

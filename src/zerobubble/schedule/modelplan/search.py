@@ -55,6 +55,7 @@ def plan(
     vocab_embedding: bool = False,
     layout: Grid | None = None,
     comm_candidates: Sequence[FSDPOptions] | None = None,
+    defer_comm: bool = False,
 ) -> Plan:
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
@@ -73,7 +74,8 @@ def plan(
     bytes are then spread over the ranks and the partition covers the layers between).  ``layout``
     places each stage on ``dp × tp`` ranks (:class:`~..grid.Grid`: tensor-parallel costs,
     sharded bytes, the step's data-parallel collectives); the budget is then per rank of that mesh.
-    With replicas the winner's communication is simulated and chosen (``Plan.comm``, :mod:`.choices`).
+    With replicas the winner's communication is simulated and chosen (``Plan.comm``, :mod:`.choices`)
+    unless ``defer_comm`` leaves that to the caller (:func:`with_comm`; ``plan --cluster`` prunes first).
     Raises :class:`ScheduleError` naming the rank, its bytes and the budget when nothing fits.
     """
     layout = layout or Grid()
@@ -93,12 +95,18 @@ def plan(
     if cores is not None and cores < ranks:
         reason += f"; {ranks} ranks predicted on {cores} shared cores"
     reason += "".join("; " + s.head_text() for s in searches if isinstance(s, _VocabSearch))
-    comm = _data_parallel(layout, searches[0].profile, winner, budget, comm_candidates) if known else None
-    reason += f"; data parallel: {comm.reason}" if comm is not None else ""
-    return Plan(
-        winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known,
-        comm=comm,
-    )  # fmt: skip
+    planned = Plan(
+        winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known
+    )
+    if not known or defer_comm:
+        return planned
+    comm = _data_parallel(layout, searches[0].profile, winner, budget, comm_candidates)
+    return with_comm(planned, comm) if comm is not None else planned
+
+
+def with_comm(planned: Plan, comm: CommChoice) -> Plan:
+    """``planned`` with its replicas' communication chosen: ``comm``, and its reason appended."""
+    return replace(planned, comm=comm, reason=f"{planned.reason}; data parallel: {comm.reason}")
 
 
 def _data_parallel(
