@@ -36,7 +36,7 @@ clusters = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(clusters)
 def test_the_pruned_search_keeps_the_exhaustive_fastest_layouts(case):
     shape = _shape(case["hidden"], case["layers"])

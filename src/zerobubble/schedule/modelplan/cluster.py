@@ -335,7 +335,7 @@ class ClusterSearch:
 class ClusterOption:
     """One layout of the cluster with its plan (None, and ``note``, when nothing fits): the step in
     seconds and the busiest GPU's bytes with the chosen ``data_parallel`` sharding
-    (:mod:`.choices`), which ``reason`` explains."""
+    (:mod:`.choices`), which ``reason`` explains; ``pruned``: not simulated (:func:`plan_cluster`)."""
 
     pp: int
     dp: int
@@ -408,14 +408,13 @@ def plan_cluster(
     options: list[ClusterOption | None] = [None] * len(planned)
     steps: list[float] = []
     for index in order:
-        found = planned[index]
-        keep = search.keep
+        found, keep = planned[index], search.keep
         if isinstance(found, _Scheduled) and keep and len(steps) >= keep and found.bound > steps[keep - 1]:
             options[index] = _pruned(found, steps[keep - 1], keep)
             continue
-        options[index] = _option(setting, found) if isinstance(found, _Scheduled) else found
-        if options[index].plan is not None:  # type: ignore[union-attr]
-            steps = sorted([*steps, options[index].step_time])  # type: ignore[union-attr]
+        option = options[index] = _option(setting, found) if isinstance(found, _Scheduled) else found
+        if option.plan is not None:
+            steps = sorted([*steps, option.step_time])
     done = [option for option in options if option is not None]
     # by step (equal steps in the layouts' order): what the tokens per second orders, without rounding
     return sorted(done, key=lambda o: (o.plan is None, o.step_time))
