@@ -165,7 +165,7 @@ def _reason(
     if not fits:
         return f"{head}; no candidate fits the cap {cap:.4g}, this one peaks lowest of {len(scored)}"
     fastest_options, fastest = min(scored, key=lambda entry: entry[1].iteration_time)
-    if fastest is timeline or fastest.iteration_time >= timeline.iteration_time:
+    if timeline.iteration_time <= fastest.iteration_time * (1 + TIE):  # the fastest, or tied with it
         within = f" within the cap {cap:.4g}" if cap is not None else ""
         return f"{head}; the fastest of {len(scored)} candidates{within}"
     return (

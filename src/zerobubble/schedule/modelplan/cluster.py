@@ -515,8 +515,8 @@ def _scheduled(setting: _Setting, grid: Grid) -> _Scheduled | ClusterOption:
 def _option(setting: _Setting, found: _Scheduled) -> ClusterOption:
     """``found`` with its communication chosen (:func:`~.choices.choose_comm`), timed and rated."""
     cluster, grid, layout = setting.cluster, found.grid, found.layout
-    tried = None if setting.search.choose_sharding else [grid.comm]
     # one replica: nothing to choose, the lowering times the step all the same
+    tried = None if setting.search.choose_sharding or layout.dp == 1 else [grid.comm]
     comm = choose_comm(
         layout, layout.per_rank(found.staged), found.planned.winner, budget=cluster.memory, candidates=tried
     )
