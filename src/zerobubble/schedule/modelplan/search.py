@@ -74,8 +74,8 @@ def plan(
     bytes are then spread over the ranks and the partition covers the layers between).  ``layout``
     places each stage on ``dp × tp`` ranks (:class:`~..grid.Grid`: tensor-parallel costs,
     sharded bytes, the step's data-parallel collectives); the budget is then per rank of that mesh.
-    With replicas the winner's communication is simulated and chosen (``Plan.comm``, :mod:`.choices`)
-    unless ``defer_comm`` leaves that to the caller (:func:`with_comm`; ``plan --cluster`` prunes first).
+    With replicas the winner's communication is chosen (``Plan.comm``, :mod:`.choices`) here or, with
+    ``defer_comm``, by the caller (:func:`with_comm`: ``plan --cluster`` prunes layouts first).
     Raises :class:`ScheduleError` naming the rank, its bytes and the budget when nothing fits.
     """
     layout = layout or Grid()
@@ -85,27 +85,39 @@ def plan(
     common = _SearchArgs(profile, ranks, microbatches, budget, optimizer, refine, cores)
     searches = _searches(common, layout, head, vocab_embedding)
     ordered = _ordered(_candidates(searches, names, interleaved_chunks))
-    fitting = [c for c in ordered if c.fits]
-    if not fitting:
+    if not (fitting := [c for c in ordered if c.fits]):
         raise ScheduleError(_nothing_fits(ordered, budget, ranks, layout))
     winner, known = _choose(fitting, tie_margin), profile.bytes_known
-    reason = _reason(winner, ordered, budget, known)
-    if not layout.trivial and known:
-        reason += "; " + searches[0].memory_text(winner)
-    if cores is not None and cores < ranks:
-        reason += f"; {ranks} ranks predicted on {cores} shared cores"
-    reason += "".join("; " + s.head_text() for s in searches if isinstance(s, _VocabSearch))
+    reason = _reason(winner, ordered, budget, known) + _notes(searches, winner, layout, known, cores, ranks)
     planned = Plan(
         winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known
     )
-    if not known or defer_comm:
+    if defer_comm or not known:
         return planned
-    comm = _data_parallel(layout, searches[0].profile, winner, budget, comm_candidates)
-    return with_comm(planned, comm) if comm is not None else planned
+    return with_comm(planned, _data_parallel(layout, searches[0].profile, winner, budget, comm_candidates))
 
 
-def with_comm(planned: Plan, comm: CommChoice) -> Plan:
-    """``planned`` with its replicas' communication chosen: ``comm``, and its reason appended."""
+def _notes(
+    searches: Sequence[_Search],
+    winner: PlanCandidate,
+    layout: Grid,
+    known: bool,
+    cores: int | None,
+    ranks: int,
+) -> str:
+    """The reason's notes after the choice: the busiest rank's memory on a mesh, shared cores, the
+    measured head."""
+    notes = "; " + searches[0].memory_text(winner) if not layout.trivial and known else ""
+    if cores is not None and cores < ranks:
+        notes += f"; {ranks} ranks predicted on {cores} shared cores"
+    return notes + "".join("; " + s.head_text() for s in searches if isinstance(s, _VocabSearch))
+
+
+def with_comm(planned: Plan, comm: CommChoice | None) -> Plan:
+    """``planned`` with its replicas' communication chosen: ``comm``, and its reason appended (None,
+    without replicas: ``planned``)."""
+    if comm is None:
+        return planned
     return replace(planned, comm=comm, reason=f"{planned.reason}; data parallel: {comm.reason}")
 
 
