@@ -60,11 +60,9 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         DEFAULT_SCHEDULES,
         Cluster,
         ClusterSearch,
-        best_layout_text,
-        cluster_table,
         plan_cluster,
-        render_cluster_option,
     )
+    from ..schedule.modelplan.cluster_text import best_layout_text, cluster_table, render_cluster_option
     from ..schedule.modelplan.moe import MOE_SCHEDULES, moe_reason, plan_moe_cluster
 
     if not args.model or args.tokens_per_step is None:
@@ -79,7 +77,9 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         )
     cluster = Cluster.parse(args.cluster)
     search = ClusterSearch(
-        tuple(args.schedules.split(",")) if args.schedules else MOE_SCHEDULES if moe else DEFAULT_SCHEDULES
+        tuple(args.schedules.split(",")) if args.schedules else MOE_SCHEDULES if moe else DEFAULT_SCHEDULES,
+        # the table shows the --top fastest: only those need simulating (--json lists every layout)
+        keep=None if args.json else args.top,
     )
     layouts = _cluster_grids(args, shape, cluster)
     sizes = (args.tokens_per_step, args.seq_len)

@@ -31,7 +31,7 @@ from ..schedule.sharding import FSDPOptions
 from . import PipelineError
 from .construct.build import place_stages, tie_parameters
 from .construct.compiled import prepare_layers
-from .construct.construction import World, agreed_resolution, planned_resolution, world_of
+from .construct.construction import World, agreed_resolution, planned_resolution, run_options, world_of
 from .construct.lowering import lowered_pipeline
 from .construct.pipeline_calls import PipelineCalls, call_results
 from .construct.request import PipelineRequest
@@ -169,7 +169,7 @@ class Pipeline:
         self.plan: Plan | None = resolution.plan  # schedule="auto": what was chosen and why
         self.profile: ModelProfile | None = resolution.profile  # and the layer profile it came from
         logger.info("%s", resolution.describe())
-        self.lowered = lowered_pipeline(resolution, world.grid, self._request.fsdp)  # checked; frozen
+        self.lowered = lowered_pipeline(resolution, world.grid, run_options(self._request, resolution))
         self._build_groups(world)
         self._model_keys = model_keys(resolution.layers)  # the unpipelined state dict's keys
         self._ties = [tuple(name for _, name in tie) for tie in resolution.ties]
@@ -197,7 +197,7 @@ class Pipeline:
         replica 0's values (collective); returns the chunks by stage index."""
         self.module = nn.Module()
         # data_parallel="fsdp"/"hsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
-        mesh, options = self._request.mesh, self._request.fsdp
+        mesh, options = self._request.mesh, run_options(self._request, resolution)  # fsdp= or planned
         dp_mesh = data_mesh(mesh, self.layout.grid) if mesh is not None else None
         self._sharded = ShardedStages(self.layout, self.device, dp_mesh, options) if self.sharding else None
         shard = self._sharded.shard if self._sharded is not None else None

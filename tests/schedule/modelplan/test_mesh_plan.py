@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from zerobubble.schedule import ScheduleError
 from zerobubble.schedule.modelplan import LayerProfile, Link, MeshLayout, ModelProfile, parse_mesh, plan
-from zerobubble.schedule.modelplan.cluster import Cluster, TransformerShape, best_layout_text, plan_cluster
+from zerobubble.schedule.modelplan.cluster import Cluster, TransformerShape, plan_cluster
+from zerobubble.schedule.modelplan.cluster_text import best_layout_text
 
 MIB = 2**20
 

@@ -4,12 +4,12 @@
 :func:`planned_resolution` profiles and plans when the :class:`~.request.PipelineRequest` asks
 (``schedule="auto"`` or ``partition="profile"``, :mod:`.auto`); :func:`agreed_resolution` resolves
 the request otherwise and has every rank agree on the result (:func:`~.resolve.agree_on`).  The
-Pipeline then builds this rank's part of it.
+Pipeline then builds this rank's part of it, with the data-parallel options :func:`run_options` says.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ...schedule.grid import Grid
+from ...schedule.sharding import FSDPOptions
 from .. import PipelineError
 from ..execute.pairs import check_threaded_grid
 from ..launch import init_distributed, local_device
@@ -111,6 +112,7 @@ def planned_resolution(
         layout=world.stage_layout(request.parallelized),
     )
     planned = resolve_auto(request, world.group, world.device, planning)
+    planned = _passed_options_said(request, planned)
     if request.vocab_parallel and planned.plan is not None and not planned.plan.winner.vocab_parallel:
         vocab_layers = (None, None)  # the plain model won: its layers hold head and embedding
     return planned, calibrator, vocab_layers
@@ -134,5 +136,28 @@ def agreed_resolution(
         verify=request.verify,
         check_calls=bool(request.check_calls),
         sharding=world.grid.sharding,
-        fsdp=request.fsdp,
+        fsdp=run_options(request, planned),
+    )
+
+
+def run_options(request: PipelineRequest, resolution: Resolution | None) -> FSDPOptions | None:
+    """The data-parallel options the Pipeline runs: ``fsdp=`` as passed; else, planned with replicas,
+    those the plan chose (``plan.comm``: FSDP units, resharding and prefetch, or the all-reduce's
+    bucket size; alike on every rank, the plan being broadcast); else None (the runtime's default)."""
+    plan = resolution.plan if resolution is not None else None
+    if request.fsdp is not None or plan is None or plan.comm is None:
+        return request.fsdp
+    return plan.comm.options
+
+
+def _passed_options_said(request: PipelineRequest, planned: Resolution) -> Resolution:
+    """``planned`` whose plan's reason says the Pipeline runs ``fsdp=`` as passed, not its choice."""
+    plan = planned.plan
+    if request.fsdp is None or plan is None or plan.comm is None:
+        return planned
+    mode = plan.comm.timeline.lowered.grid.dp_mode
+    passed, chosen = request.fsdp.describe(mode), plan.comm.options.describe(mode)
+    said = "the planned choice" if request.fsdp == plan.comm.options else f"not the planned {chosen}"
+    return replace(
+        planned, plan=replace(plan, reason=f"{plan.reason}; runs fsdp= as passed ({passed}), {said}")
     )

@@ -9,7 +9,7 @@ one-line reason.  The planner chooses with it too (``modelplan/choices.py``): on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ...errors import ScheduleError
@@ -30,12 +30,18 @@ RESHARD_POLICIES = ((False, False), (True, False), (True, True))
 @dataclass(frozen=True)
 class CommChoice:
     """The chosen options, their simulated timeline, why, and every candidate's ``(options,
-    iteration time, peak memory)``."""
+    iteration time, peak memory)``; ``tie``: when others that fit simulate to the same step, which
+    rule kept this one (:func:`break_tie`), else empty."""
 
     options: FSDPOptions
     timeline: CommTimeline
     reason: str
     tried: tuple[tuple[FSDPOptions, float, float], ...]
+    tie: str = ""
+
+
+#: Steps within this relative difference are a tie (the simulator's float sums, not a real difference).
+TIE = 1e-9
 
 
 def candidate_options(
@@ -78,7 +84,7 @@ def choose_options(
 ) -> CommChoice:
     """The fastest candidate whose largest rank peak is at most ``memory_cap`` (in the unit shared
     by ``costs.mem_b`` and ``model``'s bytes); when none fits, the one with the lowest peak, and the
-    reason says so.  Ties go to the earlier candidate (the coarser, less communicating one).
+    reason says so.  Equal steps are broken by :func:`break_tie`.
     ``resident[r]``: bytes rank ``r`` holds whatever the lowering (the planner's optimizer state),
     added to its peak."""
     tried = candidates or candidate_options(grid)
@@ -98,12 +104,39 @@ def choose_options(
         for entry in scored
         if memory_cap is None or max(entry[1].peak_memory) <= memory_cap * (1 + 1e-9)
     ]
+    tie = ""
     if fitting:
-        options, timeline = min(fitting, key=lambda entry: entry[1].iteration_time)
+        index, tie = break_tie([(o, t.iteration_time, max(t.peak_memory)) for o, t in fitting], grid.dp_mode)
+        options, timeline = fitting[index]
     else:
         options, timeline = min(scored, key=lambda entry: max(entry[1].peak_memory))
     reason = _reason(options, timeline, scored, memory_cap, fits=bool(fitting), mode=grid.dp_mode)
-    return CommChoice(options, timeline, reason, table)
+    return CommChoice(options, timeline, reason + (f"; {tie}" if tie else ""), table, tie)
+
+
+def break_tie(
+    fitting: Sequence[tuple[FSDPOptions, float, float]],
+    mode: str,
+    size: Callable[[float], str] = "{:.4g}".format,
+) -> tuple[int, str]:
+    """Which of ``fitting`` (``(options, step, peak)`` in candidate order) is the fastest and, when
+    others simulate to the same step (within :data:`TIE`), the rule that kept it: fewer bytes at the
+    peak, then a shallower prefetch (fewer gathers in flight), then the earlier candidate (coarser
+    units, less resharding); ``size`` writes bytes."""
+    fastest = min(step for _, step, _ in fitting)
+    tied = [i for i, (_, step, _) in enumerate(fitting) if step <= fastest * (1 + TIE)]
+    ranked = sorted(tied, key=lambda i: (fitting[i][2], fitting[i][0].prefetch))  # stable: candidate order
+    if len(ranked) == 1:
+        return ranked[0], ""
+    (won, _, peak), (runner, _, other_peak) = fitting[ranked[0]], fitting[ranked[1]]
+    if peak < other_peak:
+        rule = f"fewer bytes ({size(peak)} against {size(other_peak)})"
+    elif won.prefetch < runner.prefetch:
+        rule = f"the same bytes and a shallower prefetch ({won.prefetch} against {runner.prefetch})"
+    else:
+        rule = "the same bytes and prefetch, and comes first (coarser units, less resharding)"
+    others = f"{len(tied) - 1} others" if len(tied) > 2 else runner.describe(mode)
+    return ranked[0], f"tied with {others} at the same step; kept for {rule}"
 
 
 def _with_resident(timeline: CommTimeline, resident: Sequence[float]) -> CommTimeline:
@@ -132,7 +165,7 @@ def _reason(
     if not fits:
         return f"{head}; no candidate fits the cap {cap:.4g}, this one peaks lowest of {len(scored)}"
     fastest_options, fastest = min(scored, key=lambda entry: entry[1].iteration_time)
-    if fastest is timeline or fastest.iteration_time >= timeline.iteration_time:
+    if timeline.iteration_time <= fastest.iteration_time * (1 + TIE):  # the fastest, or tied with it
         within = f" within the cap {cap:.4g}" if cap is not None else ""
         return f"{head}; the fastest of {len(scored)} candidates{within}"
     return (

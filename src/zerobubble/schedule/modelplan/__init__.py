@@ -13,7 +13,8 @@ one schedule.
 * :mod:`.result` — :class:`PlanCandidate`, :class:`Plan`, :class:`Calibration`;
 * :mod:`.search` — :func:`plan`, the search and the reason text;
 * :mod:`.cluster` — :func:`~.cluster.plan_cluster`: a cluster planned on paper from a model's sizes
-  (its kernel model :mod:`.kernels`, FSDP units :mod:`.sharding` and :mod:`.choices`; :mod:`.published`);
+  (its kernel model :mod:`.kernels`, FSDP units :mod:`.sharding` and :mod:`.choices`; :mod:`.published`;
+  its table and drawing :mod:`.cluster_text`);
   :mod:`.moe`: a mixture of experts' sizes, all-to-all and ep sizes, with ``dualpipe-v``;
 * :mod:`.calibration` — :func:`calibrate`, :func:`calibrated_profile`, :func:`profile_from_trace`.
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from ..grid import Grid
 from ..lowering import CommChoice, StageBytes, candidate_options, choose_options
+from ..lowering.choose import TIE, break_tie
 from ..sharding import ONCE_PER_STEP, FSDPOptions
 from .amounts import format_bytes
 from .profile import ModelProfile
@@ -86,7 +87,8 @@ def choose_comm(
 
 def comm_reason(choice: CommChoice, budget: float | None, mode: str) -> str:
     """Why ``choice`` won, in bytes and seconds: its simulated step and peak against ``budget``, the
-    next fastest that fits (what it lost by) and the fastest that does not fit (its peak)."""
+    candidates tied with it and the rule that kept it (:func:`~..lowering.choose.break_tie`), else the
+    next fastest that fits (what it lost by), and the fastest that does not fit (its peak)."""
     step, peak = choice.timeline.iteration_time, max(choice.timeline.peak_memory)
     cap = f" of {format_bytes(budget)}" if budget is not None else ""
     text = f"{choice.options.describe(mode)}: step {step:.3f} s, peak {format_bytes(peak)}{cap}"
@@ -94,10 +96,13 @@ def comm_reason(choice: CommChoice, budget: float | None, mode: str) -> str:
     if budget is not None and peak > budget * (1 + 1e-9):
         return text + f"; none of {len(choice.tried)} fits, this one peaks lowest"
     text += f"; the fastest of {len(fits)} that fit, of {len(choice.tried)} simulated"
-    others = sorted((t for t in fits if t[0] != choice.options), key=lambda t: t[1])
+    _, tie = break_tie(fits, mode, format_bytes)
+    others = sorted((t for t in fits if t[1] > step * (1 + TIE)), key=lambda t: t[1])
+    if tie:
+        text += f"; {tie}"
     if others:
         options, time, held = others[0]
-        text += f"; next {options.describe(mode)}, {time - step:+.3f} s, {format_bytes(held)}"
+        text += f"; next {options.describe(mode)}, {time - step:+.3g} s, {format_bytes(held)}"
     faster = [t for t in choice.tried if t not in fits and t[1] < step]
     if faster:
         options, time, held = min(faster, key=lambda t: t[1])

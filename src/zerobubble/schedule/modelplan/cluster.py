@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 from ..ir import ScheduleError, check_positive
@@ -31,7 +30,7 @@ from .kernels import BlockShape, Device, block_seconds, head_seconds
 from .layout import Grid, Link
 from .profile import LayerProfile, ModelProfile
 from .result import Plan
-from .search import plan
+from .search import plan, with_comm
 
 GATED_MLP = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
 """``model_type`` values whose MLP has three matrices (gate, up, down); others have two."""
@@ -322,19 +321,21 @@ def _together(name: str, first: LayerProfile, second: LayerProfile) -> LayerProf
 class ClusterSearch:
     """How :func:`plan_cluster` searches each layout: the schedules tried, the chunk counts tried for
     interleaved 1F1B, the planner's cut moves (``refine``), and whether it chooses the sharding (else
-    the grid's own)."""
+    the grid's own); ``keep``: only the ``keep`` fastest layouts must be exact (:func:`plan_cluster`
+    prunes the others), None: all."""
 
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     interleaved_chunks: tuple[int, ...] = (2,)
     refine: int = 4
     choose_sharding: bool = True
+    keep: int | None = None
 
 
 @dataclass(frozen=True)
 class ClusterOption:
     """One layout of the cluster with its plan (None, and ``note``, when nothing fits): the step in
     seconds and the busiest GPU's bytes with the chosen ``data_parallel`` sharding
-    (:mod:`.choices`), which ``reason`` explains."""
+    (:mod:`.choices`), which ``reason`` explains; ``pruned``: not simulated (:func:`plan_cluster`)."""
 
     pp: int
     dp: int
@@ -351,6 +352,7 @@ class ClusterOption:
     data_parallel: str = ""
     reason: str = ""
     ep: int = 1  # a mixture of experts' expert-parallel size (.moe)
+    pruned: bool = False
 
     def row(self) -> dict[str, Any]:
         """JSON-ready numbers."""
@@ -389,7 +391,9 @@ def plan_cluster(
     """Every layout of the cluster (:func:`cluster_grids`, FSDP2 where there are replicas) or those
     given (``pp``, ``dp``, ``tp`` and ``sharding`` of each grid read) planned, fastest first; each
     with the fastest sharding that fits (:mod:`.choices`), or, without ``search.choose_sharding``,
-    the grid's own record (``grid.comm``, :class:`~..sharding.FSDPOptions`)."""
+    the grid's own record (``grid.comm``, :class:`~..sharding.FSDPOptions`).  With ``search.keep``
+    the ``keep`` fastest are exactly those of the full search; a layout whose busiest GPU's compute
+    alone is slower than the ``keep``-th fastest step found is not simulated (its ``pruned`` set)."""
     check_positive(tokens_per_step=tokens_per_step, seq_len=seq_len, microbatch_size=microbatch_size)
     sequences, remainder = divmod(tokens_per_step, seq_len)
     if remainder or sequences < 1:
@@ -398,7 +402,24 @@ def plan_cluster(
         )
     setting = _Setting(shape, cluster, sequences, seq_len, microbatch_size, recompute, search)
     grids = layouts if layouts is not None else cluster_grids(shape, cluster)
-    return sorted((_option(setting, grid) for grid in grids), key=lambda o: -o.tokens_per_second)
+    planned = [_scheduled(setting, grid) for grid in grids]
+    # a layout's step is at least its busiest GPU's compute (the compute stream runs its ops one at a
+    # time, whatever the communication): visit the layouts by that bound, and once ``keep`` steps
+    # are known, a layout whose bound exceeds the keep-th fastest cannot be among the keep fastest
+    order = sorted(range(len(planned)), key=lambda i: _bound(planned[i]))
+    options: list[ClusterOption | None] = [None] * len(planned)
+    steps: list[float] = []
+    for index in order:
+        found, keep = planned[index], search.keep
+        if isinstance(found, _Scheduled) and keep and len(steps) >= keep and found.bound > steps[keep - 1]:
+            options[index] = _pruned(found, steps[keep - 1], keep)
+            continue
+        option = options[index] = _option(setting, found) if isinstance(found, _Scheduled) else found
+        if option.plan is not None:
+            steps = sorted([*steps, option.step_time])
+    done = [option for option in options if option is not None]
+    # by step (equal steps in the layouts' order): what the tokens per second orders, without rounding
+    return sorted(done, key=lambda o: (o.plan is None, o.step_time))
 
 
 def cluster_grids(shape: TransformerShape, cluster: Cluster, sharding: str | None = "fsdp") -> list[Grid]:
@@ -441,7 +462,29 @@ class _Setting:
         )
 
 
-def _option(setting: _Setting, grid: Grid) -> ClusterOption:
+@dataclass(frozen=True)
+class _Scheduled:
+    """A layout whose schedule is planned, its communication not yet chosen."""
+
+    grid: Grid
+    layout: Grid
+    staged: ModelProfile
+    microbatches: int
+    planned: Plan
+
+    @property
+    def bound(self) -> float:
+        """No step of this plan is shorter: its busiest GPU's compute."""
+        assert self.planned.winner.timeline is not None
+        return self.planned.winner.timeline.ideal
+
+
+def _bound(found: _Scheduled | ClusterOption) -> float:
+    return found.bound if isinstance(found, _Scheduled) else -math.inf
+
+
+def _scheduled(setting: _Setting, grid: Grid) -> _Scheduled | ClusterOption:
+    """``grid``'s schedule planned (:func:`~.search.plan`, communication deferred), or why it has none."""
     cluster, pp, dp, tp, mode = setting.cluster, grid.pp, grid.dp, grid.tp, grid.sharding
     per_replica, left = divmod(setting.sequences, dp * setting.microbatch_size)
     if left or per_replica < 1:
@@ -464,23 +507,44 @@ def _option(setting: _Setting, grid: Grid) -> ClusterOption:
             interleaved_chunks=setting.search.interleaved_chunks,
             layout=layout,
             refine=setting.search.refine,
-            comm_candidates=None if setting.search.choose_sharding else [grid.comm],
+            defer_comm=True,
         )
     except ScheduleError as error:
         return ClusterOption(pp, dp, tp, mode, per_replica, None, note=str(error))
-    comm = chosen.comm
-    if comm is None:  # one replica: nothing to choose, the lowering times the step all the same
-        comm = choose_comm(layout, layout.per_rank(staged), chosen.winner, budget=cluster.memory)
+    return _Scheduled(grid, layout, staged, per_replica, chosen)
+
+
+def _option(setting: _Setting, found: _Scheduled) -> ClusterOption:
+    """``found`` with its communication chosen (:func:`~.choices.choose_comm`), timed and rated."""
+    cluster, grid, layout = setting.cluster, found.grid, found.layout
+    # one replica: nothing to choose, the lowering times the step all the same
+    tried = None if setting.search.choose_sharding or layout.dp == 1 else [grid.comm]
+    comm = choose_comm(
+        layout, layout.per_rank(found.staged), found.planned.winner, budget=cluster.memory, candidates=tried
+    )
+    chosen = with_comm(found.planned, comm) if layout.dp > 1 else found.planned
     step, peak = comm.timeline.iteration_time, max(comm.timeline.peak_memory)
     tokens = setting.sequences * setting.seq_len / step / cluster.size
     mfu = tokens * setting.shape.flops_per_token(setting.seq_len) / cluster.flops
     # the FLOPs the GPUs run: with recomputation the forward twice (8 passes of the weights, not 6)
     hfu = mfu * (4 / 3 if setting.recompute else 1.0)
     return ClusterOption(
-        pp, dp, tp, mode, per_replica, chosen, tokens, mfu, hfu,
+        grid.pp, grid.dp, grid.tp, grid.sharding, found.microbatches, chosen, tokens, mfu, hfu,
         step_time=step, memory=peak, data_parallel=comm.options.describe(layout.dp_mode),
         reason=comm.reason,
     )  # fmt: skip
+
+
+def _pruned(found: _Scheduled, threshold: float, keep: int) -> ClusterOption:
+    """``found`` not simulated: its compute alone is slower than the ``keep``-th fastest step."""
+    grid = found.grid
+    note = (
+        f"not simulated: its busiest GPU computes {found.bound:.3f} s, more than the step of the "
+        f"{keep}. fastest layout, {threshold:.3f} s"
+    )
+    return ClusterOption(
+        grid.pp, grid.dp, grid.tp, grid.sharding, found.microbatches, None, note=note, pruned=True
+    )
 
 
 def _planned_grid(cluster: Cluster, grid: Grid) -> Grid:
@@ -491,63 +555,6 @@ def _planned_grid(cluster: Cluster, grid: Grid) -> Grid:
     dp_link = Link(cluster.latency, cluster.intra if grid.size <= cluster.gpus else cluster.inter)
     timed = replace(grid, tp_link=tp_link, dp_link=dp_link, split_compute=False, tp_collectives=0)
     return least_memory(timed)
-
-
-def cluster_table(options: Sequence[ClusterOption], top: int) -> str:
-    """The ``top`` fastest layouts as a text table, and how many fit nothing."""
-    header = (
-        "  pp   dp   tp  sharding   m  schedule            step s  bubble  memory/GPU  tok/s/GPU   MFU   HFU"
-    )
-    experts = any(o.ep > 1 for o in options)  # a mixture of experts: its ep column
-    lines = [header.replace("   tp", "   tp   ep") if experts else header]
-    for option in [o for o in options if o.plan is not None][:top]:
-        assert option.plan is not None
-        winner = option.plan.winner
-        bubble = max(winner.bubble_rate or 0.0, 0.0)
-        ep = f" {option.ep:4d}" if experts else ""
-        lines.append(
-            f"{option.pp:4d} {option.dp:4d} {option.tp:4d}{ep}  {option.sharding or 'replicate':9s}"
-            f"{option.microbatches:4d}  {winner.label:16s} {option.step_time:8.3f}  {bubble:6.1%}"
-            f"  {format_bytes(option.memory):>10s} {option.tokens_per_second:10.0f} {option.mfu:6.1%}"
-            f" {option.hfu:5.1%}"
-        )
-    failed = sum(o.plan is None for o in options)
-    if failed:
-        lines.append(f"({failed} of {len(options)} layouts fit nothing or do not split the batch)")
-    return "\n".join(lines)
-
-
-def best_layout_text(options: Sequence[ClusterOption]) -> str:
-    """Two lines on the winner (its layout and throughput; its data-parallel sharding and why), or
-    why nothing runs."""
-    fitting = [o for o in options if o.plan is not None]
-    if not fitting:
-        reasons = "; ".join(f"pp {o.pp} dp {o.dp} tp {o.tp}: {o.note}" for o in options[:3])
-        raise ScheduleError(f"no layout of the cluster fits: {reasons}")
-    best = fitting[0]
-    assert best.plan is not None
-    return (
-        f"best: pp {best.pp} × dp {best.dp} ({best.sharding or 'replicate'}) × tp {best.tp}"
-        + (f" × ep {best.ep} (within dp)" if best.ep > 1 else "")
-        + f", {best.plan.winner.label} with {best.microbatches} microbatches: {best.tokens_per_second:.0f} "
-        f"tokens/s per GPU, MFU {best.mfu:.1%} (HFU {best.hfu:.1%})\n"
-        f"data parallel: {best.reason}"
-    )
-
-
-def render_cluster_option(option: ClusterOption, path: str | Path) -> None:
-    """Draw the schedule ``option`` chose (one pipeline replica's simulated timeline; SVG or PNG by
-    the suffix of ``path``), titled with its layout."""
-    if option.plan is None:
-        raise ScheduleError(
-            f"pp {option.pp} dp {option.dp} tp {option.tp} has no plan to draw: {option.note}"
-        )
-    winner = option.plan.winner
-    title = (
-        f"pp {option.pp} × dp {option.dp} ({option.sharding or 'replicate'}) × tp {option.tp}: "
-        f"{winner.label}, {option.microbatches} microbatches, partition {list(option.plan.partition)}"
-    )
-    option.plan.render(path, title=title)
 
 
 def layouts_from_mesh(

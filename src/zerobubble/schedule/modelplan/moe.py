@@ -32,6 +32,7 @@ from .cluster import (
     ClusterSearch,
     TransformerShape,
     _option,
+    _scheduled,
     _Setting,
     cluster_grids,
     transformer_profile,
@@ -360,7 +361,9 @@ def plan_moe_cluster(
     options = []
     for grid in layouts if layouts is not None else cluster_grids(shape, cluster):
         for ep in ep_sizes(shape, grid):
-            option = _option(replace(base, ep=ep, sharded=grid.shard > 1), grid)
+            setting = replace(base, ep=ep, sharded=grid.shard > 1)
+            found = _scheduled(setting, grid)  # its schedule, then its communication chosen
+            option = found if isinstance(found, ClusterOption) else _option(setting, found)
             if option.plan is not None:
                 plan = replace(option.plan, reason=f"{option.plan.reason}; {moe_reason(option.plan)}")
                 option = replace(option, plan=plan)

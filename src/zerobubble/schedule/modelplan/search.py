@@ -55,6 +55,7 @@ def plan(
     vocab_embedding: bool = False,
     layout: Grid | None = None,
     comm_candidates: Sequence[FSDPOptions] | None = None,
+    defer_comm: bool = False,
 ) -> Plan:
     """Choose schedule, chunk count and partition for ``profile`` on ``ranks`` ranks (module docstring).
 
@@ -73,7 +74,8 @@ def plan(
     bytes are then spread over the ranks and the partition covers the layers between).  ``layout``
     places each stage on ``dp × tp`` ranks (:class:`~..grid.Grid`: tensor-parallel costs,
     sharded bytes, the step's data-parallel collectives); the budget is then per rank of that mesh.
-    With replicas the winner's communication is simulated and chosen (``Plan.comm``, :mod:`.choices`).
+    With replicas the winner's communication is chosen (``Plan.comm``, :mod:`.choices`) here or, with
+    ``defer_comm``, by the caller (:func:`with_comm`: ``plan --cluster`` prunes layouts first).
     Raises :class:`ScheduleError` naming the rank, its bytes and the budget when nothing fits.
     """
     layout = layout or Grid()
@@ -83,22 +85,40 @@ def plan(
     common = _SearchArgs(profile, ranks, microbatches, budget, optimizer, refine, cores)
     searches = _searches(common, layout, head, vocab_embedding)
     ordered = _ordered(_candidates(searches, names, interleaved_chunks))
-    fitting = [c for c in ordered if c.fits]
-    if not fitting:
+    if not (fitting := [c for c in ordered if c.fits]):
         raise ScheduleError(_nothing_fits(ordered, budget, ranks, layout))
     winner, known = _choose(fitting, tie_margin), profile.bytes_known
-    reason = _reason(winner, ordered, budget, known)
-    if not layout.trivial and known:
-        reason += "; " + searches[0].memory_text(winner)
+    reason = _reason(winner, ordered, budget, known) + _notes(searches, winner, layout, known, cores, ranks)
+    planned = Plan(
+        winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known
+    )
+    if defer_comm or not known:
+        return planned
+    return with_comm(planned, _data_parallel(layout, searches[0].profile, winner, budget, comm_candidates))
+
+
+def _notes(
+    searches: Sequence[_Search],
+    winner: PlanCandidate,
+    layout: Grid,
+    known: bool,
+    cores: int | None,
+    ranks: int,
+) -> str:
+    """The reason's notes after the choice: the busiest rank's memory on a mesh, shared cores, the
+    measured head."""
+    notes = "; " + searches[0].memory_text(winner) if not layout.trivial and known else ""
     if cores is not None and cores < ranks:
-        reason += f"; {ranks} ranks predicted on {cores} shared cores"
-    reason += "".join("; " + s.head_text() for s in searches if isinstance(s, _VocabSearch))
-    comm = _data_parallel(layout, searches[0].profile, winner, budget, comm_candidates) if known else None
-    reason += f"; data parallel: {comm.reason}" if comm is not None else ""
-    return Plan(
-        winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known,
-        comm=comm,
-    )  # fmt: skip
+        notes += f"; {ranks} ranks predicted on {cores} shared cores"
+    return notes + "".join("; " + s.head_text() for s in searches if isinstance(s, _VocabSearch))
+
+
+def with_comm(planned: Plan, comm: CommChoice | None) -> Plan:
+    """``planned`` with its replicas' communication chosen: ``comm``, and its reason appended (None,
+    without replicas: ``planned``)."""
+    if comm is None:
+        return planned
+    return replace(planned, comm=comm, reason=f"{planned.reason}; data parallel: {comm.reason}")
 
 
 def _data_parallel(
@@ -426,11 +446,23 @@ class _VocabSearch(_Search):
         spread = [head, *profile.layers[:first]]  # the head's and the embedding's rows on every rank
         self.head_static = math.fsum(layer.static_bytes for layer in spread) / ranks
 
+    def _split(self) -> tuple[float, float, bool]:
+        """The head's S and T work (whole, before the shards): the measured forward + input
+        gradient and weight gradient; where the profile holds no separate weight gradient for a
+        head with trainable weights (its W ran inside B), the measured total split 2:1 by the
+        head's matmuls (logits and input gradient for S, weight gradient for T).  The flag says so."""
+        head = self.head
+        f_b, w = head.forward + head.backward_input, head.backward_weight
+        if w > 0 or head.gradient_bytes <= 0:
+            return f_b, w, False
+        return f_b * 2 / 3, f_b / 3, True
+
     def _head_costs(self, costs: CostModel) -> CostModel:
         head, p = self.head, self.ranks
+        s_work, t_work, _ = self._split()
         return costs.replace(
-            vocab_s=(head.forward + head.backward_input) / p,
-            vocab_t=head.backward_weight / p,
+            vocab_s=s_work / p,
+            vocab_t=t_work / p,
             vocab_mem=head.activation_bytes / p,
             # the hidden states broadcast, the gradient parts (twice their width) gathered
             vocab_comm=self.profile.transfer_time(3 * self.profile.layers[-1].output_bytes),
@@ -441,9 +473,12 @@ class _VocabSearch(_Search):
         head, p, blocks = self.head, self.ranks, self.profile.layers
         share = head.work / (math.fsum(layer.work for layer in blocks) / len(blocks))
         f_b, w = head.forward + head.backward_input, head.backward_weight
+        s_work, t_work, folded = self._split()
+        how = " (its W ran inside B: split 2:1 by its matmuls)" if folded else ""
         return (
             f"head measured: F+B {f_b * 1e3:.3f} ms, W {w * 1e3:.3f} ms ({share:.2f}x a mean layer's "
-            f"work), so S {f_b / p * 1e3:.3f} ms and T {w / p * 1e3:.3f} ms per shard of {p}"
+            f"work){how}, so S {s_work / p * 1e3:.3f} ms and T {t_work / p * 1e3:.3f} ms per shard "
+            f"of {p}"
         )
 
     def _build(self, name: str, costs: CostModel, chunks: int) -> Schedule:
