@@ -81,23 +81,3 @@ def test_the_head_costs_are_the_measured_head_layers():
     assert (
         f"S {2 * 12.0 / 4 * 1e3:.3f} ms and T {12.0 / 4 * 1e3:.3f} ms per shard of 4" in plans["slow"].reason
     )
-
-
-@pytest.mark.parametrize("trainable", [True, False])
-def test_a_head_whose_weight_gradient_ran_inside_b_is_split_by_its_matmuls(trainable):
-    """A profile whose head holds no separate W (it ran inside B) but has trainable weights: S and
-    T are its measured F + B split 2:1 (logits and input gradient; weight gradient), and the reason
-    says so; a head without trainable weights keeps T at 0."""
-    base = _profile(6.0, blocks=7)
-    gradients = 100.0 if trainable else 0.0
-    head = LayerProfile(
-        "head", 6.0, 12.0, 0.0, activation_bytes=240.0, parameter_bytes=100.0, gradient_bytes=gradients
-    )
-    profile = ModelProfile(layers=(*base.layers[:-1], head))
-    result = plan(profile, 4, 8, schedules=["1f1b"], head="vocab-parallel")
-    costs = result.winner.timeline.costs
-    total = 6.0 + 12.0
-    expected = (total * 2 / 3, total / 3) if trainable else (total, 0.0)
-    assert costs.vocab_s == pytest.approx([expected[0] / 4] * 4)
-    assert costs.vocab_t == pytest.approx([expected[1] / 4] * 4)
-    assert ("its W ran inside B: split 2:1 by its matmuls" in result.reason) is trainable

@@ -446,23 +446,11 @@ class _VocabSearch(_Search):
         spread = [head, *profile.layers[:first]]  # the head's and the embedding's rows on every rank
         self.head_static = math.fsum(layer.static_bytes for layer in spread) / ranks
 
-    def _split(self) -> tuple[float, float, bool]:
-        """The head's S and T work (whole, before the shards): the measured forward + input
-        gradient and weight gradient; where the profile holds no separate weight gradient for a
-        head with trainable weights (its W ran inside B), the measured total split 2:1 by the
-        head's matmuls (logits and input gradient for S, weight gradient for T).  The flag says so."""
-        head = self.head
-        f_b, w = head.forward + head.backward_input, head.backward_weight
-        if w > 0 or head.gradient_bytes <= 0:
-            return f_b, w, False
-        return f_b * 2 / 3, f_b / 3, True
-
     def _head_costs(self, costs: CostModel) -> CostModel:
         head, p = self.head, self.ranks
-        s_work, t_work, _ = self._split()
         return costs.replace(
-            vocab_s=s_work / p,
-            vocab_t=t_work / p,
+            vocab_s=(head.forward + head.backward_input) / p,
+            vocab_t=head.backward_weight / p,
             vocab_mem=head.activation_bytes / p,
             # the hidden states broadcast, the gradient parts (twice their width) gathered
             vocab_comm=self.profile.transfer_time(3 * self.profile.layers[-1].output_bytes),
@@ -473,12 +461,9 @@ class _VocabSearch(_Search):
         head, p, blocks = self.head, self.ranks, self.profile.layers
         share = head.work / (math.fsum(layer.work for layer in blocks) / len(blocks))
         f_b, w = head.forward + head.backward_input, head.backward_weight
-        s_work, t_work, folded = self._split()
-        how = " (its W ran inside B: split 2:1 by its matmuls)" if folded else ""
         return (
             f"head measured: F+B {f_b * 1e3:.3f} ms, W {w * 1e3:.3f} ms ({share:.2f}x a mean layer's "
-            f"work){how}, so S {s_work / p * 1e3:.3f} ms and T {t_work / p * 1e3:.3f} ms per shard "
-            f"of {p}"
+            f"work), so S {f_b / p * 1e3:.3f} ms and T {w / p * 1e3:.3f} ms per shard of {p}"
         )
 
     def _build(self, name: str, costs: CostModel, chunks: int) -> Schedule:
