@@ -351,23 +351,22 @@ class Comm:
         while key not in self._posted:
             if not self._queues[src]:
                 raise PipelineError(f"rank {self.rank}: message {key} from rank {src} was already consumed")
-            self._post(src, 1)
+            self._post_next(src)
 
-    def _post(self, src: int, count: int) -> None:
-        queue = self._queues[src]
+    def _post_next(self, src: int) -> None:
+        """Post the receive of the next message of ``src``'s channel (its queue is not empty)."""
         group, peer = self._groups[(src, self.rank)]
-        for _ in range(min(count, len(queue))):
-            key = queue.popleft()
-            if self._headers:
-                specs = self._receive_header(key, src, group, peer)
-            else:
-                specs = self._shapes[key.direction, key.boundary]
-            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
-            try:
-                works = [dist.irecv(b, peer, group=group) for b in buffers]
-            except RuntimeError as error:
-                raise self._failure(f"posting the receive of {_describe_key(key, src)}", error) from error
-            self._posted[key] = _Pending(works, buffers)
+        key = self._queues[src].popleft()
+        if self._headers:
+            specs = self._receive_header(key, src, group, peer)
+        else:
+            specs = self._shapes[key.direction, key.boundary]
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
+        try:
+            works = [dist.irecv(b, peer, group=group) for b in buffers]
+        except RuntimeError as error:
+            raise self._failure(f"posting the receive of {_describe_key(key, src)}", error) from error
+        self._posted[key] = _Pending(works, buffers)
 
     def _receive_header(self, key: MessageKey, src: int, group, peer: int) -> list[TensorSpec]:
         header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)

@@ -211,13 +211,6 @@ class ThreadedOverlap:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerobubble-pair")
             return self._pool
 
-    def close(self) -> None:
-        """End the worker thread (a later pair starts another)."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
 
 def overlap_hook(overlap: OverlapHook | str | None) -> OverlapHook | None:
     """The hook that ``Pipeline(overlap=...)`` asks for: a callable as it is, ``"threads"`` a new
