@@ -2,7 +2,8 @@
 
 Two gloo ranks, the same model twice: its head as it is, and made slow (:class:`_slow_head.SlowHead`:
 extra products with the head's weight, multiplied by zero, in the forward and both backward parts).
-The plan's reason carries the measured head: F+B and W in milliseconds and the S and T per shard
+The plan's reason carries the measured head: F+B and W (timed apart: the head's weight gradient is
+deferred to W) in milliseconds and the S and T per shard
 derived from them; the slow head's are many times the plain one's, and they turn the plan to the
 vocabulary-parallel head: the plain head's best prediction falls well behind it.  (With the head as it
 is, the two layouts predict within a few tens of percent of each other and the plain one usually wins;
@@ -38,6 +39,8 @@ def test_the_measured_head_is_in_the_reason_and_turns_the_plan(planned):
             f"head measured: F+B {f_b * 1e3:.3f} ms, W {w * 1e3:.3f} ms" in result["reason"]
             and f"so S {f_b / p * 1e3:.3f} ms and T {w / p * 1e3:.3f} ms per shard of {p}" in result["reason"]
         ), result["reason"]
+        # the head's weight gradient is timed apart from its B (it is deferred to W, as at run time)
+        assert w > 0 and f_b > 0, result["head"]
     assert sum(slow["head"]) > 10 * sum(fast["head"]), (slow["head"], fast["head"])
     assert sum(slow["head"]) > 4 * slow["block"]  # more than all the blocks: no cut balances a plain head
     # the plain head's best period over the vocabulary-parallel one's: far behind once the head is slow

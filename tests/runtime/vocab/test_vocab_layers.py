@@ -261,6 +261,37 @@ def test_head_forward_is_cross_entropy(softcap):
         torch.testing.assert_close(logits, softcap * torch.tanh(raw / softcap), **TOL)
 
 
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_plain_models_head_defers_its_weight_gradient_to_w(softcap):
+    """The plain model ``schedule="auto"`` weighs runs its head through ``forward``: B computes the
+    hidden states' gradient and leaves the weight's to W, and the two equal plain autograd's."""
+    from zerobubble.runtime.vocab.runner import plain_model
+    from zerobubble.runtime.wgrad.install import install_deferral
+    from zerobubble.runtime.wgrad.store import WeightGradStore
+
+    generator = torch.Generator().manual_seed(1)
+    head = VocabParallelHead(5, 17, softcap=softcap, dtype=F64)
+    hidden = torch.randn(2, 3, 5, generator=generator, dtype=F64)
+    labels = torch.randint(0, 17, (2, 3), generator=generator)
+    torch.testing.assert_close(head(hidden), head.logits(hidden), **TOL)
+    expected = copy.deepcopy(head)
+    expected_hidden = hidden.clone().requires_grad_()
+    expected(expected_hidden, labels).backward()
+    layers, loss_fn = plain_model(head, None, [])
+    store = WeightGradStore()
+    install_deferral(layers, store)
+    split_hidden = hidden.clone().requires_grad_()
+    store.begin((0, 0), True)
+    try:
+        loss_fn(layers[-1](split_hidden), labels).backward()
+    finally:
+        store.end()
+    assert head.weight.grad is None and (0, 0) in store.pending_keys()  # B left the weight to W
+    torch.testing.assert_close(split_hidden.grad, expected_hidden.grad, **TOL)
+    store.flush((0, 0))
+    torch.testing.assert_close(head.weight.grad, expected.weight.grad, **TOL)
+
+
 def test_embedding_padding_row_gets_no_gradient_and_scale_applies():
     embedding = VocabParallelEmbedding(6, 2, padding_idx=4, scale=math.sqrt(2.0), dtype=F64)
     assert torch.equal(embedding.weight[4], torch.zeros(2, dtype=F64))

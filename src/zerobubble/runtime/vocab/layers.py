@@ -223,10 +223,17 @@ class VocabParallelHead(_VocabShard):
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Unsharded use only (raises if sharded): the mean cross-entropy of ``hidden`` [..., dim] against
-        ``labels`` [...], as ``F.cross_entropy`` over the flattened logits with ``ignore_index``."""
+        ``labels`` [...], as ``F.cross_entropy`` over the flattened logits with ``ignore_index``; without
+        ``labels``, the logits [..., vocab].
+
+        The plain model ``schedule="auto"`` weighs (:func:`~.runner.plain_model`) calls it for the logits:
+        through ``forward`` the weight-gradient split defers the head's weight gradient to W, where a
+        direct :meth:`logits` call would compute it in B."""
         self._require_unsharded()
+        if labels is None:
+            return self.logits(hidden)
         check_labels(labels, self.vocab_size, self.ignore_index)
         logits = self.logits(hidden)
         return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=self.ignore_index)

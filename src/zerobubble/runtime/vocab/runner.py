@@ -527,7 +527,8 @@ class _HeadLayer(nn.Module):
         self.head = head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.logits(hidden)
+        # through the head's forward, which the weight-gradient split wraps: its W is deferred
+        return self.head(hidden)
 
 
 def plain_model(
