@@ -180,7 +180,10 @@ def test_the_split_of_the_fused_expert_weights_equals_plain_autograd(case):
     store.flush((0, 0))
     for (name, param), expected in zip(experts.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, expected.grad, rtol=0, atol=0, msg=name)
-    assert set(deferral.summary()) == {f"generic {_EXPERTS[case['family']][1]}"}
+    # the eager loop's F.linear on one expert's matrix is routed to its closed form (W: one GEMM into
+    # that expert's rows of the gradient); grouped_mm's products run on the generic split's local graph
+    path = "generic+linear" if case["implementation"] == "eager" else "generic"
+    assert set(deferral.summary()) == {f"{path} {_EXPERTS[case['family']][1]}"}
 
 
 # -- 2 ranks ----------------------------------------------------------------------------------------

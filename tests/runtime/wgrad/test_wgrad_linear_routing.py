@@ -322,3 +322,39 @@ def test_a_transposed_input_takes_one_gemm_not_a_batched_product(layer):
     _, out, _ = check_split(model, batches, lambda out: out.square().mean())
     assert out.shape == (7, 2, WIDTH)
     assert "BmmBackward0" not in node_names(out)
+
+
+class ExpertSlices(nn.Module):
+    """A fused 3-D expert weight: two experts' matrices through ``F.linear`` (routed to their rows of
+    the gradient), one used twice, and one through another op (its gradient by W's walk)."""
+
+    def __init__(self, experts: int = 4):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x):
+        first = F.linear(x, self.weight[0])
+        second = F.linear(torch.tanh(first), self.weight[torch.tensor(2)])
+        again = F.linear(second, self.weight[0])
+        return again + x * self.weight[1].sum()
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
+def test_expert_matrices_of_a_3d_weight_are_routed_and_every_use_adds_up(defer):
+    torch.manual_seed(7)
+    model = ExpertSlices()
+    deferral, _, leaves = check_split(model, hidden(), lambda out: out.square().mean(), defer=defer)
+    assert deferral.summary() == {"generic+linear ExpertSlices": 1}
+    if defer:
+        assert leaves == {"weight"}  # expert 1's use is no product: W walks to the leaf for it
+
+
+def test_a_hooked_3d_weight_is_not_routed_by_slices():
+    """A gradient hook must see the whole gradient at once, as autograd hands it: no routing by rows."""
+    torch.manual_seed(8)
+    model = ExpertSlices()
+    seen = []
+    model.weight.register_hook(lambda grad: seen.append(grad.shape))
+    deferral, _, leaves = check_split(model, hidden(), lambda out: out.square().mean())
+    assert deferral.summary() == {"generic ExpertSlices": 1} and leaves == {"weight"}
+    assert seen and all(shape == model.weight.shape for shape in seen)

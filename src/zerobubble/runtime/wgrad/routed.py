@@ -13,7 +13,10 @@ same way with transformers' ``Conv1D`` math (the weight stored in × out); so do
 and — in forwards on the stage's graph (below) — ``F.layer_norm`` and ``F.group_norm`` on leaf
 weights, whose kernel computes every gradient in B as ``nn.LayerNorm``'s fast path does.
 ``F.rms_norm`` / ``torch.rms_norm`` with a leaf weight runs as torch's composite computes it, the
-normalised input times the weight, and that product is routed as a scale.  The leaf
+normalised input times the weight, and that product is routed as a scale.  ``F.linear(x, w[e])`` on
+one expert's matrix of a 3-D leaf (transformers' fused expert weights, ``gate_up_proj[e]``, in its
+eager experts loop) is routed too: W adds the product into rows ``e`` of the leaf's gradient
+(:class:`_ExpertSliceRule`).  The leaf
 walk of the generic split does not see these weights, so a module whose every parameter goes
 through routed calls has no leaves: it needs no local graph, and after its first forward it runs on
 the stage's graph directly (:class:`.generic.ModuleSplit`).
@@ -56,8 +59,42 @@ _WIDE_FLOATS = frozenset((torch.float32, torch.float64))  # where rms_norm's com
 _NORMS = frozenset((F.layer_norm, F.group_norm))
 """Functions whose one kernel computes every parameter gradient with the input's (their weight and
 bias: the arguments after the first two); routed in forwards on the stage's graph only."""
+_GETITEM = torch._C.TensorBase.__getitem__  # ``w[e]``, as a mode sees it
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # not a DTensor or another subclass
 _LINEAR_RULE = MatmulRule(weight_is_out_by_in=True)  # stateless: the math of nn.Linear's fast path
 _PROJECTION_RULE = MatmulRule(weight_is_out_by_in=False)  # ``x @ w``: the math of transformers' Conv1D
+
+
+class _ExpertSliceRule(MatmulRule):
+    """``F.linear(x, leaf[e])`` for one expert's [out, in] matrix of a 3-D leaf: the weight target is
+    ``(leaf, e)``, and W adds ``grad_output^T @ x`` into ``leaf.grad[e]`` — a gradient of zeros first,
+    as autograd's select backward scatters into one (the experts no token reached keep zeros)."""
+
+    def __init__(self) -> None:
+        super().__init__(weight_is_out_by_in=True)
+
+    def accumulate_into(self, weight: Any, bias: Any, saved: Any, grad_output: Any, needed: Any) -> None:
+        leaf, index = weight
+        x = saved[0]
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        x_2d = x.reshape(-1, x.shape[-1])
+        if leaf.grad is None:
+            leaf.grad = torch.zeros_like(leaf, memory_format=torch.contiguous_format)
+        rows = leaf.grad[index]
+        if rows.dtype == grad_2d.dtype == x_2d.dtype:
+            rows.addmm_(grad_2d.t(), x_2d)
+        else:
+            rows.add_(grad_2d.t().mm(x_2d).to(rows.dtype))
+
+
+_EXPERT_SLICE_RULE = _ExpertSliceRule()
+
+
+def _one_index(index: Any) -> bool:
+    """An index selecting one matrix of a 3-D tensor: an int or a 0-d integer tensor."""
+    if isinstance(index, int) and not isinstance(index, bool):
+        return True
+    return isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point()
 
 
 def _accumulate_grad_type() -> type:
@@ -193,6 +230,9 @@ class LinearRouter(TorchFunctionMode):
         self.direct = False
         self.routed = False
         self.aliases: list[torch.Tensor] = []  # the routed norms' per-call aliases: leaves of no module
+        # id(view) -> (view, leaf, index) for ``leaf[index]`` of a 3-D leaf taken in this forward (the
+        # view is held, so its id is not reused while the forward runs)
+        self.slices: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}
         self.copies = _functional_with_linear(self.linear)
 
     def begin(self, inputs: list[torch.Tensor], direct: bool = False) -> None:
@@ -204,12 +244,14 @@ class LinearRouter(TorchFunctionMode):
         self.direct = direct
         self.routed = False
         self.aliases = []
+        self.slices = {}
 
     def end(self) -> tuple[torch.Tensor | None, bool]:
         """Finish the forward: its anchor (None if no :class:`LinearSplit` needed one) and whether
         any call was routed."""
         anchor, routed = self.anchor, self.routed
         self.anchor, self.local_ids, self.routed, self.aliases = None, set(), False, []
+        self.slices = {}
         return anchor, routed
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
@@ -224,13 +266,38 @@ class LinearRouter(TorchFunctionMode):
             return self.norm(func, args, kwargs or {})
         if func in _RMS_NORMS:
             return self.rms_norm(*args, **kwargs) if kwargs else self.rms_norm(*args)
+        if func is _GETITEM and len(args) == 2:
+            return self.getitem(*args)
         if type(func) is types.FunctionType:  # a Python function: one of F's calling linear?
             func = self.copies.get(func, func)
         # the mode is off while this runs (torch pops it for the handler): its ops cost nothing extra
         return func(*args, **kwargs) if kwargs else func(*args)
 
+    def getitem(self, tensor: Any, index: Any) -> Any:
+        """``tensor[index]``; one matrix of a 3-D leaf is remembered, for :meth:`linear` to route.
+
+        Only a plain tensor or Parameter without gradient hooks: W adds into rows of its gradient,
+        where autograd would hand the hooks the whole gradient at once."""
+        out = tensor[index]
+        if (
+            type(tensor) in _PLAIN_TENSORS
+            and tensor.dim() == 3
+            and _one_index(index)
+            and self._owned_leaf(tensor)
+            and not tensor._backward_hooks
+            and not tensor._post_accumulate_grad_hooks
+        ):
+            self.slices[id(out)] = (out, tensor, index)
+        return out
+
     def linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
-        """``F.linear``, through :class:`LinearSplit` when ``weight`` is a leaf requiring grad."""
+        """``F.linear``, through :class:`LinearSplit` when ``weight`` is a leaf requiring grad or one
+        expert's matrix of a 3-D leaf (:meth:`getitem`)."""
+        sliced = self.slices.get(id(weight))
+        if sliced is not None and sliced[0] is weight and torch.is_grad_enabled():
+            # a bias (none in transformers' experts) stays on autograd's graph, added after
+            target = (sliced[1], sliced[2])
+            return self._split(input, weight, None, bias, (self.store, target, None, _EXPERT_SLICE_RULE))
         if not (self._owned_leaf(weight) and torch.is_grad_enabled()):
             return _LINEAR(input, weight, bias)
         added = None
