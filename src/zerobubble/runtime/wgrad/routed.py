@@ -13,13 +13,10 @@ same way with transformers' ``Conv1D`` math (the weight stored in × out); so do
 and — in forwards on the stage's graph (below) — ``F.layer_norm`` and ``F.group_norm`` on leaf
 weights, whose kernel computes every gradient in B as ``nn.LayerNorm``'s fast path does.
 ``F.rms_norm`` / ``torch.rms_norm`` with a leaf weight runs as torch's composite computes it, the
-normalised input times the weight, and that product is routed as a scale.  ``F.linear(x, w[e])`` on
-one expert's matrix of a 3-D leaf (transformers' fused expert weights, ``gate_up_proj[e]``, in its
-eager experts loop) is routed too: W adds the product into rows ``e`` of the leaf's gradient
-(:class:`_ExpertSliceRule`).  The leaf
-walk of the generic split does not see these weights, so a module whose every parameter goes
-through routed calls has no leaves: it needs no local graph, and after its first forward it runs on
-the stage's graph directly (:class:`.generic.ModuleSplit`).
+normalised input times the weight, and that product is routed as a scale; ``F.linear(x, w[e])`` on
+one matrix of a 3-D leaf (an expert's) too (:class:`_ExpertSliceRule`).  A module whose parameters
+all go through routed calls has no leaves for the generic split's walk: after its first forward it
+runs on the stage's graph, with no local graph (:class:`.generic.ModuleSplit`).
 
 ``torch.nn.functional``'s own Python functions that call ``linear`` (``multi_head_attention_forward``
 and its helpers) check for torch-function modes first and would hide their ``linear`` calls from
