@@ -21,7 +21,7 @@ from torch import nn
 EP_MICROBATCHES = 2  # per ep rank: the reference's 4 microbatches of 2 rows, split over the ep ranks
 #: dualpipe-v needs 2p microbatches a pipeline: 4 of one row each per ep rank (without the aux loss,
 #: whose reference is per microbatch of 2 rows)
-SCHEDULE_MICROBATCHES = {"dualpipe-v": 4, "dualpipe-v threads": 4}
+SCHEDULE_MICROBATCHES = {"dualpipe-v": 4, "dualpipe-v threads": 4, "auto": 4}
 MAX_NORM = 0.05  # small enough to clip every step
 
 
@@ -48,10 +48,18 @@ def _pipeline(model: nn.Module, schedule: str, mesh: Any, aux: bool) -> Any:
 
     loss = with_router_aux_loss(lm_loss) if aux else lm_loss
     name, _, overlap = schedule.partition(" ")  # "dualpipe-v threads": overlap="threads"
+    # "auto": planned from a profile of this rank's half of the first batch, the experts' exchanges timed
+    example = _half(*batch("whole", seed=10)[:2], mesh) if name == "auto" else None
     return Pipeline(
         pipeline_layers(model), schedule=name, microbatches=_microbatches(schedule), loss_fn=loss,
-        timeout=60, mesh=mesh, overlap=overlap or None,
+        timeout=60, mesh=mesh, overlap=overlap or None, example=example,
     )  # fmt: skip
+
+
+def _half(tokens: torch.Tensor, targets: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``ep`` rank's half of a batch (as :func:`_my_rows` cuts it on a (pp, ep) mesh)."""
+    index, rows = mesh.get_local_rank("ep"), len(tokens) // 2
+    return tokens[index * rows : (index + 1) * rows], targets[index * rows : (index + 1) * rows]
 
 
 def _my_rows(pipe: Any, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,9 +163,22 @@ def trained_cases(cases: list[tuple[str, str, bool]]) -> dict:
             "threads": sorted(exchanges.threads),
             "experts": experts,
             "report": [(r.type, r.path, r.verified) for r in pipe.split_report() if "Experts" in r.type],
+            "schedule": pipe.schedule.name,
+            "plan": _plan_summary(pipe),
         }
     exchanges.close()
     return out
+
+
+def _plan_summary(pipe: Any) -> dict | None:
+    """``schedule="auto"``'s reason, candidates and each layer's measured all-to-all (None otherwise)."""
+    if pipe.plan is None:
+        return None
+    return {
+        "reason": pipe.plan.reason,
+        "candidates": sorted({c.schedule for c in pipe.plan.candidates}),
+        "all_to_all": [layer.all_to_all for layer in pipe.profile.layers],
+    }
 
 
 # -- checkpoints across layouts ------------------------------------------------------------------------

@@ -44,11 +44,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
         return 0
     print(result.table())
-    print(f"chosen: {result.reason}")
-    if any(layer.all_to_all > 0 for layer in profile.layers):
-        from ..schedule.modelplan.moe import moe_reason
-
-        print(f"experts: {moe_reason(result)}")
+    print(f"chosen: {result.reason}")  # with the expert all-to-all's part in it, for an MoE profile
     if args.output:
         print(f"wrote {args.output}")
     return 0

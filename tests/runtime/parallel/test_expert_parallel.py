@@ -31,6 +31,7 @@ TRAINED = [
     ("qwen3_moe", "zb-v", True),
     ("mixtral", "dualpipe-v", False),
     ("mixtral", "dualpipe-v threads", False),  # overlap="threads": each pair's halves on two threads
+    ("mixtral", "auto", False),  # planned: the experts' all-to-all timed on the ep ranks, dualpipe-v weighed
 ]
 
 
@@ -71,7 +72,8 @@ def test_pp2_ep2_trains_like_the_model_on_the_whole_batch(case, results):
         assert worst[1] <= 1e-10, worst  # the routers, the experts (full tensors), everything
         assert m["mismatches"] == [], "the split guard found no mismatch"
         assert m["experts"] and all("experts" in name for name in m["experts"])  # DTensors
-        assert bool(m["report"]) == (schedule != "1f1b")  # zb-v, dualpipe-v: the experts' W deferred
+        deferred = m["schedule"] not in ("1f1b", "gpipe", "interleaved-1f1b")  # auto's winner may be one
+        assert bool(m["report"]) == deferred  # zb-v, dualpipe-v: the experts' W deferred
         sent, expected = m["exchanges"]
         assert sent == expected, "one dispatch and one combine per F and per B: W sends nothing"
         assert m["groups"] == 2, "a forward's exchanges over one group, a backward's over another"
@@ -122,3 +124,17 @@ def test_dcp_checkpoints_cross_layouts_and_continue_exactly(name, results):
 )
 def test_wrong_layouts_are_refused_on_every_rank(case, says, results):
     assert all(says in r["refused"][case] for r in results), [r["refused"][case] for r in results]
+
+
+@pytest.mark.multiprocess
+def test_auto_times_the_experts_all_to_all_and_weighs_dualpipe_v(results):
+    """``schedule="auto"`` on (pp 2, ep 2): each MoE block's exchange is timed on its ep ranks (the
+    embedding and the head have none), dualpipe-v is a candidate and the reason says what the
+    all-to-all costs and how much of it dualpipe-v hides; the run is exact (the trained test above)."""
+    plans = [r["trained"][_key(("mixtral", "auto", False))]["plan"] for r in results]
+    assert all(plan == plans[0] for plan in plans), "every rank runs the same plan"
+    plan = plans[0]
+    measured = plan["all_to_all"]
+    assert measured[0] == 0 and measured[-1] == 0 and all(t > 0 for t in measured[1:-1]), measured
+    assert "dualpipe-v" in plan["candidates"], plan["candidates"]
+    assert "experts: expert all-to-all" in plan["reason"] and "dualpipe-v" in plan["reason"], plan["reason"]

@@ -34,8 +34,9 @@ from ...schedule import ScheduleError
 from ...schedule.modelplan import Link, MeshLayout, ModelProfile, Plan, calibrate, median_profile, plan
 from .. import PipelineError
 from ..observe.recorder import OpRecorder, StepRecorder
+from ..parallel.experts import ExpertPayload, recorded_payloads
 from ..vocab.runner import plain_model
-from .profile import measure_transfer, profile_layers
+from .profile import measure_all_to_all, measure_transfer, profile_layers
 
 if TYPE_CHECKING:
     from ..observe.trace import MeasuredTimeline
@@ -79,13 +80,16 @@ def plan_for_pipeline(
     device: torch.device,
     planning: Planning,
     repeats: int = 5,
+    experts_group: dist.ProcessGroup | None = None,
 ) -> tuple[Plan, ModelProfile]:
     """The plan every rank of ``group`` agrees on, and the profile it came from (collective).
 
     ``example`` is one batch as :meth:`Pipeline.step` takes it, ``(inputs, targets)`` or
     ``(inputs, targets, kwargs)`` with the step's keyword arguments in a dict
-    (:func:`example_parts`); ``planning`` says what to plan for.  Raises :class:`PipelineError` on
-    every rank when no schedule fits.
+    (:func:`example_parts`); ``planning`` says what to plan for.  With ``experts_group`` (this rank's
+    ``"ep"`` ranks) each mixture-of-experts layer's exchange is timed on it
+    (:func:`_with_all_to_all`), which the planner weighs (``dualpipe-v`` among the candidates).
+    Raises :class:`PipelineError` on every rank when no schedule fits.
     """
     example = example_parts(example)
     comm = measure_transfer(group, device)
@@ -96,11 +100,15 @@ def plan_for_pipeline(
     # caches warm (the op times recorded in runs matched the warm profile: docs/auto-planning.md)
     evict = SHARED_CORE_EVICTION if turns > 1 else 0
     microbatches = planning.microbatches
-    for turn in range(turns):  # at most as many ranks profile at once as there are cores for them
-        if turns > 1:
-            dist.barrier(group=group)
-        if dist.get_rank(group) % turns == turn:
-            mine = _profile_here(named, example, loss_fn, microbatches, device, comm, repeats, evict)
+    layers = [layer for _, layer in named] if experts_group is not None else []  # no experts: no hooks
+    with recorded_payloads(layers) as payloads:
+        for turn in range(turns):  # at most as many ranks profile at once as there are cores for them
+            if turns > 1:
+                dist.barrier(group=group)
+            if dist.get_rank(group) % turns == turn:
+                mine = _profile_here(named, example, loss_fn, microbatches, device, comm, repeats, evict)
+    if experts_group is not None:
+        mine = _with_all_to_all(mine, payloads, group, experts_group, device)
     rank, source = dist.get_rank(group), dist.get_global_rank(group, 0) if group is not None else 0
     gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
     dist.gather_object(mine, gathered, dst=source, group=group)
@@ -114,15 +122,45 @@ def plan_for_pipeline(
     return outcome
 
 
+def _with_all_to_all(
+    mine: ModelProfile | str,
+    payloads: Mapping[int, Mapping[int, ExpertPayload]],
+    group: dist.ProcessGroup | None,
+    experts_group: dist.ProcessGroup,
+    device: torch.device,
+) -> ModelProfile | str:
+    """``mine`` with each mixture-of-experts layer's ``all_to_all``: its experts modules' exchanges
+    (recorded while profiling, :func:`~..parallel.experts.recorded_payloads`) timed on
+    ``experts_group`` (collective on ``group``: the ranks first agree on what to time, so a rank whose
+    profile failed, and recorded nothing, still takes part)."""
+    recorded = {index: [calls[j] for j in sorted(calls)] for index, calls in payloads.items() if calls}
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, recorded, group=group)
+    agreed: dict[int, list[ExpertPayload]] = next((each for each in gathered if each), {})
+    seconds = {
+        index: sum(measure_all_to_all(experts_group, *payload, device=device) for payload in calls)
+        for index, calls in sorted(agreed.items())
+    }
+    if isinstance(mine, str) or not seconds:
+        return mine
+    layers = tuple(replace(layer, all_to_all=seconds.get(i, 0.0)) for i, layer in enumerate(mine.layers))
+    return replace(mine, layers=layers)
+
+
 def resolve_auto(
-    request: PipelineRequest, group: dist.ProcessGroup | None, device: torch.device, planning: Planning
+    request: PipelineRequest,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    planning: Planning,
+    experts_group: dist.ProcessGroup | None = None,
 ) -> Resolution:
     """``request`` resolved by the planner (collective): :func:`plan_for_pipeline`'s plan as a
     :class:`~.resolve.Resolution`, the same on every rank; or the same error on every rank.
 
     With ``head=`` the planner profiles the plain model (the head, and the embedding, as layers of
     their own: :func:`~..vocab.runner.plain_model`) and chooses: a vocabulary-parallel winner
-    resolves the request's layers with the head's loss.
+    resolves the request's layers with the head's loss.  ``experts_group``: this rank's ``"ep"``
+    ranks, on which the experts' exchanges are timed (:func:`plan_for_pipeline`).
     """
     from .resolve import from_plan, head_loss
     from .staging import checked_loss_fn, named_layers
@@ -131,7 +169,9 @@ def resolve_auto(
     if request.head is not None:  # the planner weighs a plain head against the vocabulary-parallel one
         layers, loss_fn = plain_model(request.head, request.embedding, request.layers)
     named, loss = named_layers(layers), checked_loss_fn(loss_fn)
-    chosen, profile = plan_for_pipeline(named, request.example, loss, group, device, planning)
+    chosen, profile = plan_for_pipeline(
+        named, request.example, loss, group, device, planning, experts_group=experts_group
+    )
     if request.head is not None and chosen.winner.vocab_parallel:
         return from_plan(named_layers(request.layers), chosen, profile, head_loss)
     return from_plan(named, chosen, profile, loss)

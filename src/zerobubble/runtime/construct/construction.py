@@ -111,7 +111,8 @@ def planned_resolution(
         vocab_embedding=request.vocab_parallel and request.embedding is not None,
         layout=world.stage_layout(request.parallelized),
     )
-    planned = resolve_auto(request, world.group, world.device, planning)
+    experts = world.mesh[world.grid.dim("ep")].get_group() if world.grid.ep > 1 else None
+    planned = resolve_auto(request, world.group, world.device, planning, experts_group=experts)
     planned = _passed_options_said(request, planned)
     if request.vocab_parallel and planned.plan is not None and not planned.plan.winner.vocab_parallel:
         vocab_layers = (None, None)  # the plain model won: its layers hold head and embedding

@@ -408,6 +408,37 @@ def measure_transfer(
     return small, bandwidth
 
 
+def measure_all_to_all(
+    group: dist.ProcessGroup,
+    rows: int,
+    width: int,
+    dtype: torch.dtype,
+    *,
+    device: torch.device,
+    repeats: int = 5,
+) -> float:
+    """Seconds of one forward's expert exchange over ``group`` (collective on it): the routed pairs'
+    counts, then ``rows`` rows of ``width`` elements dispatched and as many combined back, split evenly
+    over the ranks (:class:`~..parallel.experts.ExpertParallelExperts`' three all-to-alls); the median
+    of ``repeats`` after a warm-up."""
+    ranks = dist.get_world_size(group)
+    per_rank = max(1, -(-rows // ranks))  # the rows each rank sends to each rank
+    sent = torch.zeros(ranks * per_rank, width, dtype=dtype, device=device)
+    received = torch.empty_like(sent)
+    counts = torch.zeros(ranks, dtype=torch.int64, device=device)
+    counts_in = torch.empty_like(counts)
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        dist.all_to_all_single(counts_in, counts, group=group)
+        dist.all_to_all_single(received, sent, group=group)
+        dist.all_to_all_single(sent, received, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
 # -- helpers ----------------------------------------------------------------------------------------
 
 

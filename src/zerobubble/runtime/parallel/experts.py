@@ -19,7 +19,8 @@ Why and how it is exact, and what it costs: ``docs/runtime.md``, "Expert paralle
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "check_expert_layers",
     "expert_parameters",
     "expert_sharding",
+    "recorded_payloads",
     "shard_experts",
 ]
 
@@ -92,6 +94,46 @@ def check_expert_layers(layers: Iterable[nn.Module], ep: int) -> None:
                 f"({odd or 'a post-expert norm'}): it runs concatenated, untransposed gate-up weights "
                 "without bias only"
             )
+
+
+ExpertPayload = tuple[int, int, torch.dtype]
+"""One forward's exchange of an experts module: (routed rows, row width, dtype)."""
+
+
+@contextlib.contextmanager
+def recorded_payloads(layers: Sequence[nn.Module]) -> Iterator[dict[int, dict[int, ExpertPayload]]]:
+    """While open, every call of a fused experts module under ``layers[i]`` (or a deep copy of it:
+    the hooks travel with the module) records in ``found[i][j]`` (``j``: the module's place among the
+    layer's modules) what expert parallelism would exchange: its tokens times their top k, of the
+    hidden width, in the hidden states' dtype.  The hooks are removed on exit."""
+    found: dict[int, dict[int, ExpertPayload]] = {}
+    handles = []
+    for index, layer in enumerate(layers):
+        for position, module in enumerate(layer.modules()):
+            if is_fused_experts(module):
+                hook = _PayloadHook(found.setdefault(index, {}), position)
+                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _PayloadHook:
+    """The forward pre-hook of :func:`recorded_payloads`: records one experts module's exchange."""
+
+    def __init__(self, found: dict[int, ExpertPayload], position: int):
+        self.found, self.position = found, position
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        top_k_index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        if isinstance(hidden, torch.Tensor) and isinstance(top_k_index, torch.Tensor):
+            self.found[self.position] = (int(top_k_index.numel()), int(hidden.shape[-1]), hidden.dtype)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _PayloadHook:
+        return self  # a profiled deep copy of the layer records here as well
 
 
 def shard_experts(layer: nn.Module, mesh: Any, backward_group: Any = None) -> nn.Module:

@@ -354,7 +354,8 @@ def plan_moe_cluster(
     search: ClusterSearch | None = None,
 ) -> list[ClusterOption]:
     """:func:`~.cluster.plan_cluster` for a MoE: every layout (or those given) × every
-    :func:`ep_sizes`, fastest first; each option's ``plan.reason`` ends with :func:`moe_reason`."""
+    :func:`ep_sizes`, fastest first; each option's ``plan.reason`` says, after ``experts:``, what
+    :func:`moe_reason` says (:func:`~.search.plan` adds it)."""
     check = plan_cluster_setting(shape, cluster, tokens_per_step, seq_len, microbatch_size)
     search = search or ClusterSearch(MOE_SCHEDULES)
     base = _MoESetting(shape, cluster, check, seq_len, microbatch_size, recompute, search)
@@ -364,9 +365,6 @@ def plan_moe_cluster(
             setting = replace(base, ep=ep, sharded=grid.shard > 1)
             found = _scheduled(setting, grid)  # its schedule, then its communication chosen
             option = found if isinstance(found, ClusterOption) else _option(setting, found)
-            if option.plan is not None:
-                plan = replace(option.plan, reason=f"{option.plan.reason}; {moe_reason(option.plan)}")
-                option = replace(option, plan=plan)
             options.append(replace(option, ep=ep))
     return sorted(options, key=lambda o: -o.tokens_per_second)
 

@@ -92,6 +92,10 @@ def plan(
     planned = Plan(
         winner, ordered, ranks, microbatches, budget, optimizer, reason, cores=cores, bytes_known=known
     )
+    if any(layer.all_to_all > 0 for layer in profile.layers):  # why, in terms of the expert all-to-all
+        from .moe import moe_reason  # moe plans clusters through this module
+
+        planned = replace(planned, reason=f"{planned.reason}; experts: {moe_reason(planned)}")
     if defer_comm or not known:
         return planned
     return with_comm(planned, _data_parallel(layout, searches[0].profile, winner, budget, comm_candidates))
