@@ -358,3 +358,34 @@ def test_a_hooked_3d_weight_is_not_routed_by_slices():
     deferral, _, leaves = check_split(model, hidden(), lambda out: out.square().mean())
     assert deferral.summary() == {"generic ExpertSlices": 1} and leaves == {"weight"}
     assert seen and all(shape == model.weight.shape for shape in seen)
+
+
+class GroupedExperts(nn.Module):
+    """Two grouped products as transformers' grouped experts run them: ``torch.nn.functional.grouped_mm``
+    on a 3-D weight's transpose (out × in stored) and on a 3-D weight stored in × out."""
+
+    def __init__(self, experts: int = 3):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, 2 * WIDTH, WIDTH) / WIDTH**0.5)  # (E, out, in)
+        self.down = nn.Parameter(torch.randn(experts, 2 * WIDTH, WIDTH) / WIDTH**0.5)  # (E, in, out)
+
+    def forward(self, x):
+        flat = x.reshape(-1, WIDTH)
+        rows = flat.shape[0]
+        offs = torch.tensor([rows // 3, rows // 3, rows], dtype=torch.int32)  # an empty group too
+        hidden = F.grouped_mm(flat, self.up.transpose(-2, -1), offs=offs)
+        return F.grouped_mm(torch.tanh(hidden), self.down, offs=offs).view_as(x)
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without F.grouped_mm")
+@pytest.mark.parametrize("defer", [True, False], ids=["B then W", "fused BW"])
+def test_grouped_products_on_3d_leaves_are_routed(defer):
+    torch.manual_seed(9)
+    model = GroupedExperts()
+    # the closed form is autograd's own grouped product (rtol 0; the bitwise check over the MoE
+    # families is tests/hf/test_hf_moe.py's)
+    deferral, _, leaves = check_split(
+        model, hidden(), lambda out: out.square().mean(), defer=defer, tolerance=0.0
+    )
+    assert deferral.summary() == {"generic+linear GroupedExperts": 1}
+    assert leaves == set()

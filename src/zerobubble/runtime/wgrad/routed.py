@@ -57,6 +57,8 @@ _NORMS = frozenset((F.layer_norm, F.group_norm))
 """Functions whose one kernel computes every parameter gradient with the input's (their weight and
 bias: the arguments after the first two); routed in forwards on the stage's graph only."""
 _GETITEM = torch._C.TensorBase.__getitem__  # ``w[e]``, as a mode sees it
+_TRANSPOSE = torch._C.TensorBase.transpose  # ``w.transpose(-2, -1)``
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)  # what F.grouped_mm calls (a mode sees this)
 _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # not a DTensor or another subclass
 _LINEAR_RULE = MatmulRule(weight_is_out_by_in=True)  # stateless: the math of nn.Linear's fast path
 _PROJECTION_RULE = MatmulRule(weight_is_out_by_in=False)  # ``x @ w``: the math of transformers' Conv1D
@@ -85,6 +87,21 @@ class _ExpertSliceRule(MatmulRule):
 
 
 _EXPERT_SLICE_RULE = _ExpertSliceRule()
+
+
+def _grouped_weight_grad(
+    leaf: torch.Tensor, transposed: bool, offs: torch.Tensor, saved: Any, grad_output: Any, needed: Any
+) -> None:
+    """W of ``torch._grouped_mm(x, w, offs)`` with ``w`` a 3-D leaf (``transposed``: ``leaf``'s
+    ``transpose(-2, -1)``): each group's ``x^T @ grad`` as one grouped product, in the leaf's layout;
+    bit for bit what autograd's backward of the product gives (float32 and bfloat16 on CPU)."""
+    x = saved[0].detach()
+    assert _GROUPED_MM is not None
+    if transposed:  # leaf (E, out, in): grad_output^T (out, S) by x (S, in), grouped along S
+        grad = _GROUPED_MM(grad_output.t(), x, offs=offs)
+    else:  # leaf (E, in, out): x^T (in, S) by grad_output (S, out)
+        grad = _GROUPED_MM(x.t(), grad_output, offs=offs)
+    accumulate(leaf, grad)
 
 
 def _one_index(index: Any) -> bool:
@@ -230,6 +247,8 @@ class LinearRouter(TorchFunctionMode):
         # id(view) -> (view, leaf, index) for ``leaf[index]`` of a 3-D leaf taken in this forward (the
         # view is held, so its id is not reused while the forward runs)
         self.slices: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}
+        # id(view) -> (view, leaf) for ``leaf.transpose(-2, -1)`` of a 3-D leaf (a grouped product's weight)
+        self.transposes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.copies = _functional_with_linear(self.linear)
 
     def begin(self, inputs: list[torch.Tensor], direct: bool = False) -> None:
@@ -241,14 +260,14 @@ class LinearRouter(TorchFunctionMode):
         self.direct = direct
         self.routed = False
         self.aliases = []
-        self.slices = {}
+        self.slices, self.transposes = {}, {}
 
     def end(self) -> tuple[torch.Tensor | None, bool]:
         """Finish the forward: its anchor (None if no :class:`LinearSplit` needed one) and whether
         any call was routed."""
         anchor, routed = self.anchor, self.routed
         self.anchor, self.local_ids, self.routed, self.aliases = None, set(), False, []
-        self.slices = {}
+        self.slices, self.transposes = {}, {}
         return anchor, routed
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
@@ -265,6 +284,10 @@ class LinearRouter(TorchFunctionMode):
             return self.rms_norm(*args, **kwargs) if kwargs else self.rms_norm(*args)
         if func is _GETITEM and len(args) == 2:
             return self.getitem(*args)
+        if func is _TRANSPOSE and len(args) == 3 and not kwargs:
+            return self.transpose(*args)
+        if func is _GROUPED_MM and func is not None:
+            return self.grouped_mm(args, kwargs or {})
         if type(func) is types.FunctionType:  # a Python function: one of F's calling linear?
             func = self.copies.get(func, func)
         # the mode is off while this runs (torch pops it for the handler): its ops cost nothing extra
@@ -280,12 +303,75 @@ class LinearRouter(TorchFunctionMode):
             type(tensor) in _PLAIN_TENSORS
             and tensor.dim() == 3
             and _one_index(index)
-            and self._owned_leaf(tensor)
-            and not tensor._backward_hooks
-            and not tensor._post_accumulate_grad_hooks
+            and self._plain_leaf(tensor)
         ):
             self.slices[id(out)] = (out, tensor, index)
         return out
+
+    def transpose(self, tensor: Any, first: Any, second: Any) -> Any:
+        """``tensor.transpose(first, second)``; the last two dimensions of a 3-D leaf are remembered,
+        for :meth:`grouped_mm` to route (only a plain tensor without gradient hooks, as :meth:`getitem`)."""
+        out = tensor.transpose(first, second)
+        if (
+            type(tensor) in _PLAIN_TENSORS
+            and tensor.dim() == 3
+            and isinstance(first, int)
+            and isinstance(second, int)
+            and {first % 3, second % 3} == {1, 2}
+            and self._plain_leaf(tensor)
+        ):
+            self.transposes[id(out)] = (out, tensor)
+        return out
+
+    def grouped_mm(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``torch._grouped_mm(x, w, offs=...)`` (``F.grouped_mm``, transformers' grouped experts) with
+        ``w`` a 3-D leaf or its :meth:`transpose`: autograd's own node on the detached weight computes
+        ``x``'s gradient in B, and W the weight's (:func:`_grouped_weight_grad`).  Anything else — a
+        bias, an output dtype, an input needing no gradient, saved-tensor hooks, autocast — runs as
+        it is (the generic split's local graph then defers its weight)."""
+        assert _GROUPED_MM is not None
+        target = self._grouped_target(args[1] if len(args) > 1 else kwargs.get("mat_b"))
+        x = args[0] if args else kwargs.get("mat_a")
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        # F.grouped_mm passes bias=None and out_dtype=None: only those are plain
+        plain = len(args) <= 3 and all(value is None for key, value in kwargs.items() if key != "offs")
+        if not (
+            target is not None
+            and plain
+            and isinstance(offs, torch.Tensor)
+            and isinstance(x, torch.Tensor)
+            and x.dim() == 2
+            and x.requires_grad
+            and torch.is_grad_enabled()
+            and top_saved_tensor_hooks(False) is None
+            and not torch._C._is_any_autocast_enabled()
+        ):
+            return _GROUPED_MM(*args, **kwargs)
+        self.routed = True
+        weight, leaf, transposed = target
+        out = _GROUPED_MM(x, weight.detach(), offs=offs)
+        work = partial(_grouped_weight_grad, leaf, transposed, offs)
+        computing_node(out).register_prehook(WeightCapture(self.store, work, (x,), _NEEDED[0]))
+        return out
+
+    def _grouped_target(self, weight: Any) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """``(weight, its leaf, transposed)`` when a grouped product's weight is a 3-D leaf or its
+        remembered transpose; else None."""
+        if not isinstance(weight, torch.Tensor):
+            return None
+        remembered = self.transposes.get(id(weight))
+        if remembered is not None and remembered[0] is weight:
+            return weight, remembered[1], True
+        if type(weight) in _PLAIN_TENSORS and weight.dim() == 3 and self._plain_leaf(weight):
+            return weight, weight, False
+        return None
+
+    def _plain_leaf(self, tensor: torch.Tensor) -> bool:
+        """An owned leaf (:meth:`_owned_leaf`) without gradient hooks: W may add into its gradient
+        in parts, where autograd would hand the hooks the whole gradient at once."""
+        return (
+            self._owned_leaf(tensor) and not tensor._backward_hooks and not tensor._post_accumulate_grad_hooks
+        )
 
     def linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
         """``F.linear``, through :class:`LinearSplit` when ``weight`` is a leaf requiring grad or one
