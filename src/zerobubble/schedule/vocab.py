@@ -111,7 +111,6 @@ def add_vocab_ops(
     """
     if schedule.vocab_shards:
         raise ScheduleError(f"schedule {schedule.name!r} already has vocabulary ops (S, T)")
-    _refuse_pairs(schedule)
     scored = _placements(schedule, resolve_costs_for(schedule, costs), policies)
     if not scored:
         raise ScheduleError(
@@ -128,6 +127,8 @@ def _placements(
     rounds = [policies] if policies else [default_policies(schedule.microbatches), None]
     if all(math.isinf(limit) for limit in stage_costs.memory_limit):  # by_memory is the bound alone
         rounds = [tuple(p for p in tried if not p.by_memory) if tried else tried for tried in rounds]
+    if schedule.overlapped:  # a deeper warm-up would move a pair's forward away from its backward
+        rounds = [tuple(p for p in tried if not p.deeper) if tried else tried for tried in rounds]
     scored: list[tuple[Timeline, Schedule, VocabPolicy]] = []
     for tried in rounds:
         if tried is None:  # refine around the best of each warm-up depth, and the memory-bound ones
@@ -165,15 +166,9 @@ def _cramped(scored: Sequence[tuple[Timeline, Schedule, VocabPolicy]]) -> tuple[
 def _chosen(scored: Sequence[tuple[Timeline, Schedule, VocabPolicy]], cramped: bool) -> Schedule:
     placed = _choose(scored)[1]
     meta = {**placed.meta, "vocab": {**placed.meta["vocab"], "cramped": cramped}}
-    return Schedule(placed.name, placed.placement, placed.microbatches, placed.programs, meta)
-
-
-def _refuse_pairs(schedule: Schedule) -> None:
-    if schedule.overlapped:
-        raise ScheduleError(
-            f"schedule {schedule.name!r} has overlapped F&B pairs; a vocabulary-parallel head is not "
-            "placed into them yet: run it with a plain head"
-        )
+    return Schedule(
+        placed.name, placed.placement, placed.microbatches, placed.programs, meta, placed.overlapped
+    )
 
 
 def place_vocab_ops(build: Callable[[CostModel], Schedule], base: CostModel, final: CostModel) -> Schedule:
@@ -187,7 +182,6 @@ def place_vocab_ops(build: Callable[[CostModel], Schedule], base: CostModel, fin
     (``docs/schedulers.md``, "Vocabulary parallelism").
     """
     built = build(base)
-    _refuse_pairs(built)
     scored = _placements(built, resolve_costs_for(built, final), None)
     cramped = _cramped(scored)
     placed, name = _chosen(scored, bool(cramped)), built.name
@@ -211,7 +205,14 @@ def place_vocab_ops(build: Callable[[CostModel], Schedule], base: CostModel, fin
             meta = {**candidate.meta, "vocab": vocab}
             best = (
                 timeline,
-                Schedule(name, candidate.placement, candidate.microbatches, candidate.programs, meta),
+                Schedule(
+                    name,
+                    candidate.placement,
+                    candidate.microbatches,
+                    candidate.programs,
+                    meta,
+                    candidate.overlapped,
+                ),
             )
     return best[1]
 
@@ -283,6 +284,9 @@ class _Interleaving:
 
     def __init__(self, schedule: Schedule, costs: StageCosts, policy: VocabPolicy):
         self.schedule, self.costs, self.policy = schedule, costs, policy
+        # an overlapped pair is placed as one unit, named by its forward: its halves stay adjacent
+        self.partner = dict(schedule.overlapped)
+        self.paired = {op for pair in schedule.overlapped for op in pair}
         p = schedule.num_ranks
         self.rank_of = schedule.placement.stage_ranks
         self.queues = [deque(program) for program in schedule.programs]
@@ -291,11 +295,22 @@ class _Interleaving:
         self.programs: list[list[Op]] = [[] for _ in range(p)]
         self.level = [0.0] * p  # each rank's activation memory now, the vocabulary's included
 
+    def duration(self, op: Op) -> float:
+        """How long ``op`` runs: an overlapped pair's forward stands for the whole pair."""
+        backward = self.partner.get(op)
+        return self.costs.duration(op) if backward is None else self.costs.pair_duration(op, backward)
+
+    def delta(self, op: Op) -> float:
+        """The memory ``op`` (or the pair it starts) takes (negative: frees)."""
+        backward = self.partner.get(op)
+        change = self.costs.memory_delta(op)
+        return change if backward is None else change + self.costs.memory_delta(backward)
+
     def fits(self, rank: int, op: Op) -> bool:
         """Whether ``op`` on ``rank`` keeps its memory within the limit (always, but ``by_memory``)."""
         if not self.policy.by_memory:
             return True
-        return within_limit(self.level[rank] + self.costs.memory_delta(op), self.costs.memory_limit[rank])
+        return within_limit(self.level[rank] + self.delta(op), self.costs.memory_limit[rank])
 
     def candidates(self, rank: int, now: float) -> list[Op]:
         """The ops ``rank`` may run next, highest priority first.  Past ``outstanding`` held S's
@@ -311,7 +326,8 @@ class _Interleaving:
         own = [queue[0]] if queue else []
         if self.early[rank] < policy.lookahead:
             window = itertools.islice(queue, 1, 1 + LOOKAHEAD_WINDOW)
-            own += [next((op for op in window if op.kind is Kind.F), own[0])] if own else []
+            ahead = (op for op in window if op.kind is Kind.F and op not in self.paired)
+            own += [next(ahead, own[0])] if own else []
         crowded = [op for op in own if not self.fits(rank, op)]
         forced = bool(vocab_t) and (bool(crowded) or (not holdable and self.s_due(rank, now, own)))
         own = [op for op in own if op not in crowded] if vocab_t else own
@@ -323,10 +339,17 @@ class _Interleaving:
         ``by_memory``, T runs first whenever the bound holds S back."""
         if not self.policy.by_memory or not own or self.next_s[rank] >= self.schedule.microbatches:
             return True
-        return self.ready_time(Op(Kind.S, rank, self.next_s[rank])) <= now + self.costs.duration(own[0])
+        return self.ready_time(Op(Kind.S, rank, self.next_s[rank])) <= now + self.duration(own[0])
 
     def ready_time(self, op: Op) -> float:
-        """When ``op``'s inputs are all there (inf while one of them is not placed yet)."""
+        """When ``op``'s inputs are all there (inf while one of them is not placed yet); a pair's
+        forward: when both halves' are."""
+        backward = self.partner.get(op)
+        if backward is not None:
+            return max(self._ready(op), self._ready(backward))
+        return self._ready(op)
+
+    def _ready(self, op: Op) -> float:
         ready = 0.0
         S, shards = self.schedule.num_stages, self.schedule.num_ranks
         for role, stage, j, delay in timed_dependencies(op, S, self.rank_of, self.costs, shards):
@@ -337,11 +360,19 @@ class _Interleaving:
         return ready
 
     def run(self, rank: int, op: Op, start: float) -> float:
-        """Place ``op`` on ``rank`` at ``start``; its end."""
-        end = start + self.costs.duration(op)
+        """Place ``op`` (with its pair's backward) on ``rank`` at ``start``; its end."""
+        end = start + self.duration(op)
+        backward = self.partner.get(op)
+        if backward is not None:  # both halves end together, side by side in the program
+            for role in _PRODUCES[backward.kind]:
+                self.done[(role, backward.stage, backward.microbatch)] = end
+            self.queues[rank].remove(backward)
+            self.level[rank] += self.costs.memory_delta(backward)
         for role in _PRODUCES.get(op.kind, (op.kind,)):
             self.done[(role, op.stage, op.microbatch)] = end
         self.programs[rank].append(op)
+        if backward is not None:
+            self.programs[rank].append(backward)
         if op.kind is Kind.S:
             self.next_s[rank] += 1
         elif op.kind is Kind.T:
@@ -399,7 +430,7 @@ def _interleave(schedule: Schedule, costs: StageCosts, policy: VocabPolicy) -> S
                 order += 1
                 heapq.heappush(heap, (now, order, rank))
                 continue
-            if ready[0] - now <= policy.patience * costs.duration(chosen):
+            if ready[0] - now <= policy.patience * state.duration(chosen):
                 chosen = None  # wait for the S input rather than delay every shard's reduction
         if chosen is not None:
             stalled, order = 0, order + 1
@@ -416,7 +447,9 @@ def _interleave(schedule: Schedule, costs: StageCosts, policy: VocabPolicy) -> S
         order += 1
         heapq.heappush(heap, (min(later) if later else now, order, rank))
     meta = {**schedule.meta, "vocab": {"barriers": 1, "policy": policy.describe()}}
-    return Schedule(schedule.name, schedule.placement, schedule.microbatches, state.programs, meta)
+    return Schedule(
+        schedule.name, schedule.placement, schedule.microbatches, state.programs, meta, schedule.overlapped
+    )
 
 
 def partition_reference(

@@ -65,7 +65,7 @@ def world_of(request: PipelineRequest) -> World:
         else _flat_grid(group, request.data_parallel)
     )
     check_expert_layers(request.layers, grid.ep)  # alike on every rank, before any collective
-    check_threaded_grid(request.overlap, grid)
+    check_threaded_grid(request.overlap, grid, request.vocab_parallel)
     # local groups are named by each rank's group count: make the counts equal first (.groups)
     setup = timedelta(seconds=max(timeout, 60.0))
     equalize_group_counts(mesh_groups(mesh) if mesh is not None else [group], timeout=setup)

@@ -229,9 +229,18 @@ def check_overlap(overlap: Any) -> None:
     )
 
 
-def check_threaded_grid(overlap: Any, grid: Any) -> None:
+def check_threaded_grid(overlap: Any, grid: Any, vocab_parallel: bool = False) -> None:
     """Refuse ``overlap="threads"`` on a grid whose stages run collectives of their own in both
-    halves over one group (tensor parallelism, FSDP): their order would differ between ranks."""
+    halves over one group (tensor parallelism, FSDP), or with a vocabulary-parallel head (the
+    embedding's forward and the last stage's backward both use its groups): their order would
+    differ between ranks."""
+    if overlap == "threads" and vocab_parallel:
+        raise PipelineError(
+            'overlap="threads" runs a pair\'s halves on two threads, but with a vocabulary-parallel head '
+            "both halves may post the vocabulary's collectives (the embedding's in a forward, the "
+            "head's in the last stage's backward), in an order that would differ between ranks: drop "
+            'overlap="threads" (the halves then run one after the other)'
+        )
     if overlap != "threads" or (grid.tp == 1 and grid.sharding is None):
         return
     raise PipelineError(
