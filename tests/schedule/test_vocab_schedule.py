@@ -22,8 +22,7 @@ from zerobubble.schedule import (
 from zerobubble.schedule.builders import get_spec
 from zerobubble.schedule.vocab import RESERVED_MICROBATCHES, add_vocab_ops, head_costs, vocab_budgets
 
-# dualpipe-v: its pairs take no vocabulary ops (refused: tests/runtime/execute/test_pairs.py)
-SCHEDULES = [name for name in REGISTRY if name not in ("zb-ilp", "dualpipe-v")]
+SCHEDULES = [name for name in REGISTRY if name != "zb-ilp"]  # dualpipe-v's pairs included
 
 
 def _vocab_costs(s: float = 0.8, t: float = 0.4, comm: float = 0.1, mem: float = 0.3) -> CostModel:

@@ -136,10 +136,13 @@ def test_dualpipe_v_wins_when_the_all_to_all_is_as_long_as_the_compute(ranks, pe
     assert "no all-to-all" in moe_reason(without)
 
 
-def test_dualpipe_v_takes_no_vocabulary_parallel_head():
+def test_dualpipe_v_is_weighed_with_a_vocabulary_parallel_head():
+    """With the all-to-all as long as the compute, dualpipe-v with the head vocabulary-parallel is
+    planned (its S and T around the pairs) and wins over zb-v, the reason saying why."""
     chosen = plan(moe_layers(2, 1.0), 2, 8, head="vocab-parallel", schedules=["zb-v", "dualpipe-v"])
     dualpipe = next(c for c in chosen.candidates if c.schedule == "dualpipe-v")
-    assert dualpipe.period is None and chosen.winner.schedule == "zb-v"
+    assert dualpipe.period is not None and dualpipe.vocab_parallel
+    assert chosen.winner is dualpipe and "dualpipe-v hides" in chosen.reason, chosen.reason
 
 
 SMALL = MoEShape(
