@@ -23,6 +23,7 @@ EP_MICROBATCHES = 2  # per ep rank: the reference's 4 microbatches of 2 rows, sp
 #: whose reference is per microbatch of 2 rows)
 SCHEDULE_MICROBATCHES = {"dualpipe-v": 4, "dualpipe-v threads": 4, "auto": 4}
 MAX_NORM = 0.05  # small enough to clip every step
+VOCAB_SCHEDULES = ["zb-v", "dualpipe-v"]  # the vocabulary-parallel ends on (pp 2, ep 2)
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -324,13 +325,9 @@ def refused_cases() -> dict[str, str]:
     mesh = _mesh((2, 2), ("pp", "ep"))
     dense = pipeline_layers(tiny_model("llama", "sdpa").double())
     odd = pipeline_layers(tiny_model("mixtral", "sdpa", num_hidden_layers=2, num_local_experts=3).double())
-    vocab = pipeline_layers(moe_model("qwen3_moe", aux=False), vocab_parallel=True)
     attempts = {
         "dense": lambda: Pipeline(dense, schedule="1f1b", loss_fn=lm_loss, mesh=mesh, timeout=60),
         "three experts": lambda: Pipeline(odd, schedule="1f1b", loss_fn=lm_loss, mesh=mesh, timeout=60),
-        "vocab parallel": lambda: Pipeline(
-            vocab.layers, schedule="1f1b", mesh=mesh, timeout=60, head=vocab.head, embedding=vocab.embedding
-        ),
     }
     out = {}
     for name, attempt in attempts.items():
@@ -339,6 +336,43 @@ def refused_cases() -> dict[str, str]:
             out[name] = "built"
         except PipelineError as error:
             out[name] = str(error)
+    return out
+
+
+def vocab_cases(schedules: list[str]) -> dict:
+    """Qwen3-MoE cut with ``vocab_parallel=True`` (its head and embedding sharded over each replica's
+    pipeline ranks) on (pp 2, ep 2), per schedule: three clipped AdamW steps against the model in one
+    process on the whole batch; the loss errors and every parameter's (a vocabulary shard against
+    its rows of the whole, an expert DTensor's full tensor)."""
+    from zerobubble import Pipeline
+    from zerobubble.hf import pipeline_layers
+
+    mesh = _mesh((2, 2), ("pp", "ep"))
+    out = {}
+    for schedule in schedules:
+        model = moe_model("qwen3_moe", aux=False)
+        reference = copy.deepcopy(model)
+        parts = pipeline_layers(model, vocab_parallel=True)
+        expected = pipeline_layers(reference, vocab_parallel=True)  # the same names, the reference's values
+        whole = dict(nn.Sequential(*expected.layers).named_parameters())
+        rows = {"vocab_embedding": expected.embedding.weight, "vocab_head": expected.head.weight}
+        pipe = Pipeline(
+            parts.layers, schedule=schedule, microbatches=_microbatches(schedule), mesh=mesh, timeout=60,
+            head=parts.head, embedding=parts.embedding,
+        )  # fmt: skip
+        optimizers = tuple(torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pipe, reference))
+        losses, mismatches = _train(pipe, reference, mesh, range(3), optimizers)
+        errors = {}
+        for name, param in pipe.named_parameters():
+            layer = name.split(".")[0]
+            if layer in rows:
+                shard = getattr(pipe.module, layer)
+                errors[name] = _relative(param, rows[layer][shard.vocab_start : shard.vocab_stop])
+            else:  # an expert DTensor against the whole experts
+                value = param.full_tensor() if hasattr(param, "full_tensor") else param
+                errors[name] = _relative(value, whole[name])
+        out[schedule] = {"losses": losses, "params": errors, "mismatches": mismatches}
+        out[schedule]["replicas"] = pipe.data_parallel
     return out
 
 
@@ -357,5 +391,6 @@ def dp_ep_case() -> dict:
 def all_cases(root: str, trained: list[tuple[str, str, bool]]) -> dict:
     """Everything the test asks of one spawn of four ranks."""
     out = {"trained": trained_cases(trained), "refused": refused_cases(), "dp ep": dp_ep_case()}
+    out["vocab"] = vocab_cases(VOCAB_SCHEDULES)
     out["checkpoints"] = checkpoint_cases(root)
     return out

@@ -550,9 +550,10 @@ class Pipeline:
 
     @property
     def data_parallel(self) -> int:
-        """Number of pipeline replicas (``D``); this rank is pipeline rank ``self.rank`` of replica
+        """Number of pipeline replicas (``D``: the data-parallel ranks times the ``"ep"`` ones, each a
+        replica with its own share of the batch); this rank is pipeline rank ``self.rank`` of replica
         ``self.layout.grid.dp_index`` (group rank ``dp_index · p + rank``)."""
-        return self.layout.grid.dp
+        return self.layout.grid.replicas
 
     def optimizer_step(
         self,

@@ -119,7 +119,6 @@ def test_dcp_checkpoints_cross_layouts_and_continue_exactly(name, results):
     [
         ("dense", "no mixture-of-experts layer"),
         ("three experts", "holds 3 experts"),
-        ("vocab parallel", 'with an "ep" dimension'),
     ],
 )
 def test_wrong_layouts_are_refused_on_every_rank(case, says, results):
@@ -138,3 +137,18 @@ def test_auto_times_the_experts_all_to_all_and_weighs_dualpipe_v(results):
     assert measured[0] == 0 and measured[-1] == 0 and all(t > 0 for t in measured[1:-1]), measured
     assert "dualpipe-v" in plan["candidates"], plan["candidates"]
     assert "experts: expert all-to-all" in plan["reason"] and "dualpipe-v" in plan["reason"], plan["reason"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v"])
+def test_the_vocabulary_parallel_ends_run_on_the_ep_replicas(schedule, results):
+    """Qwen3-MoE with its head and embedding vocabulary-parallel over each replica's pipeline ranks,
+    the experts over ep: three clipped steps equal the model in one process on the whole batch."""
+    mine = [r["vocab"][schedule] for r in results]
+    losses = [m["losses"] for m in mine if m["losses"]]
+    assert len(losses) >= 2 and all(len(each) == 3 and max(each) <= 1e-12 for each in losses), losses
+    for m in mine:
+        worst = max(m["params"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1e-10, worst
+        assert m["mismatches"] == []
+        assert m["replicas"] == 2, "pipe.data_parallel counts the ep replicas (each its share of the batch)"

@@ -405,12 +405,6 @@ def check_vocab_grid(head: Any, embedding: Any, grid: Any) -> None:
             f"mesh puts {grid.tp} ranks inside each stage ({grid.describe()}), which they do not "
             "support; keep only the pipeline and data-parallel dimensions"
         )
-    if (head is not None or embedding is not None) and grid.ep > 1:
-        raise PipelineError(
-            f'the vocabulary-parallel head and embedding with an "ep" dimension ({grid.describe()}): '
-            "expert parallelism does not run with them yet; cut the model without vocab_parallel "
-            '(pipeline_layers(model)) or drop the "ep" dimension'
-        )
 
 
 def place_vocab(
@@ -448,15 +442,16 @@ def _replica_averager(
     layout: ParallelLayout,
     wait: Callable[[Any, str], None],
 ) -> GradientAverager | None:
-    """With data parallelism, replica 0's rows copied to every replica and the averager of the rows'
-    gradients over the replicas (collective over the data-parallel group); None with one replica.
+    """With replicas (data parallelism, or the ``ep`` ranks of expert parallelism), replica 0's rows
+    copied to every replica and the averager of the rows' gradients over the replicas (collective
+    over the group of this rank's column of replicas); None with one replica.
 
     The rows stay whole on every replica under ``data_parallel="fsdp"`` too, averaged like a
     replicated parameter's: FSDP2 reduce-scatters in autograd's post-backward hooks, and the shards'
     gradients are made by hand (S, T, the embedding's end of step), outside autograd; a shard's
     rows are already ``1/pp`` of the weight (docs/guide.md, "Vocabulary parallelism")."""
     grid = layout.grid
-    if grid.dp == 1:
+    if grid.replicas == 1:
         return None
     layers = nn.ModuleList([layer for layer in (embedding, head) if layer is not None])
     broadcast_replicas(layers, layout.dp_group, grid.global_rank(grid.pipeline_rank, 0))
@@ -466,7 +461,7 @@ def _replica_averager(
         chunks[0] = [[head.weight]]
     if embedding is not None:
         chunks[1] = [[embedding.weight]]  # a tied weight's gradient is final after the embedding's end
-    return GradientAverager(chunks, layout.dp_group, grid.dp, wait=wait)
+    return GradientAverager(chunks, layout.dp_group, grid.replicas, wait=wait)
 
 
 def check_vocab_call(
