@@ -550,9 +550,8 @@ class Pipeline:
 
     @property
     def data_parallel(self) -> int:
-        """Number of pipeline replicas (``D``: the data-parallel ranks times the ``"ep"`` ones, each a
-        replica with its own share of the batch); this rank is pipeline rank ``self.rank`` of replica
-        ``self.layout.grid.dp_index`` (group rank ``dp_index · p + rank``)."""
+        """Number of pipeline replicas ``D`` (data-parallel times ``"ep"`` ranks, each its own rows);
+        this rank is pipeline rank ``self.rank`` of replica ``self.layout.grid.dp_index``."""
         return self.layout.grid.replicas
 
     def optimizer_step(
