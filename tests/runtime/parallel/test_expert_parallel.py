@@ -67,11 +67,16 @@ def test_pp2_ep2_trains_like_the_model_on_the_whole_batch(case, results):
     covered = set().union(*(m["params"] for m in mine))
     whole = nn.Sequential(*pipeline_layers(moe_model(family, aux)))
     assert covered == {name for name, _ in whole.named_parameters()}
+    # a named schedule's even cut gives each rank MoE blocks; auto's measured cut may leave one none
+    assert all(m["experts"] for m in mine) if schedule != "auto" else any(m["experts"] for m in mine)
     for m in mine:
         worst = max(m["params"].items(), key=lambda item: item[1])
         assert worst[1] <= 1e-10, worst  # the routers, the experts (full tensors), everything
         assert m["mismatches"] == [], "the split guard found no mismatch"
-        assert m["experts"] and all("experts" in name for name in m["experts"])  # DTensors
+        assert all("experts" in name for name in m["experts"])  # DTensors
+        if not m["experts"]:  # no MoE block on this rank: nothing to exchange, split or report
+            assert m["exchanges"] == (0, 0) and not m["report"] and m["groups"] == 0, m
+            continue
         deferred = m["schedule"] not in ("1f1b", "gpipe", "interleaved-1f1b")  # auto's winner may be one
         assert bool(m["report"]) == deferred  # zb-v, dualpipe-v: the experts' W deferred
         sent, expected = m["exchanges"]
