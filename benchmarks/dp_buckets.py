@@ -24,25 +24,14 @@ from torch import nn
 
 from zerobubble import FSDPOptions, Pipeline
 from zerobubble.runtime.launch import init_distributed, launch
+from zerobubble_bench.workloads import gelu_block_bytes, gelu_blocks
 
 MIB = 2**20
 
 
-def blocks(count: int, width: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [
-        nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-        for _ in range(count)
-    ]
-
-
-def block_bytes(width: int) -> int:
-    return sum(p.numel() * p.element_size() for p in blocks(1, width)[0].parameters())
-
-
 def sizes(width: int) -> dict[str, float]:
     """The bucket sizes compared: one a chunk (0), about one and two blocks, and DDP's 25 MB."""
-    block = block_bytes(width)
+    block = gelu_block_bytes(width)
     return {"one a chunk (0)": 0.0, "1 block": float(block), "2 blocks": 2.0 * block, "25 MB": 25e6}
 
 
@@ -53,7 +42,7 @@ def measure(count: int, width: int, steps: int) -> dict:
     pipes, optimizers = {}, {}
     for name, size in sizes(width).items():
         pipes[name] = Pipeline(
-            blocks(count, width), schedule="zb-h1", microbatches=4, loss_fn=nn.functional.mse_loss,
+            gelu_blocks(count, width), schedule="zb-h1", microbatches=4, loss_fn=nn.functional.mse_loss,
             data_parallel=2, fsdp=FSDPOptions(bucket_bytes=size) if size else None, timeout=300,
         )  # fmt: skip
         optimizers[name] = torch.optim.AdamW(list(pipes[name].parameters()), lr=1e-4)
@@ -82,7 +71,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
     per_rank = launch(measure, 4, (args.blocks, args.width, args.steps), threads=1, timeout=1800)
-    block = block_bytes(args.width)
+    block = gelu_block_bytes(args.width)
     print(
         f"pp 2 × dp 2 replicated, zb-h1, {args.blocks} blocks of width {args.width}, float32: one block "
         f"{block / MIB:.2f} MiB, one chunk {args.blocks // 2 * block / MIB:.2f} MiB; {args.steps} rounds"

@@ -23,6 +23,7 @@ from torch import nn
 from zerobubble import FSDPOptions, Pipeline
 from zerobubble.runtime.launch import init_distributed, launch
 from zerobubble.runtime.observe.memory import parameter_peak
+from zerobubble_bench.workloads import gelu_block_bytes, gelu_blocks
 
 LAYOUTS = {  # name: FSDPOptions (None: the default, one unit per chunk gathered once a step)
     "per chunk (default)": None,
@@ -31,14 +32,6 @@ LAYOUTS = {  # name: FSDPOptions (None: the default, one unit per chunk gathered
     "2 layers, prefetch 1": FSDPOptions(units=2, prefetch=1),
 }
 MIB = 2**20
-
-
-def blocks(count: int, width: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [
-        nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-        for _ in range(count)
-    ]
 
 
 def measure(shape: tuple[int, int], count: int, width: int, steps: int) -> dict:
@@ -52,7 +45,7 @@ def measure(shape: tuple[int, int], count: int, width: int, steps: int) -> dict:
     out = {}
     for name, options in LAYOUTS.items():
         pipe = Pipeline(
-            blocks(count, width), schedule="zb-h1", microbatches=4, loss_fn=nn.functional.mse_loss,
+            gelu_blocks(count, width), schedule="zb-h1", microbatches=4, loss_fn=nn.functional.mse_loss,
             mesh=mesh, data_parallel="fsdp", fsdp=options, timeout=120,
         )  # fmt: skip
         optimizer = torch.optim.AdamW(list(pipe.parameters()), lr=1e-3)
@@ -78,7 +71,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    unit = sum(p.numel() * p.element_size() for p in blocks(1, args.width)[0].parameters())
+    unit = gelu_block_bytes(args.width)
     for shape in ((2, 2), (4, 1)):
         per_rank = launch(measure, 4, (shape, args.blocks, args.width, args.steps), threads=1, timeout=900)
         chunk_layers = args.blocks // shape[1]

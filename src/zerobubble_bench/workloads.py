@@ -34,6 +34,22 @@ def mlp_layers(count: int = 8, width: int = 1024, seed: int = 0) -> list[nn.Modu
         return [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(count)]
 
 
+def gelu_blocks(count: int, width: int, seed: int = 0) -> list[nn.Module]:
+    """``count`` × (Linear(width, 4·width) + GELU + Linear(4·width, width)): a transformer's MLP
+    without the residual, one block per list entry (the data-parallel benchmarks' model)."""
+    with preserved_torch_state():
+        torch.manual_seed(seed)
+        return [
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(count)
+        ]
+
+
+def gelu_block_bytes(width: int) -> int:
+    """The parameter bytes of one :func:`gelu_blocks` block (float32)."""
+    return sum(p.numel() * p.element_size() for p in gelu_blocks(1, width)[0].parameters())
+
+
 def bench_gpt_config() -> GPTConfig:
     """The GPT of the pipeline comparison: 8 blocks of width 128 on sequences of 64 tokens."""
     return GPTConfig(vocab=256, seq_len=64, dim=128, heads=4, n_layers=8)

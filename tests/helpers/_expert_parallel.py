@@ -82,12 +82,7 @@ def _train(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SplitMismatchWarning)
         for step in steps:
-            tokens, targets, _ = batch("whole", seed=10 + step)
-            expected = reference_loss(reference, tokens, targets, {})
-            expected.backward()
-            torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-            expected_optimizer.step()
-            expected_optimizer.zero_grad()
+            tokens, targets, expected = _reference_step(reference, expected_optimizer, step)
             loss = pipe.step(*_my_rows(pipe, tokens, targets))
             pipe.optimizer_step(optimizer, max_norm=MAX_NORM)
             optimizer.zero_grad()
@@ -96,6 +91,20 @@ def _train(
         pipe.synchronize()
     mismatches = [str(w.message) for w in caught if issubclass(w.category, SplitMismatchWarning)]
     return losses, mismatches
+
+
+def _reference_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One clipped step of ``model`` in one process on the whole batch of ``step``: the batch
+    (tokens, targets) and the loss."""
+    tokens, targets, _ = batch("whole", seed=10 + step)
+    expected = reference_loss(model, tokens, targets, {})
+    expected.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+    optimizer.zero_grad()
+    return tokens, targets, expected
 
 
 def _parameter_errors(pipe: Any, reference: nn.Module) -> dict[str, float]:
@@ -208,13 +217,7 @@ def _reference_run(family: str) -> tuple[dict, dict, nn.Module, torch.optim.Opti
             saved = copy.deepcopy(model)
             saved_optimizer = torch.optim.AdamW(saved.parameters(), lr=0.01)
             saved_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-        tokens, targets, _ = batch("whole", seed=10 + step)
-        expected = reference_loss(model, tokens, targets, {})
-        expected.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = expected.item()
+        loss = _reference_step(model, optimizer, step)[2].item()
     states.append({k: v.detach().clone() for k, v in whole.state_dict().items()})
     return states[0], states[1], saved, saved_optimizer, loss
 

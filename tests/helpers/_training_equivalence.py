@@ -114,13 +114,13 @@ class Head(nn.Module):
         return F.linear(self.norm(hidden), self.weight)
 
 
-def _reversed(pair: Any) -> None:
+def backward_first(pair: Any) -> None:
     """An overlap hook running the backward half first."""
     pair.backward()
     pair.forward()
 
 
-def _phases(pair: Any) -> None:
+def by_phases(pair: Any) -> None:
     """An overlap hook interleaving the halves' phases: both receive, F computes, B computes, both send."""
     forward, backward = pair.forward, pair.backward
     backward.receive()
@@ -132,7 +132,7 @@ def _phases(pair: Any) -> None:
 
 
 #: ``Pipeline(overlap=...)`` by name: the default run of each pair, or a user's hook
-OVERLAPS = {None: None, "reversed": _reversed, "phases": _phases, "threads": "threads"}
+OVERLAPS = {None: None, "reversed": backward_first, "phases": by_phases, "threads": "threads"}
 
 
 def plain_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,25 @@ def _swapped_lower(*args, **kwargs):
 lowering_lower = lowering.lower
 
 
+def _executor_entries(pipe) -> list[str]:
+    """The executor's compute ops and communication actions, by name (the start entries, e.g. the
+    settle, aside)."""
+    entries = [e[0] for e in pipe._executor.program if e[2] is not None or isinstance(e[0], CommAction)]
+    return [e.name if isinstance(e, CommAction) else str(e) for e in entries]
+
+
+def _refusal(build, patched_lower) -> str:
+    """What building a Pipeline with ``build()`` raises while ``lowering.lower`` is ``patched_lower``."""
+    lowering.lower = patched_lower
+    try:
+        build()
+        return "no error"
+    except PipelineError as error:
+        return str(error)
+    finally:
+        lowering.lower = lowering_lower
+
+
 def worker() -> dict:
     torch.set_num_threads(1)
     init_distributed(backend="gloo", timeout=60)
@@ -65,20 +84,11 @@ def worker() -> dict:
         if (isinstance(a, Compute) and a.first)
         or (isinstance(a, (Issue, Wait)) and a.comm.kind is CommKind.ALL_REDUCE)
     ]
-    # the compute ops and the communication actions (the start entries, e.g. the settle, aside)
-    entries = [e[0] for e in pipe._executor.program if e[2] is not None or isinstance(e[0], CommAction)]
-    got = [e.name if isinstance(e, CommAction) else str(e) for e in entries]
+    got = _executor_entries(pipe)
     steps = pipe.recorder.seconds()
     timeline = build_timeline(pipe.schedule, [steps[-1]])
     trace = json.loads(measured_chrome_trace(timeline))
-    lowering.lower = _swapped_lower
-    try:
-        _pipeline()
-        refused = "no error"
-    except PipelineError as error:
-        refused = str(error)
-    finally:
-        lowering.lower = lowering_lower
+    refused = _refusal(_pipeline, _swapped_lower)
     return {
         "same": got == expected,
         "got": got,
@@ -153,22 +163,14 @@ def transfers_worker() -> dict:
         for a in pipe.lowered.program_of(pipe.rank)
         if isinstance(a, Compute) or (isinstance(a, (Issue, Wait)) and a.comm.kind in transfers)
     ]
-    entries = [e[0] for e in pipe._executor.program if e[2] is not None or isinstance(e[0], CommAction)]
-    got = [e.name if isinstance(e, CommAction) else str(e) for e in entries]
+    got = _executor_entries(pipe)
     timelines = pipe.measured_timelines()  # collective: every rank's, on rank 0
     lanes: dict[int, set[str]] = {}
     if timelines is not None:
         for e in json.loads(measured_chrome_trace(timelines[-1]))["traceEvents"]:
             if e.get("cat") == "comm":
                 lanes.setdefault(e["tid"] - 2, set()).add(e["name"].split("(")[0])
-    lowering.lower = _receives_swapped
-    try:
-        _pipeline_of_two()
-        refused = "no error"
-    except PipelineError as error:
-        refused = str(error)
-    finally:
-        lowering.lower = lowering_lower
+    refused = _refusal(_pipeline_of_two, _receives_swapped)
     return {
         "got": got,
         "expected": expected,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import LocalComm
+from _training_equivalence import backward_first, by_phases
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -102,23 +103,10 @@ def _batch(step: int, m: int) -> tuple[list, list]:
     return inputs, targets
 
 
-def _reversed(pair) -> None:
-    pair.backward()
-    pair.forward()
-
-
-def _phases(pair) -> None:
-    forward, backward = pair.forward, pair.backward
-    backward.receive()
-    forward.receive()
-    forward.compute()
-    backward.compute()
-    backward.send()
-    forward.send()
-
-
 @pytest.mark.parametrize(
-    "hook", [None, _reversed, _phases, "threads"], ids=["program order", "reversed", "phases", "threads"]
+    "hook",
+    [None, backward_first, by_phases, "threads"],
+    ids=["program order", "reversed", "phases", "threads"],
 )
 def test_a_pair_gives_plain_autograds_gradients_over_several_steps_whichever_way_it_runs(hook):
     m, steps = 4, 3
@@ -226,7 +214,7 @@ class Recorder:
         self.events.append((name, start, end))
 
 
-@pytest.mark.parametrize("hook", [None, _reversed])
+@pytest.mark.parametrize("hook", [None, backward_first])
 def test_a_recorder_sees_both_halves_as_ops_in_program_order_and_the_pair_as_an_event(hook):
     schedule = build_schedule("dualpipe-v", 1, 3)
     executor = _executor(schedule, 0)
@@ -241,7 +229,7 @@ def test_a_recorder_sees_both_halves_as_ops_in_program_order_and_the_pair_as_an_
     for name, start, end in named:
         forward, backward = (spans[op] for op in pairs[name])
         assert all(start <= s < e <= end for s, e in (forward, backward)), "the halves inside the pair"
-        if hook is _reversed:
+        if hook is backward_first:
             assert backward[1] <= forward[0]
         else:
             assert forward[1] <= backward[0]

@@ -61,26 +61,15 @@ class PairHalf:
 
     def __call__(self) -> None:
         """Run the whole half through its op's handler (emulation's, when it is on)."""
-        self._enter(0, "run")
-        self._mark(0)
-        entries, forward = self._surround
-        if not forward:
-            _run(entries)
+        self._begin("run")
         _, handler, state, j = self._entry
         _in_op_range(self.op, handler, state, j)
-        if forward:
-            _run(entries)
-        self._phase = 3
-        self._mark(1)
+        self._finish()
 
     def receive(self) -> None:
         """Take the half's inputs: the forward's from the mailbox, the backward's after the waits
         for its input gradient (the lowered actions before the backward)."""
-        self._enter(0, "receive")
-        self._mark(0)
-        entries, forward = self._surround
-        if not forward:
-            _run(entries)
+        self._begin("receive")
         _, _, state, j = self._entry
         self._value, self._phase = self._pieces[0](state, j), 1
 
@@ -97,11 +86,7 @@ class PairHalf:
         _, _, state, j = self._entry
         self._pieces[2](state, j, self._value)
         self._value = None
-        entries, forward = self._surround
-        if forward:
-            _run(entries)
-        self._phase = 3
-        self._mark(1)
+        self._finish()
 
     def checking(self) -> bool:
         """Whether the forward (after :meth:`receive`) runs its stage's split-guard check (a path
@@ -113,6 +98,22 @@ class PairHalf:
     def done(self) -> bool:
         """Whether the half has run to its end."""
         return self._phase == 3
+
+    def _begin(self, what: str) -> None:
+        """The half's start: timed, and the backward's lowered actions (its waits) run first."""
+        self._enter(0, what)
+        self._mark(0)
+        entries, forward = self._surround
+        if not forward:
+            _run(entries)
+
+    def _finish(self) -> None:
+        """The half's end: the forward's lowered actions (its sends) run last, then it is done."""
+        entries, forward = self._surround
+        if forward:
+            _run(entries)
+        self._phase = 3
+        self._mark(1)
 
     def _enter(self, phase: int, what: str) -> None:
         if self._phase != phase:

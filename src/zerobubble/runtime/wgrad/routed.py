@@ -286,7 +286,7 @@ class LinearRouter(TorchFunctionMode):
             return self.getitem(*args)
         if func is _TRANSPOSE and len(args) == 3 and not kwargs:
             return self.transpose(*args)
-        if func is _GROUPED_MM and func is not None:
+        if func is _GROUPED_MM:
             return self.grouped_mm(args, kwargs or {})
         if type(func) is types.FunctionType:  # a Python function: one of F's calling linear?
             func = self.copies.get(func, func)
