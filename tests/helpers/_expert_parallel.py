@@ -396,4 +396,7 @@ def all_cases(root: str, trained: list[tuple[str, str, bool]]) -> dict:
     out = {"trained": trained_cases(trained), "refused": refused_cases(), "dp ep": dp_ep_case()}
     out["vocab"] = vocab_cases(VOCAB_SCHEDULES)
     out["checkpoints"] = checkpoint_cases(root)
+    from _expert_fsdp import fsdp_cases  # it imports this module
+
+    out["fsdp"] = fsdp_cases(str(Path(root) / "fsdp"))
     return out

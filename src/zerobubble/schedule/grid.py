@@ -235,7 +235,10 @@ class Grid:
         the ranks inside a stage when ``parallelize`` runs its layers over them (else 1: each runs
         whole layers).  The planner's checks apply (:class:`ScheduleError`)."""
         tp = self.tp if parallelized else 1
-        return Grid(dp=self.dp, tp=tp, sharding=self.sharding, dp_shard=self.dp_shard, pp=self.pp)
+        # FSDP2 beside "ep" shards over every replica; the planner counts the experts alike (exact
+        # with no "dp" dimension: they are cut over "ep"; with one, their share is dp times more)
+        dp = self.replicas if self.sharding and self.ep > 1 else self.dp
+        return Grid(dp=dp, tp=tp, sharding=self.sharding, dp_shard=self.dp_shard, pp=self.pp)
 
     # -- this rank's place -----------------------------------------------------------------------------
 
@@ -484,9 +487,12 @@ def _sharding_of(
 
 
 def _check_data_dims(sharding: str | None, roles: Mapping[str, str | None], names: list[str]) -> None:
-    """``"fsdp"`` needs one data-parallel dimension to shard over, ``"hsdp"`` the pair."""
+    """``"fsdp"`` needs one data-parallel dimension to shard over (or an ``"ep"`` one, whose ranks
+    are replicas too), ``"hsdp"`` the pair."""
     replicate, shard = roles.get("dp_replicate"), roles.get("dp_shard")
-    if sharding == "fsdp" and (len(_data_dims(roles)) != 1 or replicate is not None):
+    data = _data_dims(roles)
+    over = data or tuple(name for name in (roles.get("ep"),) if name is not None)
+    if sharding == "fsdp" and (len(over) != 1 or replicate is not None):
         hint = (
             'the mesh has "dp_replicate" × "dp_shard": pass data_parallel="hsdp" to shard within '
             "a row and replicate across rows"

@@ -6,8 +6,9 @@ expert, Qwen3-MoE), with 1F1B and ZB-V (the experts' weights B/W-split), with th
 and without, dualpipe-v also with ``overlap="threads"``, train like the model in one process on the
 whole batch (float64, three clipped AdamW steps) and the split guard finds no mismatch; DCP
 checkpoints go from (pp 2, ep 2) to (pp 2, dp 2) and to the unpipelined cut and back; (pp 1, dp 2,
-ep 2) reduces the experts over dp only; wrong layouts are refused on every rank.
-One spawn serves all.
+ep 2) reduces the experts over dp only; wrong layouts are refused on every rank.  With
+``data_parallel="fsdp"`` FSDP2 shards the rest over every replica, the experts stay ep's
+(``_expert_fsdp.py``).  One spawn serves all.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import pytest
 pytest.importorskip("transformers")
 
 from _dist import run_ranks
+from _expert_fsdp import FSDP_CASES
 from _expert_parallel import all_cases
 from torch import nn
 
 from zerobubble.hf import pipeline_layers
+from zerobubble.runtime import PipelineError
 from zerobubble.schedule.grid import Grid
 
 TRAINED = [
@@ -157,3 +160,62 @@ def test_the_vocabulary_parallel_ends_run_on_the_ep_replicas(schedule, results):
         assert worst[1] <= 1e-10, worst
         assert m["mismatches"] == []
         assert m["replicas"] == 2, "pipe.data_parallel counts the ep replicas (each its share of the batch)"
+
+
+FSDP_TRAINED = [case[0] for case in FSDP_CASES] + ["1f1b mixtral pp1 dp2 ep2"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", FSDP_TRAINED)
+def test_fsdp_shards_all_but_the_experts_over_the_replicas_and_trains_exactly(name, results):
+    """data_parallel="fsdp" on (pp 2, ep 2), and on (pp 1, dp 2, ep 2) over the four replicas'
+    column: three clipped steps equal one process on the whole batch (without the experts' own
+    average, or with the experts' norm counted on every dp row, they drift by 1e-3 to 1e-1)."""
+    mine = [r["fsdp"]["trained"][name] for r in results]
+    losses = [m["losses"] for m in mine if m["losses"]]
+    assert len(losses) >= 2 and all(len(each) == 3 and max(each) <= 1e-12 for each in losses), losses
+    for m in mine:
+        worst = max(m["params"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1e-10, worst
+        assert m["mismatches"] == [] and m["sharded"] == "fsdp"
+        kinds = m["kinds"]
+        assert kinds["experts"] and kinds["fsdp"] and not kinds["plain"], kinds  # every other one FSDP2's
+        assert all("experts" in each for each in kinds["experts"])
+        assert not any(".experts." in each for each in kinds["fsdp"]), "FSDP2 leaves the routed experts alone"
+        if name.startswith("auto"):  # planned for FSDP2 over the replicas, the all-to-all timed
+            assert "FSDP" in m["plan"] and "experts: expert all-to-all" in m["plan"], m["plan"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["replicate from fsdp", "fsdp from replicate"])
+def test_fsdp_and_replicated_checkpoints_resume_in_each_other(name, results):
+    mine = [r["fsdp"]["checkpoints"][name] for r in results]
+    for result in mine:
+        assert result["strict"] == ([], [], []), "every key and state was found"
+        assert result["params"] <= 1e-12, result
+    losses = [m["loss"] for m in mine if m["loss"] is not None]
+    assert len(losses) == 2 and max(losses) <= 1e-12, mine
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [("hsdp", "data_parallel='hsdp'"), ("threads", 'drop overlap="threads"')],
+)
+def test_what_expert_parallelism_with_sharding_refuses(case, says, results):
+    said = [r["fsdp"]["refused"][case] for r in results]
+    assert all(says in each for each in said), said
+
+
+def test_fsdp_with_ep_shards_over_the_replicas():
+    """The grid: "fsdp" beside "ep" shards over every replica (as the runtime lowers it, its ``dp``
+    counting them all: FSDP2's unshards and reduce-scatters); "hsdp" needs its pair of dimensions."""
+    from dataclasses import replace
+
+    alone = Grid.of_mesh(("pp", "ep"), (2, 2), data_parallel="fsdp")
+    both = Grid.of_mesh(("pp", "dp", "ep"), (1, 2, 2), data_parallel="fsdp")
+    assert (alone.sharding, alone.replicas, both.replicas) == ("fsdp", 2, 4)
+    lowered = [replace(grid, dp=grid.replicas) for grid in (alone, both)]
+    assert [(grid.dp_mode, grid.shard) for grid in lowered] == [("fsdp", 2), ("fsdp", 4)]
+    with pytest.raises(PipelineError, match='shards along "dp_shard"'):
+        Grid.of_mesh(("pp", "dp", "ep"), (1, 2, 2), data_parallel="hsdp")

@@ -131,7 +131,7 @@ def agreed_resolution(
 
     return agree_on(
         attempt,
-        data_parallel=world.grid.dp,
+        data_parallel=world.grid.replicas,  # the ep ranks too: FSDP2 shards over every replica
         seed=request.seed,
         group=world.group,
         verify=request.verify,

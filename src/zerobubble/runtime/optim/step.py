@@ -68,6 +68,9 @@ class StepOptimization:
         self._placeholder: torch.optim.Optimizer | None = None
         chained = sharded is not None
         whole = executor.ends.whole_on_replicas()  # the vocabulary rows: not FSDP2 shards
+        if chained and layout.grid.ep > 1 and layout.grid.dp_index >= layout.grid.ep:
+            # the expert shards are equal along "dp": the first row's count, the others' do not
+            whole = [*whole, *expert_parameters(stage.module for stage in executor.stages.values())]
         self._optimizer = chain_optimizer(
             resolution, layout, device, post_validation, wait, tied, sharded=chained, replicated=whole
         )

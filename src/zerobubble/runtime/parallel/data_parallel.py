@@ -96,10 +96,10 @@ def build_layout(grid: Grid, *, group: Any, mesh: Any, timeout: float) -> Parall
     else:
         pipeline_group = local_group(replica, timeout=setup) if grid.replicas > 1 else group
     dp_group = _data_group(grid, mesh, setup)
-    if mesh is not None:
+    if mesh is not None and grid.ep == 1:
         shard_dim = grid.dim("dp_shard") or grid.dim("dp")
         shard_group = mesh.get_group(shard_dim) if shard_dim is not None and grid.dp > 1 else None
-    else:
+    else:  # no mesh, or expert parallelism: FSDP2 shards over every replica (parallel/experts.py)
         shard_group = dp_group
     return ParallelLayout(
         grid,

@@ -20,7 +20,8 @@ and reshard it after (``reshard_after_forward``, ``reshard_after_backward``) —
   end (an evaluation) is resharded.
 Peak parameter memory per rank: the shards plus one unit (plus ``prefetch`` more) in F and B, plus
 the gathered W-reading units in W; the unsharded gradients stay whole until the reduce-scatter.
-FSDP2 averages over the group, as the replicated path does.  Derivation: ``docs/runtime.md``, "FSDP2 units".
+FSDP2 averages over the group (beside ``"ep"``: every replica, the experts left to ``reduce``).
+Derivation: ``docs/runtime.md``, "FSDP2 units" and "Expert parallelism".
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...schedule.ir import Kind, Op
@@ -39,8 +41,9 @@ from ...schedule.lowering import CommKind, Issue, Wait
 from ...schedule.modelplan.layout import SHARDINGS
 from ...schedule.sharding import ONCE_PER_STEP, FSDPOptions
 from .. import PipelineError
-from .consistency import broadcast_replicas
+from ..tensors import local_value
 from .data_parallel import ParallelLayout
+from .experts import ExpertParallelExperts, broadcast_replicas, expert_parameters
 
 W_READS_NO_PARAMETER = ("MatmulRule", "EmbeddingRule", "LayerNormRule", "GroupNormRule", "BatchNormRule")
 """The fast paths whose W reads no parameter value (closed forms of the saved input and the output
@@ -140,10 +143,12 @@ class ShardedStages:
         self.units: dict[int, Any] = {}  # stage index -> the chunk's root FSDPModule (a StageModule)
         self.layer_units: dict[int, list[Any]] = {}  # stage index -> its units in forward order
         self._readers: dict[int, list[Any]] = {}  # stage index -> the units its W reads
-        self._source = layout.grid.global_rank(layout.grid.pipeline_rank, 0)
         self._unsharded: set[int] = set()
         self._pending: dict[int, Any] = {}  # stage -> its all-gather's handle, issued not yet waited
         self._params: list[Any] = []  # the layered units' FSDPParams
+        # expert parallelism: each chunk's expert shards, which FSDP2 ignores, and their averages posted
+        self._experts: dict[int, list[nn.Parameter]] = {}
+        self._expert_averages: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
         self.in_step = False  # between begin_step and the step's end (reshard)
 
     def shard(self, stage: int, module: nn.Module) -> None:
@@ -151,7 +156,10 @@ class ShardedStages:
         over the data-parallel group)."""
         from torch.distributed.fsdp import fully_shard
 
-        broadcast_replicas(module, self.layout.dp_group, self._source)
+        broadcast_replicas(module, self.layout, self.layout.grid.pipeline_rank)  # the experts' own way
+        # the experts are already cut over "ep" (DTensors): FSDP2 leaves them alone (see reduce)
+        self._experts[stage] = expert_parameters([module])
+        ignored = set(self._experts[stage]) or None
         units: list[Any] = []
         if self.layered:
             layers = list(getattr(module, "layers", ()))
@@ -162,12 +170,13 @@ class ShardedStages:
                     group if len(group) > 1 else group[0],
                     mesh=self.mesh,
                     reshard_after_forward=self.options.reshard_after_forward,
+                    ignored_params=ignored,
                 )
                 units.append(shard[0] if isinstance(shard, list) else shard)
             _set_prefetch(units, self.options.prefetch)
             for unit in units:
                 self._params += [_keep_split_view(param, self) for param in _fsdp_params(unit)]
-        root: Any = fully_shard(module, mesh=self.mesh, reshard_after_forward=False)
+        root: Any = fully_shard(module, mesh=self.mesh, reshard_after_forward=False, ignored_params=ignored)
         self._quiet(root)
         for unit in (*units, root):
             unit.unshard()
@@ -288,9 +297,35 @@ class ShardedStages:
         finally:
             self._quiet(unit)
         self._unsharded.discard(stage)
+        self._average_experts(stage)
+
+    @torch.no_grad()
+    def _average_experts(self, stage: int) -> None:
+        """Post the average of chunk ``stage``'s expert gradients, which FSDP2 ignores: summed over
+        the replicas holding the same experts (the mesh's ``"dp"``; none without it) and divided by
+        every replica, as the replicated path does (:mod:`.experts`); :meth:`reshard` waits for it."""
+        grads = [local_value(p.grad) for p in self._experts.get(stage, ()) if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        group = self.layout.expert_group
+        work = None if group is None else dist.all_reduce(flat, group=group, async_op=True)
+        self._expert_averages.append((work, flat, grads))
+
+    @torch.no_grad()
+    def _finish_expert_averages(self) -> None:
+        for work, flat, grads in self._expert_averages:
+            if work is not None:
+                work.wait()
+            flat.div_(self.layout.grid.replicas)
+            for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                grad.copy_(piece.view_as(grad))
+        self._expert_averages.clear()
 
     def reshard(self) -> None:
-        """Reshard every unit still unsharded (a step's end, an evaluation, construction)."""
+        """Reshard every unit still unsharded (a step's end, an evaluation, construction); the expert
+        gradients' averages are waited for."""
+        self._finish_expert_averages()
         for stage in sorted(self._unsharded):
             self.units[stage].reshard()
         self._unsharded.clear()
@@ -304,6 +339,7 @@ class ShardedStages:
 
     def discard(self) -> None:
         """After a failed step: drop the unsharded state (the Pipeline is unusable afterwards)."""
+        self._expert_averages.clear()  # not waited for: a failed peer may never post its part
         try:
             self.reshard()
         except Exception:  # the failure that stopped the step is the one to report
@@ -365,6 +401,8 @@ def _w_reads(unit: nn.Module, deferral: Any) -> bool:
     not a fast path of :data:`W_READS_NO_PARAMETER` (a generic split, a convolution, a compiled or
     fallen-back layer, a user rule)."""
     for module in unit.modules():
+        if isinstance(module, ExpertParallelExperts):
+            continue  # its weights are not FSDP2's (ShardedStages.shard): nothing to gather for them
         if any(p is not None for p in module._parameters.values()):
             path = deferral.path_of(module)
             if not any(path == f"fast path ({rule})" for rule in W_READS_NO_PARAMETER):

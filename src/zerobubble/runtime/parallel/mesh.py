@@ -62,23 +62,28 @@ def mesh_ranks(mesh: Any) -> list[int]:
 
 
 def data_mesh(mesh: Any, grid: Grid) -> Any:
-    """The submesh of ``mesh``'s data-parallel dimensions (None without one): 1-D, or HSDP's
-    ``dp_replicate × dp_shard``, which ``fully_shard`` reads as replicate × shard."""
-    data = grid.data_dims
-    if not data:
+    """The submesh FSDP2 shards over (None: the caller makes a 1-D mesh of the replicas' group).
+
+    Without ``"ep"``: the data-parallel dimensions (None without one), 1-D, or HSDP's
+    ``dp_replicate × dp_shard``, which ``fully_shard`` reads as replicate × shard.  With ``"ep"``
+    alone, it; with ``"dp"`` and ``"ep"`` None: the replicas' flattened column, every one a shard."""
+    data = grid.replica_dims if grid.ep > 1 else grid.data_dims
+    if not data or (grid.ep > 1 and len(data) > 1):
         return None
     return mesh[data[0]] if len(data) == 1 else mesh[data]
 
 
 def _check_expert_grid(grid: Grid) -> None:
-    """What expert parallelism runs with today: replicated data parallelism along one ``"dp"``
-    dimension at most, and no dimension inside a stage (its experts would need both shardings)."""
+    """What expert parallelism runs with today: replicated or FSDP2-sharded data parallelism along
+    one ``"dp"`` dimension at most, and no dimension inside a stage (its experts would need both
+    shardings)."""
     if grid.ep == 1:
         return
-    if grid.sharding is not None:
+    if grid.sharding not in (None, "fsdp"):
         raise PipelineError(
             f'an "ep" dimension with data_parallel={grid.sharding!r}: expert parallelism runs with '
-            'replicated data parallelism only; pass data_parallel="replicate" (the default)'
+            'replicated data parallelism or FSDP2 over the replicas; pass data_parallel="replicate" '
+            '(the default) or "fsdp", on a mesh of "pp", "dp" and "ep"'
         )
     if len(grid.data_dims) > 1:
         raise PipelineError(
