@@ -1,9 +1,11 @@
-"""``plan --cluster`` prunes layouts by a lower bound: the fastest ``keep`` are those of the full search.
+"""``plan --cluster`` prunes layouts by lower bounds: the fastest ``keep`` are those of the full search.
 
 A layout's step is at least its busiest GPU's compute (the lowered program runs each rank's compute
-parts one after another on its compute stream, whatever its communication waits for); generated
-clusters (hypothesis) check that bound against every simulated candidate, and that the pruned search
-returns the exhaustive search's fastest layouts, plans and reasons unchanged.
+parts one after another on its compute stream, whatever its communication waits for), which is at
+least its layers' compute spread evenly over the pipeline ranks; generated clusters (hypothesis),
+dense and mixtures of experts over every ep size, check both bounds against every simulated
+candidate, and that the pruned search returns the exhaustive search's fastest layouts, plans and
+reasons unchanged.
 """
 
 from __future__ import annotations
@@ -11,8 +13,17 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zerobubble.schedule.modelplan.cluster import Cluster, ClusterSearch, TransformerShape, plan_cluster
+from zerobubble.schedule.modelplan.cluster import (
+    Cluster,
+    ClusterSearch,
+    TransformerShape,
+    _Setting,
+    _spread_bound,
+    cluster_grids,
+    plan_cluster,
+)
 from zerobubble.schedule.modelplan.cluster_text import cluster_table
+from zerobubble.schedule.modelplan.moe import MoEShape, _MoESetting, plan_moe_cluster
 
 
 def _shape(hidden: int, layers: int) -> TransformerShape:
@@ -45,13 +56,37 @@ def test_the_pruned_search_keeps_the_exhaustive_fastest_layouts(case):
     sizes, keep = (case["sequences"] * 1024, 1024), case["keep"]
     exhaustive = plan_cluster(shape, cluster, *sizes, search=ClusterSearch(refine=0))
     pruned = plan_cluster(shape, cluster, *sizes, search=ClusterSearch(refine=0, keep=keep))
-    for option in exhaustive:  # the bound: no simulated candidate beats the busiest GPU's compute
+    _check_bounds(exhaustive, lambda option: _spread(shape, cluster, case["sequences"], option))
+    _check_same_fastest(exhaustive, pruned, keep)
+
+
+def _spread(shape, cluster, sequences, option, ep=None) -> float:
+    """The profile-only bound of ``option``'s layout (:func:`~...cluster._spread_bound`)."""
+    grid = next(
+        g for g in cluster_grids(shape, cluster) if (g.pp, g.dp, g.tp) == (option.pp, option.dp, option.tp)
+    )
+    if ep is None:
+        setting = _Setting(shape, cluster, sequences, 1024, 1, False, ClusterSearch())
+    else:
+        setting = _MoESetting(
+            shape, cluster, sequences, 1024, 1, False, ClusterSearch(), ep=ep, sharded=grid.shard > 1
+        )
+    return _spread_bound(setting, grid)
+
+
+def _check_bounds(exhaustive, spread) -> None:
+    """No simulated candidate beats its busiest GPU's compute, which is no less than the spread bound."""
+    for option in exhaustive:
         if option.plan is not None:
             assert option.plan.winner.timeline is not None
             bound = option.plan.winner.timeline.ideal
+            assert bound >= spread(option) * (1 - 1e-12)
             assert option.step_time >= bound * (1 - 1e-12)
             for _options, time, _peak in option.plan.comm.tried if option.plan.comm else ():
                 assert time >= bound * (1 - 1e-12)
+
+
+def _check_same_fastest(exhaustive, pruned, keep) -> None:
     simulated = [o for o in exhaustive if o.plan is not None]
     top = min(keep, len(simulated))
     assert [o.row() for o in pruned[:top]] == [o.row() for o in simulated[:top]]
@@ -61,7 +96,40 @@ def test_the_pruned_search_keeps_the_exhaustive_fastest_layouts(case):
         == cluster_table(exhaustive, keep).splitlines()[: top + 1]
     )
     assert len(pruned) == len(exhaustive)
-    assert all(o.plan is None and o.note.startswith("not simulated") for o in pruned if o.pruned)
+    notes = ("not simulated", "not planned")
+    assert all(o.plan is None and o.note.startswith(notes) for o in pruned if o.pruned)
+
+
+moe_clusters = st.fixed_dictionaries(
+    {
+        "experts": st.sampled_from([4, 8, 16]),
+        "top_k": st.sampled_from([1, 2]),
+        "layers": st.sampled_from([4, 6]),
+        "gpus": st.sampled_from([4, 8]),
+        "memory": st.sampled_from(["4GiB", "16GiB"]),
+        "sequences": st.sampled_from([16, 32]),
+        "keep": st.integers(1, 4),
+    }
+)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(moe_clusters)
+def test_the_pruned_moe_search_keeps_the_exhaustive_fastest_layouts(case):
+    """Every layout × every ep size: the pruned search (some not even planned) keeps the fastest."""
+    shape = MoEShape(
+        layers=case["layers"], hidden=1024, intermediate=4096, heads=8, kv_heads=8, vocab=32000,
+        gated=True, experts=case["experts"], top_k=case["top_k"], expert_intermediate=1024,
+    )  # fmt: skip
+    cluster = Cluster.parse(f"nodes=1,gpus={case['gpus']},intra=300GB/s,inter=25GB/s,memory={case['memory']}")
+    sizes, keep = (case["sequences"] * 1024, 1024), case["keep"]
+    search = ClusterSearch(("1f1b", "zb-v", "dualpipe-v"), refine=0)
+    exhaustive = plan_moe_cluster(shape, cluster, *sizes, search=search)
+    pruned = plan_moe_cluster(
+        shape, cluster, *sizes, search=ClusterSearch(search.schedules, refine=0, keep=keep)
+    )
+    _check_bounds(exhaustive, lambda option: _spread(shape, cluster, case["sequences"], option, option.ep))
+    _check_same_fastest(exhaustive, pruned, keep)
 
 
 def test_pruned_layouts_are_named_in_the_table():
@@ -70,3 +138,20 @@ def test_pruned_layouts_are_named_in_the_table():
     pruned = [o for o in options if o.pruned]
     assert pruned and options[0].plan is not None
     assert f"({len(pruned)} layouts not simulated" in cluster_table(options, 1)
+
+
+def test_the_moe_search_prunes_before_planning_and_before_simulating():
+    """16 GPUs × every ep size: with ``keep=3`` some layouts are not even planned (their layers'
+    compute alone is too slow), some planned but not simulated, and the three fastest are exact."""
+    shape = MoEShape(
+        layers=6, hidden=1024, intermediate=4096, heads=8, kv_heads=8, vocab=32000, gated=True,
+        experts=16, top_k=2, expert_intermediate=1024,
+    )  # fmt: skip
+    cluster = Cluster.parse("nodes=2,gpus=8,intra=300GB/s,inter=25GB/s,memory=16GiB")
+    schedules = ("1f1b", "zb-v", "dualpipe-v")
+    exhaustive = plan_moe_cluster(shape, cluster, 64 * 1024, 1024, search=ClusterSearch(schedules, refine=0))
+    kept = ClusterSearch(schedules, refine=0, keep=3)
+    pruned = plan_moe_cluster(shape, cluster, 64 * 1024, 1024, search=kept)
+    notes = [o.note.split(":")[0] for o in pruned if o.pruned]
+    assert "not planned" in notes and "not simulated" in notes, notes
+    _check_same_fastest(exhaustive, pruned, 3)

@@ -402,24 +402,49 @@ def plan_cluster(
         )
     setting = _Setting(shape, cluster, sequences, seq_len, microbatch_size, recompute, search)
     grids = layouts if layouts is not None else cluster_grids(shape, cluster)
-    planned = [_scheduled(setting, grid) for grid in grids]
-    # a layout's step is at least its busiest GPU's compute (the compute stream runs its ops one at a
-    # time, whatever the communication): visit the layouts by that bound, and once ``keep`` steps
-    # are known, a layout whose bound exceeds the keep-th fastest cannot be among the keep fastest
-    order = sorted(range(len(planned)), key=lambda i: _bound(planned[i]))
-    options: list[ClusterOption | None] = [None] * len(planned)
+    options = search_layouts([(setting, grid) for grid in grids], search.keep)
+    # by step (equal steps in the layouts' order): what the tokens per second orders, without rounding
+    return sorted(options, key=lambda o: (o.plan is None, o.step_time))
+
+
+def search_layouts(candidates: Sequence[tuple[_Setting, Grid]], keep: int | None) -> list[ClusterOption]:
+    """Each ``(setting, grid)`` planned and its communication chosen, in the candidates' order; with
+    ``keep``, only as far as needed for the ``keep`` fastest steps to be exact.
+
+    A layout's step is at least its busiest GPU's compute (the compute stream runs its ops one at a
+    time, whatever the communication and however much all-to-all a pair hides), which is at least
+    the compute of all its layers spread evenly over the pipeline ranks (:func:`_spread_bound`,
+    from the profile alone).  So the layouts are visited by that bound; once ``keep`` steps are
+    known, a layout whose bound exceeds the ``keep``-th fastest is not planned, and one whose
+    planned busiest GPU computes longer is not simulated (``pruned``, with a note saying why)."""
+    bounds = [_spread_bound(setting, grid) for setting, grid in candidates]
+    options: list[ClusterOption | None] = [None] * len(candidates)
     steps: list[float] = []
-    for index in order:
-        found, keep = planned[index], search.keep
-        if isinstance(found, _Scheduled) and keep and len(steps) >= keep and found.bound > steps[keep - 1]:
-            options[index] = _pruned(found, steps[keep - 1], keep)
+    for index in sorted(range(len(candidates)), key=bounds.__getitem__):
+        setting, grid = candidates[index]
+        threshold = steps[keep - 1] if keep and len(steps) >= keep else math.inf
+        if bounds[index] > threshold:
+            options[index] = _pruned(setting, grid, bounds[index], threshold, keep, planned=False)
+            continue
+        found = _scheduled(setting, grid)
+        if isinstance(found, _Scheduled) and found.bound > threshold:
+            options[index] = _pruned(setting, grid, found.bound, threshold, keep, planned=True)
             continue
         option = options[index] = _option(setting, found) if isinstance(found, _Scheduled) else found
         if option.plan is not None:
             steps = sorted([*steps, option.step_time])
-    done = [option for option in options if option is not None]
-    # by step (equal steps in the layouts' order): what the tokens per second orders, without rounding
-    return sorted(done, key=lambda o: (o.plan is None, o.step_time))
+    return [option for option in options if option is not None]
+
+
+def _spread_bound(setting: _Setting, grid: Grid) -> float:
+    """No step of ``grid`` is shorter: every microbatch's compute of every layer (its cheaper
+    backward, fused or split), spread evenly over the pipeline ranks (0: no microbatch fits)."""
+    microbatches = setting.sequences // (grid.dp * setting.microbatch_size)
+    work = math.fsum(
+        layer.forward + min(layer.fused, layer.backward_input + layer.backward_weight)
+        for layer in setting.profile(grid.tp).layers
+    )
+    return microbatches * work / grid.pp
 
 
 def cluster_grids(shape: TransformerShape, cluster: Cluster, sharding: str | None = "fsdp") -> list[Grid]:
@@ -479,10 +504,6 @@ class _Scheduled:
         return self.planned.winner.timeline.ideal
 
 
-def _bound(found: _Scheduled | ClusterOption) -> float:
-    return found.bound if isinstance(found, _Scheduled) else -math.inf
-
-
 def _scheduled(setting: _Setting, grid: Grid) -> _Scheduled | ClusterOption:
     """``grid``'s schedule planned (:func:`~.search.plan`, communication deferred), or why it has none."""
     cluster, pp, dp, tp, mode = setting.cluster, grid.pp, grid.dp, grid.tp, grid.sharding
@@ -535,16 +556,18 @@ def _option(setting: _Setting, found: _Scheduled) -> ClusterOption:
     )  # fmt: skip
 
 
-def _pruned(found: _Scheduled, threshold: float, keep: int) -> ClusterOption:
-    """``found`` not simulated: its compute alone is slower than the ``keep``-th fastest step."""
-    grid = found.grid
+def _pruned(
+    setting: _Setting, grid: Grid, bound: float, threshold: float, keep: int | None, *, planned: bool
+) -> ClusterOption:
+    """``grid`` not simulated (nor planned, unless ``planned``): its compute alone, at least
+    ``bound``, is slower than the ``keep``-th fastest step (:func:`search_layouts`)."""
+    what = "its busiest GPU computes" if planned else "its layers' compute spread over its pipeline ranks is"
     note = (
-        f"not simulated: its busiest GPU computes {found.bound:.3f} s, more than the step of the "
+        f"not {'simulated' if planned else 'planned'}: {what} {bound:.3f} s, more than the step of the "
         f"{keep}. fastest layout, {threshold:.3f} s"
     )
-    return ClusterOption(
-        grid.pp, grid.dp, grid.tp, grid.sharding, found.microbatches, None, note=note, pruned=True
-    )
+    microbatches = setting.sequences // (grid.dp * setting.microbatch_size)
+    return ClusterOption(grid.pp, grid.dp, grid.tp, grid.sharding, microbatches, None, note=note, pruned=True)
 
 
 def _planned_grid(cluster: Cluster, grid: Grid) -> Grid:

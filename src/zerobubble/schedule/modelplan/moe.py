@@ -31,10 +31,9 @@ from .cluster import (
     ClusterOption,
     ClusterSearch,
     TransformerShape,
-    _option,
-    _scheduled,
     _Setting,
     cluster_grids,
+    search_layouts,
     transformer_profile,
 )
 from .kernels import GEMM_LATENCY, block_seconds, gemm_seconds, head_seconds
@@ -359,14 +358,14 @@ def plan_moe_cluster(
     check = plan_cluster_setting(shape, cluster, tokens_per_step, seq_len, microbatch_size)
     search = search or ClusterSearch(MOE_SCHEDULES)
     base = _MoESetting(shape, cluster, check, seq_len, microbatch_size, recompute, search)
-    options = []
-    for grid in layouts if layouts is not None else cluster_grids(shape, cluster):
-        for ep in ep_sizes(shape, grid):
-            setting = replace(base, ep=ep, sharded=grid.shard > 1)
-            found = _scheduled(setting, grid)  # its schedule, then its communication chosen
-            option = found if isinstance(found, ClusterOption) else _option(setting, found)
-            options.append(replace(option, ep=ep))
-    return sorted(options, key=lambda o: -o.tokens_per_second)
+    candidates = [
+        (replace(base, ep=ep, sharded=grid.shard > 1), grid)
+        for grid in (layouts if layouts is not None else cluster_grids(shape, cluster))
+        for ep in ep_sizes(shape, grid)
+    ]
+    options = search_layouts(candidates, search.keep)  # with keep, the others pruned by a bound
+    options = [replace(option, ep=setting.ep) for option, (setting, _) in zip(options, candidates)]
+    return sorted(options, key=lambda o: (o.plan is None, -o.tokens_per_second))
 
 
 def plan_cluster_setting(
