@@ -353,6 +353,12 @@ class ClusterOption:
     reason: str = ""
     ep: int = 1  # a mixture of experts' expert-parallel size (.moe)
     pruned: bool = False
+    fits: bool = True  # False: no sharding keeps its peak within the budget; ``memory`` is the lowest
+
+    @property
+    def rank(self) -> tuple[bool, bool, float]:
+        """Its place among the cluster's layouts: planned, then within the memory budget, then faster."""
+        return (self.plan is None, not self.fits, self.step_time)
 
     def row(self) -> dict[str, Any]:
         """JSON-ready numbers."""
@@ -374,6 +380,7 @@ class ClusterOption:
             "hfu": self.hfu,
             "reason": self.reason,
             "note": self.note,
+            "fits": self.fits,
         }
 
 
@@ -389,11 +396,11 @@ def plan_cluster(
     search: ClusterSearch = ClusterSearch(),
 ) -> list[ClusterOption]:
     """Every layout of the cluster (:func:`cluster_grids`, FSDP2 where there are replicas) or those
-    given (``pp``, ``dp``, ``tp`` and ``sharding`` of each grid read) planned, fastest first; each
-    with the fastest sharding that fits (:mod:`.choices`), or, without ``search.choose_sharding``,
-    the grid's own record (``grid.comm``, :class:`~..sharding.FSDPOptions`).  With ``search.keep``
-    the ``keep`` fastest are exactly those of the full search; a layout whose busiest GPU's compute
-    alone is slower than the ``keep``-th fastest step found is not simulated (its ``pruned`` set)."""
+    given (``pp``, ``dp``, ``tp`` and ``sharding`` of each grid read) planned, ranked by
+    :attr:`ClusterOption.rank` (within the memory budget first, then fastest); each with the fastest
+    sharding that fits (:mod:`.choices`), or, without ``search.choose_sharding``, the grid's own
+    record (``grid.comm``, :class:`~..sharding.FSDPOptions`).  With ``search.keep`` the ``keep``
+    fastest are exactly those of the full search; the others may be pruned (:func:`search_layouts`)."""
     check_positive(tokens_per_step=tokens_per_step, seq_len=seq_len, microbatch_size=microbatch_size)
     sequences, remainder = divmod(tokens_per_step, seq_len)
     if remainder or sequences < 1:
@@ -404,12 +411,13 @@ def plan_cluster(
     grids = layouts if layouts is not None else cluster_grids(shape, cluster)
     options = search_layouts([(setting, grid) for grid in grids], search.keep)
     # by step (equal steps in the layouts' order): what the tokens per second orders, without rounding
-    return sorted(options, key=lambda o: (o.plan is None, o.step_time))
+    return sorted(options, key=lambda o: o.rank)
 
 
 def search_layouts(candidates: Sequence[tuple[_Setting, Grid]], keep: int | None) -> list[ClusterOption]:
     """Each ``(setting, grid)`` planned and its communication chosen, in the candidates' order; with
-    ``keep``, only as far as needed for the ``keep`` fastest steps to be exact.
+    ``keep``, only as far as needed for the ``keep`` fastest steps within the memory budget to be
+    exact (a layout over it, :attr:`ClusterOption.fits` False, ranks after them and prunes nothing).
 
     A layout's step is at least its busiest GPU's compute (the compute stream runs its ops one at a
     time, whatever the communication and however much all-to-all a pair hides), which is at least
@@ -431,7 +439,7 @@ def search_layouts(candidates: Sequence[tuple[_Setting, Grid]], keep: int | None
             options[index] = _pruned(setting, grid, found.bound, threshold, keep, planned=True)
             continue
         option = options[index] = _option(setting, found) if isinstance(found, _Scheduled) else found
-        if option.plan is not None:
+        if option.plan is not None and option.fits:  # one over the budget prunes nothing
             steps = sorted([*steps, option.step_time])
     return [option for option in options if option is not None]
 
@@ -552,6 +560,7 @@ def _option(setting: _Setting, found: _Scheduled) -> ClusterOption:
     return ClusterOption(
         grid.pp, grid.dp, grid.tp, grid.sharding, found.microbatches, chosen, tokens, mfu, hfu,
         step_time=step, memory=peak, data_parallel=comm.options.describe(layout.dp_mode),
+        fits=peak <= cluster.memory * (1 + 1e-9),
         reason=comm.reason,
     )  # fmt: skip
 

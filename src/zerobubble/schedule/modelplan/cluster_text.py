@@ -26,9 +26,12 @@ def cluster_table(options: Sequence[ClusterOption], top: int) -> str:
         lines.append(
             f"{option.pp:4d} {option.dp:4d} {option.tp:4d}{ep}  {option.sharding or 'replicate':9s}"
             f"{option.microbatches:4d}  {winner.label:16s} {option.step_time:8.3f}  {bubble:6.1%}"
-            f"  {format_bytes(option.memory):>10s} {option.tokens_per_second:10.0f} {option.mfu:6.1%}"
+            f"  {format_bytes(option.memory) + ('' if option.fits else '!'):>10s}"
+            f" {option.tokens_per_second:10.0f} {option.mfu:6.1%}"
             f" {option.hfu:5.1%}"
         )
+    if any(not o.fits for o in options if o.plan is not None):
+        lines.append("(!: over the memory budget with every sharding tried; its lowest peak shown)")
     failed = sum(o.plan is None and not o.pruned for o in options)
     if failed:
         lines.append(f"({failed} of {len(options)} layouts fit nothing or do not split the batch)")
@@ -54,7 +57,9 @@ def best_layout_text(options: Sequence[ClusterOption]) -> str:
         f"best: pp {best.pp} × dp {best.dp} ({best.sharding or 'replicate'}) × tp {best.tp}"
         + (f" × ep {best.ep} (within dp)" if best.ep > 1 else "")
         + f", {best.plan.winner.label} with {best.microbatches} microbatches: {best.tokens_per_second:.0f} "
-        f"tokens/s per GPU, MFU {best.mfu:.1%} (HFU {best.hfu:.1%})\n"
+        f"tokens/s per GPU, MFU {best.mfu:.1%} (HFU {best.hfu:.1%})"
+        + ("" if best.fits else "; over the memory budget: no layout fits it")
+        + "\n"
         f"data parallel: {best.reason}"
     )
 

@@ -353,7 +353,7 @@ def plan_moe_cluster(
     search: ClusterSearch | None = None,
 ) -> list[ClusterOption]:
     """:func:`~.cluster.plan_cluster` for a MoE: every layout (or those given) × every
-    :func:`ep_sizes`, fastest first; each option's ``plan.reason`` says, after ``experts:``, what
+    :func:`ep_sizes`, ranked as there; each option's ``plan.reason`` says, after ``experts:``, what
     :func:`moe_reason` says (:func:`~.search.plan` adds it)."""
     check = plan_cluster_setting(shape, cluster, tokens_per_step, seq_len, microbatch_size)
     search = search or ClusterSearch(MOE_SCHEDULES)
@@ -365,7 +365,7 @@ def plan_moe_cluster(
     ]
     options = search_layouts(candidates, search.keep)  # with keep, the others pruned by a bound
     options = [replace(option, ep=setting.ep) for option, (setting, _) in zip(options, candidates)]
-    return sorted(options, key=lambda o: (o.plan is None, -o.tokens_per_second))
+    return sorted(options, key=lambda o: o.rank)
 
 
 def plan_cluster_setting(
