@@ -1,11 +1,10 @@
 """``plan --cluster`` prunes layouts by lower bounds: the fastest ``keep`` are those of the full search.
 
 A layout's step is at least its busiest GPU's compute (the lowered program runs each rank's compute
-parts one after another on its compute stream, whatever its communication waits for), which is at
-least its layers' compute spread evenly over the pipeline ranks; generated clusters (hypothesis),
-dense and mixtures of experts over every ep size, check both bounds against every simulated
-candidate, and that the pruned search returns the exhaustive search's fastest layouts, plans and
-reasons unchanged.
+parts one after another on its compute stream, whatever its communication waits for); generated
+clusters (hypothesis), dense and mixtures of experts over every ep size, check that bound against
+every simulated candidate, and that the pruned search returns the exhaustive search's fastest
+layouts, plans and reasons unchanged.
 """
 
 from __future__ import annotations
@@ -17,13 +16,10 @@ from zerobubble.schedule.modelplan.cluster import (
     Cluster,
     ClusterSearch,
     TransformerShape,
-    _Setting,
-    _spread_bound,
-    cluster_grids,
     plan_cluster,
 )
 from zerobubble.schedule.modelplan.cluster_text import cluster_table
-from zerobubble.schedule.modelplan.moe import MoEShape, _MoESetting, plan_moe_cluster
+from zerobubble.schedule.modelplan.moe import MoEShape, plan_moe_cluster
 
 
 def _shape(hidden: int, layers: int) -> TransformerShape:
@@ -56,31 +52,16 @@ def test_the_pruned_search_keeps_the_exhaustive_fastest_layouts(case):
     sizes, keep = (case["sequences"] * 1024, 1024), case["keep"]
     exhaustive = plan_cluster(shape, cluster, *sizes, search=ClusterSearch(refine=0))
     pruned = plan_cluster(shape, cluster, *sizes, search=ClusterSearch(refine=0, keep=keep))
-    _check_bounds(exhaustive, lambda option: _spread(shape, cluster, case["sequences"], option))
+    _check_bounds(exhaustive)
     _check_same_fastest(exhaustive, pruned, keep)
 
 
-def _spread(shape, cluster, sequences, option, ep=None) -> float:
-    """The profile-only bound of ``option``'s layout (:func:`~...cluster._spread_bound`)."""
-    grid = next(
-        g for g in cluster_grids(shape, cluster) if (g.pp, g.dp, g.tp) == (option.pp, option.dp, option.tp)
-    )
-    if ep is None:
-        setting = _Setting(shape, cluster, sequences, 1024, 1, False, ClusterSearch())
-    else:
-        setting = _MoESetting(
-            shape, cluster, sequences, 1024, 1, False, ClusterSearch(), ep=ep, sharded=grid.shard > 1
-        )
-    return _spread_bound(setting, grid)
-
-
-def _check_bounds(exhaustive, spread) -> None:
-    """No simulated candidate beats its busiest GPU's compute, which is no less than the spread bound."""
+def _check_bounds(exhaustive) -> None:
+    """No simulated candidate beats its busiest GPU's compute."""
     for option in exhaustive:
         if option.plan is not None:
             assert option.plan.winner.timeline is not None
             bound = option.plan.winner.timeline.ideal
-            assert bound >= spread(option) * (1 - 1e-12)
             assert option.step_time >= bound * (1 - 1e-12)
             for _options, time, _peak in option.plan.comm.tried if option.plan.comm else ():
                 assert time >= bound * (1 - 1e-12)
@@ -96,8 +77,7 @@ def _check_same_fastest(exhaustive, pruned, keep) -> None:
         == cluster_table(exhaustive, keep).splitlines()[: top + 1]
     )
     assert len(pruned) == len(exhaustive)
-    notes = ("not simulated", "not planned")
-    assert all(o.plan is None and o.note.startswith(notes) for o in pruned if o.pruned)
+    assert all(o.plan is None and o.note.startswith("not simulated") for o in pruned if o.pruned)
 
 
 moe_clusters = st.fixed_dictionaries(
@@ -128,7 +108,7 @@ def test_the_pruned_moe_search_keeps_the_exhaustive_fastest_layouts(case):
     pruned = plan_moe_cluster(
         shape, cluster, *sizes, search=ClusterSearch(search.schedules, refine=0, keep=keep)
     )
-    _check_bounds(exhaustive, lambda option: _spread(shape, cluster, case["sequences"], option, option.ep))
+    _check_bounds(exhaustive)
     _check_same_fastest(exhaustive, pruned, keep)
 
 
@@ -140,9 +120,9 @@ def test_pruned_layouts_are_named_in_the_table():
     assert f"({len(pruned)} layouts not simulated" in cluster_table(options, 1)
 
 
-def test_the_moe_search_prunes_before_planning_and_before_simulating():
-    """16 GPUs × every ep size: with ``keep=3`` some layouts are not even planned (their layers'
-    compute alone is too slow), some planned but not simulated, and the three fastest are exact."""
+def test_the_moe_search_prunes_layouts_of_every_ep():
+    """16 GPUs × every ep size: with ``keep=3`` some planned layouts are not simulated, and the
+    three fastest are exact."""
     shape = MoEShape(
         layers=6, hidden=1024, intermediate=4096, heads=8, kv_heads=8, vocab=32000, gated=True,
         experts=16, top_k=2, expert_intermediate=1024,
@@ -152,6 +132,5 @@ def test_the_moe_search_prunes_before_planning_and_before_simulating():
     exhaustive = plan_moe_cluster(shape, cluster, 64 * 1024, 1024, search=ClusterSearch(schedules, refine=0))
     kept = ClusterSearch(schedules, refine=0, keep=3)
     pruned = plan_moe_cluster(shape, cluster, 64 * 1024, 1024, search=kept)
-    notes = [o.note.split(":")[0] for o in pruned if o.pruned]
-    assert "not planned" in notes and "not simulated" in notes, notes
+    assert {o.ep for o in pruned if o.pruned} >= {1, 2}, "layouts of several ep sizes pruned"
     _check_same_fastest(exhaustive, pruned, 3)

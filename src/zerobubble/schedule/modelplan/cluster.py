@@ -420,23 +420,17 @@ def search_layouts(candidates: Sequence[tuple[_Setting, Grid]], keep: int | None
     exact (a layout over it, :attr:`ClusterOption.fits` False, ranks after them and prunes nothing).
 
     A layout's step is at least its busiest GPU's compute (the compute stream runs its ops one at a
-    time, whatever the communication and however much all-to-all a pair hides), which is at least
-    the compute of all its layers spread evenly over the pipeline ranks (:func:`_spread_bound`,
-    from the profile alone).  So the layouts are visited by that bound; once ``keep`` steps are
-    known, a layout whose bound exceeds the ``keep``-th fastest is not planned, and one whose
-    planned busiest GPU computes longer is not simulated (``pruned``, with a note saying why)."""
-    bounds = [_spread_bound(setting, grid) for setting, grid in candidates]
-    options: list[ClusterOption | None] = [None] * len(candidates)
+    time, whatever the communication and however much all-to-all a pair hides): every layout's
+    schedule is planned, then the layouts are simulated in the order of that bound, and once ``keep``
+    steps are known a layout whose bound exceeds the ``keep``-th fastest is not simulated
+    (``pruned``, with a note saying why).  Why not a cheaper bound before planning: docs/auto-planning.md."""
+    planned = [_scheduled(setting, grid) for setting, grid in candidates]
+    options: list[ClusterOption | None] = [None] * len(planned)
     steps: list[float] = []
-    for index in sorted(range(len(candidates)), key=bounds.__getitem__):
-        setting, grid = candidates[index]
-        threshold = steps[keep - 1] if keep and len(steps) >= keep else math.inf
-        if bounds[index] > threshold:
-            options[index] = _pruned(setting, grid, bounds[index], threshold, keep, planned=False)
-            continue
-        found = _scheduled(setting, grid)
-        if isinstance(found, _Scheduled) and found.bound > threshold:
-            options[index] = _pruned(setting, grid, found.bound, threshold, keep, planned=True)
+    for index in sorted(range(len(planned)), key=lambda i: _bound(planned[i])):
+        found, setting = planned[index], candidates[index][0]
+        if isinstance(found, _Scheduled) and keep and len(steps) >= keep and found.bound > steps[keep - 1]:
+            options[index] = _pruned(found, steps[keep - 1], keep)
             continue
         option = options[index] = _option(setting, found) if isinstance(found, _Scheduled) else found
         if option.plan is not None and option.fits:  # one over the budget prunes nothing
@@ -444,15 +438,8 @@ def search_layouts(candidates: Sequence[tuple[_Setting, Grid]], keep: int | None
     return [option for option in options if option is not None]
 
 
-def _spread_bound(setting: _Setting, grid: Grid) -> float:
-    """No step of ``grid`` is shorter: every microbatch's compute of every layer (its cheaper
-    backward, fused or split), spread evenly over the pipeline ranks (0: no microbatch fits)."""
-    microbatches = setting.sequences // (grid.dp * setting.microbatch_size)
-    work = math.fsum(
-        layer.forward + min(layer.fused, layer.backward_input + layer.backward_weight)
-        for layer in setting.profile(grid.tp).layers
-    )
-    return microbatches * work / grid.pp
+def _bound(found: _Scheduled | ClusterOption) -> float:
+    return found.bound if isinstance(found, _Scheduled) else -math.inf
 
 
 def cluster_grids(shape: TransformerShape, cluster: Cluster, sharding: str | None = "fsdp") -> list[Grid]:
@@ -565,18 +552,16 @@ def _option(setting: _Setting, found: _Scheduled) -> ClusterOption:
     )  # fmt: skip
 
 
-def _pruned(
-    setting: _Setting, grid: Grid, bound: float, threshold: float, keep: int | None, *, planned: bool
-) -> ClusterOption:
-    """``grid`` not simulated (nor planned, unless ``planned``): its compute alone, at least
-    ``bound``, is slower than the ``keep``-th fastest step (:func:`search_layouts`)."""
-    what = "its busiest GPU computes" if planned else "its layers' compute spread over its pipeline ranks is"
+def _pruned(found: _Scheduled, threshold: float, keep: int) -> ClusterOption:
+    """``found`` not simulated: its compute alone is slower than the ``keep``-th fastest step."""
+    grid = found.grid
     note = (
-        f"not {'simulated' if planned else 'planned'}: {what} {bound:.3f} s, more than the step of the "
+        f"not simulated: its busiest GPU computes {found.bound:.3f} s, more than the step of the "
         f"{keep}. fastest layout, {threshold:.3f} s"
     )
-    microbatches = setting.sequences // (grid.dp * setting.microbatch_size)
-    return ClusterOption(grid.pp, grid.dp, grid.tp, grid.sharding, microbatches, None, note=note, pruned=True)
+    return ClusterOption(
+        grid.pp, grid.dp, grid.tp, grid.sharding, found.microbatches, None, note=note, pruned=True
+    )
 
 
 def _planned_grid(cluster: Cluster, grid: Grid) -> Grid:
