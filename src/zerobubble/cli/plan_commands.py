@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,7 @@ def _plan_cluster(args: argparse.Namespace) -> int:
         tuple(args.schedules.split(",")) if args.schedules else MOE_SCHEDULES if moe else DEFAULT_SCHEDULES,
         # the table shows the --top fastest: only those need simulating (--json lists every layout)
         keep=None if args.json else args.top,
+        jobs=args.jobs,
     )
     layouts = _cluster_grids(args, shape, cluster)
     sizes = (args.tokens_per_step, args.seq_len)
@@ -255,6 +257,13 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     cluster.add_argument("--recompute", action="store_true", help="full activation recomputation")
     cluster.add_argument("--top", type=positive_int, default=10, help="layouts listed (default 10)")
+    cluster.add_argument(
+        "--jobs",
+        "-j",
+        type=positive_int,
+        default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        help="processes planning the layouts at once (default: every core this process may use)",
+    )
     cluster.add_argument(
         "--published",
         nargs="?",

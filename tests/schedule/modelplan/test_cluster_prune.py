@@ -9,9 +9,13 @@ layouts, plans and reasons unchanged.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from zerobubble.errors import ScheduleError
 from zerobubble.schedule.modelplan.cluster import (
     Cluster,
     ClusterSearch,
@@ -134,3 +138,8 @@ def test_the_moe_search_prunes_layouts_of_every_ep():
     pruned = plan_moe_cluster(shape, cluster, 64 * 1024, 1024, search=kept)
     assert {o.ep for o in pruned if o.pruned} >= {1, 2}, "layouts of several ep sizes pruned"
     _check_same_fastest(exhaustive, pruned, 3)
+    # planned by two worker processes: the same options, row for row, reason for reason
+    parallel = plan_moe_cluster(shape, cluster, 64 * 1024, 1024, search=replace(kept, jobs=2))
+    assert [(o.row(), o.pruned) for o in parallel] == [(o.row(), o.pruned) for o in pruned]
+    with pytest.raises(ScheduleError, match="jobs=0"):
+        ClusterSearch(jobs=0)

@@ -322,13 +322,19 @@ class ClusterSearch:
     """How :func:`plan_cluster` searches each layout: the schedules tried, the chunk counts tried for
     interleaved 1F1B, the planner's cut moves (``refine``), and whether it chooses the sharding (else
     the grid's own); ``keep``: only the ``keep`` fastest layouts must be exact (:func:`plan_cluster`
-    prunes the others), None: all."""
+    prunes the others), None: all; ``jobs``: processes planning the layouts' schedules at once (1: in
+    this one; the result is the same)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1:
+            raise ScheduleError(f"ClusterSearch(jobs={self.jobs!r}): a positive number of processes")
 
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     interleaved_chunks: tuple[int, ...] = (2,)
     refine: int = 4
     choose_sharding: bool = True
     keep: int | None = None
+    jobs: int = 1
 
 
 @dataclass(frozen=True)
@@ -409,22 +415,24 @@ def plan_cluster(
         )
     setting = _Setting(shape, cluster, sequences, seq_len, microbatch_size, recompute, search)
     grids = layouts if layouts is not None else cluster_grids(shape, cluster)
-    options = search_layouts([(setting, grid) for grid in grids], search.keep)
+    options = search_layouts([(setting, grid) for grid in grids], search)
     # by step (equal steps in the layouts' order): what the tokens per second orders, without rounding
     return sorted(options, key=lambda o: o.rank)
 
 
-def search_layouts(candidates: Sequence[tuple[_Setting, Grid]], keep: int | None) -> list[ClusterOption]:
-    """Each ``(setting, grid)`` planned and its communication chosen, in the candidates' order; with
-    ``keep``, only as far as needed for the ``keep`` fastest steps within the memory budget to be
-    exact (a layout over it, :attr:`ClusterOption.fits` False, ranks after them and prunes nothing).
+def search_layouts(candidates: Sequence[tuple[_Setting, Grid]], search: ClusterSearch) -> list[ClusterOption]:
+    """Each ``(setting, grid)`` planned (by ``search.jobs`` processes) and its communication chosen,
+    in the candidates' order; with ``search.keep``, only as far as needed for the ``keep`` fastest
+    steps within the memory budget to be exact (a layout over it, :attr:`ClusterOption.fits` False,
+    ranks after them and prunes nothing).
 
     A layout's step is at least its busiest GPU's compute (the compute stream runs its ops one at a
     time, whatever the communication and however much all-to-all a pair hides): every layout's
     schedule is planned, then the layouts are simulated in the order of that bound, and once ``keep``
     steps are known a layout whose bound exceeds the ``keep``-th fastest is not simulated
     (``pruned``, with a note saying why).  Why not a cheaper bound before planning: docs/auto-planning.md."""
-    planned = [_scheduled(setting, grid) for setting, grid in candidates]
+    planned = _plan_all(candidates, search.jobs)
+    keep = search.keep
     options: list[ClusterOption | None] = [None] * len(planned)
     steps: list[float] = []
     for index in sorted(range(len(planned)), key=lambda i: _bound(planned[i])):
@@ -436,6 +444,21 @@ def search_layouts(candidates: Sequence[tuple[_Setting, Grid]], keep: int | None
         if option.plan is not None and option.fits:  # one over the budget prunes nothing
             steps = sorted([*steps, option.step_time])
     return [option for option in options if option is not None]
+
+
+def _plan_all(candidates: Sequence[tuple[_Setting, Grid]], jobs: int) -> list[_Scheduled | ClusterOption]:
+    """:func:`_scheduled` of every candidate, in order, by ``jobs`` worker processes (pure functions
+    of picklable records: the same plans as in this process)."""
+    if jobs == 1 or len(candidates) < 2:
+        return [_scheduled(setting, grid) for setting, grid in candidates]
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=min(jobs, len(candidates))) as pool:
+        return list(pool.map(_scheduled_candidate, candidates))
+
+
+def _scheduled_candidate(candidate: tuple[_Setting, Grid]) -> _Scheduled | ClusterOption:
+    return _scheduled(*candidate)
 
 
 def _bound(found: _Scheduled | ClusterOption) -> float:

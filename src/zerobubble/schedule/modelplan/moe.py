@@ -363,7 +363,7 @@ def plan_moe_cluster(
         for grid in (layouts if layouts is not None else cluster_grids(shape, cluster))
         for ep in ep_sizes(shape, grid)
     ]
-    options = search_layouts(candidates, search.keep)  # with keep, the others pruned by a bound
+    options = search_layouts(candidates, search)  # with search.keep, the others pruned by a bound
     options = [replace(option, ep=setting.ep) for option, (setting, _) in zip(options, candidates)]
     return sorted(options, key=lambda o: o.rank)
 
