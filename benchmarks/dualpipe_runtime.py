@@ -40,7 +40,7 @@ SEQUENCE = 16
 VOCAB = 256
 
 
-def _layers(model: str, count: int, width: int) -> list[nn.Module]:
+def _layers(model: str, count: int, width: int, experts: int = 4) -> list[nn.Module]:
     torch.manual_seed(0)
     if model == "mlp":
         return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(count)]
@@ -50,7 +50,7 @@ def _layers(model: str, count: int, width: int) -> list[nn.Module]:
 
     config = MixtralConfig(
         vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=count - 2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts, num_experts_per_tok=2,
         max_position_embeddings=4 * SEQUENCE, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
     causal_lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
