@@ -123,21 +123,21 @@ class _Exchanges:
     """Counts the experts' all-to-all exchanges (dispatch, combine and their backwards)."""
 
     def __init__(self) -> None:
-        from zerobubble.runtime.parallel import exchange
+        from zerobubble.runtime.parallel import experts
 
-        self.count, self._module, self._original = 0, exchange, exchange._exchange
+        self.count, self._module, self._original = 0, experts, experts._exchange
         self.groups: set[int] = set()  # the process groups the exchanges went over
         self.threads: set[str] = set()  # the threads that ran them
         lock = threading.Lock()  # overlap="threads" exchanges from two threads
 
-        def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        def counted(*args: Any) -> torch.Tensor:
             with lock:
                 self.count += 1
                 self.groups.add(id(args[-1]))
                 self.threads.add(threading.current_thread().name.split("_")[0])
             return self._original(*args)
 
-        exchange._exchange = counted
+        experts._exchange = counted
 
     def close(self) -> None:
         self._module._exchange = self._original
@@ -391,51 +391,9 @@ def dp_ep_case() -> dict:
     return {"losses": losses, "params": _parameter_errors(pipe, reference), "replica": pipe.layout.dp_index}
 
 
-def overlap_order() -> list[str]:
-    """One expert-parallel forward and backward on the (pp 2, ep 2) mesh's ep pair, its events in
-    order: each exchange posted and awaited, this rank's own pairs computed (forward) and their
-    input gradient ready (backward)."""
-    from zerobubble.runtime.parallel import exchange
-    from zerobubble.runtime.parallel.experts import ExpertParallelExperts, is_fused_experts
-
-    mesh = _mesh((2, 2), ("pp", "ep"))
-    fused = next(m for m in moe_model("mixtral", aux=False).modules() if is_fused_experts(m))
-    experts = ExpertParallelExperts(fused, mesh["ep"])
-    events: list[str] = []
-    post, take = exchange._exchange, exchange.Pending.take
-    compute = experts._local_experts
-
-    def posted(*args: Any) -> Any:
-        events.append("post")
-        return post(*args)
-
-    def taken(self: Any) -> torch.Tensor:
-        events.append("wait")
-        return take(self)
-
-    def computed(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if "own computed" not in events:  # the first call: this rank's own pairs
-            events.append("own computed")
-            if rows.requires_grad:
-                rows.register_hook(lambda grad: events.append("own backward done"))
-        return compute(rows, counts)
-
-    exchange._exchange, exchange.Pending.take, experts._local_experts = posted, taken, computed
-    try:
-        generator = torch.Generator().manual_seed(5)
-        hidden = torch.randn(12, fused.gate_up_proj.shape[-1], dtype=torch.float64, generator=generator)
-        chosen = torch.randint(0, fused.gate_up_proj.shape[0], (12, 2), generator=generator)
-        weights = torch.rand(12, 2, dtype=torch.float64, generator=generator)
-        experts(hidden.requires_grad_(), chosen, weights).sum().backward()
-    finally:
-        exchange._exchange, exchange.Pending.take = post, take
-    return events
-
-
 def all_cases(root: str, trained: list[tuple[str, str, bool]]) -> dict:
     """Everything the test asks of one spawn of four ranks."""
     out = {"trained": trained_cases(trained), "refused": refused_cases(), "dp ep": dp_ep_case()}
-    out["overlap"] = overlap_order()
     out["vocab"] = vocab_cases(VOCAB_SCHEDULES)
     out["checkpoints"] = checkpoint_cases(root)
     from _expert_fsdp import fsdp_cases  # it imports this module

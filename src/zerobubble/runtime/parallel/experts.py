@@ -7,11 +7,9 @@ replicas' (:class:`~.data_parallel.GradientAverager`).  A fused experts module o
 Qwen2-MoE, Qwen3-MoE) becomes an :class:`ExpertParallelExperts` holding ``E / ep`` experts per
 rank, its two weights ``DTensor``\\ s ``Shard(0)`` over the ``ep`` mesh (so ``full_tensor()`` and
 DCP see the whole).  Its forward sends each routed token to the rank owning its expert (dispatch,
-an all-to-all posted asynchronously, :mod:`.exchange`), runs the local experts on this rank's own
-tokens while the others travel, then on theirs, and sends the results back (combine, the reverse
-all-to-all, while this rank's own results are added); the router, its top-k choice and the
-weighting stay on the token's own rank, so the routing and the router's gradient are those of one
-process.
+an all-to-all), runs the local experts on the tokens of every rank, and sends the results back
+(combine, the reverse all-to-all); the router, its top-k choice and the weighting stay on the
+token's own rank, so the routing and the router's gradient are those of one process.
 
 Gradients: an expert's weight gradient sums the contributions of every ``ep`` rank's tokens, each
 rank's loss being the mean over its own batch, so the averager divides it by the replica count like
@@ -35,7 +33,6 @@ from ...schedule.grid import Grid
 from .. import PipelineError
 from . import consistency
 from .data_parallel import ParallelLayout
-from .exchange import Arrive, Pending, Post
 from .groups import local_group
 
 __all__ = [
@@ -199,11 +196,11 @@ class ExpertParallelExperts(nn.Module):
         self.num_experts = int(_weight(experts, "gate_up_proj").shape[0])
         self.act_fn: Callable[[torch.Tensor], torch.Tensor] = getattr(experts, "act_fn")  # noqa: B009
         self.mesh, self.group = mesh, mesh.get_group()
-        # the exchanges run inside autograd's backward (the exchanges' backwards, and a forward it
+        # the exchanges run inside autograd's backward (the AllToAlls' backwards, and a forward it
         # recomputes) go over their own group: the two halves of an overlapped pair then each keep
         # one group's collectives in one order on every ep rank, whichever thread runs them
         self.backward_group = backward_group if backward_group is not None else self.group
-        self.ranks, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.ranks = dist.get_world_size(self.group)
         self.local_experts = self.num_experts // self.ranks
         for name in _FUSED:  # the mesh's first rank's values, scattered (every replica starts alike)
             whole = _weight(experts, name).detach()
@@ -217,26 +214,16 @@ class ExpertParallelExperts(nn.Module):
         # the (token, choice) pairs by expert: grouped by owning rank, then by its local expert
         order = torch.argsort(chosen, stable=True)
         owners = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
-        weights = top_k_weights.reshape(-1)[order, None]
         sent = torch.bincount(chosen, minlength=self.num_experts)
         received = self._exchange_counts(sent)  # (ep, local): rank s's pairs for each local expert
-        sizes = sent.view(self.ranks, self.local_experts).sum(1).tolist()
-        mine = slice(sum(sizes[: self.rank]), sum(sizes[: self.rank + 1]))  # pairs for this rank's experts
-        sizes[self.rank] = 0  # they stay here: they compute while the others' pairs travel
-        arriving = received.sum(1).tolist()
-        arriving[self.rank] = 0
-        rows, groups = hidden_states[owners], self._groups()
-        dispatch, combine = Pending(), Pending()
-        token = Post.apply(_without(rows, mine), dispatch, sizes, arriving, groups)
-        own = self._local_experts(rows[mine], received[self.rank : self.rank + 1])
-        others = torch.cat([received[: self.rank], received[self.rank + 1 :]])
-        computed = self._local_experts(Arrive.apply(token, dispatch), others)
-        token = Post.apply(computed, combine, arriving, sizes, groups)
-        dtype = hidden_states.dtype
-        out = torch.zeros_like(hidden_states).index_add(0, owners[mine], (own * weights[mine]).to(dtype))
-        back = Arrive.apply(token, combine)  # while it travelled, this rank's own pairs were added
-        weighted = back * _without(weights, mine)
-        return out.index_add(0, _without(owners, mine), weighted.to(dtype))
+        send_sizes = sent.view(self.ranks, self.local_experts).sum(1).tolist()
+        receive_sizes = received.sum(1).tolist()
+        groups = self._groups()
+        dispatched = AllToAll.apply(hidden_states[owners], send_sizes, receive_sizes, groups)
+        computed = self._local_experts(dispatched, received)
+        combined = AllToAll.apply(computed, receive_sizes, send_sizes, groups)
+        weighted = combined * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_states).index_add(0, owners, weighted.to(hidden_states.dtype))
 
     def _exchange_counts(self, sent: torch.Tensor) -> torch.Tensor:
         """Every rank's pair counts for this rank's experts, ``(ep, local experts)``."""
@@ -252,9 +239,9 @@ class ExpertParallelExperts(nn.Module):
 
     def _local_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each local expert's feed-forward on its rows (``rows`` as received: by source rank, then
-        by local expert; ``counts[s, e]`` rows of source ``s`` for expert ``e``), in that order."""
+        by local expert), in the received order."""
         gate_up, down = (_weight(self, name).to_local() for name in _FUSED)  # this rank's experts
-        expert_of = torch.arange(self.local_experts, device=rows.device).repeat(counts.shape[0])
+        expert_of = torch.arange(self.local_experts, device=rows.device).repeat(self.ranks)
         expert_of = expert_of.repeat_interleave(counts.reshape(-1))
         by_expert = torch.argsort(expert_of, stable=True)
         grouped = rows[by_expert].split(counts.sum(0).tolist())
@@ -265,6 +252,28 @@ class ExpertParallelExperts(nn.Module):
         return torch.cat(outputs)[torch.argsort(by_expert)]
 
 
-def _without(tensor: torch.Tensor, part: slice) -> torch.Tensor:
-    """``tensor``'s rows before and after ``part``."""
-    return torch.cat([tensor[: part.start], tensor[part.stop :]])
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits, differentiable: the backward sends the gradients
+    back along the same pairs (the reverse exchange); ``groups``: (the forward's group, the
+    backward's)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, rows: torch.Tensor, send: Sequence[int], receive: Sequence[int], groups: tuple[Any, Any]
+    ) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.group = send, receive, groups[1]
+        return _exchange(rows, send, receive, groups[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+def _exchange(rows: torch.Tensor, send: Sequence[int], receive: Sequence[int], group: Any) -> torch.Tensor:
+    """``rows`` cut by ``send`` to the group's ranks; what they send back, by ``receive``."""
+    out = rows.new_empty((sum(receive), *rows.shape[1:]))
+    work = dist.all_to_all_single(
+        out, rows.contiguous(), list(receive), list(send), group=group, async_op=True
+    )
+    work.wait()
+    return out
