@@ -202,8 +202,10 @@ class Grid:
         mode = {None: "replicated", "fsdp": "FSDP2"}.get(self.sharding)
         if mode is None:
             mode = f"HSDP, {self.dp // self.shard} rows × {self.shard} shards"
-        experts = f" × ep {self.ep}" if self.ep > 1 else ""
-        return f"dp {self.dp} ({mode}){experts} × tp {self.tp}"
+        if self.ep > 1:  # the ep ranks are replicas too: "dp 2 × ep 2 (FSDP2)", "ep 2 (replicated)"
+            replicas = f"dp {self.dp} × ep {self.ep}" if self.dp > 1 else f"ep {self.ep}"
+            return f"{replicas} ({mode}) × tp {self.tp}"
+        return f"dp {self.dp} ({mode}) × tp {self.tp}"
 
     @property
     def ep(self) -> int:

@@ -55,7 +55,8 @@ def test_the_ep_dimension_is_a_replica_dimension_not_one_inside_a_stage():
     assert (placed.pipeline_rank, placed.dp_index, placed.replica_ranks(1)) == (1, 1, [1, 3])
     three = Grid.of_mesh(("pp", "dp", "ep", "tp"), (2, 2, 2, 2))
     assert (three.dp, three.ep, three.tp, three.replicas, three.replica_dims) == (2, 2, 2, 4, ("dp", "ep"))
-    assert "ep 2" in three.describe()
+    assert three.describe() == "dp 2 × ep 2 (replicated) × tp 2"
+    assert Grid.of_mesh(("pp", "ep"), (2, 2), data_parallel="fsdp").describe() == "ep 2 (FSDP2) × tp 1"
 
 
 @pytest.mark.multiprocess
