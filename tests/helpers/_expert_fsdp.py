@@ -1,8 +1,9 @@
-"""Expert parallelism with FSDP2 (``data_parallel="fsdp"``), run in the 4-rank spawn of
-tests/runtime/parallel/test_expert_parallel.py: the non-expert parameters sharded over every replica
-(the ``ep`` ranks, and ``dp`` ones too), the experts over ``ep`` alone; three clipped AdamW steps
-against the model in one process on the whole batch, in float64; a DCP checkpoint of the sharded
-layout resumed in the replicated one and back; the layouts still refused.
+"""Expert parallelism with FSDP2 (``data_parallel="fsdp"``) and with tensor parallelism, run in the
+4-rank spawn of tests/runtime/parallel/test_expert_parallel.py: the non-expert parameters sharded over
+every replica (the ``ep`` ranks, and ``dp`` ones too), the experts over ``ep`` alone; attention
+tensor-parallel over ``tp`` beside ``ep``; three clipped AdamW steps against the model in one
+process on the whole batch, in float64; a DCP checkpoint of the sharded layout resumed in the
+replicated one and back; the layouts still refused.
 
 Module-level so that spawned ranks can import it.
 """
@@ -155,6 +156,61 @@ def refused() -> dict[str, str]:
     return out
 
 
+def attention_over_tp(layer: Any, mesh: Any) -> Any:
+    """A decoder block's attention tensor-parallel over the mesh's ``"tp"`` (Megatron's cut: q, k, v
+    by columns, o by rows); every other layer as it is."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    attention = getattr(getattr(layer, "layer", None), "self_attn", None)
+    if attention is not None:
+        plan = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+        parallelize_module(attention, mesh["tp"], {**plan, "o_proj": RowwiseParallel()})
+    return layer
+
+
+#: (case, schedule, data_parallel) on (pp 1, ep 2, tp 2): Mixtral without the aux loss
+TP_CASES = [("1f1b replicated", "1f1b", "replicate"), ("zb-v fsdp", "zb-v", "fsdp")]
+
+
+def tensor_parallel(cases: list[tuple[str, str, str]]) -> dict:
+    """Each case on (pp 1, ep 2, tp 2): the attention cut over tp, the experts over ep (each tp
+    rank runs its ep group's tokens through them), three clipped steps against one process."""
+    from _hf_models import lm_loss
+
+    from zerobubble import Pipeline
+    from zerobubble.hf import pipeline_layers
+
+    mesh = _mesh((1, 2, 2), ("pp", "ep", "tp"))
+    out: dict = {}
+    for name, schedule, data_parallel in cases:
+        model = moe_model("mixtral", aux=False)
+        reference = copy.deepcopy(model)
+        pipe = Pipeline(
+            pipeline_layers(model), schedule=schedule, microbatches=2, loss_fn=lm_loss, timeout=60,
+            mesh=mesh, parallelize=attention_over_tp, data_parallel=data_parallel,
+        )  # fmt: skip
+        optimizers = tuple(torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pipe, reference))
+        losses, mismatches = _train(pipe, reference, mesh, range(3), optimizers)
+        meshes = {
+            each: tuple(param.device_mesh.mesh_dim_names or ())
+            for each, param in pipe.named_parameters()
+            if hasattr(param, "device_mesh") and ("experts" in each or "q_proj" in each)
+        }
+        out[name] = {
+            "losses": losses,
+            "params": _parameter_errors(pipe, reference),
+            "mismatches": mismatches,
+            "meshes": meshes,
+            "deferred": [r.path for r in pipe.split_report() if "Experts" in r.type],
+        }
+    return out
+
+
 def fsdp_cases(root: str) -> dict:
-    """Everything the test asks of expert parallelism with FSDP2, in the shared spawn."""
-    return {"trained": trained(FSDP_CASES), "checkpoints": checkpoints(root), "refused": refused()}
+    """Everything the test asks of expert parallelism with FSDP2 and tensor parallelism."""
+    return {
+        "trained": trained(FSDP_CASES),
+        "checkpoints": checkpoints(root),
+        "refused": refused(),
+        "tensor parallel": tensor_parallel(TP_CASES),
+    }

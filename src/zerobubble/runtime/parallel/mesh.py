@@ -75,24 +75,18 @@ def data_mesh(mesh: Any, grid: Grid) -> Any:
 
 def _check_expert_grid(grid: Grid) -> None:
     """What expert parallelism runs with today: replicated or FSDP2-sharded data parallelism along
-    one ``"dp"`` dimension at most, and no dimension inside a stage (its experts would need both
-    shardings)."""
+    one ``"dp"`` dimension at most (no HSDP rows); dimensions inside a stage (``"tp"``) run the
+    experts whole on each of their ranks (``docs/runtime.md``, "Expert parallelism")."""
     if grid.ep == 1:
         return
     if grid.sharding not in (None, "fsdp"):
         raise PipelineError(
             f'an "ep" dimension with data_parallel={grid.sharding!r}: expert parallelism runs with '
             'replicated data parallelism or FSDP2 over the replicas; pass data_parallel="replicate" '
-            '(the default) or "fsdp", on a mesh of "pp", "dp" and "ep"'
+            '(the default) or "fsdp", on a mesh of "pp", "dp" and "ep" (and "tp")'
         )
     if len(grid.data_dims) > 1:
         raise PipelineError(
             f'an "ep" dimension with the data-parallel dimensions {list(grid.data_dims)}: expert '
             'parallelism runs beside one "dp" dimension at most'
-        )
-    if grid.tp > 1:
-        inside = [name for name, _ in grid.dims if name not in (grid.dim("pp"), *grid.replica_dims)]
-        raise PipelineError(
-            f'an "ep" dimension with the dimensions {inside} inside a stage: expert parallelism does '
-            "not combine with tensor parallelism yet; build the mesh of pp, dp and ep only"
         )
