@@ -23,6 +23,7 @@ from _expert_parallel import (
     _resumed,
     _train,
     _train_steps,
+    refusals,
 )
 from _hf_moe import batch, moe_model
 
@@ -134,7 +135,6 @@ def refused() -> dict[str, str]:
 
     from zerobubble import Pipeline
     from zerobubble.hf import pipeline_layers
-    from zerobubble.runtime import PipelineError
 
     hsdp = _mesh((1, 1, 2, 2), ("pp", "dp_replicate", "dp_shard", "ep"))
     mesh = _mesh((2, 2), ("pp", "ep"))
@@ -146,14 +146,7 @@ def refused() -> dict[str, str]:
             layers, loss_fn=lm_loss, mesh=mesh, data_parallel="fsdp", timeout=60, **threads
         ),
     }
-    out = {}
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            out[name] = "built"
-        except PipelineError as error:
-            out[name] = str(error)
-    return out
+    return refusals(attempts)
 
 
 def attention_over_tp(layer: Any, mesh: Any) -> Any:

@@ -323,7 +323,6 @@ def refused_cases() -> dict[str, str]:
 
     from zerobubble import Pipeline
     from zerobubble.hf import pipeline_layers
-    from zerobubble.runtime import PipelineError
 
     mesh = _mesh((2, 2), ("pp", "ep"))
     dense = pipeline_layers(tiny_model("llama", "sdpa").double())
@@ -332,6 +331,13 @@ def refused_cases() -> dict[str, str]:
         "dense": lambda: Pipeline(dense, schedule="1f1b", loss_fn=lm_loss, mesh=mesh, timeout=60),
         "three experts": lambda: Pipeline(odd, schedule="1f1b", loss_fn=lm_loss, mesh=mesh, timeout=60),
     }
+    return refusals(attempts)
+
+
+def refusals(attempts: dict[str, Any]) -> dict[str, str]:
+    """Each attempt's :class:`PipelineError` message, by name ("built" where none was raised)."""
+    from zerobubble.runtime import PipelineError
+
     out = {}
     for name, attempt in attempts.items():
         try:
