@@ -25,7 +25,6 @@ import torch
 from zerobubble import FSDPOptions, Pipeline
 from zerobubble.runtime.launch import init_distributed, launch
 from zerobubble.runtime.observe.memory import parameter_peak
-from zerobubble.runtime.parallel.experts import expert_parameters
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dualpipe_runtime  # the same tiny Mixtral
@@ -45,12 +44,11 @@ def _local_bytes(tensor: torch.Tensor) -> int:
 
 def _held(pipe: Pipeline, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's parameter, gradient and optimizer-state bytes, experts and the rest."""
-    experts = {id(p) for p in expert_parameters([pipe.module])}
     held = {"experts": 0, "rest": 0}
-    for param in pipe.parameters():
+    for name, param in pipe.named_parameters():
         state = optimizer.state.get(param, {})
         tensors = [param, *(t for t in (param.grad, *state.values()) if isinstance(t, torch.Tensor))]
-        kind = "experts" if id(param) in experts else "rest"
+        kind = "experts" if ".experts." in name else "rest"  # mlp.experts.gate_up_proj, .down_proj
         held[kind] += sum(_local_bytes(t) for t in tensors if t.dim() > 0)
     return held
 

@@ -406,7 +406,8 @@ def plan_cluster(
     :attr:`ClusterOption.rank` (within the memory budget first, then fastest); each with the fastest
     sharding that fits (:mod:`.choices`), or, without ``search.choose_sharding``, the grid's own
     record (``grid.comm``, :class:`~..sharding.FSDPOptions`).  With ``search.keep`` the ``keep``
-    fastest are exactly those of the full search; the others may be pruned (:func:`search_layouts`)."""
+    fastest are exactly those of the full search; the others may be pruned
+    (:func:`~.cluster_search.search_layouts`)."""
     check_positive(tokens_per_step=tokens_per_step, seq_len=seq_len, microbatch_size=microbatch_size)
     sequences, remainder = divmod(tokens_per_step, seq_len)
     if remainder or sequences < 1:
@@ -415,54 +416,11 @@ def plan_cluster(
         )
     setting = _Setting(shape, cluster, sequences, seq_len, microbatch_size, recompute, search)
     grids = layouts if layouts is not None else cluster_grids(shape, cluster)
+    from .cluster_search import search_layouts  # it builds on this module's planning steps
+
     options = search_layouts([(setting, grid) for grid in grids], search)
     # by step (equal steps in the layouts' order): what the tokens per second orders, without rounding
     return sorted(options, key=lambda o: o.rank)
-
-
-def search_layouts(candidates: Sequence[tuple[_Setting, Grid]], search: ClusterSearch) -> list[ClusterOption]:
-    """Each ``(setting, grid)`` planned (by ``search.jobs`` processes) and its communication chosen,
-    in the candidates' order; with ``search.keep``, only as far as needed for the ``keep`` fastest
-    steps within the memory budget to be exact (a layout over it, :attr:`ClusterOption.fits` False,
-    ranks after them and prunes nothing).
-
-    A layout's step is at least its busiest GPU's compute (the compute stream runs its ops one at a
-    time, whatever the communication and however much all-to-all a pair hides): every layout's
-    schedule is planned, then the layouts are simulated in the order of that bound, and once ``keep``
-    steps are known a layout whose bound exceeds the ``keep``-th fastest is not simulated
-    (``pruned``, with a note saying why).  Why not a cheaper bound before planning: docs/auto-planning.md."""
-    planned = _plan_all(candidates, search.jobs)
-    keep = search.keep
-    options: list[ClusterOption | None] = [None] * len(planned)
-    steps: list[float] = []
-    for index in sorted(range(len(planned)), key=lambda i: _bound(planned[i])):
-        found, setting = planned[index], candidates[index][0]
-        if isinstance(found, _Scheduled) and keep and len(steps) >= keep and found.bound > steps[keep - 1]:
-            options[index] = _pruned(found, steps[keep - 1], keep)
-            continue
-        option = options[index] = _option(setting, found) if isinstance(found, _Scheduled) else found
-        if option.plan is not None and option.fits:  # one over the budget prunes nothing
-            steps = sorted([*steps, option.step_time])
-    return [option for option in options if option is not None]
-
-
-def _plan_all(candidates: Sequence[tuple[_Setting, Grid]], jobs: int) -> list[_Scheduled | ClusterOption]:
-    """:func:`_scheduled` of every candidate, in order, by ``jobs`` worker processes (pure functions
-    of picklable records: the same plans as in this process)."""
-    if jobs == 1 or len(candidates) < 2:
-        return [_scheduled(setting, grid) for setting, grid in candidates]
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=min(jobs, len(candidates))) as pool:
-        return list(pool.map(_scheduled_candidate, candidates))
-
-
-def _scheduled_candidate(candidate: tuple[_Setting, Grid]) -> _Scheduled | ClusterOption:
-    return _scheduled(*candidate)
-
-
-def _bound(found: _Scheduled | ClusterOption) -> float:
-    return found.bound if isinstance(found, _Scheduled) else -math.inf
 
 
 def cluster_grids(shape: TransformerShape, cluster: Cluster, sharding: str | None = "fsdp") -> list[Grid]:
@@ -573,18 +531,6 @@ def _option(setting: _Setting, found: _Scheduled) -> ClusterOption:
         fits=peak <= cluster.memory * (1 + 1e-9),
         reason=comm.reason,
     )  # fmt: skip
-
-
-def _pruned(found: _Scheduled, threshold: float, keep: int) -> ClusterOption:
-    """``found`` not simulated: its compute alone is slower than the ``keep``-th fastest step."""
-    grid = found.grid
-    note = (
-        f"not simulated: its busiest GPU computes {found.bound:.3f} s, more than the step of the "
-        f"{keep}. fastest layout, {threshold:.3f} s"
-    )
-    return ClusterOption(
-        grid.pp, grid.dp, grid.tp, grid.sharding, found.microbatches, None, note=note, pruned=True
-    )
 
 
 def _planned_grid(cluster: Cluster, grid: Grid) -> Grid:

@@ -33,9 +33,9 @@ from .cluster import (
     TransformerShape,
     _Setting,
     cluster_grids,
-    search_layouts,
     transformer_profile,
 )
+from .cluster_search import search_layouts
 from .kernels import GEMM_LATENCY, block_seconds, gemm_seconds, head_seconds
 from .layout import Grid, Link
 from .profile import LayerProfile, ModelProfile
