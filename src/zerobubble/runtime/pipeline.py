@@ -196,10 +196,10 @@ class Pipeline:
         """Place this rank's chunks into :attr:`module`, sharded or tied, every replica starting from
         replica 0's values (collective); returns the chunks by stage index."""
         self.module = nn.Module()
-        # data_parallel="fsdp"/"hsdp": each chunk an FSDP2 unit (replica 0's values first), before its split
         mesh, options = self._request.mesh, run_options(self._request, resolution)  # fsdp= or planned
         dp_mesh = data_mesh(mesh, self.layout.grid) if mesh is not None else None
-        self._sharded = ShardedStages(self.layout, self.device, dp_mesh, options) if self.sharding else None
+        held = (self.layout, self.device, dp_mesh, options, self._monitor.wait)  # its waits monitored
+        self._sharded = ShardedStages(*held) if self.sharding else None  # "fsdp"/"hsdp": FSDP2 units
         shard = self._sharded.shard if self._sharded is not None else None
         experts = expert_sharding(self.layout.grid, mesh, timeout=self.timeout)  # expert parallelism
         stages, self._guards = place_stages(

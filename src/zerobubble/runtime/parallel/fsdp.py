@@ -131,6 +131,7 @@ class ShardedStages:
         device: torch.device,
         mesh: Any = None,
         options: FSDPOptions | None = None,
+        wait: Callable[[Any, str], None] | None = None,
     ):
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -149,6 +150,7 @@ class ShardedStages:
         # expert parallelism: each chunk's expert shards, which FSDP2 ignores, and their averages posted
         self._experts: dict[int, list[nn.Parameter]] = {}
         self._expert_averages: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self._wait = wait or (lambda work, what: work.wait())  # the peer monitor's: a failed peer raises
         self.in_step = False  # between begin_step and the step's end (reshard)
 
     def shard(self, stage: int, module: nn.Module) -> None:
@@ -316,7 +318,7 @@ class ShardedStages:
     def _finish_expert_averages(self) -> None:
         for work, flat, grads in self._expert_averages:
             if work is not None:
-                work.wait()
+                self._wait(work, "the experts' gradient average")
             flat.div_(self.layout.grid.replicas)
             for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
                 grad.copy_(piece.view_as(grad))
