@@ -492,8 +492,7 @@ def _check_data_dims(sharding: str | None, roles: Mapping[str, str | None], name
     """``"fsdp"`` needs one data-parallel dimension to shard over (or an ``"ep"`` one, whose ranks
     are replicas too), ``"hsdp"`` the pair."""
     replicate, shard = roles.get("dp_replicate"), roles.get("dp_shard")
-    data = _data_dims(roles)
-    over = data or tuple(name for name in (roles.get("ep"),) if name is not None)
+    over = _data_dims(roles) or ((roles["ep"],) if roles.get("ep") is not None else ())
     if sharding == "fsdp" and (len(over) != 1 or replicate is not None):
         hint = (
             'the mesh has "dp_replicate" × "dp_shard": pass data_parallel="hsdp" to shard within '

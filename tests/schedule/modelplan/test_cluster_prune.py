@@ -143,3 +143,24 @@ def test_the_moe_search_prunes_layouts_of_every_ep():
     assert [(o.row(), o.pruned) for o in parallel] == [(o.row(), o.pruned) for o in pruned]
     with pytest.raises(ScheduleError, match="jobs=0"):
         ClusterSearch(jobs=0)
+
+
+def test_a_layout_over_the_budget_ranks_after_those_within_it():
+    """``ClusterOption.fits`` False (no sharding record fits): ranked after every layout within the
+    budget whatever its step, its memory marked ``!`` in the table; the best line says so when no
+    layout fits."""
+    from zerobubble.schedule.modelplan.cluster_text import best_layout_text
+
+    shape, cluster = _shape(1024, 8), Cluster.parse("nodes=1,gpus=4,intra=300GB/s,inter=25GB/s,memory=4GiB")
+    options = plan_cluster(shape, cluster, 16 * 1024, 1024, search=ClusterSearch(refine=0))
+    planned = [o for o in options if o.plan is not None]
+    assert len(planned) >= 2 and all(o.fits for o in planned)
+    over = replace(planned[0], fits=False)  # the fastest, over the budget
+    ranked = sorted([over, *planned[1:]], key=lambda o: o.rank)
+    assert ranked[-1] is over and ranked[0] is planned[1]
+    table = cluster_table(ranked, len(ranked)).splitlines()
+    rows = table[1 : len(ranked) + 1]  # after the header, in rank order
+    assert [row.count("B!") for row in rows] == [0] * (len(ranked) - 1) + [1], rows
+    assert "(!: over the memory budget" in table[len(ranked) + 1]
+    assert "over the memory budget" not in best_layout_text(ranked)
+    assert "over the memory budget: no layout fits it" in best_layout_text([over])

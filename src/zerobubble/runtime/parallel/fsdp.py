@@ -33,7 +33,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ...schedule.ir import Kind, Op
@@ -41,8 +40,7 @@ from ...schedule.lowering import CommKind, Issue, Wait
 from ...schedule.modelplan.layout import SHARDINGS
 from ...schedule.sharding import ONCE_PER_STEP, FSDPOptions
 from .. import PipelineError
-from ..tensors import local_value
-from .data_parallel import ParallelLayout
+from .data_parallel import GradientAverager, ParallelLayout
 from .experts import ExpertParallelExperts, broadcast_replicas, expert_parameters
 
 W_READS_NO_PARAMETER = ("MatmulRule", "EmbeddingRule", "LayerNormRule", "GroupNormRule", "BatchNormRule")
@@ -147,10 +145,11 @@ class ShardedStages:
         self._unsharded: set[int] = set()
         self._pending: dict[int, Any] = {}  # stage -> its all-gather's handle, issued not yet waited
         self._params: list[Any] = []  # the layered units' FSDPParams
-        # expert parallelism: each chunk's expert shards, which FSDP2 ignores, and their averages posted
+        # expert parallelism: each chunk's expert shards, which FSDP2 ignores, averaged as the
+        # replicated path averages them (a bucket a chunk, over the replicas holding the same experts)
         self._experts: dict[int, list[nn.Parameter]] = {}
-        self._expert_averages: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
-        self._wait = wait or (lambda work, what: work.wait())  # the peer monitor's: a failed peer raises
+        self._wait = wait
+        self._expert_average = self._expert_averager()  # remade once every chunk is placed
         self.in_step = False  # between begin_step and the step's end (reshard)
 
     def shard(self, stage: int, module: nn.Module) -> None:
@@ -191,7 +190,18 @@ class ShardedStages:
         for stage, units in self.layer_units.items():
             deferral = (deferrals or {}).get(stage)
             self._readers[stage] = [unit for unit in units if deferral is None or _w_reads(unit, deferral)]
+        self._expert_average = self._expert_averager()
         self.reshard()
+
+    def _expert_averager(self) -> GradientAverager:
+        """The average of the chunks' expert gradients, one bucket a chunk, as the replicated path
+        reduces them (over the replicas holding the same experts, divided by every replica)."""
+        experts = [param for params in self._experts.values() for param in params]
+        buckets = {stage: [params] for stage, params in self._experts.items()}
+        return GradientAverager(
+            buckets, None, self.layout.grid.replicas, self._wait,
+            experts=experts, expert_group=self.layout.expert_group,
+        )  # fmt: skip
 
     def weight_readers(self, stage: int) -> list[Any]:
         """The units of chunk ``stage`` whose W may read parameter values (layered units only):
@@ -299,35 +309,12 @@ class ShardedStages:
         finally:
             self._quiet(unit)
         self._unsharded.discard(stage)
-        self._average_experts(stage)
-
-    @torch.no_grad()
-    def _average_experts(self, stage: int) -> None:
-        """Post the average of chunk ``stage``'s expert gradients, which FSDP2 ignores: summed over
-        the replicas holding the same experts (the mesh's ``"dp"``; none without it) and divided by
-        every replica, as the replicated path does (:mod:`.experts`); :meth:`reshard` waits for it."""
-        grads = [local_value(p.grad) for p in self._experts.get(stage, ()) if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        group = self.layout.expert_group
-        work = None if group is None else dist.all_reduce(flat, group=group, async_op=True)
-        self._expert_averages.append((work, flat, grads))
-
-    @torch.no_grad()
-    def _finish_expert_averages(self) -> None:
-        for work, flat, grads in self._expert_averages:
-            if work is not None:
-                self._wait(work, "the experts' gradient average")
-            flat.div_(self.layout.grid.replicas)
-            for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
-                grad.copy_(piece.view_as(grad))
-        self._expert_averages.clear()
+        self._expert_average.start(stage)  # waited for at the step's end (reshard)
 
     def reshard(self) -> None:
         """Reshard every unit still unsharded (a step's end, an evaluation, construction); the expert
         gradients' averages are waited for."""
-        self._finish_expert_averages()
+        self._expert_average.finish()
         for stage in sorted(self._unsharded):
             self.units[stage].reshard()
         self._unsharded.clear()
@@ -341,7 +328,7 @@ class ShardedStages:
 
     def discard(self) -> None:
         """After a failed step: drop the unsharded state (the Pipeline is unusable afterwards)."""
-        self._expert_averages.clear()  # not waited for: a failed peer may never post its part
+        self._expert_average.discard()  # not waited for: a failed peer may never post its part
         try:
             self.reshard()
         except Exception:  # the failure that stopped the step is the one to report

@@ -67,8 +67,10 @@ def data_mesh(mesh: Any, grid: Grid) -> Any:
     Without ``"ep"``: the data-parallel dimensions (None without one), 1-D, or HSDP's
     ``dp_replicate × dp_shard``, which ``fully_shard`` reads as replicate × shard.  With ``"ep"``
     alone, it; with ``"dp"`` and ``"ep"`` None: the replicas' flattened column, every one a shard."""
-    data = grid.replica_dims if grid.ep > 1 else grid.data_dims
-    if not data or (grid.ep > 1 and len(data) > 1):
+    if grid.ep > 1:  # every replica a shard: ep's own group, or the flattened dp × ep column
+        return mesh[grid.replica_dims[0]] if len(grid.replica_dims) == 1 else None
+    data = grid.data_dims
+    if not data:
         return None
     return mesh[data[0]] if len(data) == 1 else mesh[data]
 

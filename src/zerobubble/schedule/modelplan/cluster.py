@@ -325,16 +325,16 @@ class ClusterSearch:
     prunes the others), None: all; ``jobs``: processes planning the layouts' schedules at once (1: in
     this one; the result is the same)."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1:
-            raise ScheduleError(f"ClusterSearch(jobs={self.jobs!r}): a positive number of processes")
-
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     interleaved_chunks: tuple[int, ...] = (2,)
     refine: int = 4
     choose_sharding: bool = True
     keep: int | None = None
     jobs: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1:
+            raise ScheduleError(f"ClusterSearch(jobs={self.jobs!r}): a positive number of processes")
 
 
 @dataclass(frozen=True)
@@ -419,7 +419,7 @@ def plan_cluster(
     from .cluster_search import search_layouts  # it builds on this module's planning steps
 
     options = search_layouts([(setting, grid) for grid in grids], search)
-    # by step (equal steps in the layouts' order): what the tokens per second orders, without rounding
+    # within the budget first, then by step (equal steps in the layouts' order), without rounding
     return sorted(options, key=lambda o: o.rank)
 
 
